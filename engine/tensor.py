@@ -1,0 +1,319 @@
+"""``Tensor``: an array on one device plus what autograd needs, and the creation functions.
+
+Storage is a C-contiguous NumPy array on the CPU or a Numba device array on CUDA. Floating
+tensors are float32 (the default) or float64; integer tensors exist for labels and never
+require grad. All math goes through ``engine.functional``, which runs registered ops.
+"""
+import numbers
+
+import numpy as np
+
+from engine import autograd
+from engine.random import generator
+from ops.device import check_device, device_of, to_device, to_host
+from ops.memory import empty
+from ops.elementwise import add
+from ops.fill import fill
+
+FLOAT_DTYPES = autograd.FLOAT_DTYPES
+INT_DTYPES = tuple(np.dtype(t) for t in (np.int64, np.int32, np.uint8))
+
+
+def check_dtype(dtype, where="tensor"):
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{where}: {dtype!r} is not a dtype") from None
+    if dtype not in FLOAT_DTYPES + INT_DTYPES:
+        raise TypeError(f"{where}: dtype {dtype} is not supported; use float32 or float64 "
+                        "(int64, int32 or uint8 for labels, which never require grad)")
+    return dtype
+
+
+class Tensor:
+    __array_priority__ = 1000   # NumPy defers to our reflected operators
+
+    def __init__(self, data, requires_grad=False):
+        """Wraps ``data`` (a host or device array) without copying; use ``engine.tensor`` to copy."""
+        self.data = data
+        self._node = None
+        self._grad = None
+        self._grad_buffer = None   # a parameter's slot in a flat gradient buffer (engine.nn)
+        self._grad_valid = False
+        self.requires_grad = requires_grad
+
+    @classmethod
+    def _wrap(cls, data, requires_grad=False):
+        return cls(data, requires_grad)
+
+    # ----------------------------------------------------------- attributes
+    @property
+    def requires_grad(self):
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        if value and np.dtype(self.data.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"requires_grad: only float32/float64 tensors can require grad, "
+                            f"this one is {np.dtype(self.data.dtype)}")
+        if not value and self._node is not None:
+            raise RuntimeError("requires_grad: a tensor computed from others cannot stop "
+                               "requiring grad; use .detach()")
+        self._requires_grad = bool(value)
+
+    shape = property(lambda self: tuple(self.data.shape))
+    dtype = property(lambda self: np.dtype(self.data.dtype))
+    device = property(lambda self: device_of(self.data))
+    ndim = property(lambda self: len(self.data.shape))
+    size = property(lambda self: int(self.data.size))
+    is_leaf = property(lambda self: self._node is None)
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # ----------------------------------------------------------- gradients
+    @property
+    def grad(self):
+        if self._grad_buffer is not None:
+            return Tensor(self._grad_buffer) if self._grad_valid else None
+        return None if self._grad is None else Tensor(self._grad)
+
+    @grad.setter
+    def grad(self, value):
+        if value is None:
+            self._grad, self._grad_valid = None, False
+            return
+        data = value.data if isinstance(value, Tensor) else value
+        if tuple(data.shape) != self.shape:
+            raise ValueError(f"grad: shape {tuple(data.shape)} does not match the tensor's {self.shape}")
+        if self._grad_buffer is not None:
+            _copy_into(self._grad_buffer, data)
+            self._grad_valid = True
+        else:
+            self._grad = to_device(data, self.device)
+
+    def _accumulate_grad(self, g):
+        if self._grad_buffer is not None:
+            if not self._grad_valid:
+                if g is not self._grad_buffer:
+                    _copy_into(self._grad_buffer, g)
+                self._grad_valid = True
+            else:
+                add(self._grad_buffer, g, out=self._grad_buffer)
+        elif self._grad is None:
+            self._grad = to_device(g, self.device)   # a copy: g may be shared with other tensors
+        else:
+            self._grad = add(self._grad, g)
+
+    def backward(self, grad=None, retain_graph=False):
+        autograd.backward(self, grad, retain_graph)
+
+    def detach(self):
+        return Tensor(self.data)
+
+    # ----------------------------------------------------------- moving data
+    def numpy(self):
+        """The values as a host NumPy array (shares memory on the CPU, a copy from the GPU)."""
+        return to_host(self.data)
+
+    def item(self):
+        if self.size != 1:
+            raise ValueError(f"item: only one-element tensors convert to a Python number, "
+                             f"this one has shape {self.shape}")
+        return to_host(self.data).reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def to(self, device=None, dtype=None):
+        """This tensor on ``device`` (and/or as ``dtype``); ``self`` when nothing changes."""
+        device = self.device if device is None else check_device(device)
+        dtype = self.dtype if dtype is None else check_dtype(dtype, "to")
+        if device == self.device and dtype == self.dtype:
+            return self
+        data = self.data
+        if dtype != self.dtype:
+            data = to_host(data).astype(dtype)
+        return Tensor(to_device(data, device), requires_grad=self.requires_grad and self.is_leaf)
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self):
+        return self.to("cuda")
+
+    def __repr__(self):
+        body = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
+        extras = [f"dtype={self.dtype}"] if self.dtype != np.float32 else []
+        if self.device != "cpu":
+            extras.append(f"device='{self.device}'")
+        if self.requires_grad:
+            extras.append("requires_grad=True")
+        return "tensor(" + ", ".join([body] + extras) + ")"
+
+    # ----------------------------------------------------------- math (engine.functional)
+    def __add__(self, other):
+        return F.add(self, other)
+
+    def __radd__(self, other):
+        return F.add(other, self)
+
+    def __sub__(self, other):
+        return F.sub(self, other)
+
+    def __rsub__(self, other):
+        return F.sub(other, self)
+
+    def __mul__(self, other):
+        return F.mul(self, other)
+
+    def __rmul__(self, other):
+        return F.mul(other, self)
+
+    def __truediv__(self, other):
+        return F.div(self, other)
+
+    def __rtruediv__(self, other):
+        return F.div(other, self)
+
+    def __pow__(self, exponent):
+        return F.pow(self, exponent)
+
+    def __neg__(self):
+        return F.neg(self)
+
+    def __matmul__(self, other):
+        return F.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return F.matmul(other, self)
+
+    def sum(self, axis=None, keepdims=False):
+        return F.sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return F.mean(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return F.max(self, axis, keepdims)
+
+    def exp(self):
+        return F.exp(self)
+
+    def log(self):
+        return F.log(self)
+
+    def sqrt(self):
+        return F.sqrt(self)
+
+    def relu(self):
+        return F.relu(self)
+
+    def leaky_relu(self, alpha=0.01):
+        return F.leaky_relu(self, alpha)
+
+    def sigmoid(self):
+        return F.sigmoid(self)
+
+    def tanh(self):
+        return F.tanh(self)
+
+    def softmax(self, axis=-1):
+        return F.softmax(self, axis)
+
+    def log_softmax(self, axis=-1):
+        return F.log_softmax(self, axis)
+
+    def reshape(self, *shape):
+        return F.reshape(self, *shape)
+
+    def flatten(self, start_dim=1):
+        return F.flatten(self, start_dim)
+
+    def transpose(self):
+        return F.transpose(self)
+
+    T = property(transpose)
+
+
+def _copy_into(destination, source):
+    if device_of(destination) == "cuda":
+        destination.copy_to_device(source if device_of(source) == "cuda" else np.ascontiguousarray(source))
+    else:
+        np.copyto(destination, to_host(source))
+
+
+# ------------------------------------------------------------------ creation
+
+def tensor(data, dtype=None, device="cpu", requires_grad=False):
+    """A new tensor holding a copy of ``data`` (array, nested list, number or Tensor)."""
+    device = check_device(device)
+    if isinstance(data, Tensor):
+        host_or_device = data.data
+        dtype = check_dtype(dtype or data.dtype)
+        if np.dtype(host_or_device.dtype) != dtype:
+            host_or_device = to_host(host_or_device).astype(dtype)
+        return Tensor(to_device(host_or_device, device), requires_grad)
+    if device_of(data) == "cuda":
+        array = data
+    else:
+        array = np.asarray(data)
+    if dtype is None:
+        dtype = _default_dtype(array, data)
+    dtype = check_dtype(dtype)
+    if np.dtype(array.dtype) != dtype:
+        array = to_host(array).astype(dtype)
+    return Tensor(to_device(array, device), requires_grad)
+
+
+def _default_dtype(array, data):
+    kind = np.dtype(array.dtype).kind
+    if isinstance(data, np.ndarray) or device_of(data) == "cuda":
+        if kind in "iu" or np.dtype(array.dtype) in FLOAT_DTYPES:
+            return array.dtype
+    elif kind in "iu":
+        return np.int64   # Python ints, as in torch.tensor([1, 2])
+    if kind == "f":
+        return np.float32
+    check_dtype(array.dtype)   # raises, naming it
+    return array.dtype
+
+
+def _shape(shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if not all(isinstance(s, numbers.Integral) and s >= 0 for s in shape):
+        raise ValueError(f"shape must be non-negative integers, got {shape}")
+    return tuple(int(s) for s in shape)
+
+
+def zeros(*shape, dtype=np.float32, device="cpu", requires_grad=False):
+    return full(_shape(shape), 0, dtype, device, requires_grad)
+
+
+def ones(*shape, dtype=np.float32, device="cpu", requires_grad=False):
+    return full(_shape(shape), 1, dtype, device, requires_grad)
+
+
+def full(shape, value, dtype=np.float32, device="cpu", requires_grad=False):
+    dtype, device = check_dtype(dtype), check_device(device)
+    return Tensor(fill(empty(_shape((shape,)), dtype, device), value), requires_grad)
+
+
+def randn(*shape, seed=None, dtype=np.float32, device="cpu", requires_grad=False):
+    """Standard normal samples from the engine's generator (``engine.manual_seed``)."""
+    dtype = check_dtype(dtype)
+    values = generator(seed).standard_normal(_shape(shape)).astype(dtype)
+    return Tensor(to_device(values, check_device(device)), requires_grad)
+
+
+def as_tensor(value, like):
+    """``value`` as a Tensor on ``like``'s device and dtype (no copy when it already is one)."""
+    if isinstance(value, Tensor):
+        return value
+    return tensor(value, dtype=like.dtype, device=like.device)
+
+
+from engine import functional as F  # noqa: E402  (functional builds on Tensor)

@@ -1,0 +1,8 @@
+"""Kernels and their differentiation rules.
+
+Every op is written twice, as a Numba ``@njit`` CPU kernel and a ``@cuda.jit`` GPU kernel,
+side by side in the module of its family. This package knows arrays (NumPy on the CPU, Numba
+device arrays on CUDA) and nothing of Tensors or the tape; ``engine`` builds on it.
+"""
+from ops import memory  # noqa: F401  (installs the CUDA caching allocator before any context exists)
+from ops.registry import REGISTRY, Op, register  # noqa: F401

@@ -1,0 +1,66 @@
+"""Device memory: uninitialised allocation, the CUDA caching allocator and poison mode.
+
+Every CUDA allocation of the process goes through the caching allocator of ``ops.cuda_pool``
+(set ``ENGINE_CUDA_POOL=0`` to use Numba's own).
+
+Poison mode fills every allocation with NaN (integers with their maximum value). A kernel
+that forgets to write part of its output then produces NaN that the tests see.
+"""
+import os
+import numpy as np
+from numba import cuda
+
+from ops.device import SIMULATOR
+
+_poison = os.environ.get("ENGINE_POISON", "0") not in ("", "0")
+
+
+def set_poison(enabled):
+    global _poison
+    _poison = bool(enabled)
+
+
+def poison_enabled():
+    return _poison
+
+
+def _poison_value(dtype):
+    dtype = np.dtype(dtype)
+    return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
+
+
+def empty(shape, dtype, device):
+    """An uninitialised C-contiguous array (NaN-filled in poison mode)."""
+    if device == "cuda":
+        out = cuda.device_array(shape, dtype)
+        if _poison and out.size:
+            from ops.fill import fill
+
+            fill(out, _poison_value(dtype))
+        return out
+    out = np.empty(shape, dtype)
+    if _poison:
+        out.fill(_poison_value(dtype))
+    return out
+
+
+# ---------------------------------------------------------------- caching allocator
+
+_POOL_ENABLED = not SIMULATOR and os.environ.get("ENGINE_CUDA_POOL", "1") != "0"
+if _POOL_ENABLED:   # the simulator has no memory manager to replace
+    from ops.cuda_pool import CachingMemoryManager
+    cuda.set_memory_manager(CachingMemoryManager)
+
+
+def allocator_stats():
+    """``{"driver_allocations", "cached_bytes"}`` of the current CUDA context (zeros without one)."""
+    if not _POOL_ENABLED:
+        return {"driver_allocations": 0, "cached_bytes": 0}
+    manager = cuda.current_context().memory_manager
+    return {"driver_allocations": manager.driver_allocations, "cached_bytes": manager.cached_bytes}
+
+
+def empty_cache():
+    """Return every cached CUDA block to the driver."""
+    if _POOL_ENABLED:
+        cuda.current_context().memory_manager.empty_cache()
