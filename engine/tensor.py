@@ -269,16 +269,16 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False):
 
 
 def _default_dtype(array, data):
+    """As torch.tensor: arrays keep a supported dtype, Python floats become float32 and
+    Python ints int64; anything else (float16, bool, complex) is refused by name."""
     kind = np.dtype(array.dtype).kind
     if isinstance(data, np.ndarray) or device_of(data) == "cuda":
-        if kind in "iu" or np.dtype(array.dtype) in FLOAT_DTYPES:
-            return array.dtype
-    elif kind in "iu":
-        return np.int64   # Python ints, as in torch.tensor([1, 2])
+        return check_dtype(array.dtype)
+    if kind in "iu":
+        return np.int64
     if kind == "f":
         return np.float32
-    check_dtype(array.dtype)   # raises, naming it
-    return array.dtype
+    return check_dtype(array.dtype)
 
 
 def _shape(shape):

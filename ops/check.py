@@ -13,7 +13,7 @@ from ops.layout import flat
 from ops.memory import empty
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, error_model="numpy")
 def count_nonfinite_cpu(x):
     count = 0
     for i in range(x.size):

@@ -48,13 +48,13 @@ def _broadcast_offsets(i, meta):
     return offset_a, offset_b
 
 
-_binary_value_cpu = njit(inline="always")(_binary_value)
+_binary_value_cpu = njit(inline="always", error_model="numpy")(_binary_value)
 _binary_value_cuda = cuda.jit(device=True)(_binary_value)
-_broadcast_offsets_cpu = njit(inline="always")(_broadcast_offsets)
+_broadcast_offsets_cpu = njit(inline="always", error_model="numpy")(_broadcast_offsets)
 _broadcast_offsets_cuda = cuda.jit(device=True)(_broadcast_offsets)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def binary_cpu(code, a, b, out, meta):
     if meta[0] == 0:   # same shape: no index arithmetic
         for i in range(out.size):
@@ -184,13 +184,13 @@ def _unary_derivative(code, x, y, p):
     return p * x ** (p - 1)   # POW_SCALAR
 
 
-_unary_value_cpu = njit(inline="always")(_unary_value)
+_unary_value_cpu = njit(inline="always", error_model="numpy")(_unary_value)
 _unary_value_cuda = cuda.jit(device=True)(_unary_value)
-_unary_derivative_cpu = njit(inline="always")(_unary_derivative)
+_unary_derivative_cpu = njit(inline="always", error_model="numpy")(_unary_derivative)
 _unary_derivative_cuda = cuda.jit(device=True)(_unary_derivative)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def unary_cpu(code, x, out, p):
     for i in range(out.size):
         out[i] = _unary_value_cpu(code, x[i], p)
@@ -203,7 +203,7 @@ def unary_cuda(code, x, out, p):
         out[i] = _unary_value_cuda(code, x[i], p)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def unary_grad_cpu(code, x, y, grad_out, grad_in, p):
     for i in range(grad_in.size):
         grad_in[i] = grad_out[i] * _unary_derivative_cpu(code, x[i], y[i], p)

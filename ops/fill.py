@@ -5,7 +5,7 @@ from ops.device import device_of
 from ops.launch import launch
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def fill_cpu(out, value):
     for i in range(out.size):
         out[i] = value

@@ -33,11 +33,11 @@ def _offset(index, meta, first, ndim):
     return offset
 
 
-_offset_cpu = njit(inline="always")(_offset)
+_offset_cpu = njit(inline="always", error_model="numpy")(_offset)
 _offset_cuda = cuda.jit(device=True)(_offset)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def reduce_cpu(code, x, out, meta, scale):
     n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
     reduced_first = 3 + 2 * kept_dims
@@ -84,7 +84,7 @@ def reduce_cuda(code, x, out, meta, scale):
         out[o] = partial[0] * scale
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def max_backward_cpu(x, y, grad_out, grad_in, meta):
     """grad_in = grad_out on the maxima of each reduced group (split evenly among ties), else 0."""
     n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]

@@ -37,7 +37,7 @@ class Reshape(Op):
         return (grad_out.reshape(self.x_shape),)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def transpose_cpu(x, out):
     rows, cols = x.shape
     for i in range(rows):

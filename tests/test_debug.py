@@ -1,0 +1,45 @@
+"""Poison mode, anomaly detection and the CUDA launch path's refusals."""
+import numpy as np
+import pytest
+
+import engine
+from ops.launch import launch
+from ops.memory import empty
+
+
+def test_poison_fills_allocations_with_nan(device):
+    with engine.debug.poison():
+        assert np.isnan(empty((3, 5), np.float32, device).copy_to_host()
+                        if device == "cuda" else empty((3, 5), np.float32, device)).all()
+        assert (empty(4, np.int64, "cpu") == np.iinfo(np.int64).max).all()
+    assert not engine.debug.is_poisoned()
+
+
+def test_poison_mode_exposes_an_unwritten_output():
+    """The mechanism the op suite relies on: a kernel that skips an element is caught."""
+    with engine.debug.poison():
+        out = empty(4, np.float32, "cpu")
+        out[:3] = 1.0   # "forgets" the last element
+        assert np.isnan(out).any()
+
+
+def test_anomaly_names_op_and_phase_forward(device):
+    x = engine.tensor([1.0, -1.0], device=device, requires_grad=True)
+    with engine.detect_anomaly():
+        with pytest.raises(engine.AnomalyError, match=r"log: 1 non-finite value\(s\) in the forward"):
+            x.log()
+
+
+def test_anomaly_names_op_and_phase_backward(device):
+    x = engine.tensor([0.0, 4.0], device=device, requires_grad=True)
+    y = x.sqrt().sum()    # forward is finite, d sqrt / dx at 0 is Inf
+    with engine.detect_anomaly():
+        with pytest.raises(engine.AnomalyError, match="sqrt: .* in the backward"):
+            y.backward()
+
+
+@pytest.mark.cuda
+def test_launch_refuses_host_arrays():
+    from ops.fill import fill_cuda
+    with pytest.raises(TypeError, match=r"fill_cuda: argument 0 is a host NumPy array of shape \(3,\)"):
+        launch(fill_cuda, 3, np.zeros(3, np.float32), np.float32(1))

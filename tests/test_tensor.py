@@ -1,0 +1,64 @@
+"""Tensor creation, dtypes, devices and conversions."""
+import numpy as np
+import pytest
+
+import engine
+
+
+def test_creation_copies_and_defaults_to_float32(device):
+    source = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = engine.tensor(source, device=device)
+    source[0, 0] = 100
+    assert x.shape == (2, 3) and x.ndim == 2 and x.size == 6 and x.device == device
+    assert x.dtype == np.float32 and x.numpy()[0, 0] == 0
+    assert engine.tensor([[1.0, 2.0]]).dtype == np.float32
+    assert engine.tensor([1, 2]).dtype == np.int64
+    assert engine.tensor(np.ones(2)).dtype == np.float64
+    assert engine.tensor([[1.0, 2.0]], dtype=np.float64, device=device).dtype == np.float64
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.complex64, np.bool_])
+def test_unsupported_dtype_is_a_type_error(dtype):
+    with pytest.raises(TypeError, match=str(np.dtype(dtype))):
+        engine.tensor(np.zeros(2, dtype=dtype))
+    with pytest.raises(TypeError, match=str(np.dtype(dtype))):
+        engine.zeros(2, dtype=dtype)
+
+
+def test_integer_tensors_never_require_grad():
+    with pytest.raises(TypeError, match="int64"):
+        engine.tensor([1, 2], requires_grad=True)
+    with pytest.raises(TypeError, match="exp: input 0 has dtype int64"):
+        engine.tensor([1, 2]).exp()
+
+
+def test_factories_and_seeding(device):
+    assert engine.zeros(2, 3, device=device).numpy().sum() == 0
+    assert engine.ones((2, 3), device=device).numpy().sum() == 6
+    engine.manual_seed(5)
+    a = engine.randn(4, 3, device=device).numpy()
+    engine.manual_seed(5)
+    b = engine.randn(4, 3, device=device).numpy()
+    np.testing.assert_array_equal(a, b)
+    assert abs(engine.randn(20000, seed=1).numpy().std() - 1) < 0.03
+
+
+def test_item_to_and_repr(device):
+    x = engine.tensor([[2.5]], device=device, requires_grad=True)
+    assert x.item() == 2.5
+    assert x.to("cpu").device == "cpu" and x.to(device) is x
+    assert "requires_grad=True" in repr(x)
+    with pytest.raises(ValueError, match="one-element"):
+        engine.zeros(2).item()
+    with pytest.raises(ValueError, match="unknown device"):
+        engine.zeros(2, device="tpu")
+
+
+def test_numpy_operands_and_reflected_scalars(device):
+    x = engine.tensor([1.0, 2.0], device=device)
+    np.testing.assert_allclose((np.array([1.0, 1.0], np.float32) + x).numpy(), [2, 3])
+    np.testing.assert_allclose((1 - x).numpy(), [0, -1])
+    np.testing.assert_allclose((2 / x).numpy(), [2, 1])
+    np.testing.assert_allclose((x ** 2).numpy(), [1, 4])
+    with pytest.raises(TypeError, match="exponent"):
+        x ** x
