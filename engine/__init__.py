@@ -13,7 +13,7 @@ from engine.functional import (add, div, exp, flatten, leaky_relu, log, log_soft
                                softmax, sqrt, sub, sum, tanh, transpose)
 from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401
 from engine.random import manual_seed  # noqa: F401
-from engine.tensor import Tensor, full, ones, randn, tensor, zeros  # noqa: F401
+from engine.tensor import Tensor, from_dlpack, full, ones, randn, tensor, zeros  # noqa: F401
 from ops.device import cuda_available  # noqa: F401
 
 _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",

@@ -237,6 +237,45 @@ class Tensor:
 
     T = property(transpose)
 
+    # ---------------------------------------------------------- exchange with other libraries
+    # Other libraries read and write our storage in place through these protocols: no copy.
+    # (Storage is always C-contiguous; engine.from_dlpack is the way in.)
+    def __array__(self, dtype=None, copy=None):
+        """NumPy's view of a CPU tensor: ``np.asarray(t)`` shares memory with ``t``."""
+        if self.device != "cpu":
+            raise TypeError(f"__array__: this tensor lives on {self.device} and NumPy can only "
+                            "view host memory; copy it to the host with t.numpy()")
+        if dtype is not None and np.dtype(dtype) != self.dtype:
+            if copy is False:
+                raise ValueError(f"__array__: viewing a {self.dtype} tensor as {np.dtype(dtype)} "
+                                 "needs a copy, and copy=False was asked for")
+            return self.data.astype(dtype)
+        return self.data.copy() if copy else self.data
+
+    @property
+    def __cuda_array_interface__(self):
+        """The CUDA Array Interface of a CUDA tensor (CuPy, PyTorch, Numba read it in place)."""
+        if self.device != "cuda":
+            raise AttributeError("__cuda_array_interface__: this tensor lives on the cpu; "
+                                 "NumPy and PyTorch view it through __array__ / __dlpack__")
+        return self.data.__cuda_array_interface__
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule over this tensor's memory (``torch.from_dlpack(t)``, ``np.from_dlpack(t)``)."""
+        if self.device == "cpu":
+            return self.data.__dlpack__(stream=stream, max_version=max_version,
+                                        dl_device=dl_device, copy=copy)
+        from cuda.core.utils import StridedMemoryView   # numba-cuda's own dependency
+        view = StridedMemoryView.from_cuda_array_interface(self.data, stream_ptr=-1)
+        return view.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device,
+                               copy=copy)
+
+    def __dlpack_device__(self):
+        if self.device == "cpu":
+            return self.data.__dlpack_device__()
+        from numba import cuda
+        return (DLPACK_CUDA, cuda.get_current_device().id)
+
 
 def _copy_into(destination, source):
     if device_of(destination) == "cuda":
@@ -314,6 +353,57 @@ def as_tensor(value, like):
     if isinstance(value, Tensor):
         return value
     return tensor(value, dtype=like.dtype, device=like.device)
+
+
+DLPACK_CUDA = 2   # DLPack's kDLCUDA device type
+
+
+def from_dlpack(array, requires_grad=False):
+    """A tensor sharing memory with ``array``, without a copy.
+
+    ``array`` is anything exposing ``__dlpack__`` (PyTorch, CuPy, JAX, NumPy) or
+    ``__cuda_array_interface__`` (Numba, CuPy, PyTorch on CUDA), or a Numba device array. It
+    must be C-contiguous and float32/float64 (int64/int32/uint8 for labels). Writes through
+    either side are seen by the other. A foreign CUDA array is wrapped here once, so kernels
+    get a Numba device array and never pay the per-launch conversion of a foreign one.
+    """
+    if isinstance(array, Tensor):
+        return Tensor(array.data, requires_grad)
+    if device_of(array) == "cuda":
+        data = array
+    elif hasattr(array, "__cuda_array_interface__"):
+        from numba import cuda
+        data = cuda.as_cuda_array(array)
+    elif not hasattr(array, "__dlpack__"):
+        raise TypeError(f"from_dlpack: a {_type_name(array)} exposes neither __dlpack__ nor "
+                        "__cuda_array_interface__; copy it with engine.tensor(...)")
+    elif array.__dlpack_device__()[0] == DLPACK_CUDA:
+        data = _cuda_array_from_dlpack(array)
+    else:
+        data = np.from_dlpack(array)
+    check_dtype(data.dtype, "from_dlpack")
+    contiguous = data.is_c_contiguous() if device_of(data) == "cuda" else data.flags.c_contiguous
+    if not contiguous:
+        raise ValueError(f"from_dlpack: the {_type_name(array)} of shape {tuple(data.shape)} "
+                         "is not C-contiguous and engine tensors are; make it contiguous first "
+                         "(torch: x.contiguous()) or copy it with engine.tensor(...)")
+    return Tensor(data, requires_grad)
+
+
+def _type_name(array):
+    return f"{type(array).__module__}.{type(array).__qualname__}"
+
+
+def _cuda_array_from_dlpack(array):
+    """A Numba device array over a CUDA DLPack producer that has no CUDA Array Interface."""
+    from cuda.core.utils import StridedMemoryView
+    from numba import cuda
+    view = StridedMemoryView.from_dlpack(array, stream_ptr=-1)
+    itemsize = view.dtype.itemsize
+    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+    interface = {"shape": tuple(view.shape), "strides": strides, "typestr": view.dtype.str,
+                 "data": (view.ptr, view.readonly), "version": 3}
+    return cuda.from_cuda_array_interface(interface, owner=view, sync=False)
 
 
 from engine import functional as F  # noqa: E402  (functional builds on Tensor)
