@@ -8,11 +8,13 @@ every kernel argument costs 4-5 us of launch time.
 from collections import OrderedDict
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from ops.device import SIMULATOR
 
 THREADS_PER_BLOCK = 256
+# Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning for it.
+config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 _META_CACHE_SIZE = 4096
 _meta_cache = OrderedDict()
 
