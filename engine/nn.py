@@ -1,0 +1,558 @@
+"""Keras-style layers and the ``Sequential`` model.
+
+Shapes are inferred when a layer is added: the first layer declares ``input_shape=`` (without
+the batch dimension) and every later layer is built from its predecessor's output shape, so
+a layer that cannot take that shape fails at ``add`` time, not in the middle of training.
+
+A built model keeps its parameters in one flat data buffer and one flat gradient buffer per
+device and dtype (``engine.parameter.FlatBuffer``); each Parameter is a view. Optimizers run
+one kernel over each buffer and ``model.to(device)`` moves each in one copy.
+
+``model.save(path)`` writes one ``.npz``: the architecture as JSON text and the weights by
+name. It goes to a temporary file in the same directory that is then renamed over ``path``,
+so an interrupted save leaves the previous file intact; ``load`` reads it with
+``allow_pickle=False``, so a model file can never run code.
+"""
+import importlib
+import json
+import math
+import os
+import zipfile
+
+import numpy as np
+
+from engine import functional as F
+from engine import init
+from engine.autograd import apply
+from engine.parameter import FlatBuffer, Parameter
+from engine.random import generator
+from engine.tensor import Tensor, tensor
+from ops import dropout as dropout_op
+from ops.device import check_device, to_device
+
+ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
+RELU_FAMILY = ("relu", "leaky_relu")
+FORMAT_VERSION = 1
+CONFIG_KEY = "__config__"
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _check_activation(name, where):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{where}: unknown activation {name!r}; expected one of {ACTIVATIONS}")
+    return name
+
+
+def _activate(x, name, alpha):
+    if name is None:
+        return x
+    if name == "leaky_relu":
+        return F.leaky_relu(x, alpha)
+    if name == "softmax":
+        return F.softmax(x, axis=-1)
+    return getattr(F, name)(x)
+
+
+def _feature_shape(shape, where):
+    """``input_shape`` as a tuple of positive ints (an int means a 1-D feature vector)."""
+    if shape is None:
+        return None
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{where}: input_shape must be a tuple of ints, got {shape!r}") from None
+    if not shape or not all(isinstance(s, (int, np.integer)) and s > 0 for s in shape):
+        raise ValueError(f"{where}: input_shape must be positive ints without the batch "
+                         f"dimension, e.g. (28, 28); got {shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def batch_shape(shape):
+    """``(None, 28, 28)``: a feature shape as Keras prints it, the batch dimension open."""
+    return "(" + ", ".join(["None"] + [str(s) for s in shape]) + ")"
+
+
+# ------------------------------------------------------------------ layers
+
+class Layer:
+    """A layer: ``build`` maps an input feature shape to its output shape (making parameters),
+    ``forward`` maps a batch Tensor to a batch Tensor."""
+
+    def __init__(self, input_shape=None):
+        self.input_shape = _feature_shape(input_shape, type(self).__name__)
+        self.output_shape = None
+        self.name = type(self).__name__.lower()
+        self.training = True
+        self.built = False
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        """Make parameters for inputs of ``input_shape``; returns the output feature shape.
+
+        Raises ValueError with the reason when this layer cannot take that shape."""
+        self.output_shape = self.compute_output_shape(input_shape)
+        self.built = True
+        return self.output_shape
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def named_parameters(self):
+        return []
+
+    def forward(self, x):
+        raise NotImplementedError(f"{type(self).__name__}: no forward")
+
+    def __call__(self, x):
+        if not self.built:   # a layer used on its own is built from its first input
+            self.build(x.shape[1:], x.device)
+        return self.forward(x)
+
+    def get_config(self):
+        """Constructor arguments as JSON-able values: ``type(self)(**config)`` rebuilds it."""
+        return {} if self.input_shape is None else {"input_shape": list(self.input_shape)}
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}"
+                         for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Dense(Layer):
+    """``activation(x @ W + b)`` with W of shape (in, units), one fused kernel per direction.
+
+    The kernel defaults to He initialisation for the relu family and Xavier otherwise; the
+    bias starts at zero. ``"softmax"`` runs the Dense kernel without activation, then softmax.
+    """
+
+    def __init__(self, units, activation=None, kernel_initializer=None, alpha=0.01,
+                 dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        if not isinstance(units, (int, np.integer)) or units <= 0:
+            raise ValueError(f"Dense: units must be a positive int, got {units!r}")
+        self.units = int(units)
+        self.activation = _check_activation(activation, "Dense")
+        self.alpha = float(alpha)
+        self.dtype = np.dtype(dtype)
+        if kernel_initializer is None:
+            kernel_initializer = (init.he_normal if activation in RELU_FAMILY
+                                  else init.xavier_uniform)
+        self.kernel_initializer = init.get(kernel_initializer)
+        self.weight = self.bias = None
+
+    def compute_output_shape(self, input_shape):
+        if len(input_shape) != 1:
+            raise ValueError(f"Dense takes inputs of shape (None, features), got "
+                             f"{batch_shape(input_shape)}; add nn.Flatten() before it")
+        return (self.units,)
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        shape = (input_shape[0], self.units)
+        weight = (self.kernel_initializer(shape, dtype=self.dtype) if initialize
+                  else np.zeros(shape, self.dtype))
+        if tuple(np.shape(weight)) != shape:
+            raise ValueError(f"Dense: the kernel initialiser returned shape {np.shape(weight)} "
+                             f"for {shape}")
+        self.weight = Parameter(to_device(np.asarray(weight, self.dtype), device))
+        self.bias = Parameter(to_device(init.zeros((self.units,), self.dtype), device))
+        return output_shape
+
+    def named_parameters(self):
+        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
+
+    def forward(self, x):
+        from ops import dense   # the fused kernels (ops/dense.py)
+        features = self.weight.shape[0]
+        if x.ndim != 2 or x.shape[1] != features:
+            raise ValueError(f"{self.name} {self!r}: expects input of shape (None, {features}), "
+                             f"got {x.shape}")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
+                            f"layer's {self.weight.dtype}")
+        fused = None if self.activation == "softmax" else self.activation
+        y = apply(dense.Dense, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
+        return F.softmax(y, axis=-1) if self.activation == "softmax" else y
+
+    def get_config(self):
+        config = {"units": self.units, "activation": self.activation}
+        if self.activation == "leaky_relu":
+            config["alpha"] = self.alpha
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        name = getattr(self.kernel_initializer, "__name__", None)
+        if init.INITIALIZERS.get(name) is self.kernel_initializer:
+            config["kernel_initializer"] = name
+        return {**config, **super().get_config()}
+
+
+class Activation(Layer):
+    """An activation by name as a layer: "relu", "leaky_relu", "sigmoid", "tanh", "softmax"."""
+
+    def __init__(self, activation, alpha=0.01, input_shape=None):
+        super().__init__(input_shape)
+        self.activation = _check_activation(activation, "Activation")
+        self.alpha = float(alpha)
+
+    def forward(self, x):
+        return _activate(x, self.activation, self.alpha)
+
+    def get_config(self):
+        config = {"activation": self.activation}
+        if self.activation == "leaky_relu":
+            config["alpha"] = self.alpha
+        return {**config, **super().get_config()}
+
+
+class Flatten(Layer):
+    """``(None, d1, d2, ...) -> (None, d1 * d2 * ...)``: a view, no kernel."""
+
+    def compute_output_shape(self, input_shape):
+        return (math.prod(input_shape),)
+
+    def forward(self, x):
+        return F.flatten(x, 1)
+
+
+class Dropout(Layer):
+    """Inverted dropout: in training, zero each element with probability ``p`` and scale the
+    rest by ``1 / (1 - p)``; the identity in ``eval()``. Each call draws a fresh mask seed
+    from the engine's generator, so ``engine.manual_seed`` makes the masks reproducible."""
+
+    def __init__(self, p=0.5, input_shape=None):
+        super().__init__(input_shape)
+        if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1), got {p!r}")
+        self.p = float(p)
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        seed = int(generator().integers(0, dropout_op.SEED_LIMIT))
+        return apply(dropout_op.Dropout, x, p=self.p, seed=seed)
+
+    def get_config(self):
+        return {"p": self.p, **super().get_config()}
+
+
+LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout)}
+
+
+# ------------------------------------------------------------------ the model
+
+class Sequential:
+    """A stack of layers, each fed the previous one's output.
+
+    ``Sequential([...])`` or ``model.add(layer)``; the first layer's ``input_shape=`` fixes the
+    input (without the batch dimension). Without it the model is built on its first call.
+    """
+
+    def __init__(self, layers=(), name="sequential"):
+        self.name = name
+        self.layers = []
+        self.device = "cpu"
+        self.training = True
+        self.input_shape = None     # feature shape of the inputs, once known
+        self.output_shape = None
+        self._flat = []
+        self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
+        for layer in layers:
+            self.add(layer)
+
+    # ------------------------------------------------------------- building
+    def add(self, layer):
+        """Append ``layer``; builds it now when the input shape is known. Returns the model."""
+        if not isinstance(layer, Layer):
+            raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
+        if layer.built or any(layer is other for other in self.layers):
+            raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
+                             "make a new layer")
+        layer.name = self._unique_name(layer)
+        layer.training = self.training
+        if not self.layers:
+            self.input_shape = layer.input_shape
+            self.output_shape = layer.input_shape
+        self.layers.append(layer)
+        if self.output_shape is not None:
+            shape = self.output_shape
+            try:
+                self._build_layer(len(self.layers) - 1)
+            except ValueError:
+                self.layers.pop()
+                self.output_shape = shape
+                raise
+            self._pack()
+        return self
+
+    def _unique_name(self, layer):
+        base = type(layer).__name__.lower()
+        taken = {other.name for other in self.layers}
+        if base not in taken:
+            return base
+        return next(f"{base}_{k}" for k in range(1, len(self.layers) + 2)
+                    if f"{base}_{k}" not in taken)
+
+    def _build_layer(self, index):
+        layer = self.layers[index]
+        shape = self.output_shape
+        if index == 0:
+            source = f"the model input {batch_shape(shape)}"
+        else:
+            previous = self.layers[index - 1]
+            source = f"layer {index - 1} '{previous.name}' {previous!r} with output {batch_shape(shape)}"
+        if layer.input_shape is not None and layer.input_shape != shape:
+            raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
+                             f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
+        try:
+            self.output_shape = layer.build(shape, self.device, self._initialize)
+        except ValueError as error:
+            raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} cannot take "
+                             f"{source}: {error}") from None
+
+    def _build_from(self, input_shape):
+        """Build every layer for inputs of ``input_shape`` (a model whose first layer had no
+        ``input_shape=``, on its first call)."""
+        self.input_shape = self.output_shape = tuple(input_shape)
+        try:
+            for index in range(len(self.layers)):
+                self._build_layer(index)
+        except ValueError:
+            for layer in self.layers:
+                layer.built = False
+            self.input_shape = self.output_shape = None
+            raise
+        self._pack()
+
+    def _pack(self):
+        """(Re)pack all parameters into one FlatBuffer per (device, dtype), in layer order."""
+        groups = {}
+        for p in self.parameters():
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self._flat = [FlatBuffer(params) for params in groups.values()]
+
+    @property
+    def built(self):
+        return bool(self.layers) and all(layer.built for layer in self.layers)
+
+    def _require_built(self, what):
+        if not self.built:
+            raise RuntimeError(f"{self.name}.{what}: the model is not built yet; give the first "
+                               "layer input_shape=... or call the model once on a batch")
+
+    # ------------------------------------------------------------- parameters and devices
+    def named_parameters(self):
+        """``[(name, Parameter)]`` in layer order: ``"dense.weight"``, ``"dense.bias"``, ..."""
+        return [(f"{layer.name}.{name}", p) for layer in self.layers
+                for name, p in layer.named_parameters()]
+
+    def parameters(self):
+        """The Parameters in a stable order (layer by layer, weight before bias)."""
+        return [p for _, p in self.named_parameters()]
+
+    def flat_buffers(self):
+        """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
+        return list(self._flat)
+
+    def to(self, device):
+        """Move every flat buffer to ``device`` in one copy each; returns the model."""
+        device = check_device(device)
+        for flat in self._flat:
+            flat.to(device)
+        self.device = device
+        return self
+
+    def train(self, mode=True):
+        """Training mode (Dropout active); returns the model."""
+        self.training = bool(mode)
+        for layer in self.layers:
+            layer.training = self.training
+        return self
+
+    def eval(self):
+        """Inference mode (Dropout is the identity); returns the model."""
+        return self.train(False)
+
+    # ------------------------------------------------------------- running
+    def __call__(self, x):
+        if not isinstance(x, Tensor):
+            dtype = self._flat[0].dtype if self._flat else np.float32
+            x = tensor(x, dtype=dtype, device=self.device)
+        if x.ndim == 0:
+            raise ValueError(f"{self.name}: expects a batch (None, ...), got a 0-d tensor")
+        if not self.built:
+            if not self.layers:
+                raise RuntimeError(f"{self.name}: the model has no layers")
+            self._build_from(x.shape[1:])
+        if x.shape[1:] != self.input_shape:
+            raise ValueError(f"{self.name}: expects input of shape {batch_shape(self.input_shape)}"
+                             f" (first layer '{self.layers[0].name}'), got {x.shape}")
+        if x.device != self.device:
+            raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
+                             f"{self.device}; move one of them with .to('{self.device}')")
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+    # ------------------------------------------------------------- summary
+    def summary(self):
+        """Print and return a table of layers, output shapes and parameter counts."""
+        self._require_built("summary")
+        rows = [("Layer (type)", "Output Shape", "Param #")]
+        for layer in self.layers:
+            count = sum(p.size for _, p in layer.named_parameters())
+            rows.append((f"{layer.name} ({type(layer).__name__})",
+                         batch_shape(layer.output_shape), f"{count:,}"))
+        widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
+        width = sum(widths)
+
+        def line(row):
+            return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
+                    + row[2].rjust(widths[2] - 4)).rstrip()
+
+        params = self.parameters()
+        total = sum(p.size for p in params)
+        nbytes = sum(p.size * p.dtype.itemsize for p in params)
+        text = "\n".join(
+            [f'Model: "{self.name}" on {self.device}', "_" * width, line(rows[0]), "=" * width]
+            + [line(row) for row in rows[1:]]
+            + ["=" * width, f"Total params: {total:,} ({_human_bytes(nbytes)})",
+               f"Trainable params: {total:,}", "Non-trainable params: 0", "_" * width])
+        print(text)
+        return text
+
+    def __repr__(self):
+        body = "".join(f"\n  ({layer.name}) {layer!r}" for layer in self.layers)
+        return f"Sequential({body}\n)" if body else "Sequential()"
+
+    # ------------------------------------------------------------- weights and files
+    def state_dict(self):
+        """``{name: NumPy array}``: a host copy of every parameter (one copy per buffer)."""
+        self._require_built("state_dict")
+        names = {id(p): name for name, p in self.named_parameters()}
+        state = {}
+        for flat in self._flat:
+            host = to_device(flat.data, "cpu")
+            for p, offset in zip(flat.params, flat.offsets):
+                state[names[id(p)]] = host[offset:offset + p.size].reshape(p.shape)
+        return {name: state[name] for name, _ in self.named_parameters()}
+
+    def load_state_dict(self, state):
+        """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters.
+
+        Every key must match a parameter and every shape its shape; nothing is written unless
+        all do. Each flat buffer is written in one copy."""
+        self._require_built("load_state_dict")
+        named = self.named_parameters()
+        expected = [name for name, _ in named]
+        missing = [name for name in expected if name not in state]
+        unexpected = [key for key in state if key not in expected]
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
+                           f"{unexpected}; the model has {expected}")
+        values = {}
+        for name, p in named:
+            value = state[name]
+            value = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
+            if tuple(value.shape) != p.shape:
+                raise ValueError(f"load_state_dict: '{name}' has shape {tuple(value.shape)}, "
+                                 f"the model expects {p.shape}")
+            if value.dtype.kind not in "fiu":
+                raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
+                                "expected numbers")
+            values[id(p)] = value
+        for flat in self._flat:
+            host = np.empty(flat.size, flat.dtype)
+            for p, offset in zip(flat.params, flat.offsets):
+                host[offset:offset + p.size] = values[id(p)].reshape(-1)
+            if flat.device == "cuda":
+                flat.data.copy_to_device(host)
+            else:
+                np.copyto(flat.data, host)
+
+    def get_config(self):
+        return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
+                "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
+                           for layer in self.layers]}
+
+    @classmethod
+    def from_config(cls, config):
+        """A model with the architecture of ``config`` (its weights zero, not initialised)."""
+        if config.get("format") != "engine.nn.Sequential":
+            raise ValueError(f"not an engine.nn.Sequential config (format {config.get('format')!r})")
+        if config.get("version") != FORMAT_VERSION:
+            raise ValueError(f"config version {config.get('version')!r} is not supported "
+                             f"(this engine reads version {FORMAT_VERSION})")
+        model = cls(name=config.get("name", "sequential"))
+        model._initialize = False
+        for entry in config["layers"]:
+            layer_class = LAYERS.get(entry["class_name"])
+            if layer_class is None:
+                raise ValueError(f"unknown layer type {entry['class_name']!r}; "
+                                 f"known: {sorted(LAYERS)}")
+            model.add(layer_class(**entry["config"]))
+        model._initialize = True
+        return model
+
+    def save(self, path):
+        """Write the architecture and weights to one ``.npz`` at ``path``, atomically: a
+        temporary file in the same directory, then a rename over ``path``."""
+        path = os.fspath(path)
+        arrays = self.state_dict()
+        config = json.dumps(self.get_config())
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(temporary, "wb") as file:
+                np.savez(file, **{CONFIG_KEY: np.array(config)}, **arrays)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            raise
+
+
+def _human_bytes(nbytes):
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.2f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
+
+
+def load(path, device="cpu"):
+    """The model saved at ``path`` by ``model.save``, on ``device``.
+
+    The file is read with ``allow_pickle=False``: it holds arrays and JSON text, never code.
+    A file that is not such a model is a ValueError naming it."""
+    path = os.fspath(path)
+    with open(path, "rb") as file:   # FileNotFoundError names the path
+        magic = file.read(4)
+    if magic != ZIP_MAGIC:
+        raise ValueError(f"nn.load: {path!r} is not a model file written by model.save "
+                         f"(not an .npz archive: it starts with {magic!r})")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            config = json.loads(str(archive[CONFIG_KEY][()]))
+            state = {key: archive[key] for key in archive.files if key != CONFIG_KEY}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(f"nn.load: {path!r} is not a model file written by model.save "
+                         f"({type(error).__name__}: {error})") from None
+    try:
+        model = Sequential.from_config(config)
+        model.load_state_dict(state)
+    except (KeyError, ValueError, TypeError) as error:
+        raise ValueError(f"nn.load: {path!r}: {error}") from None
+    return model.to(device)
+
+
+# ------------------------------------------------------------------ losses
+
+_LOSSES = ("CrossEntropyLoss", "BCELoss", "MSELoss")
+
+
+def __getattr__(name):
+    """``nn.CrossEntropyLoss`` and friends are ``engine.losses``'s, imported on first use."""
+    if name in _LOSSES:
+        return getattr(importlib.import_module("engine.losses"), name)
+    raise AttributeError(f"module 'engine.nn' has no attribute {name!r}")
