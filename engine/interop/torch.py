@@ -1,0 +1,312 @@
+"""Hybrid models with PyTorch, with the chain rule intact across the boundary.
+
+``as_function(model)``: an engine model (or any differentiable engine callable) as a
+``torch.nn.Module``. Its forward runs our kernels on zero-copy views of the torch inputs; its
+backward takes PyTorch's ``grad_output`` and runs our tape from it
+(``out.backward(grad_output)``), returning the input and parameter gradients to torch.
+
+``from_module(module)``: a ``torch.nn.Module`` as an engine callable. It runs as one engine op;
+its backward takes our tape's ``grad_out`` and hands it to ``torch.autograd.grad`` as
+``grad_outputs``.
+
+Neither direction ever starts from a loss of its own: only the root of the whole computation
+does, wherever that root lives. And ONE optimizer owns every parameter:
+
+- torch's optimizer: ``as_function`` exposes the engine parameters as ``torch.nn.Parameter``
+  views of the engine's flat parameter buffer (same memory), so
+  ``torch.optim.Adam(hybrid.parameters())`` sees them next to the torch layers', and their
+  ``.grad`` is filled by torch from what our backward returns;
+- the engine's optimizer: ``from_module`` exposes the torch parameters as engine
+  ``Parameter``s packed in a flat buffer that the torch module's parameters then view, and our
+  tape accumulates their gradients like any other parameter's.
+
+Arrays cross without a copy: ``to_torch`` and ``from_torch`` share memory (``torch.from_numpy``
+or the CUDA Array Interface one way, ``engine.from_dlpack`` the other).
+"""
+import contextlib
+
+import numpy as np
+import torch
+
+from engine import autograd
+from engine.autograd import apply, enable_grad, no_grad
+from engine.parameter import FlatBuffer, Parameter
+from engine.tensor import Tensor, from_dlpack
+from ops.device import device_of
+from ops.registry import Op
+
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                 torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
+                 torch.uint8: np.dtype(np.uint8)}
+
+
+# ------------------------------------------------------------------ zero-copy views
+
+def to_torch(x):
+    """A torch tensor sharing memory with engine tensor (or engine array) ``x``; no history."""
+    data = x.data if isinstance(x, Tensor) else x
+    if device_of(data) == "cpu":
+        return torch.from_numpy(data)
+    if not hasattr(data, "__cuda_array_interface__"):
+        raise RuntimeError("to_torch: this CUDA tensor lives in Numba's CUDA simulator, whose "
+                           "host-side arrays PyTorch cannot view as CUDA memory")
+    return torch.as_tensor(data, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def from_torch(x):
+    """An engine tensor sharing memory with torch tensor ``x`` (detached from torch's graph).
+
+    ``x`` must be C-contiguous: call ``x.contiguous()`` first when it may not be."""
+    return from_dlpack(x.detach())
+
+
+def _from_torch_contiguous(x, requires_grad=False):
+    # inputs and gradients arriving from torch may be transposed or expanded views
+    # (the grad_output of .sum() is a stride-0 broadcast): only those are copied
+    return from_dlpack(x.detach().contiguous(), requires_grad=requires_grad)
+
+
+def _address(array):
+    if device_of(array) == "cuda":
+        return array.__cuda_array_interface__["data"][0]
+    return array.ctypes.data
+
+
+def _engine_dtype(x, where):
+    if x.dtype not in _NUMPY_DTYPES:
+        raise TypeError(f"{where}: torch dtype {x.dtype} has no engine counterpart; use "
+                        "torch.float32 or torch.float64 (int64/int32/uint8 for labels)")
+    return _NUMPY_DTYPES[x.dtype]
+
+
+def _check_boundary(where, torch_side, torch_tensor, engine_side, engine_tensor):
+    """Raise when the torch and the engine tensor meeting at the boundary disagree on device
+    or floating dtype, naming both sides."""
+    torch_dtype = _engine_dtype(torch_tensor, where)
+    if torch_tensor.device.type != engine_tensor.device:
+        raise ValueError(f"{where}: {torch_side} is on {torch_tensor.device.type} but "
+                         f"{engine_side} is on {engine_tensor.device}; put both on one device")
+    if torch_dtype.kind == "f" and torch_dtype != engine_tensor.dtype:
+        raise TypeError(f"{where}: {torch_side} is {torch_dtype} but {engine_side} is "
+                        f"{engine_tensor.dtype}; convert one side to the other's dtype")
+
+
+@contextlib.contextmanager
+def _on_tape(tape):
+    """Make ``tape`` this thread's current one for the block."""
+    state = autograd._state
+    previous, state.tape = state.tape, tape
+    try:
+        yield
+    finally:
+        state.tape = previous
+
+
+def _pack(parameters):
+    """``parameters``, those not yet in a flat buffer packed into one per device and dtype
+    (packing moves a parameter's memory, so it must happen before torch views it)."""
+    for p in parameters:
+        if not isinstance(p, Parameter):
+            raise TypeError(f"as_function: the model's parameters must be engine Parameters, "
+                            f"got a {type(p).__name__}")
+    groups = {}
+    for p in parameters:
+        if p.flat is None:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+    for group in groups.values():
+        FlatBuffer(group)
+    return parameters
+
+
+# ------------------------------------------------------------------ engine inside torch
+
+class EngineModule(torch.nn.Module):
+    """A ``torch.nn.Module`` running an engine model; built by ``as_function``.
+
+    ``parameters()`` yields torch views of the engine parameters, so one torch optimizer
+    updates the engine model in place."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        found = model.parameters() if hasattr(model, "parameters") else []
+        self.engine_parameters = _pack(list(found))
+        self.engine_views = torch.nn.ParameterList(
+            torch.nn.Parameter(to_torch(p)) for p in self.engine_parameters)
+
+    def forward(self, *inputs):
+        self._check(inputs)
+        if torch.is_grad_enabled():
+            return _EngineFunction.apply(self, *inputs, *self.engine_views)
+        with no_grad():
+            out = self.model(*(_from_torch_contiguous(x) for x in inputs))
+        return to_torch(out)
+
+    def train(self, mode=True):
+        super().train(mode)
+        switch = getattr(self.model, "train" if mode else "eval", None)
+        if callable(switch):
+            switch()
+        return self
+
+    def _check(self, inputs):
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"as_function: input {i} is a {type(x).__name__}; "
+                                "pass torch tensors")
+            if self.engine_parameters:
+                first = self.engine_parameters[0]
+                _check_boundary("as_function", f"torch input {i}", x,
+                                f"the engine model's parameters", first)
+        for p, view in zip(self.engine_parameters, self.engine_views):
+            if p.device != view.device.type or _address(p.data) != view.data_ptr():
+                raise RuntimeError(
+                    "as_function: an engine parameter no longer shares memory with its torch "
+                    f"view (engine: {p.shape} on {p.device}, torch: {tuple(view.shape)} on "
+                    f"{view.device}); the model was moved or converted after wrapping: "
+                    "call .to() on the engine model first, then as_function")
+
+
+class _EngineFunction(torch.autograd.Function):
+    """forward: our kernels on zero-copy views; backward: our tape from torch's grad_output."""
+
+    @staticmethod
+    def forward(ctx, module, *args):
+        n_inputs = len(args) - len(module.engine_parameters)
+        inputs = [_from_torch_contiguous(x, requires_grad=needed and x.is_floating_point())
+                  for x, needed in zip(args[:n_inputs], ctx.needs_input_grad[1:])]
+        # the call records on a tape of its own, owned by ctx: torch decides when the graph dies
+        # (retain_graph, or gradcheck's repeated backwards), and torch may run the backward on
+        # another thread (its CUDA device threads), where the engine's per-thread tape differs
+        tape = autograd.Tape()
+        with enable_grad(), _on_tape(tape):
+            out = module.model(*inputs)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"as_function: the engine model returned a {type(out).__name__}; "
+                            "it must return one engine Tensor")
+        ctx.engine = (module, inputs, out, tape)
+        return to_torch(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        module, inputs, out, tape = ctx.engine
+        parameters = module.engine_parameters
+        if not out.requires_grad:
+            return (None,) * (1 + len(inputs) + len(parameters))
+        _check_boundary("as_function backward", "torch's grad_output", grad_output,
+                        "the engine output", out)
+        for x in inputs + parameters:
+            x.grad = None   # each backward returns its own contribution; torch accumulates
+        with _on_tape(tape):
+            out.backward(_from_torch_contiguous(grad_output), retain_graph=True)
+        input_grads = [None if x.grad is None else to_torch(x.grad) for x in inputs]
+        # a parameter's gradient is a view of the flat gradient buffer, which the next backward
+        # overwrites: torch gets its own copy to accumulate into .grad
+        parameter_grads = [None if p.grad is None else to_torch(p.grad).clone()
+                           for p in parameters]
+        return (None, *input_grads, *parameter_grads)
+
+
+def as_function(model):
+    """``model`` (an engine model with ``.parameters()``, or any differentiable engine callable
+    returning one Tensor) as a ``torch.nn.Module`` whose autograd runs our tape.
+
+    Move the engine model to its device before wrapping: the torch parameters are views of its
+    memory. Train with one torch optimizer over ``hybrid.parameters()``."""
+    return EngineModule(model)
+
+
+# ------------------------------------------------------------------ torch inside the engine
+
+class TorchModuleOp(Op):
+    """A torch module run as one engine op.
+
+    Deliberately not in ``ops.REGISTRY``: the registry enumerates our dual-kernel ops, and this
+    one runs whatever kernels torch picks."""
+    name = "torch_module"
+
+    def forward(self, *arrays):
+        wrapper = self.params["wrapper"]
+        leaves = [to_torch(a).requires_grad_(needed)
+                  for a, needed in zip(arrays, self.needs_input_grad)]
+        n_inputs = len(arrays) - len(wrapper.names)
+        state = dict(zip(wrapper.names, leaves[n_inputs:]))
+        recording = any(self.needs_input_grad)
+        with torch.enable_grad() if recording else torch.no_grad():
+            out = torch.func.functional_call(wrapper.module, state, tuple(leaves[:n_inputs]))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"from_module: the torch module returned a {type(out).__name__}; "
+                            "it must return one tensor")
+        if recording:
+            self.torch_out, self.leaves = out, leaves
+        return _from_torch_contiguous(out).data
+
+    def backward(self, grad_out, grad_dst):
+        wanted = [leaf for leaf, needed in zip(self.leaves, self.needs_input_grad) if needed]
+        grads = iter(torch.autograd.grad(self.torch_out, wanted, grad_outputs=to_torch(grad_out),
+                                         allow_unused=True))
+        self.torch_out = self.leaves = None
+        result = []
+        for needed in self.needs_input_grad:
+            g = next(grads) if needed else None
+            result.append(None if g is None else _from_torch_contiguous(g).data)
+        return tuple(result)
+
+
+class TorchModule:
+    """An engine callable running a ``torch.nn.Module``; built by ``from_module``.
+
+    ``parameters()`` are engine Parameters in a flat buffer that the torch module's own
+    parameters view, so one engine optimizer trains it with the rest of the engine model."""
+
+    def __init__(self, module):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"from_module: expected a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        named = list(module.named_parameters())
+        self.names = [name for name, _ in named]
+        self._torch_parameters = [p for _, p in named]
+        self._parameters = [Parameter(_from_torch_contiguous(p).data) for p in self._torch_parameters]
+        _pack(self._parameters)
+        self._point_module_at_parameters()
+
+    def parameters(self):
+        return list(self._parameters)
+
+    def train(self):
+        self.module.train()
+        return self
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def __call__(self, *inputs):
+        for i, x in enumerate(inputs):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"from_module: input {i} is a {type(x).__name__}; pass engine "
+                                "Tensors")
+            if self._parameters:
+                _check_boundary("from_module", f"the torch module {type(self.module).__name__}'s "
+                                "parameters", self._torch_parameters[0], f"engine input {i}", x)
+        self._point_module_at_parameters()
+        return apply(TorchModuleOp, *inputs, *self._parameters, wrapper=self)
+
+    def _point_module_at_parameters(self):
+        """Keep the torch module viewing our parameters' memory, also after the engine moved
+        or repacked them, so the module itself (state_dict, plain torch calls) stays current."""
+        with torch.no_grad():
+            for torch_parameter, p in zip(self._torch_parameters, self._parameters):
+                if (torch_parameter.device.type != p.device
+                        or torch_parameter.data_ptr() != _address(p.data)):
+                    torch_parameter.data = to_torch(p)
+
+
+def from_module(module):
+    """``module`` (a ``torch.nn.Module`` returning one tensor) as an engine callable: one engine
+    op whose backward hands our ``grad_out`` to torch's autograd.
+
+    Train it with one engine optimizer over ``wrapped.parameters()`` (and the rest of the
+    engine model's)."""
+    return TorchModule(module)
