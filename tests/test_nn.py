@@ -240,6 +240,34 @@ def test_parameters_group_by_dtype():
     assert [(b.dtype, b.size) for b in buffers] == [(np.float32, 9), (np.float64, 16)]
 
 
+def test_backward_writes_the_flat_gradient_buffer(device):
+    """Gradients land in the model's flat gradient buffer at each parameter's offset, equal to
+    those of the unfused composition; a second backward adds, a stale buffer is overwritten."""
+    model = nn.Sequential([nn.Flatten(input_shape=(2, 3)),
+                           nn.Dense(5, activation="relu", dtype=np.float64),
+                           nn.Dense(4, activation="tanh", dtype=np.float64)]).to(device)
+    x_cpu = engine.randn(3, 2, 3, dtype=np.float64)
+    x = x_cpu.to(device)
+    w1, b1, w2, b2 = (engine.tensor(p.numpy(), requires_grad=True) for p in model.parameters())
+    ((((x_cpu.flatten() @ w1 + b1).relu() @ w2 + b2).tanh()) ** 2).sum().backward()
+    expected = np.concatenate([p.grad.numpy().reshape(-1) for p in (w1, b1, w2, b2)])
+    (flat,) = model.flat_buffers()
+
+    def flat_grad():
+        return engine.Tensor(flat.grad).numpy()
+
+    (model(x) ** 2).sum().backward()
+    np.testing.assert_allclose(flat_grad(), expected, rtol=1e-10, atol=1e-12)
+    (model(x) ** 2).sum().backward()
+    np.testing.assert_allclose(flat_grad(), 2 * expected, rtol=1e-10, atol=1e-12)
+    flat.invalidate_grads()
+    assert all(p.grad is None for p in model.parameters())
+    (model(x) ** 2).sum().backward()
+    np.testing.assert_allclose(flat_grad(), expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError, match="input dtype float32 does not match the layer's float64"):
+        model(x.to(dtype=np.float32))
+
+
 # ------------------------------------------------------------------ state dicts and files
 
 def test_state_dict_round_trip():
