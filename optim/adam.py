@@ -1,0 +1,130 @@
+"""Adam (L2 weight decay added to the gradient) and AdamW (decoupled weight decay)."""
+import math
+
+from numba import cuda, njit
+
+from ops.device import device_of
+from ops.launch import launch
+from optim.optimizer import Optimizer, check_non_negative
+
+
+def _adam_element(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay,
+                  step_size, bias_correction2_sqrt, first_step):
+    # float64 arithmetic whatever the storage dtype; one rounding per stored value
+    p = float(param[i]) * param_decay            # AdamW: p * (1 - lr * weight_decay)
+    g = float(grad[i]) + l2 * p                  # Adam: L2 penalty in the gradient
+    m_prev = 0.0 if first_step else float(exp_avg[i])
+    v_prev = 0.0 if first_step else float(exp_avg_sq[i])
+    exp_avg[i] = m_prev + (1.0 - beta1) * (g - m_prev)
+    exp_avg_sq[i] = beta2 * v_prev + (1.0 - beta2) * g * g
+    denom = math.sqrt(float(exp_avg_sq[i])) / bias_correction2_sqrt + eps
+    param[i] = p - step_size * float(exp_avg[i]) / denom
+
+
+_adam_element_cpu = njit(inline="always")(_adam_element)
+_adam_element_cuda = cuda.jit(device=True)(_adam_element)
+
+
+@njit(cache=True)
+def adam_cpu(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay, step_size,
+             bias_correction2_sqrt, first_step):
+    for i in range(param.size):
+        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2,
+                          param_decay, step_size, bias_correction2_sqrt, first_step)
+
+
+@cuda.jit
+def adam_cuda(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay, step_size,
+              bias_correction2_sqrt, first_step):
+    i = cuda.grid(1)
+    if i < param.size:
+        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2,
+                           param_decay, step_size, bias_correction2_sqrt, first_step)
+
+
+class Adam(Optimizer):
+    r"""Adam, as ``torch.optim.Adam`` (``amsgrad`` is not supported).
+
+    For each parameter :math:`p` with gradient :math:`g` at step :math:`t` (from 1), with
+    :math:`m_0 = v_0 = 0`::
+
+        g = g + weight_decay * p                        # L2 penalty, when weight_decay != 0
+        m = beta1 * m + (1 - beta1) * g                 # computed as m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    The bias corrections are computed on the host in float64; the kernel's arithmetic is
+    float64, stored in the parameter's dtype. ``lr`` is a kernel argument (no recompile).
+
+    Args:
+        params: tensors with ``requires_grad=True``, or a list of param-group dicts.
+        lr: learning rate (>= 0).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        skip_nonfinite: skip (and count in ``skipped_steps``, with a warning) a step whose
+            gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 skip_nonfinite=False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, skip_nonfinite)
+
+    def _check_group(self, group):
+        for name in ("lr", "eps", "weight_decay"):
+            check_non_negative(self._name, name, group[name])
+        if not math.isfinite(group["lr"]):
+            raise ValueError(f"{self._name}: invalid lr: {group['lr']} (must be finite)")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{self._name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        group["betas"] = tuple(betas)
+        for index, beta in enumerate(betas):
+            check_non_negative(self._name, f"beta parameter at index {index}", beta)
+            if not beta < 1:
+                raise ValueError(f"{self._name}: invalid beta parameter at index {index}: {beta} "
+                                 "(must be in [0, 1))")
+
+    def _state_names(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def _update(self, group, param, grad, buffers, step):
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        if self.decoupled_weight_decay:
+            l2, param_decay = 0.0, 1.0 - lr * weight_decay
+        else:
+            l2, param_decay = weight_decay, 1.0
+        step_size = lr / (1.0 - beta1 ** step)
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        exp_avg, exp_avg_sq = buffers
+        args = (param, grad, exp_avg, exp_avg_sq, beta1, beta2, float(group["eps"]), l2,
+                param_decay, step_size, bias_correction2_sqrt, step == 1)
+        if device_of(param) == "cuda":
+            launch(adam_cuda, param.size, *args)
+        else:
+            adam_cpu(*args)
+
+
+class AdamW(Adam):
+    r"""Adam with decoupled weight decay, as ``torch.optim.AdamW``.
+
+    For each parameter :math:`p` with gradient :math:`g` at step :math:`t` (from 1), with
+    :math:`m_0 = v_0 = 0`::
+
+        p = p * (1 - lr * weight_decay)                 # decoupled: not part of the gradient
+        m = beta1 * m + (1 - beta1) * g                 # computed as m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    Same kernel and arguments as ``Adam``; ``weight_decay`` defaults to 1e-2 as in torch.
+    """
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 skip_nonfinite=False):
+        super().__init__(params, lr, betas, eps, weight_decay, skip_nonfinite)

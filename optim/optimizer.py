@@ -1,0 +1,290 @@
+"""The optimizer base class: parameter groups, per-parameter state, the flat fast path.
+
+Like ``torch.optim.Optimizer``: ``param_groups`` is a list of dicts (``"params"`` plus the
+hyper-parameters; schedulers write ``"lr"`` there), ``state[p]`` holds a parameter's step
+count and buffers, ``state_dict()`` / ``load_state_dict()`` save and restore both.
+
+How a group is updated (``step``):
+
+- **flat path**: when a group's parameters are exactly the parameters of one
+  ``engine.parameter.FlatBuffer`` (any order), every gradient slot is valid and every
+  parameter has taken the same number of steps, the update rule runs as ONE kernel over
+  ``flat.data``, ``flat.grad`` and the group's flat state buffers (same size, device and
+  dtype). Each parameter's ``state[p]`` buffers are views into those flat buffers, so both
+  paths read and write the same state.
+- **per-parameter path**, otherwise: one kernel per parameter that has a gradient
+  (parameters whose ``grad`` is None are skipped, as in torch). This covers plain tensors with
+  ``requires_grad=True``, groups that mix buffers, and a flat group with a stale slot. It is
+  correct but costs one launch per parameter.
+
+Subclasses name their state buffers (``_state_names``), validate their hyper-parameters
+(``_check_group``) and launch their kernel (``_update``).
+"""
+import warnings
+
+import numpy as np
+
+from engine.autograd import enable_grad
+from engine.tensor import Tensor
+from ops.check import count_nonfinite
+from ops.device import device_of, to_device, to_host
+from ops.layout import flat
+from ops.memory import empty
+
+
+class Optimizer:
+    def __init__(self, params, defaults, skip_nonfinite=False):
+        self.defaults = dict(defaults)
+        self.state = {}
+        self.param_groups = []
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_steps = 0
+        self._flat_state = {}   # id(FlatBuffer) -> {state name: flat array}
+        if isinstance(params, Tensor):
+            raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
+                            "got a single Tensor (wrap it in a list)")
+        groups = list(params)
+        if not groups:
+            raise ValueError(f"{self._name}: got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for group in groups:
+            self.add_param_group(group)
+
+    @property
+    def _name(self):
+        return type(self).__name__
+
+    def __repr__(self):
+        lines = [f"{self._name} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {key}: {value}" for key, value in sorted(group.items()) if key != "params"]
+        return "\n".join(lines + [")"])
+
+    # ----------------------------------------------------------- groups
+    def add_param_group(self, group):
+        """Add a group (a dict with ``"params"``; missing hyper-parameters take the defaults)."""
+        if not isinstance(group, dict):
+            raise TypeError(f"{self._name}: a param group must be a dict, got {type(group).__name__}")
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for position, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{self._name}: parameter {position} is a {type(p).__name__}, "
+                                "not an engine Tensor")
+            if not p.requires_grad or not p.is_leaf:
+                raise ValueError(f"{self._name}: parameter {position} (shape {p.shape}) must be a "
+                                 "leaf tensor with requires_grad=True")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"{self._name}: a parameter appears twice in one group")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in params):
+            raise ValueError(f"{self._name}: some parameters appear in more than one parameter group")
+        group = {**self.defaults, **group, "params": params}
+        self._check_group(group)
+        self.param_groups.append(group)
+
+    def _check_group(self, group):
+        """Raise ValueError naming any invalid hyper-parameter of ``group`` (subclasses)."""
+        raise NotImplementedError
+
+    def _state_names(self, group):
+        """Names of the per-element state buffers the rule keeps for ``group`` (subclasses)."""
+        raise NotImplementedError
+
+    def _update(self, group, param, grad, buffers, step):
+        """Launch the rule's kernel on 1-D arrays; ``step`` counts from 1 (subclasses)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- stepping
+    def zero_grad(self):
+        """Forget every gradient without a kernel: flat slots are marked stale (the next
+        backward overwrites them), plain tensors get ``grad = None``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with enable_grad():
+                loss = closure()
+        if self.skip_nonfinite:
+            bad = self._count_nonfinite_grads()
+            if bad:
+                self.skipped_steps += 1
+                warnings.warn(f"{self._name}: skipped a step: {bad} gradient value(s) are NaN or "
+                              f"Inf ({self.skipped_steps} step(s) skipped so far)",
+                              RuntimeWarning, stacklevel=2)
+                return loss
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group):
+        params = group["params"]
+        buffer = whole_flat_buffer(params)
+        if buffer is not None and buffer.grads_valid() and self._steps_aligned(params):
+            for p in params:
+                if p not in self.state:
+                    self._init_state(group, p)
+                self.state[p]["step"] += 1
+            self._update(group, buffer.data, buffer.grad,
+                         self._flat_buffers(group, buffer), self.state[params[0]]["step"])
+            return
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.dtype != p.dtype or grad.device != p.device:
+                raise TypeError(f"{self._name}: the gradient of a {p.dtype} {p.device} parameter "
+                                f"of shape {p.shape} is {grad.dtype} on {grad.device}")
+            if p not in self.state:
+                self._init_state(group, p)
+            state = self.state[p]
+            state["step"] += 1
+            buffers = tuple(flat(state[name]) for name in self._state_names(group))
+            self._update(group, flat(p.data), flat(grad.data), buffers, state["step"])
+
+    def _steps_aligned(self, params):
+        """True when no parameter has state yet or all have taken the same number of steps
+        (one kernel has one step count, for Adam's bias correction)."""
+        steps = {self.state[p]["step"] if p in self.state else None for p in params}
+        return len(steps) == 1
+
+    def _count_nonfinite_grads(self):
+        bad = 0
+        for group in self.param_groups:
+            buffer = whole_flat_buffer(group["params"])
+            if buffer is not None and buffer.grads_valid():
+                bad += count_nonfinite(buffer.grad)
+                continue
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None:
+                    bad += count_nonfinite(grad.data)
+        return bad
+
+    # ----------------------------------------------------------- state
+    def _init_state(self, group, p):
+        """``state[p]`` with step 0 and its buffers: views into the group's flat state when the
+        group is one FlatBuffer, else arrays of its own. Uninitialised: the kernels treat
+        step 1 as "no history" and write every element."""
+        state = {"step": 0}
+        buffer = whole_flat_buffer(group["params"])
+        if buffer is not None:
+            flat_buffers = self._flat_buffers(group, buffer)
+            offset = buffer.offsets[[id(q) for q in buffer.params].index(id(p))]
+            for name, storage in zip(self._state_names(group), flat_buffers):
+                state[name] = storage[offset:offset + p.size].reshape(p.shape)
+        else:
+            for name in self._state_names(group):
+                state[name] = empty(p.shape, p.dtype, p.device)
+        self.state[p] = state
+
+    def _flat_buffers(self, group, buffer):
+        """The group's flat state arrays (allocated once, like ``buffer``'s device and dtype)."""
+        storage = self._flat_state.get(id(buffer))
+        if storage is None:
+            storage = {name: empty(buffer.size, buffer.dtype, buffer.device)
+                       for name in self._state_names(group)}
+            self._flat_state[id(buffer)] = storage
+        arrays = tuple(storage[name] for name in self._state_names(group))
+        for array in arrays:
+            if device_of(array) != buffer.device:
+                raise RuntimeError(f"{self._name}: the parameters moved to {buffer.device} after the "
+                                   f"optimizer state was made on {device_of(array)}; move the "
+                                   "model before creating the optimizer, or reload a state_dict")
+        return arrays
+
+    def state_dict(self):
+        """``{"state": {index: {"step", buffers as NumPy copies}}, "param_groups": [...],
+        "skipped_steps"}``; parameters are numbered in group order, as in torch."""
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            numbers = []
+            for p in group["params"]:
+                index[id(p)] = len(index)
+                numbers.append(index[id(p)])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    state[index[id(p)]] = {
+                        name: value if name == "step" else np.array(to_host(value), copy=True)
+                        for name, value in self.state[p].items()}
+        return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict):
+        """Restore hyper-parameters and state saved by ``state_dict`` of an optimizer built on
+        parameters of the same shapes in the same order (buffers are copied to each
+        parameter's device and dtype)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{self._name}.load_state_dict: the saved state has "
+                             f"{len(saved_groups)} parameter group(s), this optimizer "
+                             f"{len(self.param_groups)}")
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            missing = sorted(set(self.defaults) - set(saved))
+            if missing:
+                raise ValueError(f"{self._name}.load_state_dict: saved group {i} lacks {missing}; "
+                                 f"expected the hyper-parameters of {self._name} (was it saved "
+                                 "by another optimizer?)")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{self._name}.load_state_dict: group {i} has "
+                                 f"{len(saved['params'])} saved parameter(s), "
+                                 f"this optimizer {len(group['params'])}")
+        new_groups = []
+        for saved, group in zip(saved_groups, self.param_groups):
+            new_group = {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
+            self._check_group(new_group)
+            new_groups.append(new_group)
+        self.param_groups = new_groups
+        self.state = {}
+        self._flat_state = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            for number, p in zip(saved["params"], group["params"]):
+                if number in state_dict["state"]:
+                    self._load_param_state(group, p, state_dict["state"][number])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _load_param_state(self, group, p, saved):
+        self._init_state(group, p)
+        state = self.state[p]
+        expected = set(self._state_names(group)) | {"step"}
+        if set(saved) != expected:
+            raise ValueError(f"{self._name}.load_state_dict: a parameter's saved state has "
+                             f"{sorted(saved)}, expected {sorted(expected)}")
+        state["step"] = int(saved["step"])
+        for name in self._state_names(group):
+            values = np.asarray(to_host(saved[name]))
+            if values.shape != p.shape:
+                raise ValueError(f"{self._name}.load_state_dict: saved {name} has shape "
+                                 f"{values.shape}, the parameter {p.shape}")
+            values = np.ascontiguousarray(values, dtype=p.dtype)
+            if device_of(state[name]) == "cuda":
+                state[name].copy_to_device(to_device(values, "cuda"))
+            else:
+                state[name][...] = values
+
+
+def whole_flat_buffer(params):
+    """The FlatBuffer whose parameters are exactly ``params`` (any order), else None."""
+    buffer = getattr(params[0], "flat", None) if params else None
+    if buffer is None or len(buffer.params) != len(params):
+        return None
+    if any(getattr(p, "flat", None) is not buffer for p in params):
+        return None
+    return buffer   # same length, all in it, no duplicates (add_param_group): the same set
+
+
+def check_non_negative(optimizer, name, value):
+    """Raise ValueError naming ``name`` unless ``value`` is a real number >= 0."""
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{optimizer}: {name} must be a number, got {value!r}")
+    if not value >= 0:   # also catches NaN
+        raise ValueError(f"{optimizer}: invalid {name}: {value} (must be >= 0)")

@@ -1,0 +1,105 @@
+"""Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay."""
+import math
+
+from numba import cuda, njit
+
+from ops.device import device_of
+from ops.launch import launch
+from optim.optimizer import Optimizer, check_non_negative
+
+
+def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weight_decay,
+                 nesterov, first_step):
+    # float64 arithmetic whatever the storage dtype; one rounding per stored value
+    d_p = float(grad[i]) + weight_decay * float(param[i])
+    if momentum != 0.0:
+        if first_step:
+            buf = d_p
+        else:
+            buf = momentum * float(momentum_buffer[i]) + (1.0 - dampening) * d_p
+        momentum_buffer[i] = buf
+        buf = float(momentum_buffer[i])   # continue from the stored (rounded) buffer, as torch
+        if nesterov:
+            d_p = d_p + momentum * buf
+        else:
+            d_p = buf
+    param[i] = float(param[i]) - lr * d_p
+
+
+_sgd_element_cpu = njit(inline="always")(_sgd_element)
+_sgd_element_cuda = cuda.jit(device=True)(_sgd_element)
+
+
+@njit(cache=True)
+def sgd_cpu(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
+            first_step):
+    for i in range(param.size):
+        _sgd_element_cpu(i, param, grad, momentum_buffer, lr, momentum, dampening,
+                         weight_decay, nesterov, first_step)
+
+
+@cuda.jit
+def sgd_cuda(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
+             first_step):
+    i = cuda.grid(1)
+    if i < param.size:
+        _sgd_element_cuda(i, param, grad, momentum_buffer, lr, momentum, dampening,
+                          weight_decay, nesterov, first_step)
+
+
+class SGD(Optimizer):
+    r"""Stochastic gradient descent, as ``torch.optim.SGD``.
+
+    For each parameter :math:`p` with gradient :math:`g` at step :math:`t` (from 1)::
+
+        g = g + weight_decay * p                        # L2 penalty, when weight_decay != 0
+        if momentum != 0:
+            b = g                               if t == 1
+            b = momentum * b + (1 - dampening) * g   otherwise
+            g = g + momentum * b                if nesterov
+            g = b                               otherwise
+        p = p - lr * g
+
+    Arithmetic is float64 inside the kernel, stored in the parameter's dtype. ``lr`` is a
+    kernel argument: a scheduler changing it costs no recompilation.
+
+    Args:
+        params: tensors with ``requires_grad=True``, or a list of param-group dicts.
+        lr: learning rate (>= 0).
+        momentum: momentum factor (>= 0).
+        dampening: dampening of the momentum (>= 0); must be 0 with ``nesterov``.
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        skip_nonfinite: skip (and count in ``skipped_steps``, with a warning) a step whose
+            gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
+    """
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, skip_nonfinite=False):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, skip_nonfinite)
+
+    def _check_group(self, group):
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_non_negative("SGD", name, group[name])
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"SGD: nesterov must be True or False, got {group['nesterov']!r}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"SGD: nesterov=True requires momentum > 0 and dampening = 0, got "
+                             f"momentum={group['momentum']}, dampening={group['dampening']}")
+        if not math.isfinite(group["lr"]):
+            raise ValueError(f"SGD: invalid lr: {group['lr']} (must be finite)")
+
+    def _state_names(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _update(self, group, param, grad, buffers, step):
+        momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
+        args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
+                float(group["dampening"]), float(group["weight_decay"]),
+                bool(group["nesterov"]), step == 1)
+        if device_of(param) == "cuda":
+            launch(sgd_cuda, param.size, *args)
+        else:
+            sgd_cpu(*args)

@@ -1,0 +1,633 @@
+"""Optimizers, clipping and schedules: closed-form update rules step by step (float64, both
+backends), torch.optim where installed, CPU-vs-CUDA parity, flat path == per-tensor path,
+launch counts, resume bit-exactness, the non-finite guard and bad hyper-parameters."""
+import math
+import sys
+
+import numpy as np
+import pytest
+
+import engine
+import ops.launch
+import optim
+from engine.parameter import FlatBuffer, Parameter
+from ops.device import to_device
+
+SHAPES = [(3, 5), (7,), (2, 1, 3)]   # odd sizes: 15 + 7 + 6 = 28 elements
+N_STEPS = 4
+
+
+# ------------------------------------------------------------------ helpers
+
+def make_params(device, dtype=np.float64, flat=True, seed=0):
+    """Parameters packed in one FlatBuffer (``flat``) or plain tensors with requires_grad."""
+    rng = np.random.default_rng(seed)
+    values = [rng.standard_normal(shape).astype(dtype) for shape in SHAPES]
+    if flat:
+        params = [Parameter(to_device(v, device)) for v in values]
+        FlatBuffer(params)
+        return params
+    return [engine.tensor(v, device=device, requires_grad=True) for v in values]
+
+
+def grad_steps(n_steps=N_STEPS, dtype=np.float64, seed=1):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(shape).astype(dtype) for shape in SHAPES] for _ in range(n_steps)]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = engine.tensor(g, device=p.device)
+
+
+def run(opt_factory, params, steps):
+    opt = opt_factory(params)
+    for grads in steps:
+        set_grads(params, grads)
+        opt.step()
+    return [p.numpy().copy() for p in params]
+
+
+def sgd_reference(p, grads, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    buf = None
+    for g in grads:
+        g = g + weight_decay * p
+        if momentum:
+            buf = g.copy() if buf is None else momentum * buf + (1 - dampening) * g
+            g = g + momentum * buf if nesterov else buf
+        p = p - lr * g
+    return p
+
+
+def adam_reference(p, grads, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
+    """The textbook form: bias-corrected moments m_hat, v_hat."""
+    beta1, beta2 = betas
+    m = v = 0.0
+    for t, g in enumerate(grads, start=1):
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
+        p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return p
+
+
+SGD_CASES = [
+    dict(lr=0.1),
+    dict(lr=0.05, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1),
+]
+ADAM_CASES = [
+    dict(lr=0.01),
+    dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    dict(lr=0.3, betas=(0.0, 0.5), eps=0.0),
+]
+
+
+def reference_for(kind, p0, grads, kwargs):
+    if kind == "sgd":
+        return sgd_reference(p0, grads, **kwargs)
+    return adam_reference(p0, grads, decoupled=kind == "adamw", **kwargs)
+
+
+OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam, "adamw": optim.AdamW}
+RULE_CASES = ([("sgd", c) for c in SGD_CASES] + [("adam", c) for c in ADAM_CASES]
+              + [("adamw", dict(c, weight_decay=c.get("weight_decay", 0.0) + 0.05)) for c in ADAM_CASES])
+
+
+def case_id(case):
+    kind, kwargs = case
+    return kind + "-" + "-".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+# ------------------------------------------------------------------ update rules
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=case_id)
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_rule_matches_closed_form_float64(case, flat, device):
+    kind, kwargs = case
+    params = make_params(device, flat=flat)
+    initial = [p.numpy().copy() for p in params]
+    steps = grad_steps()
+    result = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), params, steps)
+    for i, (p0, got) in enumerate(zip(initial, result)):
+        expected = reference_for(kind, p0, [s[i] for s in steps], kwargs)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", RULE_CASES[1::3], ids=case_id)
+def test_rule_float32_close_to_float64_formula(case, device):
+    kind, kwargs = case
+    params = make_params(device, dtype=np.float32)
+    initial = [p.numpy().astype(np.float64) for p in params]
+    steps = grad_steps(dtype=np.float32)
+    result = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), params, steps)
+    for i, (p0, got) in enumerate(zip(initial, result)):
+        assert got.dtype == np.float32
+        expected = reference_for(kind, p0, [s[i].astype(np.float64) for s in steps], kwargs)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=case_id)
+def test_flat_path_equals_per_tensor_path_bitwise(case, device):
+    kind, kwargs = case
+    steps = grad_steps(dtype=np.float32)
+    flat = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), make_params(device, np.float32), steps)
+    loose = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs),
+                make_params(device, np.float32, flat=False), steps)
+    for a, b in zip(flat, loose):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", RULE_CASES[1::2], ids=case_id)
+def test_cpu_cuda_parity(case, dtype):
+    kind, kwargs = case
+    steps = grad_steps(dtype=dtype)
+    on_cpu = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), make_params("cpu", dtype), steps)
+    on_cuda = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), make_params("cuda", dtype), steps)
+    rtol = 1e-6 if dtype == np.float32 else 1e-13
+    for a, b in zip(on_cpu, on_cuda):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol)
+
+
+def test_param_without_grad_is_skipped_and_keeps_its_own_step_count(device):
+    """A stale slot sends a flat group to the per-parameter path; the skipped parameter's
+    moments and bias correction start later, as in torch."""
+    params = make_params(device)
+    initial = [p.numpy().copy() for p in params]
+    steps = grad_steps()
+    opt = optim.Adam(params, lr=0.01)
+    for k, grads in enumerate(steps):
+        set_grads(params, grads)
+        if k < 2:
+            params[1].grad = None   # params[1] gets gradients from step 3 on
+        opt.step()
+        opt.zero_grad()
+    assert [opt.state[p]["step"] for p in params] == [N_STEPS, N_STEPS - 2, N_STEPS]
+    for i, p in enumerate(params):
+        own = [s[i] for s in steps][2 if i == 1 else 0:]
+        np.testing.assert_allclose(p.numpy(), adam_reference(initial[i], own, lr=0.01), rtol=1e-12)
+
+
+def test_param_groups_have_their_own_hyper_parameters(device):
+    a, b, c = make_params(device, flat=False)
+    opt = optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5, "momentum": 0.9}], lr=0.1)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.0
+    assert opt.param_groups[1]["lr"] == 0.5
+    initial = [p.numpy().copy() for p in (a, b, c)]
+    steps = grad_steps(2)
+    for grads in steps:
+        set_grads([a, b, c], grads)
+        opt.step()
+    np.testing.assert_allclose(a.numpy(), sgd_reference(initial[0], [s[0] for s in steps], 0.1))
+    np.testing.assert_allclose(c.numpy(), sgd_reference(initial[2], [s[2] for s in steps], 0.5, 0.9))
+
+
+def test_add_param_group_and_duplicates():
+    a, b, c = make_params("cpu", flat=False)
+    opt = optim.Adam([a], lr=0.1)
+    opt.add_param_group({"params": [b, c], "betas": (0.5, 0.6)})
+    assert opt.param_groups[1]["lr"] == 0.1 and opt.param_groups[1]["betas"] == (0.5, 0.6)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [a]})
+    with pytest.raises(ValueError, match="appears twice"):
+        optim.SGD([b, b], lr=0.1)
+
+
+def test_lr_is_a_kernel_argument_not_a_recompile():
+    from optim.sgd import sgd_cpu
+    params = make_params("cpu")
+    opt = optim.SGD(params, lr=0.1, momentum=0.9)
+    set_grads(params, grad_steps(1)[0])
+    opt.step()
+    compiled = len(sgd_cpu.signatures)
+    before = params[0].numpy().copy()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    assert len(sgd_cpu.signatures) == compiled
+    np.testing.assert_array_equal(params[0].numpy(), before)   # lr 0 really reached the kernel
+
+
+# ------------------------------------------------------------------ gradients: zero_grad, accumulation
+
+def _loss(params, x):
+    return sum(((p * x[i]) ** 2).sum() for i, p in enumerate(params))
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_zero_grad_launches_nothing_and_accumulation_works(flat, device, launches):
+    params = make_params(device, flat=flat)
+    x = [engine.tensor(np.full(s, 1.5), device=device) for s in SHAPES]
+    expected = [2 * 1.5 ** 2 * p.numpy() for p in params]   # d/dp (1.5 p)^2
+    _loss(params, x).backward()
+    _loss(params, x).backward()   # no zero_grad: gradients add up, as in torch
+    for p, g in zip(params, expected):
+        np.testing.assert_allclose(p.grad.numpy(), 2 * g)
+    opt = optim.SGD(params, lr=0.1)
+    launches.clear()
+    opt.zero_grad()
+    assert launches == []
+    assert all(p.grad is None for p in params)
+    if flat:
+        assert not params[0].flat.grads_valid()
+    _loss(params, x).backward()   # overwrites the stale slots
+    for p, g in zip(params, expected):
+        np.testing.assert_allclose(p.grad.numpy(), g)
+
+
+# ------------------------------------------------------------------ launch counts
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the CUDA kernels launched (through ops.launch) while the test runs, poison
+    mode off (it adds a fill launch per allocation)."""
+    launched = []
+    original_launch, original_blocks = ops.launch.launch, ops.launch.launch_blocks
+
+    def counting_launch(kernel, n_threads, *args, **kwargs):
+        if n_threads > 0:
+            launched.append(getattr(kernel, "py_func", kernel).__name__)
+        return original_launch(kernel, n_threads, *args, **kwargs)
+
+    def counting_blocks(kernel, blocks, threads_per_block, *args):
+        launched.append(getattr(kernel, "py_func", kernel).__name__)
+        return original_blocks(kernel, blocks, threads_per_block, *args)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "launch", None) is original_launch:
+            monkeypatch.setattr(module, "launch", counting_launch)
+        if getattr(module, "launch_blocks", None) is original_blocks:
+            monkeypatch.setattr(module, "launch_blocks", counting_blocks)
+    with engine.debug.poison(False):
+        yield launched
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_flat_group_step_is_one_launch_on_cuda(kind, launches):
+    params = make_params("cuda", np.float32)
+    opt = OPTIMIZERS[kind](params, lr=0.01, **({"momentum": 0.9} if kind == "sgd" else {}))
+    for grads in grad_steps(2, np.float32):
+        set_grads(params, grads)
+        launches.clear()
+        opt.step()
+        assert launches == [f"{kind.replace('adamw', 'adam')}_cuda"]
+
+
+@pytest.mark.cuda
+def test_per_tensor_step_is_one_launch_per_parameter(launches):
+    params = make_params("cuda", np.float32, flat=False)
+    opt = optim.Adam(params, lr=0.01)
+    set_grads(params, grad_steps(1, np.float32)[0])
+    launches.clear()
+    opt.step()
+    assert launches == ["adam_cuda"] * len(params)
+
+
+@pytest.mark.cuda
+def test_clip_grad_norm_of_a_flat_buffer_is_one_launch(launches):
+    params = make_params("cuda", np.float32)
+    set_grads(params, grad_steps(1, np.float32)[0])
+    launches.clear()
+    optim.clip_grad_norm_(params, max_norm=1.0)
+    assert launches == ["clip_norm_fused_cuda"]
+
+
+# ------------------------------------------------------------------ clipping
+
+def test_clip_grad_norm_hand_computed(device):
+    a = engine.tensor([3.0, -4.0], dtype=np.float64, device=device, requires_grad=True)
+    b = engine.tensor([[12.0]], dtype=np.float64, device=device, requires_grad=True)
+    a.grad = engine.tensor([3.0, -4.0], dtype=np.float64)
+    b.grad = engine.tensor([[12.0]], dtype=np.float64)
+    total = optim.clip_grad_norm_([a, b], max_norm=6.5)   # sqrt(9 + 16 + 144) = 13
+    assert isinstance(total, engine.Tensor) and total.shape == () and total.device == device
+    assert total.item() == 13.0
+    scale = 6.5 / (13.0 + 1e-6)
+    np.testing.assert_allclose(a.grad.numpy(), [3 * scale, -4 * scale], rtol=1e-15)
+    np.testing.assert_allclose(b.grad.numpy(), [[12 * scale]], rtol=1e-15)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_clip_grad_norm_orders(norm_type, flat, device):
+    params = make_params(device, flat=flat)
+    grads = grad_steps(1)[0]
+    set_grads(params, grads)
+    everything = np.concatenate([g.ravel() for g in grads])
+    expected = np.linalg.norm(everything, ord=norm_type)
+    total = optim.clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
+    np.testing.assert_allclose(total.item(), expected, rtol=1e-13)
+    for p, g in zip(params, grads):
+        np.testing.assert_allclose(p.grad.numpy(), g * (0.5 / (expected + 1e-6)), rtol=1e-13)
+
+
+def test_clip_grad_norm_below_max_leaves_gradients_bitwise(device):
+    params = make_params(device, np.float32)
+    grads = grad_steps(1, np.float32)[0]
+    set_grads(params, grads)
+    total = optim.clip_grad_norm_(params, max_norm=1e3)
+    assert total.dtype == np.float32
+    for p, g in zip(params, grads):
+        np.testing.assert_array_equal(p.grad.numpy(), g)
+
+
+def test_clip_grad_norm_nonfinite(device):
+    params = make_params(device, flat=False)
+    grads = grad_steps(1)[0]
+    grads[1][3] = np.nan
+    set_grads(params, grads)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optim.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    np.testing.assert_array_equal(params[0].grad.numpy(), grads[0])   # nothing scaled
+    assert math.isnan(optim.clip_grad_norm_(params, 1.0).item())
+    assert np.isnan(params[0].grad.numpy()).all()   # as torch: NaN coefficient
+
+
+def test_clip_grad_norm_ignores_missing_grads_and_empty():
+    a, b, c = make_params("cpu", flat=False)
+    a.grad = engine.tensor(np.full(SHAPES[0], 2.0))
+    assert optim.clip_grad_norm_([a, b, c], 100.0).item() == pytest.approx(2.0 * math.sqrt(15))
+    assert optim.clip_grad_norm_([b, c], 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_clip_grad_value(flat, device):
+    params = make_params(device, flat=flat)
+    grads = grad_steps(1)[0]
+    grads[0][0, 0] = np.nan
+    set_grads(params, grads)
+    optim.clip_grad_value_(params, clip_value=0.5)
+    for p, g in zip(params, grads):
+        np.testing.assert_array_equal(p.grad.numpy(), np.clip(g, -0.5, 0.5))   # NaN stays NaN
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ps: optim.clip_grad_norm_(ps, -1.0), "max_norm"),
+    (lambda ps: optim.clip_grad_norm_(ps, 1.0, norm_type=0), "norm_type"),
+    (lambda ps: optim.clip_grad_value_(ps, -0.1), "clip_value"),
+    (lambda ps: optim.clip_grad_norm_([np.ones(3)], 1.0), "not an engine Tensor"),
+])
+def test_clip_bad_arguments(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(make_params("cpu"))
+
+
+# ------------------------------------------------------------------ non-finite guard
+
+def test_skip_nonfinite_skips_and_counts(device):
+    params = make_params(device)
+    opt = optim.Adam(params, lr=0.01, skip_nonfinite=True)
+    steps = grad_steps(3)
+    set_grads(params, steps[0])
+    opt.step()
+    before = [p.numpy().copy() for p in params]
+    bad = [g.copy() for g in steps[1]]
+    bad[2][0, 0, 1] = np.inf
+    bad[0][1, 1] = np.nan
+    set_grads(params, bad)
+    with pytest.warns(RuntimeWarning, match="2 gradient value"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    for p, b in zip(params, before):
+        np.testing.assert_array_equal(p.numpy(), b)
+    assert opt.state[params[0]]["step"] == 1
+    set_grads(params, steps[2])
+    opt.step()
+    assert opt.skipped_steps == 1 and opt.state[params[0]]["step"] == 2
+    assert all(np.isfinite(p.numpy()).all() for p in params)
+
+
+def test_without_the_guard_nonfinite_gradients_reach_the_parameters():
+    params = make_params("cpu")
+    grads = grad_steps(1)[0]
+    grads[0][0, 0] = np.nan
+    set_grads(params, grads)
+    optim.SGD(params, lr=0.1).step()
+    assert np.isnan(params[0].numpy()[0, 0]) and np.isfinite(params[1].numpy()).all()
+
+
+# ------------------------------------------------------------------ state_dict: resume
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_resume_matches_uninterrupted_run_bitwise(kind, flat):
+    kwargs = {"lr": 0.05, "weight_decay": 0.01}
+    if kind == "sgd":
+        kwargs.update(momentum=0.9, nesterov=True)
+    steps = grad_steps(6, np.float32)
+
+    def train(params, opt, sched, part):
+        for grads in part:
+            set_grads(params, grads)
+            opt.step()
+            sched.step()
+
+    params = make_params("cpu", np.float32, flat=flat)
+    opt = OPTIMIZERS[kind](params, **kwargs)
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    train(params, opt, sched, steps)
+    uninterrupted = [p.numpy().copy() for p in params]
+
+    params = make_params("cpu", np.float32, flat=flat)
+    opt = OPTIMIZERS[kind](params, **kwargs)
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    train(params, opt, sched, steps[:3])
+    saved = ([p.numpy().copy() for p in params], opt.state_dict(), sched.state_dict())
+    train(params, opt, sched, steps[3:4])   # the saved copies must not change with it
+
+    resumed = make_params("cpu", np.float32, flat=flat, seed=9)
+    for p, value in zip(resumed, saved[0]):
+        p.data[...] = value
+    opt = OPTIMIZERS[kind](resumed, lr=123.0)
+    opt.load_state_dict(saved[1])
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    sched.load_state_dict(saved[2])
+    train(resumed, opt, sched, steps[3:])
+    for a, b in zip(uninterrupted, [p.numpy() for p in resumed]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.cuda
+def test_state_dict_moves_between_devices():
+    steps = grad_steps(4)
+    on_cpu = make_params("cpu")
+    opt = optim.Adam(on_cpu, lr=0.01)
+    for grads in steps[:2]:
+        set_grads(on_cpu, grads)
+        opt.step()
+    on_cuda = [Parameter(to_device(p.numpy(), "cuda")) for p in on_cpu]
+    FlatBuffer(on_cuda)
+    cuda_opt = optim.Adam(on_cuda, lr=0.01)
+    cuda_opt.load_state_dict(opt.state_dict())
+    for grads in steps[2:]:
+        for params, o in ((on_cpu, opt), (on_cuda, cuda_opt)):
+            set_grads(params, grads)
+            o.step()
+    for a, b in zip(on_cpu, on_cuda):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-13)
+
+
+def test_load_state_dict_rejects_a_mismatch():
+    params = make_params("cpu")
+    opt = optim.Adam(params, lr=0.01)
+    set_grads(params, grad_steps(1)[0])
+    opt.step()
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match="group 0 has 3 saved parameter"):
+        optim.Adam(params[:2], lr=0.01).load_state_dict(state)
+    with pytest.raises(ValueError, match="expected"):
+        optim.SGD(params, lr=0.1, momentum=0.9).load_state_dict(state)
+
+
+# ------------------------------------------------------------------ schedules
+
+def test_step_lr_and_cosine_and_lambda_values():
+    opt = optim.SGD(make_params("cpu"), lr=0.8)
+    step = optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rates = [opt.param_groups[0]["lr"]]
+    for _ in range(5):
+        step.step()
+        rates.append(step.get_last_lr()[0])
+    assert rates == [0.8, 0.8, 0.4, 0.4, 0.2, 0.2]
+
+    opt = optim.Adam(make_params("cpu"), lr=1.0)
+    cosine = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=0.2)
+    rates = [opt.param_groups[0]["lr"]]
+    for _ in range(4):
+        cosine.step()
+        rates.append(opt.param_groups[0]["lr"])
+    np.testing.assert_allclose(rates, [1.0, 0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2, 0.6,
+                                       0.2 + 0.8 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.2])
+
+    opt = optim.SGD(make_params("cpu"), lr=0.1)
+    warmup = optim.lr_scheduler.LambdaLR(opt, lambda epoch: min(1.0, (epoch + 1) / 3))
+    rates = [opt.param_groups[0]["lr"]]
+    for _ in range(3):
+        warmup.step()
+        rates.append(opt.param_groups[0]["lr"])
+    np.testing.assert_allclose(rates, [0.1 / 3, 0.2 / 3, 0.1, 0.1])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda opt: optim.lr_scheduler.StepLR(opt, step_size=0), "step_size"),
+    (lambda opt: optim.lr_scheduler.StepLR(opt, step_size=2, gamma=-1), "gamma"),
+    (lambda opt: optim.lr_scheduler.CosineAnnealingLR(opt, T_max=0), "T_max"),
+    (lambda opt: optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3, eta_min=-1), "eta_min"),
+    (lambda opt: optim.lr_scheduler.LambdaLR(opt, [lambda e: 1, lambda e: 2]), "lr_lambda"),
+    (lambda opt: optim.lr_scheduler.LambdaLR(opt, 0.5), "callable"),
+    (lambda opt: optim.lr_scheduler.StepLR(object(), step_size=1), "not an optim.Optimizer"),
+])
+def test_scheduler_bad_arguments(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make(optim.SGD(make_params("cpu"), lr=0.1))
+
+
+# ------------------------------------------------------------------ bad hyper-parameters
+
+@pytest.mark.parametrize("make, match", [
+    (lambda ps: optim.SGD(ps, lr=-0.1), "SGD: invalid lr"),
+    (lambda ps: optim.SGD(ps, lr=math.nan), "SGD: invalid lr"),
+    (lambda ps: optim.SGD(ps, lr=math.inf), "SGD: invalid lr"),
+    (lambda ps: optim.SGD(ps, lr=0.1, momentum=-0.9), "SGD: invalid momentum"),
+    (lambda ps: optim.SGD(ps, lr=0.1, dampening=-1), "SGD: invalid dampening"),
+    (lambda ps: optim.SGD(ps, lr=0.1, weight_decay=-1e-4), "SGD: invalid weight_decay"),
+    (lambda ps: optim.SGD(ps, lr=0.1, nesterov=True), "nesterov=True requires momentum > 0"),
+    (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "dampening = 0"),
+    (lambda ps: optim.SGD(ps, lr="0.1"), "SGD: lr must be a number"),
+    (lambda ps: optim.Adam(ps, lr=-1e-3), "Adam: invalid lr"),
+    (lambda ps: optim.Adam(ps, betas=(1.0, 0.999)), "Adam: invalid beta parameter at index 0"),
+    (lambda ps: optim.Adam(ps, betas=(0.9, -0.1)), "Adam: invalid beta parameter at index 1"),
+    (lambda ps: optim.Adam(ps, betas=0.9), "Adam: betas must be a pair"),
+    (lambda ps: optim.Adam(ps, eps=-1e-8), "Adam: invalid eps"),
+    (lambda ps: optim.Adam(ps, weight_decay=-0.1), "Adam: invalid weight_decay"),
+    (lambda ps: optim.AdamW(ps, betas=(0.9, 1.5)), "AdamW: invalid beta parameter at index 1"),
+    (lambda ps: optim.AdamW(ps, weight_decay=math.nan), "AdamW: invalid weight_decay"),
+    (lambda ps: optim.SGD([], lr=0.1), "empty parameter list"),
+    (lambda ps: optim.SGD(ps[0], lr=0.1), "single Tensor"),
+    (lambda ps: optim.SGD([np.ones(3)], lr=0.1), "not an engine Tensor"),
+    (lambda ps: optim.SGD([engine.tensor([1.0])], lr=0.1), "requires_grad=True"),
+    (lambda ps: optim.SGD([ps[0] * 2.0], lr=0.1), "leaf"),
+])
+def test_bad_hyper_parameters(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make(make_params("cpu"))
+
+
+# ------------------------------------------------------------------ against torch.optim
+
+TORCH_CASES = (
+    [("sgd", c) for c in SGD_CASES]
+    + [("adam", c) for c in ADAM_CASES[:2]]
+    + [("adamw", dict(lr=0.01)), ("adamw", dict(lr=0.02, betas=(0.8, 0.99), weight_decay=0.3))]
+)
+
+
+def _torch_optimizer(torch, kind, params, kwargs):
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](
+        params, **kwargs)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", TORCH_CASES, ids=case_id)
+def test_against_torch_optim(case, dtype):
+    torch = pytest.importorskip("torch")
+    kind, kwargs = case
+    steps = grad_steps(6, dtype)
+    params = make_params("cpu", dtype)
+    theirs = [torch.tensor(p.numpy().copy(), requires_grad=True) for p in params]
+    ours = run(lambda ps: OPTIMIZERS[kind](ps, **kwargs), params, steps)
+    opt = _torch_optimizer(torch, kind, theirs, kwargs)
+    for grads in steps:
+        for t, g in zip(theirs, grads):
+            t.grad = torch.tensor(g)
+        opt.step()
+    rtol = 2e-5 if dtype == np.float32 else 1e-12
+    for a, t in zip(ours, theirs):
+        np.testing.assert_allclose(a, t.detach().numpy(), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_against_torch(norm_type):
+    torch = pytest.importorskip("torch")
+    params = make_params("cpu", np.float32, flat=False)
+    grads = grad_steps(1, np.float32)[0]
+    set_grads(params, grads)
+    theirs = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+    for t, g in zip(theirs, grads):
+        t.grad = torch.tensor(g)
+    ours = optim.clip_grad_norm_(params, max_norm=0.7, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm=0.7, norm_type=norm_type)
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+    for p, t in zip(params, theirs):
+        np.testing.assert_allclose(p.grad.numpy(), t.grad.numpy(), rtol=1e-6)
+
+
+@pytest.mark.torch
+def test_schedulers_against_torch():
+    torch = pytest.importorskip("torch")
+    makers = [
+        (lambda o: optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3),
+         lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3)),
+        (lambda o: optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=0.01),
+         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=0.01)),
+        (lambda o: optim.lr_scheduler.LambdaLR(o, lambda e: 0.9 ** e),
+         lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9 ** e)),
+    ]
+    for ours_maker, theirs_maker in makers:
+        opt = optim.SGD(make_params("cpu"), lr=0.5)
+        torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+        ours, theirs = ours_maker(opt), theirs_maker(torch_opt)
+        for _ in range(12):
+            assert opt.param_groups[0]["lr"] == pytest.approx(torch_opt.param_groups[0]["lr"], rel=1e-12)
+            torch_opt.step()
+            ours.step()
+            theirs.step()
