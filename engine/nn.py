@@ -300,7 +300,8 @@ class Sequential:
             source = f"the model input {batch_shape(shape)}"
         else:
             previous = self.layers[index - 1]
-            source = f"layer {index - 1} '{previous.name}' {previous!r} with output {batch_shape(shape)}"
+            source = (f"layer {index - 1} '{previous.name}' {previous!r} with output "
+                      f"{batch_shape(shape)}")
         if layer.input_shape is not None and layer.input_shape != shape:
             raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
                              f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
@@ -378,8 +379,9 @@ class Sequential:
         if not isinstance(x, Tensor):
             dtype = self._flat[0].dtype if self._flat else np.float32
             x = tensor(x, dtype=dtype, device=self.device)
-        if x.ndim == 0:
-            raise ValueError(f"{self.name}: expects a batch (None, ...), got a 0-d tensor")
+        if x.ndim < 2:
+            raise ValueError(f"{self.name}: expects a batch of shape (None, features...), "
+                             f"got {x.shape}")
         if not self.built:
             if not self.layers:
                 raise RuntimeError(f"{self.name}: the model has no layers")
@@ -478,8 +480,9 @@ class Sequential:
     @classmethod
     def from_config(cls, config):
         """A model with the architecture of ``config`` (its weights zero, not initialised)."""
-        if config.get("format") != "engine.nn.Sequential":
-            raise ValueError(f"not an engine.nn.Sequential config (format {config.get('format')!r})")
+        kind = config.get("format") if isinstance(config, dict) else type(config).__name__
+        if kind != "engine.nn.Sequential":
+            raise ValueError(f"not an engine.nn.Sequential config (format {kind!r})")
         if config.get("version") != FORMAT_VERSION:
             raise ValueError(f"config version {config.get('version')!r} is not supported "
                              f"(this engine reads version {FORMAT_VERSION})")
