@@ -1,0 +1,353 @@
+"""Matrix products: BLAS on the CPU, our own tiled, register-blocked GEMM on CUDA.
+
+CPU: ``np.dot`` inside ``@njit`` writes straight into the preallocated output (SciPy's BLAS,
+measured equal to NumPy's ``@``); a transposed operand is passed as ``a.T``, a free view.
+
+CUDA: one kernel template (``_gemm_kernels``) built per dtype, tiling and operand layout.
+Each block computes a ``BM x BN`` tile of the output; each of its 256 threads keeps a
+``TM x TN`` sub-tile in registers (register blocking), walking K in steps of ``BK`` through
+two shared-memory buffers: while the block multiplies one buffer, every thread already holds
+the next K-slice in registers and stores it into the other buffer (double buffering, one
+barrier per step). Three tilings serve three regimes:
+
+- ``LARGE`` (128x128, 8x8 per thread) when it alone gives every multiprocessor a block;
+- ``MEDIUM`` (64x64, 4x4 per thread) for mid-sized outputs such as 1024x1024;
+- ``SMALL`` (16x16, one element per thread, BK=64) for MLP shapes such as 128x784x256:
+  many blocks and few, deep K steps, so the kernel is not a chain of memory latencies.
+
+Transposed operands (A·Bᵀ, Aᵀ·B) only change how a tile is fetched from global memory, so
+a backward pass never materialises a transpose. The same template carries the fused Dense
+kernels of ``ops.dense``: bias and activation as an epilogue, the activation's derivative as
+a prologue on the gradient operand, and a virtual row of ones that yields the bias gradient
+as one more output row. Sums run in a fixed order: results are reproducible run to run.
+"""
+import functools
+import math
+from collections import namedtuple
+
+import numpy as np
+from numba import cuda, njit
+from numba.np.numpy_support import from_dtype
+
+from ops.device import SIMULATOR, device_of
+from ops.launch import launch_blocks
+from ops.layout import same_device, same_dtype
+from ops.memory import empty
+from ops.registry import Op, register
+
+# ------------------------------------------------------------------ activations (epilogues)
+
+ACT_NONE, ACT_RELU, ACT_LEAKY_RELU, ACT_SIGMOID, ACT_TANH = range(5)
+ACTIVATIONS = {None: ACT_NONE, "relu": ACT_RELU, "leaky_relu": ACT_LEAKY_RELU,
+               "sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}
+
+
+def _activate(code, v, alpha):
+    zero = v - v
+    if code == ACT_RELU:
+        return v if v > zero else zero
+    if code == ACT_LEAKY_RELU:
+        return v if v > zero else v * alpha
+    if code == ACT_SIGMOID:   # never exp of a large positive number
+        if v >= zero:
+            return 1 / (1 + math.exp(-v))
+        e = math.exp(v)
+        return e / (1 + e)
+    if code == ACT_TANH:
+        return math.tanh(v)
+    return v
+
+
+def _scaled_grad(code, g, y, alpha):
+    """``g * act'(x)`` written in terms of the activation's output ``y`` (alpha >= 0)."""
+    if code == ACT_RELU:
+        return g if y > y - y else g - g
+    if code == ACT_LEAKY_RELU:
+        return g if y > y - y else g * alpha
+    if code == ACT_SIGMOID:
+        return g * (y * (1 - y))
+    if code == ACT_TANH:
+        return g * (1 - y * y)
+    return g
+
+
+activate_cpu = njit(inline="always")(_activate)
+scaled_grad_cpu = njit(inline="always")(_scaled_grad)
+_activate_cuda = cuda.jit(device=True)(_activate)
+_scaled_grad_cuda = cuda.jit(device=True)(_scaled_grad)
+
+# ------------------------------------------------------------------ CPU kernel
+
+
+@njit(cache=True)
+def gemm_cpu(a, b, out, trans_a, trans_b):
+    """out = op(a) @ op(b) through BLAS, op a free transpose view when asked."""
+    if trans_a and trans_b:
+        np.dot(a.T, b.T, out)
+    elif trans_a:
+        np.dot(a.T, b, out)
+    elif trans_b:
+        np.dot(a, b.T, out)
+    else:
+        np.dot(a, b, out)
+
+
+# ------------------------------------------------------------------ CUDA kernel template
+
+Tiling = namedtuple("Tiling", "BM BN BK TM TN")
+LARGE = Tiling(128, 128, 8, 8, 8)
+MEDIUM = Tiling(64, 64, 16, 4, 4)
+SMALL = Tiling(16, 16, 64, 1, 1)
+SIMULATED = Tiling(4, 4, 4, 2, 2)   # the simulator starts one OS thread per CUDA thread
+
+# what the template computes besides the plain product
+PLAIN, FORWARD, GRAD_A, GRAD_B = range(4)
+PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct banks
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors():
+    if SIMULATOR:
+        return 1
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def pick_tiling(m, n):
+    """The largest tiling that still gives every multiprocessor at least one block."""
+    if SIMULATOR:
+        return SIMULATED
+    for tiling in (LARGE, MEDIUM):
+        if math.ceil(m / tiling.BM) * math.ceil(n / tiling.BN) >= _multiprocessors():
+            return tiling
+    return SMALL
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
+    """The kernels for one dtype/tiling/layout/mode: a device function ``tile`` holding the
+    whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
+    arguments (each kernel argument costs launch time)."""
+    BM, BN, BK, TM, TN = tiling
+    TY, TX = BM // TM, BN // TN
+    THREADS = TY * TX
+    A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
+    numba_type = from_dtype(np.dtype(dtype))
+    ZERO, ONE = np.dtype(dtype).type(0), np.dtype(dtype).type(1)
+    ONES_ROW = mode == GRAD_B   # A gets a virtual last row of ones: that output row is db
+    A_TILE, B_TILE = (2, BK, BM + PAD), (2, BK, BN + PAD)   # constant shapes for the arrays
+    ACC = (TM, TN)
+
+    @cuda.jit(device=True)
+    def fetch_a(a, aux, regs, k0, row0, m_data, k_size, tid, alpha):
+        for load in range(A_LOADS):
+            e = tid + load * THREADS
+            if trans_a:   # consecutive threads read consecutive m of a (K, M) array
+                kk, r = e // BM, e % BM
+            else:
+                r, kk = e // BK, e % BK
+            m, k = row0 + r, k0 + kk
+            value = ZERO
+            if k < k_size:
+                if m < m_data:
+                    value = a[k, m] if trans_a else a[m, k]
+                    if mode == GRAD_A:
+                        value = _scaled_grad_cuda(act, value, aux[m, k], alpha)
+                elif ONES_ROW and m == m_data:
+                    value = ONE
+            regs[load] = value
+
+    @cuda.jit(device=True)
+    def stash_a(tile, buf, regs, tid):
+        for load in range(A_LOADS):
+            e = tid + load * THREADS
+            if trans_a:
+                kk, r = e // BM, e % BM
+            else:
+                r, kk = e // BK, e % BK
+            tile[buf, kk, r] = regs[load]
+
+    @cuda.jit(device=True)
+    def fetch_b(b, aux, regs, k0, col0, n_size, k_size, tid, alpha):
+        for load in range(B_LOADS):
+            e = tid + load * THREADS
+            if trans_b:   # b is (N, K): consecutive threads read consecutive k
+                c, kk = e // BK, e % BK
+            else:
+                kk, c = e // BN, e % BN
+            n, k = col0 + c, k0 + kk
+            value = ZERO
+            if k < k_size and n < n_size:
+                value = b[n, k] if trans_b else b[k, n]
+                if mode == GRAD_B:
+                    value = _scaled_grad_cuda(act, value, aux[k, n], alpha)
+            regs[load] = value
+
+    @cuda.jit(device=True)
+    def stash_b(tile, buf, regs, tid):
+        for load in range(B_LOADS):
+            e = tid + load * THREADS
+            if trans_b:
+                c, kk = e // BK, e % BK
+            else:
+                kk, c = e // BN, e % BN
+            tile[buf, kk, c] = regs[load]
+
+    @cuda.jit(device=True)
+    def tile_product(a, b, out, aux, side, bias, alpha):
+        a_tile = cuda.shared.array(A_TILE, numba_type)
+        b_tile = cuda.shared.array(B_TILE, numba_type)
+        acc = cuda.local.array(ACC, numba_type)
+        a_regs = cuda.local.array(A_LOADS, numba_type)
+        b_regs = cuda.local.array(B_LOADS, numba_type)
+        a_frag = cuda.local.array(TM, numba_type)
+        b_frag = cuda.local.array(TN, numba_type)
+        tid = cuda.threadIdx.x
+        ty, tx = tid // TX, tid % TX
+        row0, col0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
+        if trans_a:
+            k_size, m_data = a.shape[0], a.shape[1]
+        else:
+            m_data, k_size = a.shape[0], a.shape[1]
+        n_size = out.shape[1]
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = ZERO
+        fetch_a(a, aux, a_regs, 0, row0, m_data, k_size, tid, alpha)
+        fetch_b(b, aux, b_regs, 0, col0, n_size, k_size, tid, alpha)
+        stash_a(a_tile, 0, a_regs, tid)
+        stash_b(b_tile, 0, b_regs, tid)
+        cuda.syncthreads()
+        steps = (k_size + BK - 1) // BK
+        for step in range(steps):
+            cur = step % 2
+            more = step + 1 < steps
+            if more:   # global loads of the next slice overlap the math on this one
+                fetch_a(a, aux, a_regs, (step + 1) * BK, row0, m_data, k_size, tid, alpha)
+                fetch_b(b, aux, b_regs, (step + 1) * BK, col0, n_size, k_size, tid, alpha)
+            for kk in range(BK):
+                # thread (ty, tx) owns rows ty + i*TY and columns tx + j*TX: a warp reads
+                # consecutive shared words (no bank conflicts) and stores coalesced
+                for i in range(TM):
+                    a_frag[i] = a_tile[cur, kk, ty + i * TY]
+                for j in range(TN):
+                    b_frag[j] = b_tile[cur, kk, tx + j * TX]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += a_frag[i] * b_frag[j]
+            if more:
+                stash_a(a_tile, 1 - cur, a_regs, tid)
+                stash_b(b_tile, 1 - cur, b_regs, tid)
+            cuda.syncthreads()
+        for i in range(TM):
+            m = row0 + ty + i * TY
+            for j in range(TN):
+                n = col0 + tx + j * TX
+                if n < n_size:
+                    if m < m_data:
+                        value = acc[i, j]
+                        if mode == FORWARD:
+                            value = _activate_cuda(act, value + bias[n], alpha)
+                        out[m, n] = value
+                    elif ONES_ROW and m == m_data:
+                        side[n] = acc[i, j]
+
+    if mode == PLAIN:
+        @cuda.jit
+        def gemm_cuda(a, b, out):
+            tile_product(a, b, out, a, out[0], out[0], ZERO)
+        return gemm_cuda
+    if mode == FORWARD:
+        @cuda.jit
+        def dense_forward_cuda(x, w, bias, out, alpha):
+            tile_product(x, w, out, x, bias, bias, alpha)
+        return dense_forward_cuda
+    if mode == GRAD_A:
+        @cuda.jit
+        def dense_grad_input_cuda(g, y, w, grad_x, alpha):
+            tile_product(g, w, grad_x, y, grad_x[0], grad_x[0], alpha)
+        return dense_grad_input_cuda
+
+    @cuda.jit
+    def dense_grad_params_cuda(x, g, y, grad_w, grad_b, alpha):
+        tile_product(x, g, grad_w, y, grad_b, grad_b, alpha)
+    return dense_grad_params_cuda
+
+
+def launch_gemm(mode, m, n, dtype, trans_a, trans_b, act, *args):
+    """Launch the ``mode`` kernel over an (m, n) output with the tiling that suits it."""
+    tiling = pick_tiling(m, n)
+    kernel = _gemm_kernels(np.dtype(dtype), tiling, trans_a, trans_b, mode, act)
+    blocks = (math.ceil(n / tiling.BN), math.ceil(m / tiling.BM))
+    launch_blocks(kernel, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), *args)
+
+
+# ------------------------------------------------------------------ array-level GEMM
+
+def gemm(a, b, trans_a=False, trans_b=False, out=None):
+    """``op(a) @ op(b)`` for 2-D arrays on one device, ``op`` a transpose when asked.
+
+    ``out`` (C-contiguous, the right shape) receives the result when given."""
+    device = same_device("matmul", a, b)
+    dtype = same_dtype("matmul", a, b)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"matmul: gemm takes 2-D arrays, got shapes {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+    m, k = (a.shape[1], a.shape[0]) if trans_a else tuple(a.shape)
+    k_b, n = (b.shape[1], b.shape[0]) if trans_b else tuple(b.shape)
+    if k != k_b:
+        raise ValueError(f"matmul: inner dimensions differ: {_described(a, trans_a)} @ "
+                         f"{_described(b, trans_b)}")
+    if out is None:
+        out = empty((m, n), dtype, device)
+    elif tuple(out.shape) != (m, n):
+        raise ValueError(f"matmul: output buffer has shape {tuple(out.shape)}, expected {(m, n)}")
+    if device == "cuda":
+        launch_gemm(PLAIN, m, n, dtype, bool(trans_a), bool(trans_b), ACT_NONE, a, b, out)
+    else:
+        gemm_cpu(a, b, out, bool(trans_a), bool(trans_b))
+    return out
+
+
+def _described(x, transposed):
+    return f"{tuple(x.shape)}" + ("ᵀ" if transposed else "")
+
+
+# ------------------------------------------------------------------ the op
+
+def _registered_cuda_kernels():
+    f32 = np.dtype(np.float32)
+    tiling = SIMULATED if SIMULATOR else SMALL
+    return tuple(_gemm_kernels(f32, tiling, ta, tb, PLAIN, ACT_NONE)
+                 for ta, tb in ((False, False), (False, True), (True, False)))
+
+
+@register
+class MatMul(Op):
+    """``a @ b`` for a (..., K) and b (K, N); backward uses the transposed GEMMs."""
+    name = "matmul"
+    cpu_kernels = (gemm_cpu,)
+    cuda_kernels = _registered_cuda_kernels()
+
+    def forward(self, a, b):
+        a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+        if len(a_shape) < 2 or len(b_shape) != 2:
+            raise ValueError(f"matmul: expects a (..., K) @ (K, N) product (2-D x 2-D or N-D x "
+                             f"2-D), got shapes {a_shape} and {b_shape}")
+        if a_shape[-1] != b_shape[0]:
+            raise ValueError(f"matmul: inner dimensions differ: {a_shape} @ {b_shape}")
+        self.a_shape = a_shape
+        self.a2 = a.reshape(math.prod(a_shape[:-1]), a_shape[-1])   # C-contiguous: a free view
+        self.b = b
+        return gemm(self.a2, b).reshape(a_shape[:-1] + (b_shape[1],))
+
+    def backward(self, grad_out, grad_dst):
+        needs_a, needs_b = self.needs_input_grad
+        g = grad_out.reshape(self.a2.shape[0], self.b.shape[1])
+        grad_a = grad_b = None
+        if needs_a:   # dA = G @ Bᵀ
+            dst = grad_dst[0].reshape(self.a2.shape) if grad_dst[0] is not None else None
+            grad_a = gemm(g, self.b, trans_b=True, out=dst)
+            grad_a = grad_dst[0] if dst is not None else grad_a.reshape(self.a_shape)
+        if needs_b:   # dB = Aᵀ @ G
+            grad_b = gemm(self.a2, g, trans_a=True, out=grad_dst[1])
+        return grad_a, grad_b

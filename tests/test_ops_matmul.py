@@ -1,0 +1,316 @@
+"""matmul, fused Dense, softmax / log_softmax and the losses on every backend.
+
+Simulator shapes are tiny and odd so they straddle the simulated 4x4 tiles and the K steps;
+the ``gpu`` tests run the real tilings (SMALL, MEDIUM, LARGE) on large odd shapes against
+NumPy in float64.
+"""
+import numpy as np
+import pytest
+
+import engine
+from engine import losses
+from engine.autograd import apply
+from engine.parameter import FlatBuffer, Parameter
+from ops import matmul as mm
+from ops.dense import Dense
+from ops.device import to_device, to_host
+from ops.memory import empty
+from tests.op_check import Case, check_op
+
+ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
+
+
+def _np_activation(name, v, alpha=0.01):
+    if name == "relu":
+        return np.maximum(v, 0)
+    if name == "leaky_relu":
+        return np.where(v > 0, v, alpha * v)
+    if name == "sigmoid":
+        return 1 / (1 + np.exp(-v))
+    if name == "tanh":
+        return np.tanh(v)
+    return v
+
+
+def _np_log_softmax(x, axis=-1):
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+def _dense_case(activation, shapes=((5, 7), (7, 3), (3,)), grad=None, alpha=0.2):
+    return Case(
+        "dense", shapes,
+        lambda x, w, b: apply(Dense, x, w, b, activation=activation, alpha=alpha),
+        lambda x, w, b: _np_activation(activation, x @ w + b, alpha), grad=grad)
+
+
+def _labels_case(rows, classes, dtype=np.int64):
+    def make(rng):
+        return [rng.uniform(-3, 3, size=(rows, classes)),
+                rng.integers(0, classes, size=rows).astype(dtype)]
+
+    def ref(logits, labels):
+        return -_np_log_softmax(logits)[np.arange(rows), labels].mean()
+
+    return Case("cross_entropy", ((rows, classes), (rows,)), losses.cross_entropy, ref,
+                make_inputs=make)
+
+
+def _bce_ref(p, t):
+    return -(t * np.log(p) + (1 - t) * np.log(1 - p)).mean()
+
+
+def _bce_inputs(rng):
+    return [rng.uniform(0.05, 0.95, size=(5, 3)), rng.uniform(0, 1, size=(5, 3))]
+
+
+CASES = (
+    [Case("matmul", s, lambda a, b: a @ b, np.matmul)
+     for s in [((5, 7), (7, 3)), ((1, 1), (1, 1)), ((9, 4), (4, 6)), ((2, 3, 5), (5, 4)),
+               ((3, 9), (9, 1))]]
+    + [_dense_case(act) for act in ACTIVATIONS]
+    + [_dense_case("relu", grad=(False, True, True)), _dense_case("tanh", ((1, 9), (9, 5), (5,)))]
+    + [Case("softmax", ((3, 5),), lambda x: x.softmax(), lambda x: np.exp(_np_log_softmax(x))),
+       Case("softmax", ((2, 3, 4),), lambda x: engine.softmax(x, axis=1),
+            lambda x: np.exp(_np_log_softmax(x, axis=1))),
+       Case("softmax", ((),), lambda x: x.softmax(axis=0), lambda x: np.ones(())),
+       Case("log_softmax", ((3, 5),), lambda x: x.log_softmax(), _np_log_softmax),
+       Case("log_softmax", ((2, 3, 4),), lambda x: x.log_softmax(axis=0),
+            lambda x: _np_log_softmax(x, axis=0)),
+       Case("log_softmax", ((7,),), engine.log_softmax, _np_log_softmax)]
+    + [_labels_case(6, 4), _labels_case(1, 1), _labels_case(5, 3, np.uint8)]
+    + [Case("binary_cross_entropy", ((5, 3), (5, 3)), losses.binary_cross_entropy, _bce_ref,
+            make_inputs=_bce_inputs),
+       Case("binary_cross_entropy", ((7,), (7,)), losses.binary_cross_entropy, _bce_ref,
+            make_inputs=lambda rng: [rng.uniform(0.1, 0.9, 7), rng.integers(0, 2, 7) * 1.0],
+            grad=(True, False)),
+       Case("mse", ((4, 3), (4, 3)), losses.mse, lambda p, t: ((p - t) ** 2).mean()),
+       Case("mse", ((), ()), losses.mse, lambda p, t: (p - t) ** 2)]
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_op(case, device):
+    check_op(case, device)
+
+
+# ------------------------------------------------------------------ gemm, transposed variants
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+def test_gemm_transposed_variants(device, trans_a, trans_b):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((7, 5)), rng.standard_normal((5, 6))
+    stored_a = np.ascontiguousarray(a.T) if trans_a else a
+    stored_b = np.ascontiguousarray(b.T) if trans_b else b
+    out = to_device(np.full((7, 6), np.nan), device)
+    result = mm.gemm(to_device(stored_a, device), to_device(stored_b, device),
+                     trans_a=trans_a, trans_b=trans_b, out=out)
+    assert result is out
+    np.testing.assert_allclose(to_host(out), a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_gemm_with_empty_inner_dimension_writes_zeros(device):
+    a, b = to_device(np.ones((3, 0)), device), to_device(np.ones((0, 2)), device)
+    with engine.debug.poison():
+        np.testing.assert_array_equal(to_host(mm.gemm(a, b)), np.zeros((3, 2)))
+
+
+# ------------------------------------------------------------------ fused Dense
+
+def _composed(x, w, b, activation, alpha):
+    z = x @ w + b
+    if activation == "leaky_relu":
+        return z.leaky_relu(alpha)
+    return z if activation is None else getattr(z, activation)()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fused_dense_equals_composition(device, activation):
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((6, 5)), rng.standard_normal((5, 7)), rng.standard_normal(7)]
+    upstream = rng.standard_normal((6, 7))
+    results = []
+    for fused in (True, False):
+        x, w, b = [engine.tensor(a, dtype=np.float64, device=device, requires_grad=True)
+                   for a in arrays]
+        y = (apply(Dense, x, w, b, activation=activation, alpha=0.1) if fused
+             else _composed(x, w, b, activation, 0.1))
+        (y * engine.tensor(upstream, dtype=np.float64, device=device)).sum().backward()
+        results.append([y.numpy(), x.grad.numpy(), w.grad.numpy(), b.grad.numpy()])
+    for what, got, want in zip(["output", "dx", "dW", "db"], *results):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"fused dense {activation} {what} on {device}")
+
+
+def test_dense_writes_parameter_grads_into_the_flat_buffer(device):
+    rng = np.random.default_rng(4)
+    w = Parameter(to_device(rng.standard_normal((5, 3)), device))
+    b = Parameter(to_device(rng.standard_normal(3), device))
+    flat_buffer = FlatBuffer([w, b])
+    x = engine.tensor(rng.standard_normal((4, 5)), dtype=np.float64, device=device)
+    apply(Dense, x, w, b, activation="tanh").sum().backward()
+    x_np, w_np, b_np = x.numpy(), w.numpy(), b.numpy()
+    g = 1 - np.tanh(x_np @ w_np + b_np) ** 2
+    np.testing.assert_allclose(to_host(flat_buffer.grad),
+                               np.concatenate([(x_np.T @ g).ravel(), g.sum(axis=0)]), rtol=1e-12)
+    assert x.grad is None
+
+
+def test_dense_backward_returns_the_destination_buffers(device):
+    rng = np.random.default_rng(5)
+    x, w, b = [to_device(rng.standard_normal(s), device) for s in ((4, 5), (5, 3), (3,))]
+    op = Dense(activation="relu")
+    op.needs_input_grad = (False, True, True)
+    op.forward(x, w, b)
+    dw, db = empty((5, 3), np.float64, device), empty((3,), np.float64, device)
+    grads = op.backward(to_device(np.ones((4, 3)), device), (None, dw, db))
+    assert grads[0] is None and grads[1] is dw and grads[2] is db
+
+
+def test_dense_rejects_bad_arguments(device):
+    x, w, b = [engine.zeros(*s, device=device) for s in ((4, 5), (5, 3), (3,))]
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        apply(Dense, x, w, b, activation="gelu")
+    with pytest.raises(ValueError, match=r"\(4, 5\), \(4, 3\), \(3,\)"):
+        apply(Dense, x, engine.zeros(4, 3, device=device), b)
+    with pytest.raises(ValueError, match="alpha must be >= 0"):
+        apply(Dense, x, w, b, activation="leaky_relu", alpha=-0.5)
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def test_matmul_rejects_bad_shapes(device):
+    a = engine.zeros(3, 4, device=device)
+    with pytest.raises(ValueError, match=r"inner dimensions differ: \(3, 4\) @ \(5, 2\)"):
+        a @ engine.zeros(5, 2, device=device)
+    with pytest.raises(ValueError, match=r"got shapes \(4,\) and \(4, 2\)"):
+        engine.zeros(4, device=device) @ engine.zeros(4, 2, device=device)
+    with pytest.raises(ValueError, match=r"got shapes \(3, 4\) and \(\)"):
+        a @ engine.zeros(device=device)
+
+
+def _raise_from_cross_entropy(logits, labels):
+    # on a real GPU the bad label is flagged by the kernel and raised by the next call
+    for _ in range(2):
+        losses.cross_entropy(logits, labels).item()
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_cross_entropy_rejects_labels_out_of_range(device, bad):
+    logits = engine.zeros(3, 4, device=device, requires_grad=True)
+    labels = np.array([0, 1, bad])
+    with pytest.raises(ValueError, match=rf"label {bad} at row 2 is outside \[0, 4\)"):
+        _raise_from_cross_entropy(logits, labels)   # host labels: checked before the copy
+    with pytest.raises(ValueError, match=rf"label {bad} at row 2 is outside \[0, 4\)"):
+        _raise_from_cross_entropy(logits, engine.tensor(labels, device=device))
+    ok = losses.cross_entropy(logits, engine.tensor([0, 1, 3], device=device))
+    assert np.isclose(ok.item(), np.log(4))   # the flag was cleared by the raise
+
+
+def test_cross_entropy_rejects_bad_shapes_and_dtypes(device):
+    logits = engine.zeros(3, 4, device=device)
+    with pytest.raises(ValueError, match=r"logits \(N, C\) and labels \(N,\), got \(3, 4\) and \(2,\)"):
+        losses.cross_entropy(logits, [0, 1])
+    with pytest.raises(TypeError, match="labels must be integers, got float64"):
+        losses.cross_entropy(logits, np.zeros(3))
+
+
+def test_bce_and_mse_reject_bad_inputs(device):
+    p = engine.tensor([0.5, 0.2], device=device)
+    with pytest.raises(ValueError, match=r"prediction \(2,\) and target \(3,\)"):
+        losses.mse(p, engine.zeros(3, device=device))
+    with pytest.raises(ValueError, match=r"prediction \(2,\) and target \(1,\)"):
+        losses.binary_cross_entropy(p, [1.0])
+    bad = engine.tensor([0.5, 1.5], device=device)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"must lie in \[0, 1\], got 1.5"):
+            losses.binary_cross_entropy(bad, [1.0, 0.0])
+    else:   # no host round trip on CUDA: the loss becomes NaN
+        assert np.isnan(losses.binary_cross_entropy(bad, [1.0, 0.0]).item())
+
+
+def test_bce_is_finite_at_saturated_probabilities(device):
+    p = engine.tensor([0.0, 1.0, 1.0], dtype=np.float64, device=device, requires_grad=True)
+    loss = losses.BCELoss()(p, [1.0, 0.0, 1.0])
+    assert np.isclose(loss.item(), 200 / 3)
+    loss.backward()
+    assert np.all(np.isfinite(p.grad.numpy()))
+
+
+def test_cross_entropy_takes_the_upstream_gradient(device):
+    logits = engine.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]], dtype=np.float64,
+                           device=device, requires_grad=True)
+    loss = losses.CrossEntropyLoss()(logits, engine.tensor([1, 2], device=device))
+    (loss * 3.0).backward()
+    probs = np.exp(_np_log_softmax(logits.numpy()))
+    expected = (probs - np.eye(3)[[1, 2]]) * 3.0 / 2
+    np.testing.assert_allclose(logits.grad.numpy(), expected, rtol=1e-12)
+
+
+def test_loss_objects_match_functions(device):
+    p = engine.tensor([[0.2, 0.7]], device=device)
+    t = engine.tensor([[0.0, 1.0]], device=device)
+    assert losses.MSELoss()(p, t).item() == losses.mse(p, t).item()
+    assert repr(losses.MSELoss()) == "MSELoss()"
+
+
+# ------------------------------------------------------------------ real GPU, large shapes
+
+def _gpu_tolerance(k):
+    return dict(rtol=1e-4, atol=2e-5 * max(k, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1000, 513, 257), (128, 784, 256), (784, 128, 256),
+                                   (1537, 300, 1539), (4096, 17, 4097), (3, 1000, 5)])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False)])
+def test_gpu_gemm_large_shapes_against_float64(m, k, n, trans_a, trans_b):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    stored_a = np.ascontiguousarray(a.T) if trans_a else a
+    stored_b = np.ascontiguousarray(b.T) if trans_b else b
+    out = mm.gemm(to_device(stored_a, "cuda"), to_device(stored_b, "cuda"), trans_a, trans_b)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(out.copy_to_host(), expected, **_gpu_tolerance(k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("n,fan_in,fan_out", [(128, 784, 256), (128, 256, 128), (128, 128, 10),
+                                              (1000, 513, 257)])
+def test_gpu_dense_mlp_shapes_against_float64(activation, n, fan_in, fan_out):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, fan_in)).astype(np.float32)
+    w = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
+    b = rng.standard_normal(fan_out).astype(np.float32)
+    upstream = rng.standard_normal((n, fan_out)).astype(np.float32)
+    xt, wt, bt = [engine.tensor(v, device="cuda", requires_grad=True) for v in (x, w, b)]
+    y = apply(Dense, xt, wt, bt, activation=activation, alpha=0.1)
+    (y * engine.tensor(upstream, device="cuda")).sum().backward()
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    y64 = _np_activation(activation, x64 @ w64 + b, 0.1)
+    dz = upstream * {None: 1.0, "relu": (y64 > 0) * 1.0, "leaky_relu": np.where(y64 > 0, 1, 0.1),
+                     "sigmoid": y64 * (1 - y64), "tanh": 1 - y64 ** 2}[activation]
+    np.testing.assert_allclose(y.numpy(), y64, **_gpu_tolerance(fan_in))
+    np.testing.assert_allclose(xt.grad.numpy(), dz @ w64.T, **_gpu_tolerance(fan_out))
+    np.testing.assert_allclose(wt.grad.numpy(), x64.T @ dz, **_gpu_tolerance(n))
+    np.testing.assert_allclose(bt.grad.numpy(), dz.sum(axis=0), **_gpu_tolerance(n))
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_cross_entropy_large():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((4099, 1000)).astype(np.float32) * 5
+    labels = rng.integers(0, 1000, 4099)
+    t = engine.tensor(logits, device="cuda", requires_grad=True)
+    loss = losses.cross_entropy(t, engine.tensor(labels, device="cuda"))
+    loss.backward()
+    log_p = _np_log_softmax(logits.astype(np.float64))
+    np.testing.assert_allclose(loss.item(), -log_p[np.arange(4099), labels].mean(), rtol=1e-5)
+    expected = (np.exp(log_p) - np.eye(1000)[labels]) / 4099
+    np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(engine.softmax(t, axis=0).numpy(),
+                               np.exp(_np_log_softmax(logits.astype(np.float64), axis=0)),
+                               rtol=1e-4, atol=1e-7)
