@@ -21,6 +21,7 @@ Subclasses name their state buffers (``_state_names``), validate their hyper-par
 (``_check_group``) and launch their kernel (``_update``).
 """
 import warnings
+import weakref
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Optimizer:
         self.param_groups = []
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
-        self._flat_state = {}   # id(FlatBuffer) -> {state name: flat array}
+        self._flat_state = weakref.WeakKeyDictionary()   # FlatBuffer -> {state name: flat array}
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
                             "got a single Tensor (wrap it in a list)")
@@ -126,14 +127,16 @@ class Optimizer:
     def _step_group(self, group):
         params = group["params"]
         buffer = whole_flat_buffer(params)
-        if buffer is not None and buffer.grads_valid() and self._steps_aligned(params):
-            for p in params:
-                if p not in self.state:
-                    self._init_state(group, p)
-                self.state[p]["step"] += 1
-            self._update(group, buffer.data, buffer.grad,
-                         self._flat_buffers(group, buffer), self.state[params[0]]["step"])
-            return
+        if buffer is not None:
+            flat_state = self._flat_buffers(group, buffer)
+            if buffer.grads_valid() and self._steps_aligned(params):
+                for p in params:
+                    if p not in self.state:
+                        self._init_state(group, p)
+                    self.state[p]["step"] += 1
+                self._update(group, buffer.data, buffer.grad, flat_state,
+                             self.state[params[0]]["step"])
+                return
         for p in params:
             grad = p.grad
             if grad is None:
@@ -144,6 +147,9 @@ class Optimizer:
             if p not in self.state:
                 self._init_state(group, p)
             state = self.state[p]
+            for name in self._state_names(group):
+                if device_of(state[name]) != p.device:   # the parameter moved since
+                    state[name] = to_device(state[name], p.device)
             state["step"] += 1
             buffers = tuple(flat(state[name]) for name in self._state_names(group))
             self._update(group, flat(p.data), flat(grad.data), buffers, state["step"])
@@ -185,19 +191,22 @@ class Optimizer:
         self.state[p] = state
 
     def _flat_buffers(self, group, buffer):
-        """The group's flat state arrays (allocated once, like ``buffer``'s device and dtype)."""
-        storage = self._flat_state.get(id(buffer))
-        if storage is None:
-            storage = {name: empty(buffer.size, buffer.dtype, buffer.device)
-                       for name in self._state_names(group)}
-            self._flat_state[id(buffer)] = storage
-        arrays = tuple(storage[name] for name in self._state_names(group))
-        for array in arrays:
-            if device_of(array) != buffer.device:
-                raise RuntimeError(f"{self._name}: the parameters moved to {buffer.device} after the "
-                                   f"optimizer state was made on {device_of(array)}; move the "
-                                   "model before creating the optimizer, or reload a state_dict")
-        return arrays
+        """The group's flat state arrays, like ``buffer`` in size, device and dtype. Made once;
+        made again (and the parameters' state moved into them) when the model was re-packed
+        into a new FlatBuffer or moved to another device after the state was created."""
+        names = self._state_names(group)
+        storage = self._flat_state.get(buffer)
+        if storage is None or any(name not in storage or device_of(storage[name]) != buffer.device
+                                  or storage[name].size != buffer.size for name in names):
+            storage = {name: empty(buffer.size, buffer.dtype, buffer.device) for name in names}
+            self._flat_state[buffer] = storage
+            for p, offset in zip(buffer.params, buffer.offsets):
+                state = self.state.get(p)
+                for name in names if state is not None else ():
+                    view = storage[name][offset:offset + p.size].reshape(p.shape)
+                    _copy_into(view, state[name])
+                    state[name] = view
+        return tuple(storage[name] for name in names)
 
     def state_dict(self):
         """``{"state": {index: {"step", buffers as NumPy copies}}, "param_groups": [...],
@@ -245,7 +254,7 @@ class Optimizer:
             new_groups.append(new_group)
         self.param_groups = new_groups
         self.state = {}
-        self._flat_state = {}
+        self._flat_state = weakref.WeakKeyDictionary()
         for saved, group in zip(saved_groups, self.param_groups):
             for number, p in zip(saved["params"], group["params"]):
                 if number in state_dict["state"]:
@@ -265,11 +274,16 @@ class Optimizer:
             if values.shape != p.shape:
                 raise ValueError(f"{self._name}.load_state_dict: saved {name} has shape "
                                  f"{values.shape}, the parameter {p.shape}")
-            values = np.ascontiguousarray(values, dtype=p.dtype)
-            if device_of(state[name]) == "cuda":
-                state[name].copy_to_device(to_device(values, "cuda"))
-            else:
-                state[name][...] = values
+            _copy_into(state[name], np.ascontiguousarray(values, dtype=p.dtype))
+
+
+def _copy_into(destination, source):
+    """Copy ``source`` (host or device, same shape) into ``destination`` on its device."""
+    if device_of(destination) == "cuda":
+        destination.copy_to_device(source if device_of(source) == "cuda"
+                                   else np.ascontiguousarray(source))
+    else:
+        destination[...] = to_host(source)
 
 
 def whole_flat_buffer(params):

@@ -631,3 +631,64 @@ def test_schedulers_against_torch():
             torch_opt.step()
             ours.step()
             theirs.step()
+
+
+# ------------------------------------------------------------------ moved and re-packed parameters
+
+def test_state_follows_a_repacked_flat_buffer():
+    """A model re-packs its parameters into a new FlatBuffer (say, built on first call)
+    after the optimizer made its state: the state moves into the new flat state buffers."""
+    steps = grad_steps(4)
+    uninterrupted = run(lambda ps: optim.Adam(ps, lr=0.01), make_params("cpu"), steps)
+    params = make_params("cpu")
+    opt = optim.Adam(params, lr=0.01)
+    for k, grads in enumerate(steps):
+        if k == 2:
+            FlatBuffer(params[::-1])   # another order, other offsets
+        set_grads(params, grads)
+        opt.step()
+    for a, p in zip(uninterrupted, params):
+        np.testing.assert_array_equal(p.numpy(), a)
+
+
+@pytest.mark.cuda
+def test_state_follows_a_model_moved_to_cuda(launches):
+    steps = grad_steps(4)
+    on_cpu = run(lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), make_params("cpu"), steps)
+    params = make_params("cpu")
+    opt = optim.SGD(params, lr=0.1, momentum=0.9)
+    for k, grads in enumerate(steps):
+        if k == 2:
+            params[0].flat.to("cuda")
+        set_grads(params, grads)
+        launches.clear()
+        opt.step()
+    assert launches == ["sgd_cuda"]
+    for a, p in zip(on_cpu, params):
+        assert p.device == "cuda"
+        np.testing.assert_allclose(p.numpy(), a, rtol=1e-13)
+
+
+# ------------------------------------------------------------------ the reference MLP
+
+@pytest.mark.cuda
+def test_mlp_training_step_launches_on_cuda(launches):
+    """engine.nn packs a model's parameters in one FlatBuffer: clipping is one launch and
+    the optimizer step one more, whatever the number of layers."""
+    from engine import nn
+    model = nn.Sequential([nn.Dense(7, activation="relu", input_shape=(5,)), nn.Dense(6),
+                           nn.Dense(3)]).to("cuda")
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    x = engine.randn(4, 5, device="cuda")
+    target = engine.randn(4, 3, device="cuda")
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = ((model(x) - target) ** 2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        launches.clear()
+        optim.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        assert launches == ["clip_norm_fused_cuda", "adam_cuda"]
+    assert losses[-1] < losses[0]
