@@ -96,6 +96,14 @@ def test_dropout_masks_identical_on_cpu_and_cuda():
     np.testing.assert_array_equal(nn.Dropout(0.4)(engine.tensor(x, device="cuda")).numpy(), on_cpu)
 
 
+@pytest.mark.gpu
+def test_dropout_masks_identical_on_cpu_and_gpu_at_scale():
+    x = np.random.default_rng(0).standard_normal((1000, 1001)).astype(np.float32)
+    cpu = dropout_op.dropout(x, 0.25, SEED)
+    gpu = dropout_op.dropout(engine.tensor(x, device="cuda").data, 0.25, SEED)
+    np.testing.assert_array_equal(gpu.copy_to_host(), cpu)
+
+
 def test_dropout_is_identity_in_eval_mode(device):
     model = nn.Sequential([nn.Flatten(input_shape=(3, 4)), nn.Dropout(0.5)]).to(device)
     x = engine.randn(5, 3, 4, device=device)
