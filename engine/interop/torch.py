@@ -128,6 +128,10 @@ class EngineModule(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
+        if not getattr(model, "built", True):
+            raise RuntimeError("as_function: the engine model is not built yet, so it has no "
+                               "parameters for torch to see; give its first layer "
+                               "input_shape=... or call it once on a batch before wrapping")
         self.model = model
         found = model.parameters() if hasattr(model, "parameters") else []
         self.engine_parameters = _pack(list(found))
@@ -157,7 +161,7 @@ class EngineModule(torch.nn.Module):
             if self.engine_parameters:
                 first = self.engine_parameters[0]
                 _check_boundary("as_function", f"torch input {i}", x,
-                                f"the engine model's parameters", first)
+                                "the engine model", first)
         for p, view in zip(self.engine_parameters, self.engine_views):
             if p.device != view.device.type or _address(p.data) != view.data_ptr():
                 raise RuntimeError(
@@ -288,8 +292,8 @@ class TorchModule:
                 raise TypeError(f"from_module: input {i} is a {type(x).__name__}; pass engine "
                                 "Tensors")
             if self._parameters:
-                _check_boundary("from_module", f"the torch module {type(self.module).__name__}'s "
-                                "parameters", self._torch_parameters[0], f"engine input {i}", x)
+                _check_boundary("from_module", f"torch module {type(self.module).__name__}",
+                                self._torch_parameters[0], f"engine input {i}", x)
         self._point_module_at_parameters()
         return apply(TorchModuleOp, *inputs, *self._parameters, wrapper=self)
 
