@@ -1,13 +1,20 @@
 """Gradient clipping: by the global norm of all gradients, or element by element.
 
-``clip_grad_norm_`` on the parameters of one FlatBuffer is ONE kernel on the GPU: a single
-block sums ``|g|**p`` over the flat gradient buffer in a fixed order (strided per-thread
-sums, then a shared-memory tree; no float atomics, so the norm is the same run to run),
-then every thread scales its own elements by ``min(1, max_norm / (norm + 1e-6))``. One block
-keeps the reduction and the scale in one launch; at MNIST-MLP sizes (~2e5 gradients) its
-memory traffic costs about what a second launch would. Gradients spread over several
-tensors take two launches per tensor: a partial sum each, then a scale that re-reads all
-partials in order. Accumulation is float64 on both devices.
+``clip_grad_norm_`` on the parameters of one FlatBuffer is two kernels on the GPU:
+
+1. ``norm_partials``: a grid of at most ``MAX_NORM_BLOCKS`` blocks; each thread folds
+   ``|g|**p`` over a fixed stride, each block reduces its threads with a shared-memory tree
+   into one partial;
+2. ``scale_by_norm``: every block reduces all partials with the same fixed-order tree (so
+   every block sees the same total, bit for bit), then scales its elements by
+   ``min(1, max_norm / (total + 1e-6))``; block 0 writes the total.
+
+No float atomics: the norm is the same run to run. The scale cannot join the reduction
+without a grid-wide barrier, and cannot wait for the optimizer's kernel because
+``clip_grad_norm_`` must leave the gradients clipped when it returns (as torch does).
+Gradients spread over several tensors take two launches per tensor (partials of every
+tensor go into one array). Accumulation is float64 on both devices; the CPU kernels fold
+the elements in order, one partial per tensor.
 """
 import math
 
@@ -15,14 +22,15 @@ import numpy as np
 from numba import cuda, float64, njit
 
 from engine.tensor import Tensor
-from ops.device import SIMULATOR, device_of
+from ops.device import SIMULATOR, device_of, to_host
 from ops.launch import launch, launch_blocks
 from ops.layout import flat
 from ops.memory import empty
 from optim.optimizer import whole_flat_buffer
 
-CLIP_THREADS = 8 if SIMULATOR else 512    # one block; a power of two (the tree halves it)
-TORCH_CLIP_EPS = 1e-6                     # torch: max_norm / (total_norm + 1e-6)
+NORM_THREADS = 8 if SIMULATOR else 256      # a power of two (the trees halve it)
+MAX_NORM_BLOCKS = 4 if SIMULATOR else 512   # partials per gradient array, at most
+TORCH_CLIP_EPS = 1e-6                       # torch: max_norm / (total_norm + 1e-6)
 
 
 def _accumulate(acc, value, norm_type):
@@ -72,11 +80,11 @@ _coefficient_cuda = cuda.jit(device=True)(_clip_coefficient)
 
 
 @njit(cache=True, fastmath=False)
-def norm_partial_cpu(grad, norm_type, partials, index):
+def norm_partials_cpu(grad, norm_type, partials, first):
     acc = 0.0
     for i in range(grad.size):
         acc = _accumulate_cpu(acc, float(grad[i]), norm_type)
-    partials[index] = acc
+    partials[first] = acc
 
 
 @njit(cache=True, fastmath=False)
@@ -91,66 +99,44 @@ def scale_by_norm_cpu(grad, partials, norm_type, max_norm, total_out):
     total_out[0] = total
 
 
-@njit(cache=True, fastmath=False)
-def clip_norm_fused_cpu(grad, norm_type, max_norm, total_out):
-    acc = 0.0
-    for i in range(grad.size):
-        acc = _accumulate_cpu(acc, float(grad[i]), norm_type)
-    total = _finish_cpu(acc, norm_type)
-    coefficient = _coefficient_cpu(total, max_norm)
-    for i in range(grad.size):
-        grad[i] = float(grad[i]) * coefficient
-    total_out[0] = total
-
-
 @cuda.jit(device=True)
-def _block_reduce_cuda(grad, norm_type, partial):
-    """Every thread of the one block gets the block's fixed-order ``sum |g|**p`` (or max)."""
+def _tree_cuda(shared, acc, norm_type):
+    """The block's threads' ``acc`` combined in a fixed order; every thread gets the result."""
     t = cuda.threadIdx.x
-    acc = 0.0
-    for i in range(t, grad.size, CLIP_THREADS):
-        acc = _accumulate_cuda(acc, float(grad[i]), norm_type)
-    partial[t] = acc
+    shared[t] = acc
     cuda.syncthreads()
-    step = CLIP_THREADS // 2
+    step = NORM_THREADS // 2
     while step > 0:
         if t < step:
-            partial[t] = _combine_cuda(partial[t], partial[t + step], norm_type)
+            shared[t] = _combine_cuda(shared[t], shared[t + step], norm_type)
         cuda.syncthreads()
         step //= 2
-    return partial[0]
+    return shared[0]
 
 
 @cuda.jit(fastmath=False)
-def norm_partial_cuda(grad, norm_type, partials, index):
-    partial = cuda.shared.array(CLIP_THREADS, float64)
-    acc = _block_reduce_cuda(grad, norm_type, partial)
+def norm_partials_cuda(grad, norm_type, partials, first):
+    shared = cuda.shared.array(NORM_THREADS, float64)
+    acc = 0.0
+    for i in range(cuda.grid(1), grad.size, cuda.gridsize(1)):
+        acc = _accumulate_cuda(acc, float(grad[i]), norm_type)
+    acc = _tree_cuda(shared, acc, norm_type)
     if cuda.threadIdx.x == 0:
-        partials[index] = acc
+        partials[first + cuda.blockIdx.x] = acc
 
 
 @cuda.jit(fastmath=False)
 def scale_by_norm_cuda(grad, partials, norm_type, max_norm, total_out):
-    acc = partials[0]
-    for k in range(1, partials.size):   # every thread, the same fixed order
+    shared = cuda.shared.array(NORM_THREADS, float64)
+    acc = 0.0
+    for k in range(cuda.threadIdx.x, partials.size, NORM_THREADS):   # same order in every block
         acc = _combine_cuda(acc, partials[k], norm_type)
-    total = _finish_cuda(acc, norm_type)
+    total = _finish_cuda(_tree_cuda(shared, acc, norm_type), norm_type)
     coefficient = _coefficient_cuda(total, max_norm)
     i = cuda.grid(1)
     if i < grad.size:
         grad[i] = float(grad[i]) * coefficient
     if i == 0:
-        total_out[0] = total
-
-
-@cuda.jit(fastmath=False)
-def clip_norm_fused_cuda(grad, norm_type, max_norm, total_out):
-    partial = cuda.shared.array(CLIP_THREADS, float64)
-    total = _finish_cuda(_block_reduce_cuda(grad, norm_type, partial), norm_type)
-    coefficient = _coefficient_cuda(total, max_norm)
-    for i in range(cuda.threadIdx.x, grad.size, CLIP_THREADS):
-        grad[i] = float(grad[i]) * coefficient
-    if cuda.threadIdx.x == 0:
         total_out[0] = total
 
 
@@ -194,7 +180,7 @@ def _gradient_buffers(params, where):
     buffer = whole_flat_buffer(params)
     if buffer is not None and buffer.grads_valid():
         return [buffer.grad]
-    grads = [flat(p.grad.data) for p in params if p.grad is not None]
+    grads = [flat(p.grad.data) for p in params if p.grad is not None and p.size]
     devices = {device_of(g) for g in grads}
     dtypes = {np.dtype(g.dtype) for g in grads}
     if len(devices) > 1 or len(dtypes) > 1:
@@ -222,34 +208,32 @@ def clip_grad_norm_(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     if not grads:
         return Tensor(np.zeros((), np.float32))
     device, dtype = device_of(grads[0]), grads[0].dtype
-    total = empty(1, dtype, device)
     if error_if_nonfinite:
         _raise_if_nonfinite_norm(grads, norm_type)
-    if len(grads) == 1:
-        if device == "cuda":
-            launch_blocks(clip_norm_fused_cuda, 1, CLIP_THREADS, grads[0], norm_type, max_norm, total)
-        else:
-            clip_norm_fused_cpu(grads[0], norm_type, max_norm, total)
+    total = empty(1, dtype, device)
+    if device == "cuda":
+        blocks = [min(MAX_NORM_BLOCKS, -(-g.size // NORM_THREADS)) for g in grads]
+        partials = empty(sum(blocks), np.float64, device)
+        first = 0
+        for grad, n_blocks in zip(grads, blocks):
+            launch_blocks(norm_partials_cuda, n_blocks, NORM_THREADS, grad, norm_type, partials, first)
+            first += n_blocks
+        for grad in grads:
+            launch_blocks(scale_by_norm_cuda, -(-grad.size // NORM_THREADS), NORM_THREADS,
+                          grad, partials, norm_type, max_norm, total)
     else:
         partials = empty(len(grads), np.float64, device)
-        for index, grad in enumerate(grads):
-            if device == "cuda":
-                launch_blocks(norm_partial_cuda, 1, CLIP_THREADS, grad, norm_type, partials, index)
-            else:
-                norm_partial_cpu(grad, norm_type, partials, index)
+        for first, grad in enumerate(grads):
+            norm_partials_cpu(grad, norm_type, partials, first)
         for grad in grads:
-            if device == "cuda":
-                launch(scale_by_norm_cuda, grad.size, grad, partials, norm_type, max_norm, total)
-            else:
-                scale_by_norm_cpu(grad, partials, norm_type, max_norm, total)
+            scale_by_norm_cpu(grad, partials, norm_type, max_norm, total)
     return Tensor(total.reshape(()))
 
 
 def _raise_if_nonfinite_norm(grads, norm_type):
-    partials = empty(len(grads), np.float64, "cpu")
-    for index, grad in enumerate(grads):
-        host = np.ascontiguousarray(grad.copy_to_host() if device_of(grad) == "cuda" else grad)
-        norm_partial_cpu(host, norm_type, partials, index)
+    partials = np.empty(len(grads), np.float64)
+    for first, grad in enumerate(grads):
+        norm_partials_cpu(np.ascontiguousarray(to_host(grad)), norm_type, partials, first)
     if not np.all(np.isfinite(partials)):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the "
                            "gradients is non-finite, so it cannot be clipped")

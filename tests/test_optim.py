@@ -291,12 +291,12 @@ def test_per_tensor_step_is_one_launch_per_parameter(launches):
 
 
 @pytest.mark.cuda
-def test_clip_grad_norm_of_a_flat_buffer_is_one_launch(launches):
+def test_clip_grad_norm_of_a_flat_buffer_is_two_launches(launches):
     params = make_params("cuda", np.float32)
     set_grads(params, grad_steps(1, np.float32)[0])
     launches.clear()
     optim.clip_grad_norm_(params, max_norm=1.0)
-    assert launches == ["clip_norm_fused_cuda"]
+    assert launches == ["norm_partials_cuda", "scale_by_norm_cuda"]
 
 
 # ------------------------------------------------------------------ clipping
@@ -326,6 +326,18 @@ def test_clip_grad_norm_orders(norm_type, flat, device):
     np.testing.assert_allclose(total.item(), expected, rtol=1e-13)
     for p, g in zip(params, grads):
         np.testing.assert_allclose(p.grad.numpy(), g * (0.5 / (expected + 1e-6)), rtol=1e-13)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_grad_norm_of_a_buffer_longer_than_the_grid(norm_type, device):
+    """More elements than threads in the partials grid: each thread folds a stride."""
+    param = engine.tensor(np.zeros((5, 41)), device=device, requires_grad=True)
+    g = np.random.default_rng(3).standard_normal((5, 41))
+    param.grad = engine.tensor(g)
+    total = optim.clip_grad_norm_([param], max_norm=1.0, norm_type=norm_type)
+    expected = np.linalg.norm(g.ravel(), ord=norm_type)
+    np.testing.assert_allclose(total.item(), expected, rtol=1e-13)
+    np.testing.assert_allclose(param.grad.numpy(), g / (expected + 1e-6), rtol=1e-13)
 
 
 def test_clip_grad_norm_below_max_leaves_gradients_bitwise(device):
@@ -673,8 +685,8 @@ def test_state_follows_a_model_moved_to_cuda(launches):
 
 @pytest.mark.cuda
 def test_mlp_training_step_launches_on_cuda(launches):
-    """engine.nn packs a model's parameters in one FlatBuffer: clipping is one launch and
-    the optimizer step one more, whatever the number of layers."""
+    """engine.nn packs a model's parameters in one FlatBuffer: clipping is two launches and
+    the optimizer step one, whatever the number of layers."""
     from engine import nn
     model = nn.Sequential([nn.Dense(7, activation="relu", input_shape=(5,)), nn.Dense(6),
                            nn.Dense(3)]).to("cuda")
@@ -690,5 +702,5 @@ def test_mlp_training_step_launches_on_cuda(launches):
         launches.clear()
         optim.clip_grad_norm_(model.parameters(), max_norm=1.0)
         opt.step()
-        assert launches == ["clip_norm_fused_cuda", "adam_cuda"]
+        assert launches == ["norm_partials_cuda", "scale_by_norm_cuda", "adam_cuda"]
     assert losses[-1] < losses[0]
