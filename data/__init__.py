@@ -1,0 +1,14 @@
+"""Data: IDX files, MNIST (shipped, offline), Fashion-MNIST, the DataLoader, synthetic sets.
+
+```python
+import data
+(x_train, y_train), (x_test, y_test) = data.mnist.load()     # uint8 [N, 28, 28], uint8 [N]
+loader = data.DataLoader(x_train, y_train, batch_size=128, shuffle=True, seed=0, device="cuda")
+for xb, yb in loader: ...                                      # float32 in [0, 1], int64 labels
+```
+"""
+from data import fashion_mnist, mnist  # noqa: F401
+from data.idx import read_idx, write_idx  # noqa: F401
+from data.loader import DataLoader  # noqa: F401
+from data.synthetic import blobs, spirals, xor  # noqa: F401
+from data.transforms import GaussianNoise  # noqa: F401

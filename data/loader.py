@@ -1,0 +1,160 @@
+"""``DataLoader``: mini-batches of a whole in-memory data set, resident on its device.
+
+The images are converted once, at construction (uint8 -> float32 in [0, 1], then the
+optional mean/std normalisation), not per batch. With ``device="cuda"`` the converted set is
+copied to the GPU once; every epoch uploads one permutation, and every batch is one kernel
+launch that gathers its rows of x and y on the device (``ops.gather``). No batch crosses
+the PCIe bus.
+
+Shuffling is reproducible: epoch ``k`` (the k-th ``iter()``, counting from 0) uses the
+permutation of a generator seeded with ``(seed, k)``, so a CPU and a CUDA loader with the
+same seed yield the same batches, and a run can be resumed at any epoch.
+"""
+import math
+
+import numpy as np
+
+from engine.random import generator
+from engine.tensor import Tensor
+from ops.device import check_device, to_device
+from ops.gather import gather_rows
+
+
+class DataLoader:
+    """Iterate ``(xb, yb)`` Tensor pairs over ``x`` and ``y`` in batches of ``batch_size``.
+
+    - ``x``: ``[N, ...]`` array (or Tensor). uint8 images become float32 scaled by 1/255;
+      float32 and float64 are used as given (float16 becomes float32).
+    - ``y``: ``[N, ...]`` labels or targets. Integers become int64; floats are used as given.
+    - ``normalize``: ``(mean, std)``, scalars or arrays broadcasting against one sample;
+      applied once, after the scaling: ``(x - mean) / std``.
+    - ``transform``: a callable applied to every image batch Tensor, returning a Tensor on
+      the same device (e.g. ``data.GaussianNoise``).
+    - ``seed``: None draws one from the engine's generator (``engine.manual_seed``).
+
+    Every batch comes in freshly allocated buffers, so keeping a batch is safe.
+    """
+
+    def __init__(self, x, y, batch_size=128, shuffle=False, seed=None, drop_last=False,
+                 device="cpu", normalize=None, transform=None):
+        x, y = _host_array(x, "x"), _host_array(y, "y")
+        if x.ndim == 0 or y.ndim == 0:
+            raise ValueError(f"DataLoader: x and y need a sample dimension, got shapes "
+                             f"{x.shape} and {y.shape}")
+        if len(x) != len(y):
+            raise ValueError(f"DataLoader: x has {len(x)} samples but y has {len(y)} "
+                             f"(shapes {x.shape} and {y.shape})")
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"DataLoader: batch_size must be a positive integer, got {batch_size!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"DataLoader: transform must be callable, got {transform!r}")
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.device = check_device(device)
+        self.transform = transform
+        self.seed = int(generator().integers(2 ** 63)) if seed is None else int(seed)
+        self.epoch = 0   # the next iter() runs this epoch; set it to resume a run
+        self.num_samples = len(x)
+        self.sample_shape = x.shape[1:]
+        self.target_shape = y.shape[1:]
+        # 2-D [N, columns]: the gather kernel copies whole rows
+        self._x = _resident(_features(x, normalize), x, self.device)
+        self._y = _resident(_targets(y), y, self.device)
+        self._in_order = None   # the identity order on the device, made once when not shuffling
+
+    def __len__(self):
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def order(self, epoch):
+        """The host int64 sample order of ``epoch``."""
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_samples)
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._batches(self._device_order(epoch))
+
+    def _device_order(self, epoch):
+        if self.shuffle:
+            return to_device(self.order(epoch), self.device)   # one upload per epoch
+        if self._in_order is None:
+            self._in_order = to_device(self.order(epoch), self.device)
+        return self._in_order
+
+    def _batches(self, order):
+        for index in range(len(self)):
+            start = index * self.batch_size
+            count = min(self.batch_size, self.num_samples - start)
+            x_rows, y_rows = gather_rows(self._x, self._y, order, start, count)
+            xb = Tensor(x_rows.reshape((count,) + self.sample_shape))
+            yb = Tensor(y_rows.reshape((count,) + self.target_shape))
+            if self.transform is not None:
+                xb = self.transform(xb)
+            yield xb, yb
+
+    def __repr__(self):
+        return (f"DataLoader({self.num_samples} samples of shape {self.sample_shape}, "
+                f"batch_size={self.batch_size}, shuffle={self.shuffle}, "
+                f"drop_last={self.drop_last}, device='{self.device}', batches={len(self)})")
+
+
+def _host_array(values, name):
+    if isinstance(values, Tensor):
+        values = values.numpy()
+    array = np.asarray(values)
+    if array.dtype == object:
+        raise TypeError(f"DataLoader: {name} is not a numeric array")
+    return array
+
+
+def _features(x, normalize):
+    if x.dtype == np.uint8:
+        features = x.astype(np.float32)
+        features /= np.float32(255)
+    elif x.dtype in (np.float32, np.float64):
+        features = x
+    elif x.dtype == np.float16:
+        features = x.astype(np.float32)
+    else:
+        raise TypeError(f"DataLoader: x has dtype {x.dtype}; expected uint8 images (scaled to "
+                        "[0, 1]) or float32/float64 features")
+    if normalize is not None:
+        try:
+            mean, std = normalize
+        except (TypeError, ValueError):
+            raise ValueError(f"DataLoader: normalize must be (mean, std), got {normalize!r}") from None
+        mean = np.asarray(mean, dtype=features.dtype)
+        std = np.asarray(std, dtype=features.dtype)
+        if np.any(std <= 0):
+            raise ValueError(f"DataLoader: normalize std must be positive, got {std}")
+        for stat in (mean, std):
+            try:
+                fits = np.broadcast_shapes(stat.shape, x.shape[1:]) == x.shape[1:]
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(f"DataLoader: normalize mean {mean.shape} / std {std.shape} "
+                                 f"must broadcast against one sample of shape {x.shape[1:]}")
+        features = (features - mean) / std   # a new array: the caller's x is never modified
+    return np.ascontiguousarray(features)
+
+
+def _resident(converted, original, device):
+    """``converted`` as a 2-D array on ``device``, never sharing memory with the caller's array."""
+    rows = converted.reshape(len(converted), math.prod(converted.shape[1:]))
+    if device == "cpu" and not np.may_share_memory(rows, original):
+        return rows   # already a private copy: the conversion made it
+    return to_device(rows, device)
+
+
+def _targets(y):
+    if y.dtype.kind in "iub":
+        return np.ascontiguousarray(y, dtype=np.int64)
+    if y.dtype in (np.float32, np.float64):
+        return np.ascontiguousarray(y)
+    raise TypeError(f"DataLoader: y has dtype {y.dtype}; expected integer labels or "
+                    "float32/float64 targets")
