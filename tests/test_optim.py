@@ -704,3 +704,39 @@ def test_mlp_training_step_launches_on_cuda(launches):
         opt.step()
         assert launches == ["norm_partials_cuda", "scale_by_norm_cuda", "adam_cuda"]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.cuda
+def test_the_nonfinite_guard_costs_two_launches(launches):
+    params = make_params("cuda", np.float32)
+    opt = optim.SGD(params, lr=0.1, skip_nonfinite=True)
+    set_grads(params, grad_steps(1, np.float32)[0])
+    launches.clear()
+    opt.step()
+    assert launches == ["zero_count_cuda", "count_nonfinite_cuda", "sgd_cuda"]
+
+
+# ------------------------------------------------------------------ real GPU, MNIST-MLP sizes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_mnist_mlp_sized_buffer_matches_cpu_on_gpu(kind):
+    shapes = [(784, 256), (256,), (256, 128), (128,), (128, 10), (10,)]
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(s).astype(np.float32) * 0.05 for s in shapes]
+    steps = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    kwargs = {"lr": 0.01, **({"momentum": 0.9, "nesterov": True} if kind == "sgd" else {})}
+    results, norms = {}, {}
+    for device in ("cpu", "cuda"):
+        params = [Parameter(to_device(v, device)) for v in values]
+        FlatBuffer(params)
+        opt = OPTIMIZERS[kind](params, **kwargs)
+        norms[device] = []
+        for grads in steps:
+            set_grads(params, grads)
+            norms[device].append(optim.clip_grad_norm_(params, max_norm=5.0).item())
+            opt.step()
+        results[device] = [p.numpy() for p in params]
+    np.testing.assert_allclose(norms["cuda"], norms["cpu"], rtol=1e-6)
+    for a, b in zip(results["cpu"], results["cuda"]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
