@@ -1,0 +1,354 @@
+"""The reference MLP benchmark: the engine against PyTorch eager on the same model and data.
+
+    python -m bench.mlp --device cpu [--epochs 5] [--json results.json]
+
+Model 784-256-128-10 with ReLU, Adam (lr 1e-3), batch 128, MNIST standardised as by
+``python -m engine.train``; both frameworks see the same batches in the same order (the
+engine loader's permutation of each epoch). After one warm-up epoch each, timed epochs
+alternate engine, torch, engine, torch, ... so both share the machine's state; s/epoch is
+the median. The engine epoch is ``engine.train.fit`` (what users run), so it includes the
+per-step bookkeeping of the loop.
+
+Also measured: kernel launches per training step (CUDA: ``ops.launch.launch`` and
+``launch_blocks`` are wrapped during one instrumented epoch), driver allocations of the
+CUDA caching allocator across steady-state steps, the autograd tape's size between steps,
+and JIT compile time with a cold cache (a fresh ``NUMBA_CACHE_DIR``, in a subprocess) and a
+warm one (the same directory again).
+"""
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH_SIZE = 128
+LEARNING_RATE = 1e-3
+
+
+# ------------------------------------------------------------------ counting launches
+
+class LaunchCounter:
+    """Counts CUDA kernel launches made through ``ops.launch`` while the block is active.
+
+    Op modules bind ``launch`` / ``launch_blocks`` at import (``from ops.launch import
+    launch``), so the counter swaps them in every loaded module that holds them."""
+
+    def __enter__(self):
+        from ops import launch as launch_module
+        self.count = 0
+        original_launch, original_blocks = launch_module.launch, launch_module.launch_blocks
+
+        def counted_launch(kernel, n_threads, *args, **options):
+            self.count += n_threads > 0   # launch_blocks validates with n_threads=0
+            return original_launch(kernel, n_threads, *args, **options)
+
+        def counted_blocks(kernel, blocks, threads_per_block, *args):
+            self.count += int(np.prod(blocks)) > 0
+            return original_blocks(kernel, blocks, threads_per_block, *args)
+
+        replacements = {id(original_launch): counted_launch, id(original_blocks): counted_blocks}
+        self._swapped = []
+        for module in list(sys.modules.values()):
+            for name in ("launch", "launch_blocks"):
+                original = getattr(module, name, None)
+                if original is not None and id(original) in replacements:
+                    setattr(module, name, replacements[id(original)])
+                    self._swapped.append((module, name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self._swapped:
+            setattr(module, name, original)
+
+
+# ------------------------------------------------------------------ the engine side
+
+def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
+    import engine
+    import data
+    import optim
+    from engine.losses import cross_entropy
+    from engine.train import build_mlp, evaluate, fit
+
+    engine.manual_seed(0)
+    model = build_mlp(x_train.shape[1:], hidden, 10).to(device)
+    optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
+                             device=device, normalize=normalize)
+    test_loader = data.DataLoader(x_test, y_test, batch_size=1000, device=device,
+                                  normalize=normalize)
+    epochs_done = 0
+
+    def train_epoch():
+        nonlocal epochs_done
+        record = fit(model, loader, optimizer, cross_entropy, epochs_done + 1,
+                     start_epoch=epochs_done, progress=False, verbose=False)[-1]
+        epochs_done += 1
+        return record["seconds"]
+
+    def instrumented_epoch():
+        """One epoch of plain steps, counting launches, driver allocations and tape nodes."""
+        from engine.autograd import current_tape
+        from ops.memory import allocator_stats
+        def driver_allocations():   # asked only on CUDA: it needs a CUDA context
+            return allocator_stats()["driver_allocations"] if device == "cuda" else 0
+
+        launches, tape_sizes, allocations = [], [], []
+        with LaunchCounter() as counter:
+            for inputs, labels in loader:
+                before, driver_before = counter.count, driver_allocations()
+                optimizer.zero_grad()
+                cross_entropy(model(inputs), labels).backward()
+                optimizer.step()
+                launches.append(counter.count - before)
+                allocations.append(driver_allocations() - driver_before)
+                tape_sizes.append(len(current_tape()))
+        steady = allocations[1:] or allocations   # the first step may fill the pool
+        return {"launches_per_step": statistics.median(launches) if device == "cuda" else None,
+                "launches_per_step_max": max(launches) if device == "cuda" else None,
+                "driver_allocations_steady_steps": int(sum(steady)) if device == "cuda" else None,
+                "steady_steps": len(steady),
+                "tape_nodes_between_steps_max": max(tape_sizes)}
+
+    def test_accuracy():
+        return evaluate(model, test_loader)
+
+    return train_epoch, instrumented_epoch, test_accuracy, loader
+
+
+# ------------------------------------------------------------------ the PyTorch side
+
+def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, order_of_epoch):
+    import torch
+    torch_device = "cuda" if device == "cuda" else "cpu"
+    torch.manual_seed(0)
+    mean, std = normalize
+
+    def standardised(images):
+        return torch.from_numpy(((images.reshape(len(images), -1).astype(np.float32) / 255)
+                                 - np.float32(mean)) / np.float32(std)).to(torch_device)
+
+    x_train_t, x_test_t = standardised(x_train), standardised(x_test)
+    y_train_t = torch.from_numpy(y_train.astype(np.int64)).to(torch_device)
+    widths = (x_train_t.shape[1],) + tuple(hidden)
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(widths[-1], 10))
+    model = torch.nn.Sequential(*layers).to(torch_device)
+    for layer in model:   # He-normal weights and zero biases, as the engine's Dense(relu)
+        if isinstance(layer, torch.nn.Linear):
+            torch.nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+            torch.nn.init.zeros_(layer.bias)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    epochs_done = 0
+
+    def synchronize():
+        if torch_device == "cuda":
+            torch.cuda.synchronize()
+
+    def train_epoch():
+        nonlocal epochs_done
+        order = torch.from_numpy(order_of_epoch(epochs_done)).to(torch_device)
+        epochs_done += 1
+        synchronize()
+        start = time.perf_counter()
+        for first in range(0, len(order), BATCH_SIZE):
+            rows = order[first:first + BATCH_SIZE]
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x_train_t[rows]), y_train_t[rows])
+            loss.backward()
+            optimizer.step()
+        synchronize()
+        return time.perf_counter() - start
+
+    def test_accuracy():
+        with torch.no_grad():
+            predicted = model(x_test_t).argmax(dim=1).cpu().numpy()
+        return float(np.mean(predicted == y_test))
+
+    return train_epoch, test_accuracy, torch.__version__
+
+
+# ------------------------------------------------------------------ JIT compile time
+
+def time_first_steps(device, hidden, process_start):
+    """Run in a subprocess: seconds to import the engine and build a model and loader, and to
+    run each of the first two training steps (the first compiles every kernel it needs, or
+    loads it from the cache)."""
+    import engine
+    import data
+    import optim
+    from engine.losses import cross_entropy
+    from engine.train import build_mlp
+
+    engine.manual_seed(0)
+    images = np.random.default_rng(0).integers(0, 256, (2 * BATCH_SIZE, 28, 28), dtype=np.uint8)
+    labels = np.arange(2 * BATCH_SIZE) % 10
+    model = build_mlp(images.shape[1:], hidden, 10).to(device)
+    optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    loader = data.DataLoader(images, labels, batch_size=BATCH_SIZE, shuffle=True, seed=0,
+                             device=device, normalize=(0.13, 0.31))
+    step_seconds = []
+    batches = iter(loader)
+    for _ in range(2):
+        start = time.perf_counter()
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        loss = cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        loss.item()   # waits for the GPU
+        step_seconds.append(time.perf_counter() - start)
+    return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
+            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1]}
+
+
+def compile_times(device, hidden):
+    """``{"cold": ..., "warm": ...}``: first-step timings in fresh processes sharing one new
+    ``NUMBA_CACHE_DIR``, empty for the first (cold) and filled for the second (warm)."""
+    code = ("import time; start = time.perf_counter(); import json, sys; "
+            "from bench.mlp import time_first_steps; "
+            "print(json.dumps(time_first_steps(sys.argv[1], tuple(map(int, sys.argv[2].split(','))), start)))")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
+        environment = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for label in ("cold", "warm"):
+            started = time.perf_counter()
+            child = subprocess.run([sys.executable, "-c", code, device, ",".join(map(str, hidden))],
+                                   cwd=REPO_ROOT, env=environment, capture_output=True, text=True)
+            if child.returncode != 0:
+                raise RuntimeError(f"bench.mlp: the {label}-cache subprocess failed:\n{child.stderr}")
+            results[label] = {**json.loads(child.stdout.strip().splitlines()[-1]),
+                              "process_s": time.perf_counter() - started}
+    return results
+
+
+# ------------------------------------------------------------------ the run
+
+def machine_description(device):
+    if device == "cuda":
+        from numba import cuda
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} CPU cores"
+
+
+def run(device, epochs, hidden, limit, measure_compile):
+    from engine.train import load_dataset, pixel_statistics
+    (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
+    normalize = pixel_statistics(x_train)
+    steps = -(-len(x_train) // BATCH_SIZE)
+
+    engine_epoch, engine_instrumented, engine_accuracy, loader = _engine_run(
+        x_train, y_train, x_test, y_test, normalize, device, hidden)
+    frameworks = {"engine": engine_epoch}
+    torch_version = None
+    if importlib.util.find_spec("torch") is not None:
+        torch_epoch, torch_accuracy, torch_version = _torch_run(
+            x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order)
+        frameworks["torch"] = torch_epoch
+    warmup = {name: epoch() for name, epoch in frameworks.items()}
+    seconds = {name: [] for name in frameworks}
+    for _ in range(epochs):   # A B A B: both see the same machine state
+        for name, epoch in frameworks.items():
+            seconds[name].append(epoch())
+    instrumented = engine_instrumented()
+
+    rows = {}
+    for name in frameworks:
+        median = statistics.median(seconds[name])
+        rows[name] = {"s_per_epoch": median, "us_per_step": 1e6 * median / steps,
+                      "samples_per_s": len(x_train) / median,
+                      "warmup_epoch_s": warmup[name], "epoch_s": seconds[name]}
+    rows["engine"].update(test_acc=engine_accuracy(), **instrumented)
+    if torch_version:
+        rows["torch"].update(test_acc=torch_accuracy(), version=torch_version)
+    result = {"device": device, "machine": machine_description(device),
+              "model": "-".join(map(str, (784,) + tuple(hidden) + (10,))) + " ReLU",
+              "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
+              "train_samples": len(x_train), "steps_per_epoch": steps, "timed_epochs": epochs,
+              "results": rows,
+              "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
+                                    if torch_version else None)}
+    if measure_compile:
+        result["jit"] = compile_times(device, hidden)
+    return result
+
+
+def format_table(result):
+    rows = result["results"]
+    lines = [f"bench.mlp: MLP {result['model']}, {result['optimizer']}, batch {result['batch_size']}, "
+             f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
+             f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
+             "epochs after 1 warm-up, engine and torch alternating", "",
+             "| framework | s/epoch | us/step | samples/s | test acc | launches/step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, row in rows.items():
+        label = f"torch {row['version']} eager" if name == "torch" else "engine"
+        launches = row.get("launches_per_step")
+        lines.append(f"| {label} | {row['s_per_epoch']:.3f} | {row['us_per_step']:.0f} | "
+                     f"{row['samples_per_s']:.0f} | {100 * row['test_acc']:.2f}% | "
+                     f"{'-' if launches is None else f'{launches:g}'} |")
+    lines.append("")
+    if result["engine_over_torch"] is not None:
+        lines.append(f"engine / torch s/epoch: {result['engine_over_torch']:.2f}x")
+    engine = rows["engine"]
+    lines.append(f"autograd tape between steps: at most {engine['tape_nodes_between_steps_max']} nodes")
+    if engine["driver_allocations_steady_steps"] is not None:
+        lines.append(f"CUDA driver allocations over {engine['steady_steps']} steady-state steps: "
+                     f"{engine['driver_allocations_steady_steps']}")
+    if "jit" in result:
+        for label in ("cold", "warm"):
+            jit = result["jit"][label]
+            lines.append(f"JIT, {label} cache: first step {jit['first_step_s']:.2f} s "
+                         f"(second {1000 * jit['second_step_s']:.1f} ms), import and setup "
+                         f"{jit['import_and_setup_s']:.2f} s, "
+                         f"whole process {jit['process_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.mlp", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per framework")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--hidden", default="256,128", help="hidden widths (smoke tests: small)")
+    parser.add_argument("--limit", type=int, help="first N training/test samples (smoke tests)")
+    parser.add_argument("--no-compile-time", action="store_true",
+                        help="skip the cold/warm JIT cache subprocesses")
+    args = parser.parse_args(argv)
+    if args.epochs < 1 or (args.limit is not None and args.limit < 1):
+        parser.error("--epochs and --limit must be positive")
+    from engine.train import BadInput, parse_hidden
+    try:
+        hidden = parse_hidden(args.hidden)
+    except BadInput as error:
+        parser.error(str(error))
+    from ops.device import cuda_available
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: no CUDA GPU is usable here")
+    result = run(args.device, args.epochs, hidden, args.limit, not args.no_compile_time)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

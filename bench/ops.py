@@ -1,0 +1,199 @@
+"""Per-op throughput: the engine's ops against NumPy (and PyTorch when installed).
+
+    python -m bench.ops [--device cpu|cuda] [--json PATH]
+
+Each op runs at the reference MLP's size (batch 128, where per-call overhead dominates) and
+at a large size (where memory bandwidth or FLOPs dominate). The engine calls are the public
+ones (``a + b``, ``x.relu()``, ``x.sum()``, ``x.softmax()``, ``a @ b``, an ``nn.Dense`` layer)
+under ``engine.no_grad()``; the time per call is the best of several rounds, each long
+enough to be timed reliably, with the device synchronised at the end of a round.
+Throughput is GB/s of compulsory traffic (inputs read once, outputs written once) for the
+memory-bound ops and GFLOP/s for matmul and dense. On ``--device cuda`` NumPy still runs on
+the host: it is the CPU baseline.
+"""
+import argparse
+import importlib.util
+import json
+import time
+
+import numpy as np
+
+ROUND_SECONDS = 0.2
+QUICK_ROUND_SECONDS = 0.01
+ROUNDS = 3
+
+MLP_SIZE = {"add": [(128, 256)] * 2, "relu": [(128, 256)], "sum": [(128, 256)],
+            "softmax": [(128, 10)], "matmul": [(128, 784), (784, 256)],
+            "dense relu": [(128, 784), (784, 256)]}
+LARGE_SIZE = {"add": [(1024, 1024)] * 2, "relu": [(1024, 1024)], "sum": [(1024, 1024)],
+              "softmax": [(4096, 1000)], "matmul": [(1024, 1024)] * 2,
+              "dense relu": [(1024, 1024)] * 2}
+# float32 arrays moved per element of the first input: read inputs once, write outputs once
+TRAFFIC = {"add": 3, "relu": 2, "sum": 1, "softmax": 2}
+
+
+def _work(name, shapes):
+    """``(unit, amount)`` of one call: GB moved, or GFLOP for the matrix products."""
+    if name in TRAFFIC:
+        return "GB", TRAFFIC[name] * 4 * int(np.prod(shapes[0]))
+    (rows, inner), (_, columns) = shapes
+    return "GFLOP", 2 * rows * inner * columns
+
+
+def _seconds_per_call(call, synchronize, round_seconds):
+    """Best over ``ROUNDS`` rounds of the mean time per call; a round repeats the call for
+    about ``round_seconds``."""
+    call()
+    synchronize()
+    start = time.perf_counter()
+    call()
+    synchronize()
+    repeats = max(1, int(round_seconds / max(time.perf_counter() - start, 1e-7)))
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def _engine_calls(name, arrays, device):
+    import engine
+    from engine import nn
+    tensors = [engine.tensor(a, device=device) for a in arrays]
+    if name == "add":
+        return lambda: tensors[0] + tensors[1]
+    if name == "relu":
+        return lambda: tensors[0].relu()
+    if name == "sum":
+        return lambda: tensors[0].sum()
+    if name == "softmax":
+        return lambda: tensors[0].softmax(axis=-1)
+    if name == "matmul":
+        return lambda: tensors[0] @ tensors[1]
+    features, units = arrays[1].shape
+    layer = nn.Sequential([nn.Dense(units, activation="relu", input_shape=(features,))]).to(device)
+    return lambda: layer(tensors[0])
+
+
+def _numpy_calls(name, arrays):
+    a = arrays[0]
+    if name == "add":
+        return lambda: a + arrays[1]
+    if name == "relu":
+        return lambda: np.maximum(a, 0)
+    if name == "sum":
+        return lambda: a.sum()
+
+    def softmax():
+        e = np.exp(a - a.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    if name == "softmax":
+        return softmax
+    if name == "matmul":
+        return lambda: a @ arrays[1]
+    bias = np.zeros(arrays[1].shape[1], np.float32)
+    return lambda: np.maximum(a @ arrays[1] + bias, 0)
+
+
+def _torch_calls(name, arrays, device):
+    import torch
+    tensors = [torch.from_numpy(a).to(device) for a in arrays]
+    a = tensors[0]
+    if name == "add":
+        return lambda: a + tensors[1]
+    if name == "relu":
+        return lambda: torch.relu(a)
+    if name == "sum":
+        return lambda: a.sum()
+    if name == "softmax":
+        return lambda: torch.softmax(a, dim=-1)
+    if name == "matmul":
+        return lambda: a @ tensors[1]
+    weight = tensors[1].T.contiguous()
+    bias = torch.zeros(weight.shape[0], device=device)
+    return lambda: torch.relu(torch.nn.functional.linear(a, weight, bias))
+
+
+def run(device, quick=False):
+    import engine
+    has_torch = importlib.util.find_spec("torch") is not None
+    torch_device = None
+    if has_torch:
+        import torch
+        torch_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
+        if device == "cuda" and torch_device != "cuda":
+            has_torch = False   # a CPU-only torch is no GPU baseline
+
+    def engine_sync():
+        if device == "cuda":
+            from numba import cuda
+            cuda.synchronize()
+
+    def torch_sync():
+        if torch_device == "cuda":
+            import torch
+            torch.cuda.synchronize()
+
+    rng = np.random.default_rng(0)
+    rows = []
+    cases = [(name, sizes[name]) for name in MLP_SIZE
+             for sizes in ((MLP_SIZE,) if quick else (MLP_SIZE, LARGE_SIZE))]
+    for name, shapes in cases:
+        arrays = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+        unit, amount = _work(name, shapes)
+        round_seconds = QUICK_ROUND_SECONDS if quick else ROUND_SECONDS
+        with engine.no_grad():
+            seconds = {"engine": _seconds_per_call(_engine_calls(name, arrays, device), engine_sync,
+                                                 round_seconds),
+                       "numpy": _seconds_per_call(_numpy_calls(name, arrays), lambda: None,
+                                                round_seconds)}
+        if has_torch:
+            seconds["torch"] = _seconds_per_call(_torch_calls(name, arrays, torch_device), torch_sync,
+                                               round_seconds)
+        rows.append({"op": name, "shapes": [list(s) for s in shapes], "unit": f"{unit}/s",
+                     "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
+                     "throughput": {k: amount / v / 1e9 for k, v in seconds.items()}})
+    return {"device": device, "rows": rows}
+
+
+def format_table(result):
+    frameworks = list(result["rows"][0]["us_per_call"])
+    header = " | ".join(f"{name} us" for name in frameworks)
+    rates = " | ".join(f"{name}" for name in frameworks)
+    lines = [f"bench.ops on {result['device']} (NumPy on the host); throughput in GB/s "
+             "(memory-bound ops) or GFLOP/s (matmul, dense)", "",
+             f"| op | shape | {header} | unit | {rates} |",
+             "|---|---|" + "---:|" * (2 * len(frameworks) + 1)]
+    for row in result["rows"]:
+        shapes = " @ ".join("x".join(map(str, shape)) for shape in row["shapes"])
+        if row["op"] not in ("matmul", "dense relu"):
+            shapes = "x".join(map(str, row["shapes"][0]))
+        times = " | ".join(f"{row['us_per_call'][k]:.1f}" for k in frameworks)
+        throughput = " | ".join(f"{row['throughput'][k]:.2f}" for k in frameworks)
+        lines.append(f"| {row['op']} | {shapes} | {times} | {row['unit']} | {throughput} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="MLP sizes only, short rounds (a smoke test, not a measurement)")
+    args = parser.parse_args(argv)
+    from ops.device import cuda_available
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: no CUDA GPU is usable here")
+    result = run(args.device, args.quick)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

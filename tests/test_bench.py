@@ -1,0 +1,48 @@
+"""Smoke tests of the benchmark scripts on tiny data (they measure nothing here) and of the
+launch counter bench.mlp relies on."""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+import engine
+import ops.elementwise
+import ops.launch
+from bench import mlp, ops as bench_ops
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+
+@pytest.mark.cuda
+def test_launch_counter_counts_launches_and_restores_the_functions():
+    a = engine.tensor(np.ones((3, 5), np.float32), device="cuda")
+    with mlp.LaunchCounter() as counter:
+        (a + a).relu()
+        a.sum()
+    assert counter.count == 3
+    assert ops.elementwise.launch is ops.launch.launch
+    assert ops.launch.launch_blocks.__module__ == "ops.launch"
+
+
+def test_bench_mlp_smoke(tmp_path, capsys):
+    path = tmp_path / "mlp.json"
+    mlp.main(["--device", "cpu", "--epochs", "2", "--limit", "256", "--hidden", "16",
+              "--no-compile-time", "--json", str(path)])
+    result = json.loads(path.read_text())
+    engine_row = result["results"]["engine"]
+    assert len(engine_row["epoch_s"]) == 2 and engine_row["s_per_epoch"] > 0
+    assert 0 <= engine_row["test_acc"] <= 1
+    assert engine_row["tape_nodes_between_steps_max"] == 0
+    assert ("torch" in result["results"]) == HAS_TORCH
+    assert "| engine |" in capsys.readouterr().out
+
+
+def test_bench_ops_quick_smoke(tmp_path, capsys):
+    path = tmp_path / "ops.json"
+    bench_ops.main(["--quick", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["op"] for row in rows] == list(bench_ops.MLP_SIZE)
+    assert all(row["us_per_call"]["engine"] > 0 and row["throughput"]["numpy"] > 0 for row in rows)
+    assert "| dense relu | 128x784 @ 784x256 |" in capsys.readouterr().out
