@@ -113,9 +113,8 @@ def _host_array(values, name):
 
 def _features(x, normalize):
     if x.dtype == np.uint8:
-        features = x.astype(np.float32)
-        features /= np.float32(255)
-    elif x.dtype in (np.float32, np.float64):
+        return _scaled_images(x, normalize)
+    if x.dtype in (np.float32, np.float64):
         features = x
     elif x.dtype == np.float16:
         features = x.astype(np.float32)
@@ -123,24 +122,40 @@ def _features(x, normalize):
         raise TypeError(f"DataLoader: x has dtype {x.dtype}; expected uint8 images (scaled to "
                         "[0, 1]) or float32/float64 features")
     if normalize is not None:
-        try:
-            mean, std = normalize
-        except (TypeError, ValueError):
-            raise ValueError(f"DataLoader: normalize must be (mean, std), got {normalize!r}") from None
-        mean = np.asarray(mean, dtype=features.dtype)
-        std = np.asarray(std, dtype=features.dtype)
-        if np.any(std <= 0):
-            raise ValueError(f"DataLoader: normalize std must be positive, got {std}")
-        for stat in (mean, std):
-            try:
-                fits = np.broadcast_shapes(stat.shape, x.shape[1:]) == x.shape[1:]
-            except ValueError:
-                fits = False
-            if not fits:
-                raise ValueError(f"DataLoader: normalize mean {mean.shape} / std {std.shape} "
-                                 f"must broadcast against one sample of shape {x.shape[1:]}")
-        features = (features - mean) / std   # a new array: the caller's x is never modified
+        mean, std = _statistics(normalize, features.dtype, x.shape[1:])
+        features = features - mean   # a new array: the caller's x is never modified
+        features /= std
     return np.ascontiguousarray(features)
+
+
+def _scaled_images(x, normalize):
+    """uint8 images as float32 ``(x / 255 - mean) / std``, in place on one float copy."""
+    features = x.astype(np.float32)
+    features /= np.float32(255)
+    if normalize is not None:
+        mean, std = _statistics(normalize, np.float32, x.shape[1:])
+        features -= mean
+        features /= std
+    return features
+
+
+def _statistics(normalize, dtype, sample_shape):
+    try:
+        mean, std = normalize
+    except (TypeError, ValueError):
+        raise ValueError(f"DataLoader: normalize must be (mean, std), got {normalize!r}") from None
+    mean, std = np.asarray(mean, dtype=dtype), np.asarray(std, dtype=dtype)
+    if np.any(std <= 0):
+        raise ValueError(f"DataLoader: normalize std must be positive, got {std}")
+    for stat in (mean, std):
+        try:
+            fits = np.broadcast_shapes(stat.shape, sample_shape) == sample_shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"DataLoader: normalize mean {mean.shape} / std {std.shape} "
+                             f"must broadcast against one sample of shape {sample_shape}")
+    return mean, std
 
 
 def _resident(converted, original, device):
