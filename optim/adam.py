@@ -21,11 +21,13 @@ def _adam_element(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, pa
     param[i] = p - step_size * float(exp_avg[i]) / denom
 
 
-_adam_element_cpu = njit(inline="always")(_adam_element)
+_adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
 _adam_element_cuda = cuda.jit(device=True)(_adam_element)
 
 
-@njit(cache=True)
+# error_model="numpy": IEEE division (0/0 is NaN, as on the GPU and in torch, not an
+# exception) without a zero check per division, which kept the loop 3.5x slower
+@njit(cache=True, error_model="numpy")
 def adam_cpu(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay, step_size,
              bias_correction2_sqrt, first_step):
     for i in range(param.size):

@@ -69,17 +69,17 @@ def _clip_coefficient(total, max_norm):
     return coefficient
 
 
-_accumulate_cpu = njit(inline="always")(_accumulate)
-_combine_cpu = njit(inline="always")(_combine)
-_finish_cpu = njit(inline="always")(_finish)
-_coefficient_cpu = njit(inline="always")(_clip_coefficient)
+_accumulate_cpu = njit(inline="always", error_model="numpy")(_accumulate)
+_combine_cpu = njit(inline="always", error_model="numpy")(_combine)
+_finish_cpu = njit(inline="always", error_model="numpy")(_finish)
+_coefficient_cpu = njit(inline="always", error_model="numpy")(_clip_coefficient)
 _accumulate_cuda = cuda.jit(device=True)(_accumulate)
 _combine_cuda = cuda.jit(device=True)(_combine)
 _finish_cuda = cuda.jit(device=True)(_finish)
 _coefficient_cuda = cuda.jit(device=True)(_clip_coefficient)
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, error_model="numpy")
 def norm_partials_cpu(grad, norm_type, partials, first):
     acc = 0.0
     for i in range(grad.size):
@@ -87,7 +87,7 @@ def norm_partials_cpu(grad, norm_type, partials, first):
     partials[first] = acc
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, error_model="numpy")
 def scale_by_norm_cpu(grad, partials, norm_type, max_norm, total_out):
     acc = partials[0]
     for k in range(1, partials.size):
@@ -149,11 +149,11 @@ def _clamp(value, bound):
     return value
 
 
-_clamp_cpu = njit(inline="always")(_clamp)
+_clamp_cpu = njit(inline="always", error_model="numpy")(_clamp)
 _clamp_cuda = cuda.jit(device=True)(_clamp)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def clip_value_cpu(grad, clip_value):
     for i in range(grad.size):
         grad[i] = _clamp_cpu(grad[i], clip_value)

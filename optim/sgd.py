@@ -26,11 +26,11 @@ def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weigh
     param[i] = float(param[i]) - lr * d_p
 
 
-_sgd_element_cpu = njit(inline="always")(_sgd_element)
+_sgd_element_cpu = njit(inline="always", error_model="numpy")(_sgd_element)
 _sgd_element_cuda = cuda.jit(device=True)(_sgd_element)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sgd_cpu(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
             first_step):
     for i in range(param.size):

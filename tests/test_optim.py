@@ -156,6 +156,16 @@ def test_cpu_cuda_parity(case, dtype):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_adam_zero_over_zero_is_nan_as_in_torch(device):
+    """eps=0 and a zero gradient: m / sqrt(v) is 0/0; IEEE NaN, no ZeroDivisionError (the
+    simulator runs kernels as Python floats, which raise: real GPU only)."""
+    params = make_params(device)
+    set_grads(params, [np.zeros(s) for s in SHAPES])
+    optim.Adam(params, lr=0.1, eps=0.0).step()
+    assert all(np.isnan(p.numpy()).all() for p in params)
+
+
 def test_param_without_grad_is_skipped_and_keeps_its_own_step_count(device):
     """A stale slot sends a flat group to the per-parameter path; the skipped parameter's
     moments and bias correction start later, as in torch."""
