@@ -46,6 +46,8 @@ class DataLoader:
                              f"(shapes {x.shape} and {y.shape})")
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"DataLoader: batch_size must be a positive integer, got {batch_size!r}")
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"DataLoader: seed must be a non-negative integer or None, got {seed!r}")
         if transform is not None and not callable(transform):
             raise TypeError(f"DataLoader: transform must be callable, got {transform!r}")
         self.batch_size = int(batch_size)

@@ -458,6 +458,8 @@ def test_loader_rejects_bad_input():
         data.DataLoader(x, y, normalize=(np.zeros(5 * 3 * 5).reshape(5, 3, 5), 1.0))
     with pytest.raises(ValueError, match="std must be positive"):
         data.DataLoader(x, y, normalize=(0.0, 0.0))
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        data.DataLoader(x, y, seed=-1)
     with pytest.raises(ValueError, match="unknown device"):
         data.DataLoader(x, y, device="tpu")
 
