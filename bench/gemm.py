@@ -1,0 +1,205 @@
+"""GEMM benchmark: our CUDA GEMM vs cuBLAS (torch.matmul, TF32 off), our @njit BLAS path vs
+NumPy, at square sizes and at the shapes of an MNIST MLP (784-256-128-10, batch 128) with
+their backward products.
+
+    python -m bench.gemm                 # every device found; CUDA part skipped without a GPU
+    python -m bench.gemm --device cpu    # CPU only (no GPU, no torch needed)
+
+Times are wall-clock per call, launch and Python wrapper included: ``iters`` calls back to
+back, then one synchronisation, best of ``repeats``. GFLOP/s counts 2*M*N*K per call. On
+CUDA a second column gives the GPU time alone: CUDA events around calls queued behind a long
+product, so launch overhead is hidden (a call's wall time is roughly the larger of the two).
+"""
+import argparse
+import importlib.util
+import time
+
+import numpy as np
+
+# (label, M, K, N, trans_a, trans_b): out (M, N) = op(A) (M, K) @ op(B) (K, N)
+SQUARE = [("256³", 256, 256, 256, False, False),
+          ("1024³", 1024, 1024, 1024, False, False),
+          ("4096³", 4096, 4096, 4096, False, False)]
+MLP = [("fwd L1 x·W1", 128, 784, 256, False, False),
+       ("fwd L2 x·W2", 128, 256, 128, False, False),
+       ("fwd L3 x·W3", 128, 128, 10, False, False),
+       ("dW1 = xᵀ·G", 784, 128, 256, True, False),
+       ("dX2 = G·W2ᵀ", 128, 128, 256, False, True),
+       ("dW2 = xᵀ·G", 256, 128, 128, True, False),
+       ("dX3 = G·W3ᵀ", 128, 10, 128, False, True),
+       ("dW3 = xᵀ·G", 128, 128, 10, True, False)]
+
+
+BUSY_SIZE = 4096   # the product that keeps the GPU busy while timed calls queue behind it
+
+
+def _operands(m, k, n, trans_a, trans_b, rng):
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    return a, b
+
+
+def _reference(a, b, trans_a, trans_b):
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
+
+
+def _iterations(flops):
+    return int(min(300, max(5, 3e10 / flops)))
+
+
+def _time(call, sync, iters, repeats=3):
+    call()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def _gpu_time(call, busy, events, n=20):
+    """GPU seconds per call: ``n`` calls queued behind ``busy`` work, timed by events."""
+    start, end, wait = events
+    call()
+    busy()
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    wait(end)
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def _cell(seconds, flops):
+    if seconds is None:
+        return "         - |         -"
+    return f"{seconds * 1e6:10.1f} | {flops / seconds / 1e9:9.0f}"
+
+
+def _row(label, m, k, n, trans_a, trans_b, error, *seconds):
+    flops = 2.0 * m * n * k
+    shape = f"{m}x{k}x{n}" + (" Aᵀ" if trans_a else "") + (" Bᵀ" if trans_b else "")
+    cells = " | ".join(_cell(s, flops) for s in seconds)
+    return f"| {label:<13} | {shape:<16} | {cells} | {error:8.1e} |"
+
+
+def _header(*names):
+    cells = " | ".join(f"{name + ' us':>10} | {name + ' GF/s':>9}" for name in names)
+    rule = "|".join("-----------:|----------:" for _ in names)
+    return (f"| shape         | MxKxN            | {cells} | max err  |\n"
+            f"|---------------|------------------|{rule}|---------:|")
+
+
+class _NumbaEvent:
+    def __init__(self):
+        from numba import cuda
+        self.event = cuda.event()
+
+    def record(self):
+        self.event.record()
+
+    def elapsed_time(self, other):   # milliseconds, as torch.cuda.Event
+        return self.event.elapsed_time(other.event)
+
+
+def bench_cuda(shapes):
+    from numba import cuda
+
+    from ops.device import to_device
+    from ops.matmul import gemm
+
+    torch = None
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+        if torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        else:
+            torch = None
+    name = getattr(cuda.get_current_device(), "name", "the CUDA simulator")
+    name = name.decode() if isinstance(name, bytes) else name
+    versus = "torch.matmul (cuBLAS, TF32 off)" if torch else "nothing (torch not installed)"
+    print(f"\n## CUDA on {name}: ours vs {versus}\n")
+    print("wall = per call, launch included; gpu = kernel time alone\n")
+    print(_header("ours wall", "ours gpu", "cuBLAS wall", "cuBLAS gpu"))
+    rng = np.random.default_rng(0)
+    big = [to_device(rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32), "cuda")
+           for _ in range(2)]
+    big_out = cuda.device_array((BUSY_SIZE, BUSY_SIZE), np.float32)
+    numba_events = (_NumbaEvent(), _NumbaEvent(), lambda end: end.event.synchronize())
+    busy = lambda: gemm(big[0], big[1], out=big_out)   # noqa: E731
+    if torch is not None:
+        torch_big = [torch.from_numpy(rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32)).cuda()
+                     for _ in range(2)]
+        torch_busy = lambda: torch.matmul(torch_big[0], torch_big[1])   # noqa: E731
+        torch_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                        lambda end: end.synchronize())
+    for label, m, k, n, trans_a, trans_b in shapes:
+        a, b = _operands(m, k, n, trans_a, trans_b, rng)
+        da, db = to_device(a, "cuda"), to_device(b, "cuda")
+        out = cuda.device_array((m, n), np.float32)
+        iters = _iterations(2.0 * m * n * k)
+
+        def ours_call():
+            gemm(da, db, trans_a, trans_b, out=out)
+
+        ours = _time(ours_call, cuda.synchronize, iters)
+        ours_gpu = _gpu_time(ours_call, busy, numba_events, min(iters, 20))
+        expected = _reference(a, b, trans_a, trans_b)
+        error = np.abs(out.copy_to_host() - expected).max() / max(np.abs(expected).max(), 1e-30)
+        ref = ref_gpu = None
+        if torch is not None:
+            ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+            ta, tb = (ta.t() if trans_a else ta), (tb.t() if trans_b else tb)
+            tc = torch.empty((m, n), device="cuda")
+
+            def torch_call():
+                torch.matmul(ta, tb, out=tc)
+
+            ref = _time(torch_call, torch.cuda.synchronize, iters)
+            ref_gpu = _gpu_time(torch_call, torch_busy, torch_events, min(iters, 20))
+        print(_row(label, m, k, n, trans_a, trans_b, error, ours, ours_gpu, ref, ref_gpu),
+              flush=True)
+
+
+def bench_cpu(shapes):
+    from ops.matmul import gemm
+
+    print("\n## CPU: our @njit np.dot (BLAS) vs NumPy's matmul\n")
+    print(_header("ours", "NumPy"))
+    rng = np.random.default_rng(0)
+    for label, m, k, n, trans_a, trans_b in shapes:
+        a, b = _operands(m, k, n, trans_a, trans_b, rng)
+        out = np.empty((m, n), np.float32)
+        iters = max(2, _iterations(2.0 * m * n * k) // 10)
+        ours = _time(lambda: gemm(a, b, trans_a, trans_b, out=out), lambda: None, iters)
+        na, nb = (a.T if trans_a else a), (b.T if trans_b else b)
+        ref = _time(lambda: np.matmul(na, nb, out=out), lambda: None, iters)
+        expected = _reference(a, b, trans_a, trans_b)
+        gemm(a, b, trans_a, trans_b, out=out)
+        error = np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30)
+        print(_row(label, m, k, n, trans_a, trans_b, error, ours, ref))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["all", "cpu", "cuda"], default="all")
+    parser.add_argument("--no-4096", action="store_true", help="skip the 4096³ product")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SQUARE if not (args.no_4096 and s[1] == 4096)] + MLP
+    if args.device in ("all", "cuda"):
+        from ops.device import SIMULATOR, cuda_available
+        if cuda_available() and not SIMULATOR:
+            bench_cuda(shapes)
+        else:
+            print("\n(no CUDA GPU: CUDA part skipped)")
+    if args.device in ("all", "cpu"):
+        bench_cpu([s for s in shapes if s[1] != 4096])
+
+
+if __name__ == "__main__":
+    main()
