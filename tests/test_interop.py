@@ -173,6 +173,23 @@ def test_as_function_used_twice_in_one_graph_accumulates_in_torch():
         return torch.tanh(h @ weight + bias)
     layer(layer(x)).sum().backward()
     assert torch.allclose(hybrid.engine_views[0].grad, weight.grad)
+    assert torch.allclose(hybrid.engine_views[1].grad, bias.grad)
+
+
+@pytest.mark.torch
+def test_as_function_backward_on_another_thread_and_twice_with_retain_graph():
+    import threading
+    hybrid = as_function(AffineTanh(3, 2))
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    out = hybrid(x).sum()
+    assert len(engine.autograd.current_tape()) == 0   # each call records on a tape of its own
+    out.backward(retain_graph=True)
+    once = x.grad.clone()
+    # torch runs CUDA backwards on its device threads; any thread must find the forward's tape
+    worker = threading.Thread(target=out.backward)
+    worker.start()
+    worker.join()
+    assert torch.allclose(x.grad, 2 * once)
 
 
 @pytest.mark.torch
@@ -348,12 +365,11 @@ def test_hybrid_mnist_loss_falls_on_a_subset():
     from bench import hybrid_mnist
     import data
     (x_train, y_train), _ = data.mnist.load()
-    x = hybrid_mnist.as_batches(x_train[:512])
-    y = torch.from_numpy(y_train[:512].astype(np.int64))
+    x = hybrid_mnist.as_batches(x_train[:384])
+    y = torch.from_numpy(y_train[:384].astype(np.int64))
     model = hybrid_mnist.build_model(seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    first = hybrid_mnist.train_epoch(model, optimizer, x, y, 64, generator)
-    for _ in range(2):
-        last = hybrid_mnist.train_epoch(model, optimizer, x, y, 64, generator)
-    assert last < 0.7 * first
+    first = hybrid_mnist.train_epoch(model, optimizer, x, y, 32, generator)
+    last = hybrid_mnist.train_epoch(model, optimizer, x, y, 32, generator)
+    assert last < 0.7 * first   # measured: 2.05 -> 0.84
