@@ -2,6 +2,7 @@
 end with ONE optimizer.
 
     python -m bench.hybrid_mnist [--epochs 2] [--batch-size 64] [--lr 1e-3] [--limit N]
+                                 [--json results.json]
 
 The loss is torch's cross-entropy on the logits of the engine head. Its gradient reaches the
 head as ``grad_output``, our tape carries it through the head's kernels, and the gradient of
@@ -10,6 +11,7 @@ libraries. A single ``torch.optim.Adam`` owns every parameter; the engine head's
 views of its flat parameter buffer, updated in place.
 """
 import argparse
+import json
 import time
 
 import numpy as np
@@ -76,6 +78,7 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, default=0,
                         help="train on the first N images only (0: all 60000)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
     (x_train, y_train), (x_test, y_test) = data.mnist.load()
@@ -87,14 +90,26 @@ def main(argv=None):
     model = build_model(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)   # conv AND engine head
     generator = torch.Generator().manual_seed(args.seed)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{sum(p.numel() for p in model.parameters())} parameters, one torch.optim.Adam")
-    print(f"{'epoch':>5} {'train loss':>10} {'test acc':>9} {'seconds':>8}")
+    setup = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+             "parameters": sum(p.numel() for p in model.parameters()),
+             "train_images": len(x_train), "batch_size": args.batch_size, "lr": args.lr}
+    print(f"torch {setup['torch']}, {setup['threads']} threads; {setup['parameters']} "
+          f"parameters (torch conv + engine head), one torch.optim.Adam; "
+          f"{setup['train_images']} training images\n")
+    print("| epoch | train loss | test acc | seconds |")
+    print("|---|---|---|---|")
+    epochs = []
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
         loss = train_epoch(model, optimizer, x_train, y_train, args.batch_size, generator)
         seconds = time.perf_counter() - start
-        print(f"{epoch:>5} {loss:>10.4f} {accuracy(model, x_test, y_test):>9.4f} {seconds:>8.1f}")
+        row = {"epoch": epoch, "loss": loss, "test_acc": accuracy(model, x_test, y_test),
+               "seconds": seconds}
+        epochs.append(row)
+        print(f"| {epoch} | {loss:.4f} | {row['test_acc']:.4f} | {seconds:.1f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"setup": setup, "epochs": epochs}, file, indent=2)
 
 
 if __name__ == "__main__":
