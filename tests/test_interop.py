@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.parameter import Parameter
+from engine.parameter import FlatBuffer, Parameter
 from ops.registry import REGISTRY
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -345,7 +345,7 @@ def test_from_module_mismatched_device_names_both_sides():
 @pytest.mark.torch
 def test_bridges_on_cuda_in_float64():
     model = AffineTanh(3, 4)
-    model.weight.flat.to("cuda")
+    FlatBuffer(model.parameters()).to("cuda")   # move first, then wrap
     hybrid = as_function(model)
     x = torch.randn(5, 3, dtype=torch.float64, device="cuda", requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, *params: hybrid(x), (x, *hybrid.parameters()))
