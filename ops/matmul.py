@@ -98,9 +98,11 @@ def gemm_cpu(a, b, out, trans_a, trans_b):
 # compiler can merge into vector loads) instead of rows/columns strided by the thread count.
 # Measured on the H200 (bench/gemm.py): vec took 4096³ from 16.0 to 22.0 TFLOP/s and 1024³
 # from 13.4 to 14.9; for the one-element-per-thread SMALL tiling BK=32 beat 64 and 128
-# (32.6 vs 43.1 and 40.8 us of GPU time at 128x784x256).
+# (32.6 vs 43.1 and 40.8 us of GPU time at 128x784x256). Capping LARGE at 128 registers
+# (two blocks per multiprocessor instead of one, 40 bytes of spills) took 4096³ from 22.0 to
+# 25.0 TFLOP/s.
 Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers", defaults=(False, None))
-LARGE = Tiling(128, 128, 8, 8, 8, True)
+LARGE = Tiling(128, 128, 8, 8, 8, True, 128)
 MEDIUM = Tiling(64, 64, 16, 4, 4, True)
 SMALL = Tiling(16, 16, 32, 1, 1)
 SIMULATED = Tiling(4, 4, 4, 2, 2)   # the simulator starts one OS thread per CUDA thread
