@@ -27,6 +27,7 @@ from engine import nn
 from engine.autograd import no_grad
 from engine.losses import cross_entropy
 from engine.random import generator, manual_seed
+from engine.tensor import Tensor
 from ops.device import check_device, device_of, to_host
 
 PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
@@ -50,14 +51,16 @@ class _PassOutputs:
         self.classify = False
 
     def add(self, logits, labels, loss=None):
+        logits, labels = _storage(logits), _storage(labels)
         rows = logits.shape[0]
         if self.steps == 0:
-            self.classify = logits.ndim == 2 and np.dtype(labels.dtype).kind in "iu"
+            self.classify = (logits.ndim == 2 and labels.ndim == 1
+                             and np.dtype(labels.dtype).kind in "iu")
             capacity = max(self.n_batches or 1, 1)
             self.losses = _empty_like(loss.data, (capacity,)) if loss is not None else None
             if self.classify:
-                self.logits = _empty_like(logits.data, (capacity * rows, logits.shape[1]))
-                self.labels = _empty_like(labels.data, (capacity * rows,))
+                self.logits = _empty_like(logits, (capacity * rows, logits.shape[1]))
+                self.labels = _empty_like(labels, (capacity * rows,))
         if self.losses is not None:
             if self.steps == self.losses.shape[0]:
                 self.losses = _grown(self.losses, 2 * self.steps)
@@ -66,8 +69,8 @@ class _PassOutputs:
             if self.rows + rows > self.logits.shape[0]:
                 self.logits = _grown(self.logits, 2 * (self.rows + rows))
                 self.labels = _grown(self.labels, 2 * (self.rows + rows))
-            _copy_into(self.logits[self.rows:self.rows + rows], logits.data)
-            _copy_into(self.labels[self.rows:self.rows + rows], labels.data)
+            _copy_into(self.logits[self.rows:self.rows + rows], logits)
+            _copy_into(self.labels[self.rows:self.rows + rows], labels)
         self.batch_sizes.append(rows)
         self.steps += 1
         self.rows += rows
@@ -87,6 +90,11 @@ class _PassOutputs:
             return None
         predicted = to_host(self.logits[:self.rows]).argmax(axis=1)
         return float(np.mean(predicted == to_host(self.labels[:self.rows])))
+
+
+def _storage(value):
+    """The host or device array behind a Tensor (labels may also come as NumPy arrays)."""
+    return value.data if isinstance(value, Tensor) else np.asarray(value)
 
 
 def _empty_like(array, shape):
@@ -175,9 +183,10 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     ``scheduler.step()``, test accuracy on ``test_loader``, then the record
     ``{"epoch", "loss", "train_acc", "test_acc", "seconds", "samples_per_s"}`` (accuracies as
     fractions, None when the labels are not class indices; ``seconds`` is training time
-    only) is appended to ``history`` (a list, extended in place; a new one by default), printed (``verbose``), appended as one JSON line to
-    ``log_json`` and passed to each of ``on_epoch_end`` (a callable or a list of them).
-    ``progress`` shows a tqdm bar per epoch on stderr."""
+    only) is appended to ``history`` (a list, extended in place; a new one by default),
+    printed (``verbose``), appended as one JSON line to ``log_json`` and passed to each of
+    ``on_epoch_end`` (a callable or a list of them). ``progress`` shows a tqdm bar per epoch
+    on stderr."""
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
     if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
@@ -312,7 +321,7 @@ def build_parser():
     add("--batch-size", type=int, default=128)
     add("--hidden", default="256,128", help="hidden layer widths, comma-separated (ReLU)")
     add("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
-    add("--lr", type=float, default=1e-3, help="peak learning rate")
+    add("--lr", type=float, default=2e-3, help="peak learning rate (the cosine starts there)")
     add("--momentum", type=float, default=0.9, help="SGD momentum")
     add("--schedule", default="cosine",
         help=f"learning-rate schedule over the epochs: {' or '.join(SCHEDULES)}")
