@@ -35,7 +35,8 @@ def dense_forward_cpu(x, w, bias, out, act, alpha):
 
 
 @njit(cache=True)
-def dense_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, act, alpha, needs_x, needs_params):
+def dense_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, act, alpha, needs_x,
+                       needs_params):
     rows, cols = grad_out.shape
     g = np.empty_like(grad_out)   # BLAS needs G = grad_out * act' in memory
     for i in range(rows):

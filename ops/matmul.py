@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda, njit
 from numba.np.numpy_support import from_dtype
 
-from ops.device import SIMULATOR, device_of
+from ops.device import SIMULATOR
 from ops.launch import launch_blocks
 from ops.layout import same_device, same_dtype
 from ops.memory import empty
