@@ -5,6 +5,7 @@ launch (191 us measured on the H200), so the launch path refuses it. Shapes and 
 travel as one small int64 device array per distinct layout, made once and cached, because
 every kernel argument costs 4-5 us of launch time.
 """
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -39,7 +40,7 @@ def launch(kernel, n_threads, *args, threads_per_block=THREADS_PER_BLOCK):
 def launch_blocks(kernel, blocks, threads_per_block, *args):
     """Run ``kernel`` on an explicit grid (tree reductions: one block per output)."""
     launch(kernel, 0, *args)   # validates the arguments, launches nothing
-    if (np.prod(blocks) if isinstance(blocks, tuple) else blocks) > 0:
+    if (math.prod(blocks) if isinstance(blocks, tuple) else blocks) > 0:   # np.prod: +2.7 us
         kernel[blocks, threads_per_block](*args)
 
 
