@@ -295,6 +295,9 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False):
         if np.dtype(host_or_device.dtype) != dtype:
             host_or_device = to_host(host_or_device).astype(dtype)
         return Tensor(to_device(host_or_device, device), requires_grad)
+    if not isinstance(data, (np.ndarray, list, tuple, numbers.Number)) and (
+            hasattr(data, "__dlpack__") or hasattr(data, "__cuda_array_interface__")):
+        data = from_dlpack(data).data   # torch/CuPy/Numba: keep its dtype and device, then copy
     if device_of(data) == "cuda":
         array = data
     else:
