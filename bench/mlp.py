@@ -178,6 +178,16 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, orde
     return train_epoch, test_accuracy, torch.__version__
 
 
+def _torch_usable(device):
+    """PyTorch is installed and, for ``cuda``, built with CUDA and seeing a GPU."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    if device != "cuda":
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
 # ------------------------------------------------------------------ JIT compile time
 
 def time_first_steps(device, hidden, process_start):
@@ -258,7 +268,7 @@ def run(device, epochs, hidden, limit, measure_compile):
         x_train, y_train, x_test, y_test, normalize, device, hidden)
     frameworks = {"engine": engine_epoch}
     torch_version = None
-    if importlib.util.find_spec("torch") is not None:
+    if _torch_usable(device):
         torch_epoch, torch_accuracy, torch_version = _torch_run(
             x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order)
         frameworks["torch"] = torch_epoch
