@@ -275,6 +275,9 @@ def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
 
 def read_checkpoint(path):
     """The state dict ``save_checkpoint`` wrote (host NumPy arrays)."""
+    with open(path, "rb") as file:
+        if file.read(4) != b"PK\x03\x04":   # np.load would talk about pickles instead
+            raise ValueError(f"{path} is not a checkpoint written by --save (not an .npz archive)")
     with np.load(path, allow_pickle=False) as stored:
         if "checkpoint_json" not in stored.files:
             raise ValueError(f"{path} is an .npz but not a training checkpoint (engine.train)")

@@ -73,7 +73,7 @@ def test_fit_clips_and_steps_a_scheduler():
     optimizer = optim.Adam(model.parameters(), lr=0.01)
     scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     fit(model, loader, optimizer, cross_entropy, 2, scheduler=scheduler, clip_norm=0.5,
-        progress=False, verbose=False)
+        progress=True, verbose=False)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)
 
 
@@ -188,7 +188,7 @@ BAD_INPUTS = [
     (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent/fashion"], "fashion-mnist"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "mnist"),
     (["--resume", "/nonexistent/checkpoint.npz"], "--resume"),
-    (["--resume", _garbage], "--resume"),
+    (["--resume", _garbage], "not an .npz archive"),
     (["--resume", _not_a_checkpoint], "not a training checkpoint"),
     (["--save", "/nonexistent/dir/model.npz"], "--save"),
     (["--log-json", "/nonexistent/dir/log.jsonl"], "--log-json"),
