@@ -95,21 +95,25 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
         return record["seconds"]
 
     def instrumented_epoch():
-        """One epoch of plain steps, counting launches, driver allocations and tape nodes."""
+        """One epoch of plain steps, counting launches, driver allocations and tape nodes.
+        A step's counts run from the end of the previous step, so they include the
+        loader's batch gather."""
         from engine.autograd import current_tape
         from ops.memory import allocator_stats
+
         def driver_allocations():   # asked only on CUDA: it needs a CUDA context
             return allocator_stats()["driver_allocations"] if device == "cuda" else 0
 
         launches, tape_sizes, allocations = [], [], []
         with LaunchCounter() as counter:
+            previous_launches, previous_allocations = 0, driver_allocations()
             for inputs, labels in loader:
-                before, driver_before = counter.count, driver_allocations()
                 optimizer.zero_grad()
                 cross_entropy(model(inputs), labels).backward()
                 optimizer.step()
-                launches.append(counter.count - before)
-                allocations.append(driver_allocations() - driver_before)
+                launches.append(counter.count - previous_launches)
+                allocations.append(driver_allocations() - previous_allocations)
+                previous_launches, previous_allocations = counter.count, driver_allocations()
                 tape_sizes.append(len(current_tape()))
         steady = allocations[1:] or allocations   # the first step may fill the pool
         return {"launches_per_step": statistics.median(launches) if device == "cuda" else None,

@@ -312,32 +312,38 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    parser = _Parser(
-        prog=PROG, description="Train an MLP on MNIST or Fashion-MNIST with the Numba engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(prog=PROG, description="Train an MLP on MNIST or Fashion-MNIST with the "
+                     "Numba engine. Defaults: MNIST, 784-256-128-10 ReLU, Adam 2e-3 with a "
+                     "cosine schedule, batch 128, 5 epochs (98.25% test accuracy on the CPU).")
     add = parser.add_argument
-    add("--dataset", default="mnist", help=f"one of {', '.join(DATASETS)}")
-    add("--data-dir", metavar="DIR", help="where the IDX files are (mnist: shipped with the "
-        "project; fashion-mnist: default /usr/share/datasets/fashion-mnist)")
-    add("--device", default="auto", help="cpu, cuda, or auto (cuda when a GPU is usable)")
-    add("--epochs", type=int, default=5)
-    add("--batch-size", type=int, default=128)
-    add("--hidden", default="256,128", help="hidden layer widths, comma-separated (ReLU)")
-    add("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
-    add("--lr", type=float, default=2e-3, help="peak learning rate (the cosine starts there)")
-    add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--schedule", default="cosine",
-        help=f"learning-rate schedule over the epochs: {' or '.join(SCHEDULES)}")
-    add("--weight-decay", type=float, default=0.0, help="L2 (adam, sgd) or decoupled (adamw)")
-    add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm (0: off)")
-    add("--seed", type=int, default=0, help="initialisation, shuffling and dropout")
-    add("--save", metavar="PATH", help="checkpoint (model + optimizer) written after each epoch")
-    add("--resume", metavar="PATH", help="continue training from a --save checkpoint")
-    add("--plot", metavar="PATH", help="PNG of loss and accuracy curves (needs matplotlib)")
+    add("--dataset", default="mnist", help=f"{' or '.join(DATASETS)} (default mnist)")
+    add("--data-dir", metavar="DIR", help="folder of the four IDX files (mnist: default the "
+        "copy shipped with the project; fashion-mnist: /usr/share/datasets/fashion-mnist)")
+    add("--device", default="auto", help="cpu, cuda, or auto: cuda when a GPU is usable "
+        "(default auto)")
+    add("--epochs", type=int, default=5, help="total epochs, counting resumed ones (default 5)")
+    add("--batch-size", type=int, default=128, help="training batch size (default 128)")
+    add("--hidden", default="256,128", help="hidden layer widths, comma-separated, each "
+        "followed by ReLU (default 256,128)")
+    add("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
+    add("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    add("--schedule", default="cosine", help="learning rate over the epochs: cosine (from "
+        "--lr down to 0 at the last epoch) or constant (default cosine)")
+    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, sgd) or decoupled "
+        "decay (adamw) (default 0)")
+    add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
+        "(default 0: off)")
+    add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
+    add("--save", metavar="PATH", help="checkpoint (model, optimizer, epoch, history) written "
+        "atomically after each epoch")
+    add("--resume", metavar="PATH", help="continue from a --save checkpoint up to --epochs, "
+        "with the checkpoint's optimizer settings")
+    add("--plot", metavar="PATH", help="PNG of the loss and accuracy curves (needs matplotlib)")
     add("--log-json", metavar="PATH", help="append one JSON object per epoch")
     add("--limit", type=int, metavar="N", help="use only the first N samples of each split "
         "(quick checks)")
-    add("--no-progress", action="store_true", help="no progress bar (metrics lines only)")
+    add("--no-progress", action="store_true", help="no progress bar, metrics lines only")
     return parser
 
 
