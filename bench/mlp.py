@@ -251,7 +251,7 @@ def compile_times(device, hidden):
 def machine_description(device):
     if device == "cuda":
         from numba import cuda
-        name = cuda.get_current_device().name
+        name = getattr(cuda.get_current_device(), "name", "Numba's CUDA simulator")
         return name.decode() if isinstance(name, bytes) else str(name)
     model = platform.processor() or platform.machine()
     try:

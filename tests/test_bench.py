@@ -46,3 +46,25 @@ def test_bench_ops_quick_smoke(tmp_path, capsys):
     assert [row["op"] for row in rows] == list(bench_ops.MLP_SIZE)
     assert all(row["us_per_call"]["engine"] > 0 and row["throughput"]["numpy"] > 0 for row in rows)
     assert "| dense relu | 128x784 @ 784x256 |" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+def test_a_training_step_launches_at_most_15_kernels_and_leaves_the_tape_empty():
+    """The GPU target of the reference MLP (3 Dense layers, fused cross-entropy, Adam): at
+    most 15 launches per step, the loader's batch gather and gradient clipping included."""
+    import data
+    import optim
+    from engine.losses import cross_entropy
+    from engine.train import build_mlp, fit
+
+    images = np.random.default_rng(0).integers(0, 256, (32, 8), dtype=np.uint8)
+    model = build_mlp((8,), (4, 4), 10).to("cuda")
+    optimizer = optim.Adam(model.parameters())
+    loader = data.DataLoader(images, np.arange(32) % 10, batch_size=16, shuffle=True, seed=0,
+                             device="cuda", normalize=(0.5, 0.3))
+    fit(model, loader, optimizer, cross_entropy, 1, progress=False, verbose=False)   # warm-up
+    with mlp.LaunchCounter() as counter:
+        fit(model, loader, optimizer, cross_entropy, 2, start_epoch=1, clip_norm=1.0,
+            progress=False, verbose=False)
+    assert counter.count / len(loader) <= 15
+    assert len(engine.autograd.current_tape()) == 0
