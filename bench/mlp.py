@@ -231,7 +231,8 @@ def compile_times(device, hidden):
     ``NUMBA_CACHE_DIR``, empty for the first (cold) and filled for the second (warm)."""
     code = ("import time; start = time.perf_counter(); import json, sys; "
             "from bench.mlp import time_first_steps; "
-            "print(json.dumps(time_first_steps(sys.argv[1], tuple(map(int, sys.argv[2].split(','))), start)))")
+            "hidden = tuple(map(int, sys.argv[2].split(','))); "
+            "print(json.dumps(time_first_steps(sys.argv[1], hidden, start)))")
     results = {}
     with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
         environment = {**os.environ, "NUMBA_CACHE_DIR": cache}
@@ -240,7 +241,8 @@ def compile_times(device, hidden):
             child = subprocess.run([sys.executable, "-c", code, device, ",".join(map(str, hidden))],
                                    cwd=REPO_ROOT, env=environment, capture_output=True, text=True)
             if child.returncode != 0:
-                raise RuntimeError(f"bench.mlp: the {label}-cache subprocess failed:\n{child.stderr}")
+                raise RuntimeError(f"bench.mlp: the {label}-cache subprocess failed:\n"
+                                   f"{child.stderr}")
             results[label] = {**json.loads(child.stdout.strip().splitlines()[-1]),
                               "process_s": time.perf_counter() - started}
     return results
@@ -256,7 +258,8 @@ def machine_description(device):
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo
+                         if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"{model}, {os.cpu_count()} CPU cores"
@@ -306,7 +309,8 @@ def run(device, epochs, hidden, limit, measure_compile):
 
 def format_table(result):
     rows = result["results"]
-    lines = [f"bench.mlp: MLP {result['model']}, {result['optimizer']}, batch {result['batch_size']}, "
+    lines = [f"bench.mlp: MLP {result['model']}, {result['optimizer']}, "
+             f"batch {result['batch_size']}, "
              f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
              f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
              "epochs after 1 warm-up, engine and torch alternating", "",
@@ -322,7 +326,8 @@ def format_table(result):
     if result["engine_over_torch"] is not None:
         lines.append(f"engine / torch s/epoch: {result['engine_over_torch']:.2f}x")
     engine = rows["engine"]
-    lines.append(f"autograd tape between steps: at most {engine['tape_nodes_between_steps_max']} nodes")
+    lines.append("autograd tape between steps: at most "
+                 f"{engine['tape_nodes_between_steps_max']} nodes")
     if engine["driver_allocations_steady_steps"] is not None:
         lines.append(f"CUDA driver allocations over {engine['steady_steps']} steady-state steps: "
                      f"{engine['driver_allocations_steady_steps']}")

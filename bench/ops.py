@@ -151,8 +151,8 @@ def run(device, quick=False):
                        "numpy": _seconds_per_call(_numpy_calls(name, arrays), lambda: None,
                                                 round_seconds)}
         if has_torch:
-            seconds["torch"] = _seconds_per_call(_torch_calls(name, arrays, torch_device), torch_sync,
-                                               round_seconds)
+            seconds["torch"] = _seconds_per_call(_torch_calls(name, arrays, torch_device),
+                                                 torch_sync, round_seconds)
         rows.append({"op": name, "shapes": [list(s) for s in shapes], "unit": f"{unit}/s",
                      "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
                      "throughput": {k: amount / v / 1e9 for k, v in seconds.items()}})

@@ -164,7 +164,8 @@ def _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar):
 
 
 def format_record(record, epochs):
-    """One metrics line: ``epoch 2/5  loss 0.0951  train 97.12%  test 97.40%  4.1 s  14630 samples/s``."""
+    """One metrics line, like
+    ``epoch 2/5  loss 0.0951  train 97.12%  test 97.40%  4.1 s  14630 samples/s``."""
     def percent(value):
         return "-" if value is None else f"{100 * value:.2f}%"
     loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
@@ -190,7 +191,8 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
     if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
-        raise ValueError(f"fit: start_epoch must be between 0 and epochs={epochs}, got {start_epoch!r}")
+        raise ValueError(f"fit: start_epoch must be between 0 and epochs={epochs}, "
+                         f"got {start_epoch!r}")
     if clip_norm < 0:
         raise ValueError(f"fit: clip_norm must be >= 0 (0 turns clipping off), got {clip_norm}")
     callbacks = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
@@ -363,9 +365,11 @@ def check_arguments(args):
     if args.dataset not in DATASETS:
         raise BadInput(f"unknown dataset {args.dataset!r}: expected one of {', '.join(DATASETS)}")
     if args.optimizer not in OPTIMIZERS:
-        raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+        raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of "
+                       f"{', '.join(OPTIMIZERS)}")
     if args.schedule not in SCHEDULES:
-        raise BadInput(f"unknown schedule {args.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        raise BadInput(f"unknown schedule {args.schedule!r}: expected one of "
+                       f"{', '.join(SCHEDULES)}")
     for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size),
                         ("--limit", args.limit)):
         if value is not None and value < 1:
@@ -383,7 +387,8 @@ def check_arguments(args):
     if args.resume and not os.path.isfile(args.resume):
         raise BadInput(f"--resume {args.resume}: no such file")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise BadInput("--plot needs matplotlib, an optional extra: pip install 'numba-engine[plot]'")
+        raise BadInput("--plot needs matplotlib, an optional extra: "
+                       "pip install 'numba-engine[plot]'")
     args.hidden = parse_hidden(args.hidden)
     try:
         args.device = check_device(args.device)
@@ -466,7 +471,8 @@ def run(args):
     config = {"dataset": args.dataset, "hidden": list(args.hidden), "optimizer": args.optimizer,
               "schedule": args.schedule}
     if checkpoint is not None and checkpoint["config"] != config:
-        raise BadInput(f"--resume {args.resume}: the checkpoint was trained with {checkpoint['config']}, "
+        raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
+                       f"{checkpoint['config']}, "
                        f"this run asks for {config}")
 
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir, args.limit)

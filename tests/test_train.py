@@ -27,7 +27,8 @@ TINY = ["--limit", "192", "--epochs", "1", "--batch-size", "64", "--hidden", "16
 def _blobs_model_and_loader(device, batch_size=8):
     x, y = data.blobs(48, centers=3, seed=0)
     loader = data.DataLoader(x, y, batch_size=batch_size, shuffle=True, seed=0, device=device)
-    model = nn.Sequential([nn.Dense(8, activation="relu", input_shape=(2,)), nn.Dense(3)]).to(device)
+    model = nn.Sequential([nn.Dense(8, activation="relu", input_shape=(2,)), nn.Dense(3)])
+    model.to(device)
     return model, loader, x, y
 
 
@@ -83,7 +84,8 @@ def test_fit_clips_and_steps_a_scheduler():
 def test_fit_rejects_bad_arguments(arguments, message):
     model, loader, _, _ = _blobs_model_and_loader("cpu")
     with pytest.raises(ValueError, match=message):
-        fit(model, loader, optim.Adam(model.parameters()), cross_entropy, progress=False, **arguments)
+        fit(model, loader, optim.Adam(model.parameters()), cross_entropy, progress=False,
+            **arguments)
 
 
 def test_evaluate_matches_numpy_and_restores_train_mode(device):
@@ -226,8 +228,9 @@ def test_resume_rejects_another_architecture_and_a_finished_run(tmp_path, capsys
 
 def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
     code, captured = _run_main(TINY + ["--plot", str(tmp_path / "curves.png")], capsys)
     assert code != 0 and "matplotlib" in captured.err and len(captured.err.splitlines()) == 1
 
