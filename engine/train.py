@@ -253,20 +253,29 @@ def _unpack(skeleton, arrays):
     return skeleton
 
 
+TRAINING_PREFIX = "train/"   # checkpoint entries beyond the model file's, which nn.load skips
+CHECKPOINT_KEY = TRAINING_PREFIX + "checkpoint"
+
+
 def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
     """Write model and optimizer state, the epoch counter, history, ``config`` and the
     engine's RNG state to ``path`` (an .npz) atomically: a temporary file renamed over the
-    target. A schedule needs no state of its own: it is a function of the epoch."""
+    target. A schedule needs no state of its own: it is a function of the epoch.
+
+    The file is a ``model.save`` file (architecture and weights under their names) plus
+    entries under ``train/``: the training state as JSON and its arrays."""
     arrays = {}
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch, "history": list(history), "config": config or {},
-             "rng": generator().bit_generator.state}
+    state = {"optimizer": optimizer.state_dict(), "epoch": epoch, "history": list(history),
+             "config": config or {}, "rng": generator().bit_generator.state}
     skeleton = json.dumps(_pack(state, arrays))
+    entries = {nn.CONFIG_KEY: np.array(json.dumps(model.get_config())), **model.state_dict(),
+               CHECKPOINT_KEY: np.array(skeleton),
+               **{TRAINING_PREFIX + name: array for name, array in arrays.items()}}
     directory = os.path.dirname(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".npz")
     try:
         with os.fdopen(handle, "wb") as file:
-            np.savez(file, checkpoint_json=np.array(skeleton), **arrays)
+            np.savez(file, **entries)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -276,15 +285,20 @@ def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
 
 
 def read_checkpoint(path):
-    """The state dict ``save_checkpoint`` wrote (host NumPy arrays)."""
+    """The state ``save_checkpoint`` wrote, as host NumPy arrays: ``{"model", "optimizer",
+    "epoch", "history", "config", "rng"}``."""
     with open(path, "rb") as file:
         if file.read(4) != b"PK\x03\x04":   # np.load would talk about pickles instead
             raise ValueError(f"{path} is not a checkpoint written by --save (not an .npz archive)")
     with np.load(path, allow_pickle=False) as stored:
-        if "checkpoint_json" not in stored.files:
+        if CHECKPOINT_KEY not in stored.files:
             raise ValueError(f"{path} is an .npz but not a training checkpoint (engine.train)")
-        arrays = {name: stored[name] for name in stored.files if name != "checkpoint_json"}
-        return _unpack(json.loads(str(stored["checkpoint_json"])), arrays)
+        arrays = {name[len(TRAINING_PREFIX):]: stored[name] for name in stored.files
+                  if name.startswith(TRAINING_PREFIX) and name != CHECKPOINT_KEY}
+        state = _unpack(json.loads(str(stored[CHECKPOINT_KEY])), arrays)
+        state["model"] = {name: stored[name] for name in stored.files
+                          if name != nn.CONFIG_KEY and not name.startswith(TRAINING_PREFIX)}
+        return state
 
 
 def restore_checkpoint(state, model, optimizer):

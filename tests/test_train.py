@@ -162,6 +162,21 @@ def test_save_and_resume_continue_the_run_exactly(tmp_path, capsys):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".checkpoint-")]
 
 
+def test_checkpoint_holds_a_model_file(tmp_path, capsys):
+    """The architecture and weights sit under model.save's names (train/ holds the rest), so
+    the model rebuilds from the checkpoint alone."""
+    path = str(tmp_path / "run.npz")
+    main(TINY + ["--save", path])
+    with np.load(path, allow_pickle=False) as stored:
+        config = json.loads(str(stored[nn.CONFIG_KEY]))
+        names = set(stored.files)
+    model = nn.Sequential.from_config(config)
+    state = read_checkpoint(path)["model"]
+    model.load_state_dict(state)
+    assert names - set(state) - {nn.CONFIG_KEY} == {n for n in names if n.startswith("train/")}
+    assert [layer["config"].get("units") for layer in config["layers"]] == [None, 16, 10]
+
+
 def _not_a_checkpoint(tmp_path):
     path = tmp_path / "model.npz"
     nn.Sequential([nn.Dense(2, input_shape=(3,))]).save(str(path))
