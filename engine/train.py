@@ -1,9 +1,10 @@
 """Training: the library loop (``fit``, ``evaluate``) and the command ``python -m engine.train``.
 
 ``fit`` runs epochs of forward, loss, backward, optional gradient clipping and an optimizer
-step, and returns one record per epoch. Each batch's loss, logits and labels are copied into
-buffers on the batch's own device and read back once at the end of the epoch, so a GPU step
-never waits for the host; the progress bar reads one loss every ``PROGRESS_EVERY`` steps.
+step, and returns one record per epoch. Each batch's loss and correct predictions are added
+up on the batch's own device by one small kernel (``ops.metrics``) and read back once at the
+end of the epoch, so a GPU step never waits for the host; the progress bar reads one loss
+every ``PROGRESS_EVERY`` steps.
 
 The command is a thin wrapper: it checks its arguments, loads and standardises the data,
 builds the MLP, optimizer and schedule, and calls ``fit``. Bad input exits with one line on
@@ -28,7 +29,8 @@ from engine.autograd import no_grad
 from engine.losses import cross_entropy
 from engine.random import generator, manual_seed
 from engine.tensor import Tensor
-from ops.device import check_device, device_of, to_host
+from ops.device import check_device, to_host
+from ops.metrics import RunningMetrics
 
 PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
 RECORD_KEYS = ("epoch", "loss", "train_acc", "test_acc", "seconds", "samples_per_s")
@@ -36,83 +38,9 @@ RECORD_KEYS = ("epoch", "loss", "train_acc", "test_acc", "seconds", "samples_per
 
 # ------------------------------------------------------------------ the library loop
 
-class _PassOutputs:
-    """Losses, logits and labels of one pass over a loader, kept on their device.
-
-    Buffers are sized for the whole pass on the first batch and grow only if a loader yields
-    more rows than ``len(loader)`` promised; reading them back is one copy per pass."""
-
-    def __init__(self, n_batches):
-        self.n_batches = n_batches
-        self.steps = 0
-        self.rows = 0
-        self.batch_sizes = []
-        self.losses = self.logits = self.labels = None
-        self.classify = False
-
-    def add(self, logits, labels, loss=None):
-        logits, labels = _storage(logits), _storage(labels)
-        rows = logits.shape[0]
-        if self.steps == 0:
-            self.classify = (logits.ndim == 2 and labels.ndim == 1
-                             and np.dtype(labels.dtype).kind in "iu")
-            capacity = max(self.n_batches or 1, 1)
-            self.losses = _empty_like(loss.data, (capacity,)) if loss is not None else None
-            if self.classify:
-                self.logits = _empty_like(logits, (capacity * rows, logits.shape[1]))
-                self.labels = _empty_like(labels, (capacity * rows,))
-        if self.losses is not None:
-            if self.steps == self.losses.shape[0]:
-                self.losses = _grown(self.losses, 2 * self.steps)
-            _copy_into(self.losses[self.steps:self.steps + 1], loss.data.reshape(1))
-        if self.classify:
-            if self.rows + rows > self.logits.shape[0]:
-                self.logits = _grown(self.logits, 2 * (self.rows + rows))
-                self.labels = _grown(self.labels, 2 * (self.rows + rows))
-            _copy_into(self.logits[self.rows:self.rows + rows], logits)
-            _copy_into(self.labels[self.rows:self.rows + rows], labels)
-        self.batch_sizes.append(rows)
-        self.steps += 1
-        self.rows += rows
-
-    def last_loss(self):
-        return float(to_host(self.losses[self.steps - 1:self.steps])[0])
-
-    def mean_loss(self):
-        """The per-sample mean of batch-mean losses (weighted by batch size)."""
-        if self.losses is None or not self.steps:
-            return None
-        losses = to_host(self.losses[:self.steps]).astype(np.float64)
-        return float(np.dot(losses, self.batch_sizes) / self.rows)
-
-    def accuracy(self):
-        if not self.classify or not self.rows:
-            return None
-        predicted = to_host(self.logits[:self.rows]).argmax(axis=1)
-        return float(np.mean(predicted == to_host(self.labels[:self.rows])))
-
-
 def _storage(value):
     """The host or device array behind a Tensor (labels may also come as NumPy arrays)."""
     return value.data if isinstance(value, Tensor) else np.asarray(value)
-
-
-def _empty_like(array, shape):
-    from ops.memory import empty
-    return empty(shape, array.dtype, device_of(array))
-
-
-def _grown(buffer, rows):
-    bigger = _empty_like(buffer, (rows,) + tuple(buffer.shape[1:]))
-    _copy_into(bigger[:buffer.shape[0]], buffer)
-    return bigger
-
-
-def _copy_into(destination, source):
-    if device_of(destination) == "cuda":
-        destination.copy_to_device(source)
-    else:
-        np.copyto(destination, source)
 
 
 def _length(loader):
@@ -128,11 +56,13 @@ def evaluate(model, loader):
     was_training = getattr(model, "training", True)
     model.eval()
     try:
-        outputs = _PassOutputs(_length(loader))
+        metrics = None
         with no_grad():
             for inputs, labels in loader:
-                outputs.add(model(inputs), labels)
-        return outputs.accuracy()
+                logits = model(inputs)
+                metrics = metrics or RunningMetrics(logits.device)
+                metrics.add(None, logits.data, _storage(labels))
+        return metrics.read()[1] if metrics is not None else None
     finally:
         if was_training:
             model.train()
@@ -140,7 +70,7 @@ def evaluate(model, loader):
 
 def _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar):
     model.train()
-    outputs = _PassOutputs(_length(loader))
+    metrics = None
     start = time.perf_counter()
     for step, (inputs, labels) in enumerate(loader):
         optimizer.zero_grad()
@@ -150,17 +80,18 @@ def _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar):
         if clip_norm:
             optim.clip_grad_norm_(parameters, clip_norm)
         optimizer.step()
-        outputs.add(logits, labels, loss)
+        metrics = metrics or RunningMetrics(logits.device)
+        metrics.add(loss.data, logits.data, _storage(labels))
         if bar is not None:
             bar.update(1)
-            if step % PROGRESS_EVERY == 0:
-                rate = outputs.rows / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f"{outputs.last_loss():.4f}", samples_s=f"{rate:.0f}",
+            if step % PROGRESS_EVERY == 0:   # the one host sync every PROGRESS_EVERY steps
+                rate = (step + 1) * logits.shape[0] / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{rate:.0f}",
                                 refresh=False)
-    loss, train_acc = outputs.mean_loss(), outputs.accuracy()   # the read-back waits for the GPU
+    loss, train_acc, rows = metrics.read() if metrics else (None, None, 0)   # waits for the GPU
     seconds = time.perf_counter() - start
     return {"loss": loss, "train_acc": train_acc, "seconds": seconds,
-            "samples_per_s": outputs.rows / seconds if seconds > 0 else None}
+            "samples_per_s": rows / seconds if seconds > 0 else None}
 
 
 def format_record(record, epochs):

@@ -1,0 +1,98 @@
+"""Running training metrics kept on the batch's device: one launch per step, no host sync.
+
+``totals`` is a float64 array ``[sum of batch loss * rows, correct predictions, rows]``; the
+training loop reads it once per epoch. Not an op: nothing here is differentiated.
+"""
+import numpy as np
+from numba import cuda, float64, njit
+
+from ops.device import SIMULATOR, device_of
+from ops.fill import fill
+from ops.launch import launch_blocks
+from ops.memory import empty
+
+METRIC_THREADS = 8 if SIMULATOR else 128   # a power of two (the tree halves it)
+LOSS_SUM, CORRECT, ROWS = range(3)
+
+
+@njit(cache=True, error_model="numpy")
+def _is_correct_cpu(logits, labels, row):
+    best = 0
+    for c in range(1, logits.shape[1]):
+        if logits[row, c] > logits[row, best]:
+            best = c
+    return 1.0 if best == labels[row] else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def accumulate_cpu(loss, logits, labels, totals, classify):
+    rows = logits.shape[0]
+    correct = 0.0
+    if classify:
+        for row in range(rows):
+            correct += _is_correct_cpu(logits, labels, row)
+    totals[LOSS_SUM] += loss[0] * rows
+    totals[CORRECT] += correct
+    totals[ROWS] += rows
+
+
+@cuda.jit
+def accumulate_cuda(loss, logits, labels, totals, classify):
+    """One block: per-thread counts over rows, then a fixed-order tree (no float atomics)."""
+    partial = cuda.shared.array(METRIC_THREADS, float64)
+    t = cuda.threadIdx.x
+    rows = logits.shape[0]
+    count = 0.0
+    if classify:
+        for row in range(t, rows, METRIC_THREADS):
+            best = 0
+            for c in range(1, logits.shape[1]):
+                if logits[row, c] > logits[row, best]:
+                    best = c
+            if best == labels[row]:
+                count += 1.0
+    partial[t] = count
+    cuda.syncthreads()
+    step = METRIC_THREADS // 2
+    while step > 0:
+        if t < step:
+            partial[t] += partial[t + step]
+        cuda.syncthreads()
+        step //= 2
+    if t == 0:
+        totals[LOSS_SUM] += loss[0] * rows
+        totals[CORRECT] += partial[0]
+        totals[ROWS] += rows
+
+
+class RunningMetrics:
+    """Mean loss and accuracy of one pass, accumulated on ``device``."""
+
+    def __init__(self, device):
+        self.totals = fill(empty(3, np.float64, device), 0)
+        self.classify = None
+        self._no_loss = fill(empty(1, np.float64, device), 0)
+        self._no_labels = empty(0, np.int64, device)
+
+    def add(self, loss, logits, labels):
+        """``loss``: the batch-mean loss array (one element, or None); ``logits`` (rows,
+        classes) or any prediction array; ``labels``: class indices (else no accuracy)."""
+        classify = bool(logits.ndim == 2 and labels.ndim == 1
+                        and np.dtype(labels.dtype).kind in "iu")
+        self.classify = classify if self.classify is None else self.classify and classify
+        if logits.ndim != 2:
+            logits = logits.reshape(logits.shape[0], -1)
+        loss = self._no_loss if loss is None else loss.reshape(1)
+        args = (loss, logits, labels if classify else self._no_labels, self.totals, classify)
+        if device_of(logits) == "cuda":
+            launch_blocks(accumulate_cuda, 1, METRIC_THREADS, *args)
+        else:
+            accumulate_cpu(*args)
+
+    def read(self):
+        """``(mean loss per sample, accuracy or None, rows)``; one device-to-host copy."""
+        loss_sum, correct, rows = (self.totals.copy_to_host() if device_of(self.totals) == "cuda"
+                                   else self.totals)
+        if rows == 0:
+            return None, None, 0
+        return loss_sum / rows, (correct / rows if self.classify else None), int(rows)
