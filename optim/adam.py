@@ -8,17 +8,21 @@ from ops.launch import launch
 from optim.optimizer import Optimizer, check_non_negative
 
 
-def _adam_element(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay,
-                  step_size, bias_correction2_sqrt, first_step):
-    # float64 arithmetic whatever the storage dtype; one rounding per stored value
-    p = float(param[i]) * param_decay            # AdamW: p * (1 - lr * weight_decay)
-    g = float(grad[i]) + l2 * p                  # Adam: L2 penalty in the gradient
-    m_prev = 0.0 if first_step else float(exp_avg[i])
-    v_prev = 0.0 if first_step else float(exp_avg_sq[i])
-    exp_avg[i] = m_prev + (1.0 - beta1) * (g - m_prev)
-    exp_avg_sq[i] = beta2 * v_prev + (1.0 - beta2) * g * g
-    denom = math.sqrt(float(exp_avg_sq[i])) / bias_correction2_sqrt + eps
-    param[i] = p - step_size * float(exp_avg[i]) / denom
+def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2,
+                  eps, l2, param_decay, step_size, bias_correction2_sqrt, first_step):
+    # arithmetic in the parameters' dtype (every scalar arrives cast to it), as torch.optim
+    # does: float32 math vectorises twice as wide and its sqrt and division are ~3x cheaper
+    p = param[i] * param_decay                   # AdamW: p * (1 - lr * weight_decay)
+    g = grad[i] + l2 * p                         # Adam: L2 penalty in the gradient
+    if first_step:                               # the state buffers are still unwritten
+        m = one_minus_beta1 * g
+        v = one_minus_beta2 * g * g
+    else:
+        m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i])
+        v = beta2 * exp_avg_sq[i] + one_minus_beta2 * g * g
+    exp_avg[i] = m
+    exp_avg_sq[i] = v
+    param[i] = p - step_size * m / (math.sqrt(v) / bias_correction2_sqrt + eps)
 
 
 _adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
@@ -28,20 +32,22 @@ _adam_element_cuda = cuda.jit(device=True)(_adam_element)
 # error_model="numpy": IEEE division (0/0 is NaN, as on the GPU and in torch, not an
 # exception) without a zero check per division, which kept the loop 3.5x slower
 @njit(cache=True, error_model="numpy")
-def adam_cpu(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay, step_size,
-             bias_correction2_sqrt, first_step):
+def adam_cpu(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, eps,
+             l2, param_decay, step_size, bias_correction2_sqrt, first_step):
     for i in range(param.size):
-        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2,
-                          param_decay, step_size, bias_correction2_sqrt, first_step)
+        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2,
+                          one_minus_beta2, eps, l2, param_decay, step_size,
+                          bias_correction2_sqrt, first_step)
 
 
 @cuda.jit
-def adam_cuda(param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2, param_decay, step_size,
-              bias_correction2_sqrt, first_step):
+def adam_cuda(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, eps,
+              l2, param_decay, step_size, bias_correction2_sqrt, first_step):
     i = cuda.grid(1)
     if i < param.size:
-        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, l2,
-                           param_decay, step_size, bias_correction2_sqrt, first_step)
+        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2,
+                           one_minus_beta2, eps, l2, param_decay, step_size,
+                           bias_correction2_sqrt, first_step)
 
 
 class Adam(Optimizer):
@@ -55,8 +61,8 @@ class Adam(Optimizer):
         v = beta2 * v + (1 - beta2) * g * g
         p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-    The bias corrections are computed on the host in float64; the kernel's arithmetic is
-    float64, stored in the parameter's dtype. ``lr`` is a kernel argument (no recompile).
+    The bias corrections are computed on the host in float64; the kernel's arithmetic is in
+    the parameter's dtype, as in torch. ``lr`` is a kernel argument (no recompile).
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -103,8 +109,10 @@ class Adam(Optimizer):
         step_size = lr / (1.0 - beta1 ** step)
         bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
         exp_avg, exp_avg_sq = buffers
-        args = (param, grad, exp_avg, exp_avg_sq, beta1, beta2, float(group["eps"]), l2,
-                param_decay, step_size, bias_correction2_sqrt, step == 1)
+        cast = param.dtype.type   # float32 parameters: float32 arithmetic in the kernel
+        args = (param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
+                cast(1.0 - beta2), cast(group["eps"]), cast(l2), cast(param_decay),
+                cast(step_size), cast(bias_correction2_sqrt), step == 1)
         if device_of(param) == "cuda":
             launch(adam_cuda, param.size, *args)
         else:
