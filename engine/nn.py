@@ -34,6 +34,7 @@ ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
 RELU_FAMILY = ("relu", "leaky_relu")
 FORMAT_VERSION = 1
 CONFIG_KEY = "__config__"
+TRAINING_PREFIX = "train/"   # what `python -m engine.train --save` adds beside the model
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -537,7 +538,8 @@ def load(path, device="cpu"):
     try:
         with np.load(path, allow_pickle=False) as archive:
             config = json.loads(str(archive[CONFIG_KEY][()]))
-            state = {key: archive[key] for key in archive.files if key != CONFIG_KEY}
+            state = {key: archive[key] for key in archive.files
+                     if key != CONFIG_KEY and not key.startswith(TRAINING_PREFIX)}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise ValueError(f"nn.load: {path!r} is not a model file written by model.save "
                          f"({type(error).__name__}: {error})") from None

@@ -184,7 +184,7 @@ def _unpack(skeleton, arrays):
     return skeleton
 
 
-TRAINING_PREFIX = "train/"   # checkpoint entries beyond the model file's, which nn.load skips
+TRAINING_PREFIX = nn.TRAINING_PREFIX   # checkpoint entries beyond the model file's, which nn.load skips
 CHECKPOINT_KEY = TRAINING_PREFIX + "checkpoint"
 
 

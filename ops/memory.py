@@ -54,7 +54,8 @@ if _POOL_ENABLED:   # the simulator has no memory manager to replace
 
 def allocator_stats():
     """``{"driver_allocations", "cached_bytes"}`` of the current CUDA context (zeros without one)."""
-    if not _POOL_ENABLED:
+    from ops.device import cuda_available
+    if not _POOL_ENABLED or not cuda_available():
         return {"driver_allocations": 0, "cached_bytes": 0}
     manager = cuda.current_context().memory_manager
     return {"driver_allocations": manager.driver_allocations, "cached_bytes": manager.cached_bytes}

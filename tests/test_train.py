@@ -263,3 +263,15 @@ def test_module_entry_point_runs_and_fails_cleanly():
     assert bad.stderr.strip().splitlines() == [
         "engine-train: error: --hidden 'a,b': expected positive layer widths separated by "
         "commas, like 256,128"]
+
+
+def test_a_training_checkpoint_loads_as_a_model(tmp_path):
+    checkpoint = tmp_path / "run.npz"
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.train", "--epochs", "1", "--limit", "256",
+         "--hidden", "8", "--device", "cpu", "--no-progress", "--save", str(checkpoint)],
+        capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    from engine import nn
+    model = nn.load(str(checkpoint))
+    assert model(engine.zeros(2, 28, 28)).shape == (2, 10)
