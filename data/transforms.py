@@ -56,7 +56,7 @@ def gaussian_noise_cpu(x, out, key, std, low, high):
             out[i + 1] = min(max(x[i + 1] + std * (radius * math.sin(angle)), low), high)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def gaussian_noise_cuda(x, out, key, std, low, high):
     i = cuda.grid(1)
     if i < out.size:

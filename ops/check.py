@@ -22,12 +22,12 @@ def count_nonfinite_cpu(x):
     return count
 
 
-@cuda.jit(fastmath=False)
+@cuda.jit(cache=True, fastmath=False)
 def zero_count_cuda(count):
     count[0] = 0
 
 
-@cuda.jit(fastmath=False)
+@cuda.jit(cache=True, fastmath=False)
 def count_nonfinite_cuda(x, count):
     i = cuda.grid(1)
     if i < x.size and not math.isfinite(x[i]):

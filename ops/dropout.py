@@ -57,7 +57,7 @@ def dropout_cpu(x, out, seed, threshold, scale):
         out[i] = x[i] * scale if _keep_cpu(i, seed, threshold) else zero
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def dropout_cuda(x, out, seed, threshold, scale):
     i = cuda.grid(1)
     if i < out.size:

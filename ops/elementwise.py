@@ -65,7 +65,7 @@ def binary_cpu(code, a, b, out, meta):
         out[i] = _binary_value_cpu(code, a[offset_a], b[offset_b])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def binary_cuda(code, a, b, out, meta):
     i = cuda.grid(1)
     if i < out.size:
@@ -196,7 +196,7 @@ def unary_cpu(code, x, out, p):
         out[i] = _unary_value_cpu(code, x[i], p)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def unary_cuda(code, x, out, p):
     i = cuda.grid(1)
     if i < out.size:
@@ -209,7 +209,7 @@ def unary_grad_cpu(code, x, y, grad_out, grad_in, p):
         grad_in[i] = grad_out[i] * _unary_derivative_cpu(code, x[i], y[i], p)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def unary_grad_cuda(code, x, y, grad_out, grad_in, p):
     i = cuda.grid(1)
     if i < grad_in.size:

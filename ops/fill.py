@@ -11,7 +11,7 @@ def fill_cpu(out, value):
         out[i] = value
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_cuda(out, value):
     i = cuda.grid(1)
     if i < out.size:

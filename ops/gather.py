@@ -23,7 +23,7 @@ def gather_rows_cpu(x, y, order, start, x_out, y_out):
             y_out[b, j] = y[row, j]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def gather_rows_cuda(x, y, order, start, x_out, y_out):
     # one thread per (row of the batch, column): consecutive threads read consecutive
     # elements of one source row, so the reads of a warp coalesce

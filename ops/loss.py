@@ -85,7 +85,7 @@ def cross_entropy_cpu(logits, labels, probs, loss, classes):
     return -1
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def cross_entropy_cuda(logits, labels, probs, loss, bad_label):
     partial = cuda.shared.array(REDUCE_THREADS, float64)
     t = cuda.threadIdx.x
@@ -117,7 +117,7 @@ def cross_entropy_grad_cpu(probs, labels, grad_out, grad_logits):
         grad_logits[k] = (probs[k] - 1 if hit else probs[k]) * scale
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def cross_entropy_grad_cuda(probs, labels, grad_out, grad_logits):
     k = cuda.grid(1)
     if k < probs.size:
@@ -268,7 +268,7 @@ def pair_loss_cpu(code, p, t, loss):
     loss[0] = total / p.size
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def pair_loss_cuda(code, p, t, loss):
     partial = cuda.shared.array(REDUCE_THREADS, float64)
     t_index = cuda.threadIdx.x
@@ -289,7 +289,7 @@ def pair_grad_cpu(code, p, t, grad_out, grad_p, grad_t, which):
             grad_t[k] = dt
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def pair_grad_cuda(code, p, t, grad_out, grad_p, grad_t, which):
     k = cuda.grid(1)
     if k < p.size:

@@ -7,7 +7,6 @@ import numpy as np
 from numba import cuda, float64, njit
 
 from ops.device import SIMULATOR, device_of
-from ops.fill import fill
 from ops.launch import launch_blocks
 from ops.memory import empty
 
@@ -25,19 +24,23 @@ def _is_correct_cpu(logits, labels, row):
 
 
 @njit(cache=True, error_model="numpy")
-def accumulate_cpu(loss, logits, labels, totals, classify):
+def accumulate_cpu(loss, logits, labels, totals, classify, has_loss, first):
     rows = logits.shape[0]
     correct = 0.0
     if classify:
         for row in range(rows):
             correct += _is_correct_cpu(logits, labels, row)
-    totals[LOSS_SUM] += loss[0] * rows
+    if first:   # the kernel starts the accumulators itself: no separate zeroing
+        totals[LOSS_SUM] = 0.0
+        totals[CORRECT] = 0.0
+        totals[ROWS] = 0.0
+    totals[LOSS_SUM] += loss[0] * rows if has_loss else 0.0
     totals[CORRECT] += correct
     totals[ROWS] += rows
 
 
-@cuda.jit
-def accumulate_cuda(loss, logits, labels, totals, classify):
+@cuda.jit(cache=True)
+def accumulate_cuda(loss, logits, labels, totals, classify, has_loss, first):
     """One block: per-thread counts over rows, then a fixed-order tree (no float atomics)."""
     partial = cuda.shared.array(METRIC_THREADS, float64)
     t = cuda.threadIdx.x
@@ -60,7 +63,11 @@ def accumulate_cuda(loss, logits, labels, totals, classify):
         cuda.syncthreads()
         step //= 2
     if t == 0:
-        totals[LOSS_SUM] += loss[0] * rows
+        if first:
+            totals[LOSS_SUM] = 0.0
+            totals[CORRECT] = 0.0
+            totals[ROWS] = 0.0
+        totals[LOSS_SUM] += loss[0] * rows if has_loss else 0.0
         totals[CORRECT] += partial[0]
         totals[ROWS] += rows
 
@@ -69,9 +76,8 @@ class RunningMetrics:
     """Mean loss and accuracy of one pass, accumulated on ``device``."""
 
     def __init__(self, device):
-        self.totals = fill(empty(3, np.float64, device), 0)
+        self.totals = empty(3, np.float64, device)   # started by the first add's kernel
         self.classify = None
-        self._no_loss = fill(empty(1, np.float64, device), 0)
         self._no_labels = empty(0, np.int64, device)
 
     def add(self, loss, logits, labels):
@@ -79,11 +85,14 @@ class RunningMetrics:
         classes) or any prediction array; ``labels``: class indices (else no accuracy)."""
         classify = bool(logits.ndim == 2 and labels.ndim == 1
                         and np.dtype(labels.dtype).kind in "iu")
-        self.classify = classify if self.classify is None else self.classify and classify
+        first = self.classify is None
+        self.classify = classify if first else self.classify and classify
         if logits.ndim != 2:
             logits = logits.reshape(logits.shape[0], -1)
-        loss = self._no_loss if loss is None else loss.reshape(1)
-        args = (loss, logits, labels if classify else self._no_labels, self.totals, classify)
+        has_loss = loss is not None
+        self.has_loss = has_loss if first else self.has_loss and has_loss
+        args = (loss.reshape(1) if has_loss else self.totals, logits,
+                labels if classify else self._no_labels, self.totals, classify, has_loss, first)
         if device_of(logits) == "cuda":
             launch_blocks(accumulate_cuda, 1, METRIC_THREADS, *args)
         else:
@@ -91,8 +100,11 @@ class RunningMetrics:
 
     def read(self):
         """``(mean loss per sample, accuracy or None, rows)``; one device-to-host copy."""
+        if self.classify is None:
+            return None, None, 0
         loss_sum, correct, rows = (self.totals.copy_to_host() if device_of(self.totals) == "cuda"
                                    else self.totals)
         if rows == 0:
             return None, None, 0
-        return loss_sum / rows, (correct / rows if self.classify else None), int(rows)
+        return ((loss_sum / rows if self.has_loss else None),
+                (correct / rows if self.classify else None), int(rows))

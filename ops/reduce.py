@@ -53,7 +53,7 @@ def reduce_cpu(code, x, out, meta, scale):
         out[o] = acc * scale
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def reduce_cuda(code, x, out, meta, scale):
     partial = cuda.shared.array(REDUCE_THREADS, float64)
     o = cuda.blockIdx.x
@@ -101,7 +101,7 @@ def max_backward_cpu(x, y, grad_out, grad_in, meta):
             grad_in[offset] = share if x[offset] == y[o] else share - share
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def max_backward_cuda(x, y, grad_out, grad_in, meta):
     o = cuda.grid(1)
     if o >= y.size:

@@ -45,7 +45,7 @@ def transpose_cpu(x, out):
             out[j, i] = x[i, j]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def transpose_cuda(x, out):
     k = cuda.grid(1)
     rows, cols = x.shape

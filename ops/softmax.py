@@ -69,7 +69,7 @@ def softmax_cpu(x, out, meta, log):
         _softmax_row_cpu(r, x, out, n, inner, log)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def softmax_cuda(x, out, meta, log):
     r = cuda.grid(1)
     if r < meta[0]:
@@ -83,7 +83,7 @@ def softmax_grad_cpu(y, g, grad_x, meta, log):
         _softmax_grad_row_cpu(r, y, g, grad_x, n, inner, log)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def softmax_grad_cuda(y, g, grad_x, meta, log):
     r = cuda.grid(1)
     if r < meta[0]:

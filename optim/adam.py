@@ -40,7 +40,7 @@ def adam_cpu(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus
                           bias_correction2_sqrt, first_step)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def adam_cuda(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, eps,
               l2, param_decay, step_size, bias_correction2_sqrt, first_step):
     i = cuda.grid(1)

@@ -114,7 +114,7 @@ def _tree_cuda(shared, acc, norm_type):
     return shared[0]
 
 
-@cuda.jit(fastmath=False)
+@cuda.jit(cache=True, fastmath=False)
 def norm_partials_cuda(grad, norm_type, partials, first):
     shared = cuda.shared.array(NORM_THREADS, float64)
     acc = 0.0
@@ -125,7 +125,7 @@ def norm_partials_cuda(grad, norm_type, partials, first):
         partials[first + cuda.blockIdx.x] = acc
 
 
-@cuda.jit(fastmath=False)
+@cuda.jit(cache=True, fastmath=False)
 def scale_by_norm_cuda(grad, partials, norm_type, max_norm, total_out):
     shared = cuda.shared.array(NORM_THREADS, float64)
     acc = 0.0
@@ -159,7 +159,7 @@ def clip_value_cpu(grad, clip_value):
         grad[i] = _clamp_cpu(grad[i], clip_value)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def clip_value_cuda(grad, clip_value):
     i = cuda.grid(1)
     if i < grad.size:

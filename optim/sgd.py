@@ -38,7 +38,7 @@ def sgd_cpu(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay,
                          weight_decay, nesterov, first_step)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sgd_cuda(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
              first_step):
     i = cuda.grid(1)

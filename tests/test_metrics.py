@@ -31,3 +31,11 @@ def test_no_accuracy_without_class_labels(device):
                 engine.tensor(np.ones((3, 1)), device=device).data,
                 engine.tensor(np.ones((3, 1)), device=device).data)
     assert metrics.read() == (0.5, None, 3)
+
+
+def test_accuracy_only_pass_has_no_loss(device):
+    metrics = RunningMetrics(device)
+    logits = np.array([[0.1, 0.9], [0.8, 0.2]], np.float32)
+    metrics.add(None, engine.tensor(logits, device=device).data,
+                engine.tensor([1, 1], device=device).data)
+    assert metrics.read() == (None, 0.5, 2)
