@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from bench.report import emit, require_device
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH_SIZE = 128
 LEARNING_RATE = 1e-3
@@ -358,15 +360,9 @@ def main(argv=None):
         hidden = parse_hidden(args.hidden)
     except BadInput as error:
         parser.error(str(error))
-    from ops.device import cuda_available
-    if args.device == "cuda" and not cuda_available():
-        parser.error("--device cuda: no CUDA GPU is usable here")
+    require_device(parser, args.device)
     result = run(args.device, args.epochs, hidden, args.limit, not args.no_compile_time)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=2)
-    return result
+    return emit(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

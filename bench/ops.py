@@ -13,10 +13,11 @@ the host: it is the CPU baseline.
 """
 import argparse
 import importlib.util
-import json
 import time
 
 import numpy as np
+
+from bench.report import emit, require_device
 
 ROUND_SECONDS = 0.2
 QUICK_ROUND_SECONDS = 0.01
@@ -184,15 +185,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="MLP sizes only, short rounds (a smoke test, not a measurement)")
     args = parser.parse_args(argv)
-    from ops.device import cuda_available
-    if args.device == "cuda" and not cuda_available():
-        parser.error("--device cuda: no CUDA GPU is usable here")
+    require_device(parser, args.device)
     result = run(args.device, args.quick)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=2)
-    return result
+    return emit(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

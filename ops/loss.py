@@ -23,6 +23,7 @@ import math
 import numpy as np
 from numba import cuda, float64, njit
 
+from ops.block_sum import block_sum_cuda
 from ops.device import SIMULATOR, device_of, to_device
 from ops.launch import launch, launch_blocks
 from ops.layout import flat, same_device, same_dtype
@@ -36,17 +37,10 @@ BCE_GRAD_EPS = 1e-12
 
 @cuda.jit(device=True)
 def _block_mean(partial, t, total, count, out):
-    """Tree-reduce the block's per-thread ``total``s in a fixed order; out[0] = sum / count."""
-    partial[t] = total
-    cuda.syncthreads()
-    step = REDUCE_THREADS // 2
-    while step > 0:
-        if t < step:
-            partial[t] += partial[t + step]
-        cuda.syncthreads()
-        step //= 2
+    """out[0] = the block's ``total``s summed in a fixed order, divided by ``count``."""
+    total = block_sum_cuda(partial, t, total)
     if t == 0:
-        out[0] = partial[0] / count
+        out[0] = total / count
 
 
 # ------------------------------------------------------------------ cross-entropy

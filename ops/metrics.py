@@ -6,6 +6,7 @@ training loop reads it once per epoch. Not an op: nothing here is differentiated
 import numpy as np
 from numba import cuda, float64, njit
 
+from ops.block_sum import block_sum_cuda
 from ops.device import SIMULATOR, device_of
 from ops.launch import launch_blocks
 from ops.memory import empty
@@ -54,21 +55,14 @@ def accumulate_cuda(loss, logits, labels, totals, classify, has_loss, first):
                     best = c
             if best == labels[row]:
                 count += 1.0
-    partial[t] = count
-    cuda.syncthreads()
-    step = METRIC_THREADS // 2
-    while step > 0:
-        if t < step:
-            partial[t] += partial[t + step]
-        cuda.syncthreads()
-        step //= 2
+    correct = block_sum_cuda(partial, t, count)
     if t == 0:
         if first:
             totals[LOSS_SUM] = 0.0
             totals[CORRECT] = 0.0
             totals[ROWS] = 0.0
         totals[LOSS_SUM] += loss[0] * rows if has_loss else 0.0
-        totals[CORRECT] += partial[0]
+        totals[CORRECT] += correct
         totals[ROWS] += rows
 
 
