@@ -41,11 +41,15 @@ _offset_cuda = cuda.jit(device=True)(_offset)
 def reduce_cpu(code, x, out, meta, scale):
     n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
     reduced_first = 3 + 2 * kept_dims
+    # one contiguous reduced run per output (trailing axes, axis=None): no index arithmetic
+    contiguous = reduced_dims == 1 and meta[reduced_first + 1] == 1
     for o in range(out.size):
         base = _offset_cpu(o, meta, 3, kept_dims)
         acc = 0.0 if code == SUM else -math.inf
         for r in range(n_reduced):
-            value = x[base + _offset_cpu(r, meta, reduced_first, reduced_dims)]
+            offset = base + r if contiguous else base + _offset_cpu(r, meta, reduced_first,
+                                                                     reduced_dims)
+            value = x[offset]
             if code == SUM:
                 acc += value
             elif value > acc or value != value:   # NaN wins, as in NumPy

@@ -29,15 +29,19 @@ def _softmax_row(r, x, out, n, inner, log):
         if value > top or value != value:   # NaN propagates
             top = value
     total = 0.0
-    for k in range(n):
-        total += math.exp(x[base + k * inner] - top)
+    for k in range(n):   # each exp once: kept in out for softmax
+        e = math.exp(x[base + k * inner] - top)
+        total += e
+        if not log:
+            out[base + k * inner] = e
     if log:
         shift = top + math.log(total)
         for k in range(n):
             out[base + k * inner] = x[base + k * inner] - shift
     else:
+        scale = 1.0 / total
         for k in range(n):
-            out[base + k * inner] = math.exp(x[base + k * inner] - top) / total
+            out[base + k * inner] *= scale
 
 
 def _softmax_grad_row(r, y, g, grad_x, n, inner, log):
@@ -56,13 +60,13 @@ def _softmax_grad_row(r, y, g, grad_x, n, inner, log):
             grad_x[at] = y[at] * (g[at] - total)
 
 
-_softmax_row_cpu = njit(inline="always")(_softmax_row)
+_softmax_row_cpu = njit(inline="always", error_model="numpy")(_softmax_row)
 _softmax_row_cuda = cuda.jit(device=True)(_softmax_row)
-_softmax_grad_row_cpu = njit(inline="always")(_softmax_grad_row)
+_softmax_grad_row_cpu = njit(inline="always", error_model="numpy")(_softmax_grad_row)
 _softmax_grad_row_cuda = cuda.jit(device=True)(_softmax_grad_row)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def softmax_cpu(x, out, meta, log):
     rows, n, inner = meta[0], meta[1], meta[2]
     for r in range(rows):
@@ -76,7 +80,7 @@ def softmax_cuda(x, out, meta, log):
         _softmax_row_cuda(r, x, out, meta[1], meta[2], log)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def softmax_grad_cpu(y, g, grad_x, meta, log):
     rows, n, inner = meta[0], meta[1], meta[2]
     for r in range(rows):
