@@ -8,11 +8,12 @@ from ops.memory import empty
 
 
 def test_poison_fills_allocations_with_nan(device):
+    before = engine.debug.is_poisoned()   # ENGINE_POISON=1 runs the suite poisoned throughout
     with engine.debug.poison():
         assert np.isnan(empty((3, 5), np.float32, device).copy_to_host()
                         if device == "cuda" else empty((3, 5), np.float32, device)).all()
         assert (empty(4, np.int64, "cpu") == np.iinfo(np.int64).max).all()
-    assert not engine.debug.is_poisoned()
+    assert engine.debug.is_poisoned() == before
 
 
 def test_poison_mode_exposes_an_unwritten_output():
