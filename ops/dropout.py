@@ -11,7 +11,7 @@ Kept elements are scaled by ``1 / (1 - p)`` so the expected output equals the in
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import launch
+from ops.launch import run_kernel
 from ops.layout import flat
 from ops.memory import empty
 from ops.registry import Op, register
@@ -75,10 +75,7 @@ def dropout(x, p, seed, out=None):
         out = empty(x.shape, x.dtype, device_of(x))
     scale = x.dtype.type(0.0 if p >= 1 else 1.0 / (1.0 - p))
     args = (flat(x), flat(out), int(seed), keep_threshold(p), scale)
-    if device_of(x) == "cuda":
-        launch(dropout_cuda, x.size, *args)
-    else:
-        dropout_cpu(*args)
+    run_kernel(device_of(x), dropout_cpu, dropout_cuda, x.size, *args)
     return out
 
 

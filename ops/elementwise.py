@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import device_meta, launch
+from ops.launch import device_meta, launch, run_kernel
 from ops.layout import (broadcast_shape, broadcast_strides, coalesce, flat, same_device,
                         same_dtype)
 from ops.memory import empty
@@ -281,10 +281,7 @@ def unary_grad_cuda(code, x, y, grad_out, grad_in, p):
 def unary(code, x, p=0.0):
     out = empty(x.shape, x.dtype, device_of(x))
     p = x.dtype.type(p)   # keeps float32 math in float32
-    if device_of(x) == "cuda":
-        launch(unary_cuda, x.size, code, flat(x), flat(out), p)
-    else:
-        unary_cpu(code, flat(x), flat(out), p)
+    run_kernel(device_of(x), unary_cpu, unary_cuda, x.size, code, flat(x), flat(out), p)
     return out
 
 
@@ -292,10 +289,7 @@ def unary_grad(code, x, y, grad_out, p=0.0):
     grad_in = empty(x.shape, x.dtype, device_of(x))
     p = x.dtype.type(p)
     args = (code, flat(x), flat(y), flat(grad_out), flat(grad_in), p)
-    if device_of(x) == "cuda":
-        launch(unary_grad_cuda, x.size, *args)
-    else:
-        unary_grad_cpu(*args)
+    run_kernel(device_of(x), unary_grad_cpu, unary_grad_cuda, x.size, *args)
     return grad_in
 
 

@@ -2,7 +2,7 @@
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import launch
+from ops.launch import run_kernel
 
 
 @njit(cache=True, error_model="numpy")
@@ -22,8 +22,5 @@ def fill(out, value):
     """Set every element of ``out`` (any shape, C-contiguous) to ``value``; returns ``out``."""
     flat = out.reshape(out.size)
     value = out.dtype.type(value)
-    if device_of(out) == "cuda":
-        launch(fill_cuda, out.size, flat, value)
-    else:
-        fill_cpu(flat, value)
+    run_kernel(device_of(out), fill_cpu, fill_cuda, out.size, flat, value)
     return out

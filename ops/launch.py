@@ -39,6 +39,15 @@ def launch(kernel, n_threads, *args, threads_per_block=THREADS_PER_BLOCK):
     _run(kernel, blocks, threads_per_block, args)
 
 
+def run_kernel(device, cpu_kernel, cuda_kernel, n_threads, *args):
+    """The op contract's twin kernels take the same arguments: call the CPU one, or launch the
+    CUDA one over ``n_threads`` threads."""
+    if device == "cuda":
+        launch(cuda_kernel, n_threads, *args)
+    else:
+        cpu_kernel(*args)
+
+
 def launch_blocks(kernel, blocks, threads_per_block, *args):
     """Run ``kernel`` on an explicit grid (tree reductions: one block per output)."""
     if (math.prod(blocks) if isinstance(blocks, tuple) else blocks) > 0:   # np.prod: +2.7 us

@@ -25,7 +25,7 @@ from numba import cuda, float64, njit
 
 from ops.block_sum import block_sum_cuda
 from ops.device import SIMULATOR, device_of, to_device
-from ops.launch import launch, launch_blocks
+from ops.launch import launch, launch_blocks, run_kernel
 from ops.layout import flat, same_device, same_dtype
 from ops.memory import empty
 from ops.registry import Op, register
@@ -330,10 +330,7 @@ class _PairLoss(Op):
         first = grad_p if needs_p else grad_t   # an unused slot gets the used one: never written
         args = (self.code, flat(self.p), flat(self.t), flat(grad_out), flat(first),
                 flat(grad_t if needs_t else first), which)
-        if device == "cuda":
-            launch(pair_grad_cuda, self.p.size, *args)
-        else:
-            pair_grad_cpu(*args)
+        run_kernel(device, pair_grad_cpu, pair_grad_cuda, self.p.size, *args)
         return grad_p, grad_t
 
 

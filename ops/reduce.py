@@ -14,7 +14,7 @@ import numpy as np
 from numba import cuda, float64, njit
 
 from ops.device import SIMULATOR, device_of
-from ops.launch import device_meta, launch, launch_blocks
+from ops.launch import device_meta, launch_blocks, run_kernel
 from ops.layout import coalesce, contiguous_strides, flat
 from ops.memory import empty
 from ops.registry import Op, register
@@ -256,8 +256,5 @@ class Max(_Reduce):
         x = self.x
         grad_in = empty(x.shape, x.dtype, device_of(x))
         args = (flat(x), flat(self.y), flat(grad_out), flat(grad_in), _meta(x, self.axes))
-        if device_of(x) == "cuda":
-            launch(max_backward_cuda, self.y.size, *args)
-        else:
-            max_backward_cpu(*args)
+        run_kernel(device_of(x), max_backward_cpu, max_backward_cuda, self.y.size, *args)
         return (grad_in,)

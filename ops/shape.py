@@ -4,7 +4,7 @@ import math
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import launch
+from ops.launch import run_kernel
 from ops.memory import empty
 from ops.registry import Op, register
 
@@ -59,10 +59,7 @@ def transpose(x):
     if x.ndim != 2:
         raise ValueError(f"transpose: expects a 2-D input, got shape {tuple(x.shape)}")
     out = empty((x.shape[1], x.shape[0]), x.dtype, device_of(x))
-    if device_of(x) == "cuda":
-        launch(transpose_cuda, x.size, x, out)
-    else:
-        transpose_cpu(x, out)
+    run_kernel(device_of(x), transpose_cpu, transpose_cuda, x.size, x, out)
     return out
 
 

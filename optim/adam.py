@@ -4,7 +4,7 @@ import math
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import launch
+from ops.launch import run_kernel
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -113,10 +113,7 @@ class Adam(Optimizer):
         args = (param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
                 cast(1.0 - beta2), cast(group["eps"]), cast(l2), cast(param_decay),
                 cast(step_size), cast(bias_correction2_sqrt), step == 1)
-        if device_of(param) == "cuda":
-            launch(adam_cuda, param.size, *args)
-        else:
-            adam_cpu(*args)
+        run_kernel(device_of(param), adam_cpu, adam_cuda, param.size, *args)
 
 
 class AdamW(Adam):

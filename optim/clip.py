@@ -23,7 +23,7 @@ from numba import cuda, float64, njit
 
 from engine.tensor import Tensor
 from ops.device import SIMULATOR, device_of, to_host
-from ops.launch import launch, launch_blocks
+from ops.launch import launch_blocks, run_kernel
 from ops.layout import flat
 from ops.memory import empty
 from optim.optimizer import whole_flat_buffer
@@ -247,7 +247,4 @@ def clip_grad_value_(params, clip_value):
         raise ValueError(f"clip_grad_value_: invalid clip_value: {clip_value} (must be >= 0)")
     for grad in _gradient_buffers(params, "clip_grad_value_"):
         value = grad.dtype.type(clip_value)
-        if device_of(grad) == "cuda":
-            launch(clip_value_cuda, grad.size, grad, value)
-        else:
-            clip_value_cpu(grad, value)
+        run_kernel(device_of(grad), clip_value_cpu, clip_value_cuda, grad.size, grad, value)

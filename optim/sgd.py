@@ -4,7 +4,7 @@ import math
 from numba import cuda, njit
 
 from ops.device import device_of
-from ops.launch import launch
+from ops.launch import run_kernel
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -99,7 +99,4 @@ class SGD(Optimizer):
         args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
                 float(group["dampening"]), float(group["weight_decay"]),
                 bool(group["nesterov"]), step == 1)
-        if device_of(param) == "cuda":
-            launch(sgd_cuda, param.size, *args)
-        else:
-            sgd_cpu(*args)
+        run_kernel(device_of(param), sgd_cpu, sgd_cuda, param.size, *args)
