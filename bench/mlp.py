@@ -9,8 +9,8 @@ alternate engine, torch, engine, torch, ... so both share the machine's state; s
 the median. The engine epoch is ``engine.train.fit`` (what users run), so it includes the
 per-step bookkeeping of the loop.
 
-Also measured: kernel launches per training step (CUDA: ``ops.launch.launch`` and
-``launch_blocks`` are wrapped during one instrumented epoch), driver allocations of the
+Also measured: kernel launches per training step (CUDA: counted by an
+``ops.launch.LaunchRecorder`` during one instrumented epoch), driver allocations of the
 CUDA caching allocator across steady-state steps, the autograd tape's size between steps,
 and JIT compile time with a cold cache (a fresh ``NUMBA_CACHE_DIR``, in a subprocess) and a
 warm one (the same directory again).
@@ -33,42 +33,6 @@ from bench.report import emit, require_device
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH_SIZE = 128
 LEARNING_RATE = 1e-3
-
-
-# ------------------------------------------------------------------ counting launches
-
-class LaunchCounter:
-    """Counts CUDA kernel launches made through ``ops.launch`` while the block is active.
-
-    Op modules bind ``launch`` / ``launch_blocks`` at import (``from ops.launch import
-    launch``), so the counter swaps them in every loaded module that holds them."""
-
-    def __enter__(self):
-        from ops import launch as launch_module
-        self.count = 0
-        original_launch, original_blocks = launch_module.launch, launch_module.launch_blocks
-
-        def counted_launch(kernel, n_threads, *args, **options):
-            self.count += n_threads > 0   # launch_blocks validates with n_threads=0
-            return original_launch(kernel, n_threads, *args, **options)
-
-        def counted_blocks(kernel, blocks, threads_per_block, *args):
-            self.count += int(np.prod(blocks)) > 0
-            return original_blocks(kernel, blocks, threads_per_block, *args)
-
-        replacements = {id(original_launch): counted_launch, id(original_blocks): counted_blocks}
-        self._swapped = []
-        for module in list(sys.modules.values()):
-            for name in ("launch", "launch_blocks"):
-                original = getattr(module, name, None)
-                if original is not None and id(original) in replacements:
-                    setattr(module, name, replacements[id(original)])
-                    self._swapped.append((module, name, original))
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in self._swapped:
-            setattr(module, name, original)
 
 
 # ------------------------------------------------------------------ the engine side
@@ -101,21 +65,23 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
         A step's counts run from the end of the previous step, so they include the
         loader's batch gather."""
         from engine.autograd import current_tape
+        from ops.launch import LaunchRecorder
         from ops.memory import allocator_stats
 
         def driver_allocations():   # asked only on CUDA: it needs a CUDA context
             return allocator_stats()["driver_allocations"] if device == "cuda" else 0
 
         launches, tape_sizes, allocations = [], [], []
-        with LaunchCounter() as counter:
-            previous_launches, previous_allocations = 0, driver_allocations()
+        with LaunchRecorder() as recorder:
+            previous_allocations = driver_allocations()
             for inputs, labels in loader:
                 optimizer.zero_grad()
                 cross_entropy(model(inputs), labels).backward()
                 optimizer.step()
-                launches.append(counter.count - previous_launches)
+                launches.append(recorder.cuda_launches())
+                recorder.clear()   # the runs hold their arrays: keep none past the step
                 allocations.append(driver_allocations() - previous_allocations)
-                previous_launches, previous_allocations = counter.count, driver_allocations()
+                previous_allocations = driver_allocations()
                 tape_sizes.append(len(current_tape()))
         steady = allocations[1:] or allocations   # the first step may fill the pool
         return {"launches_per_step": statistics.median(launches) if device == "cuda" else None,

@@ -9,13 +9,14 @@ same noise for the same seed.
 import math
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
 from engine.random import generator
 from engine.tensor import Tensor
-from ops.launch import launch
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel, elements
 from ops.layout import flat
-from ops.memory import empty
 
 _GOLDEN = 0x9E3779B97F4A7C15   # splitmix64's increment
 _MASK64 = (1 << 64) - 1
@@ -65,6 +66,9 @@ def gaussian_noise_cuda(x, out, key, std, low, high):
         out[i] = min(max(x[i] + std * normal, low), high)
 
 
+GAUSSIAN_NOISE = Kernel("gaussian_noise", gaussian_noise_cpu, gaussian_noise_cuda, elements(1))
+
+
 class GaussianNoise:
     """``x + std * N(0, 1)`` per element, optionally clipped to ``clip = (low, high)``.
 
@@ -93,13 +97,8 @@ class GaussianNoise:
         key = self._stream_key(self.calls)
         self.calls += 1
         x = batch.data
-        out = empty(x.shape, x.dtype, batch.device)
         scalars = (np.uint64(key),) + tuple(x.dtype.type(v) for v in (self.std, self.low, self.high))
-        if batch.device == "cuda":
-            launch(gaussian_noise_cuda, x.size, flat(x), flat(out), *scalars)
-        else:
-            gaussian_noise_cpu(flat(x), flat(out), *scalars)
-        return Tensor(out)
+        return Tensor(run(GAUSSIAN_NOISE, flat(x), Out(x.shape, x.dtype), *scalars))
 
     def _stream_key(self, call):
         """A 64-bit key per (seed, call), scrambled so that neighbouring calls are unrelated."""

@@ -6,7 +6,7 @@ so a steady-state training step asks the driver for nothing.
 """
 from collections import defaultdict
 
-from numba import cuda
+from ops.cuda_backend import CudaAPIError, MemoryManagerBase, MemoryPointer
 
 
 def _bucket(nbytes):
@@ -15,7 +15,7 @@ def _bucket(nbytes):
     return max(step, -(-nbytes // step) * step)
 
 
-class CachingMemoryManager(cuda.cudadrv.driver.NumbaCUDAMemoryManager):
+class CachingMemoryManager(MemoryManagerBase):
     """Numba's own manager, but freed blocks are kept per size bucket and reused."""
 
     def __init__(self, *args, **kwargs):
@@ -32,7 +32,7 @@ class CachingMemoryManager(cuda.cudadrv.driver.NumbaCUDAMemoryManager):
             self.cached_bytes -= bucket
         else:
             block = self._driver_alloc(bucket)
-        return cuda.cudadrv.driver.MemoryPointer(
+        return MemoryPointer(
             self.context, block.device_pointer, size, owner=None,
             finalizer=_Release(self, bucket, block),
         )
@@ -40,7 +40,7 @@ class CachingMemoryManager(cuda.cudadrv.driver.NumbaCUDAMemoryManager):
     def _driver_alloc(self, nbytes):
         try:
             block = super().memalloc(nbytes)
-        except cuda.cudadrv.driver.CudaAPIError:
+        except CudaAPIError:
             self.empty_cache()   # out of memory: give cached blocks back and try once more
             block = super().memalloc(nbytes)
         self.driver_allocations += 1

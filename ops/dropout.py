@@ -8,12 +8,12 @@ integer mixer) and keeps the element when the hash clears a threshold, so:
 
 Kept elements are scaled by ``1 / (1 - p)`` so the expected output equals the input.
 """
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import run_kernel
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel, elements
 from ops.layout import flat
-from ops.memory import empty
 from ops.registry import Op, register
 
 SEED_LIMIT = 2 ** 63
@@ -64,6 +64,9 @@ def dropout_cuda(x, out, seed, threshold, scale):
         out[i] = x[i] * scale if _keep_cuda(i, seed, threshold) else scale - scale
 
 
+DROPOUT = Kernel("dropout", dropout_cpu, dropout_cuda, elements(1))
+
+
 def keep_threshold(p):
     """Elements whose 32-bit hash is at least this are kept: probability ``1 - p``."""
     return int(round(p * 2 ** 32))
@@ -71,20 +74,17 @@ def keep_threshold(p):
 
 def dropout(x, p, seed, out=None):
     """``x`` with the elements of the ``(seed, p)`` mask zeroed and the rest scaled."""
-    if out is None:
-        out = empty(x.shape, x.dtype, device_of(x))
     scale = x.dtype.type(0.0 if p >= 1 else 1.0 / (1.0 - p))
-    args = (flat(x), flat(out), int(seed), keep_threshold(p), scale)
-    run_kernel(device_of(x), dropout_cpu, dropout_cuda, x.size, *args)
-    return out
+    destination = Out(x.shape, x.dtype) if out is None else flat(out)
+    result = run(DROPOUT, flat(x), destination, int(seed), keep_threshold(p), scale)
+    return result if out is None else out
 
 
 @register
 class Dropout(Op):
     """``params``: ``p`` (drop probability in [0, 1]) and ``seed`` (an int in [0, 2**63))."""
     name = "dropout"
-    cpu_kernels = (dropout_cpu,)
-    cuda_kernels = (dropout_cuda,)
+    kernels = (DROPOUT,)
 
     def __init__(self, p, seed):
         if not 0.0 <= p <= 1.0:

@@ -1,8 +1,8 @@
 """Filling a buffer with one value: poison mode, ``ones`` and the root gradient of backward."""
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import run_kernel
+from ops.cuda_backend import cuda
+from ops.launch import Kernel, elements
 
 
 @njit(cache=True, error_model="numpy")
@@ -18,9 +18,10 @@ def fill_cuda(out, value):
         out[i] = value
 
 
+FILL = Kernel("fill", fill_cpu, fill_cuda, elements(0))
+
+
 def fill(out, value):
     """Set every element of ``out`` (any shape, C-contiguous) to ``value``; returns ``out``."""
-    flat = out.reshape(out.size)
-    value = out.dtype.type(value)
-    run_kernel(device_of(out), fill_cpu, fill_cuda, out.size, flat, value)
+    FILL(out.reshape(out.size), out.dtype.type(value))
     return out

@@ -6,11 +6,12 @@ by one launch for both arrays (a launch costs ~20 us plus ~5 us per argument, mo
 the copy itself at MNIST sizes). It is not a registered Op: it has no gradient and is never
 recorded on the tape.
 """
-from numba import cuda, njit
+from numba import njit
 
-from ops.launch import launch
-from ops.layout import same_device
-from ops.memory import empty
+from ops.cuda_backend import cuda
+from ops.device import device_of
+from ops.dispatch import Out, run
+from ops.launch import Kernel
 
 
 @njit(cache=True)
@@ -41,13 +42,22 @@ def gather_rows_cuda(x, y, order, start, x_out, y_out):
             y_out[b, j] = y[row, j]
 
 
+def _threads(x, y, order, start, x_out, y_out):
+    return x_out.shape[0] * max(x.shape[1], y.shape[1])
+
+
+GATHER_ROWS = Kernel("gather_rows", gather_rows_cpu, gather_rows_cuda, _threads)
+
+
 def gather_rows(x, y, order, start, count):
     """``x[order[start:start+count]]`` and ``y[...]`` as fresh arrays on the inputs' device.
 
     ``x`` and ``y`` are 2-D ``[N, columns]`` C-contiguous arrays on one device, ``order``
     a 1-D integer array there whose values are row indices below N (the caller's
     permutation: they are not range-checked per element, which would cost a pass)."""
-    device = same_device("gather_rows", x, y, order)
+    if len({device_of(a) for a in (x, y, order)}) > 1:
+        shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in (x, y, order))
+        raise ValueError(f"gather_rows: inputs live on different devices ({shapes})")
     if x.ndim != 2 or y.ndim != 2 or order.ndim != 1:
         raise ValueError(f"gather_rows: expects 2-D x and y and a 1-D order, got shapes "
                          f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(order.shape)}")
@@ -56,12 +66,6 @@ def gather_rows(x, y, order, start, count):
     if start < 0 or count < 0 or start + count > order.shape[0]:
         raise ValueError(f"gather_rows: rows {start}..{start + count} are outside the "
                          f"order of length {order.shape[0]}")
-    x_out = empty((count, x.shape[1]), x.dtype, device)
-    y_out = empty((count, y.shape[1]), y.dtype, device)
-    if device == "cuda":
-        launch(gather_rows_cuda, count * max(x.shape[1], y.shape[1]),
-               x, y, order, start, x_out, y_out)
-    else:
-        gather_rows_cpu(x, y, order, start, x_out, y_out)
-    return x_out, y_out
+    return run(GATHER_ROWS, x, y, order, start, Out((count, x.shape[1]), x.dtype, flat=False),
+               Out((count, y.shape[1]), y.dtype, flat=False))
 

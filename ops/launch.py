@@ -1,164 +1,156 @@
-"""The one way CUDA kernels are launched.
+"""The one way a kernel runs: a twin ``Kernel`` called with the arrays of one device.
 
-A host NumPy array passed to a kernel is copied to the device and synchronised on every
-launch (191 us measured on the H200), so the launch path refuses it. Shapes and strides
-travel as one small int64 device array per distinct layout, made once and cached, because
-every kernel argument costs 4-5 us of launch time.
+A ``Kernel`` pairs an ``@njit`` CPU kernel with the ``@cuda.jit`` kernel that takes the same
+arguments, plus the grid rule that sizes the CUDA launch from those arguments. Calling it
+runs the CPU kernel when its arrays are NumPy arrays and launches the CUDA one when they are
+device arrays, so no op branches on the device by hand. Every run passes here, so this is
+where runs are recorded (``LaunchRecorder``: the registry test checks what each op really
+launches, the benchmarks count launches, a captured step replays them).
+
+A host NumPy array passed to a CUDA kernel is copied to the device and synchronised on every
+launch (191 us measured on the H200), so a CUDA launch refuses it.
 """
-import ctypes
 import math
 import threading
-from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
-from numba import config, cuda
-from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
-from ops.device import SIMULATOR
-
-if not SIMULATOR:
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as _core_launch
-    from numba.cuda.cudadrv.driver import _to_core_stream
+from ops import cuda_backend
+from ops.cuda_backend import SIMULATOR, is_device_array
 
 THREADS_PER_BLOCK = 256
-# Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning for it.
-config.CUDA_LOW_OCCUPANCY_WARNINGS = False
-_META_CACHE_SIZE = 4096
-_meta_cache = OrderedDict()
+_thread = threading.local()
 
 
-def launch(kernel, n_threads, *args, threads_per_block=THREADS_PER_BLOCK):
-    """Run ``kernel`` over ``n_threads`` threads in 1-D blocks (nothing for zero threads)."""
-    if n_threads <= 0:
-        _refuse_host_arrays(kernel, args)
-        return
-    if SIMULATOR:   # the simulator runs one OS thread per CUDA thread: start no idle ones
-        threads_per_block = min(threads_per_block, n_threads)
-    blocks = (n_threads + threads_per_block - 1) // threads_per_block
-    _run(kernel, blocks, threads_per_block, args)
+class Run(NamedTuple):
+    """One recorded kernel run: ``function(*args)`` on the CPU, or ``function[grid, block](*args)``."""
+    kernel: "Kernel"
+    device: str
+    function: object
+    grid: object
+    block: object
+    args: tuple
 
 
-def run_kernel(device, cpu_kernel, cuda_kernel, n_threads, *args):
-    """The op contract's twin kernels take the same arguments: call the CPU one, or launch the
-    CUDA one over ``n_threads`` threads."""
-    if device == "cuda":
-        launch(cuda_kernel, n_threads, *args)
-    else:
-        cpu_kernel(*args)
+class Kernel:
+    """A twin pair: ``cpu`` (``@njit``) and ``cuda`` (``@cuda.jit``) take the same arguments.
+
+    ``grid(*args)`` gives the CUDA launch: a thread count (1-D blocks of
+    ``THREADS_PER_BLOCK``) or ``(blocks, threads_per_block)``. A kernel whose CUDA side is
+    chosen per call (the GEMM template: one compiled kernel per dtype, tiling and layout)
+    passes ``cuda_plan(args)`` instead of ``cuda`` and ``grid``: a list of launches
+    ``(cuda kernel, blocks, threads_per_block, cuda args)``, run in order (the fused Dense
+    backward is one CPU call and two GEMM launches)."""
+
+    def __init__(self, name, cpu, cuda=None, grid=None, cuda_plan=None):
+        if (cuda is None or grid is None) == (cuda_plan is None):
+            raise TypeError(f"Kernel {name}: give cuda and grid, or cuda_plan")
+        self.name, self.cpu, self.cuda, self.grid, self.cuda_plan = name, cpu, cuda, grid, cuda_plan
+
+    def __repr__(self):
+        return f"Kernel({self.name})"
+
+    def __call__(self, *args):
+        """Run on the device of the array arguments; returns what the CPU kernel returns (None
+        on CUDA, where a kernel returns nothing)."""
+        recorders = getattr(_thread, "recorders", None)
+        if not _on_device(args):
+            if recorders:
+                _record(recorders, Run(self, "cpu", self.cpu, None, None, args))
+            return self.cpu(*args)
+        launches = self.cuda_plan(args) if self.cuda_plan is not None else (self._launch(args),)
+        for function, blocks, block, cuda_args in launches:
+            if recorders:
+                _record(recorders, Run(self, "cuda", function, blocks, block, cuda_args))
+            _refuse_host_arrays(self.name, cuda_args)
+            if _launches_something(blocks):
+                cuda_backend.launch(function, blocks, block, cuda_args)
+        return None
+
+    def _launch(self, args):
+        size = self.grid(*args)
+        if isinstance(size, tuple):
+            return (self.cuda, size[0], size[1], args)
+        threads = THREADS_PER_BLOCK
+        if SIMULATOR:   # the simulator runs one OS thread per CUDA thread: start no idle ones
+            threads = max(1, min(threads, size))
+        return (self.cuda, (size + threads - 1) // threads, threads, args)
 
 
-def launch_blocks(kernel, blocks, threads_per_block, *args):
-    """Run ``kernel`` on an explicit grid (tree reductions: one block per output)."""
-    if (math.prod(blocks) if isinstance(blocks, tuple) else blocks) > 0:   # np.prod: +2.7 us
-        _run(kernel, blocks, threads_per_block, args)
-    else:
-        _refuse_host_arrays(kernel, args)
+def _on_device(args):
+    for arg in args:
+        if is_device_array(arg):
+            return True
+    return False
 
 
-def _refuse_host_arrays(kernel, args):
+def elements(position):
+    """The grid rule of a kernel with one thread per element of argument ``position``."""
+    def threads(*args):
+        return args[position].size
+    return threads
+
+
+def blocks_of(count, threads):
+    """The grid rule ``count(*args)`` blocks of ``threads`` threads (block reductions)."""
+    def grid(*args):
+        return (count(*args), threads)
+    return grid
+
+
+def _refuse_host_arrays(name, args):
     for position, arg in enumerate(args):
         if isinstance(arg, np.ndarray):
-            name = getattr(getattr(kernel, "py_func", kernel), "__name__", "kernel")
             raise TypeError(
                 f"{name}: argument {position} is a host NumPy array of shape {arg.shape}; "
                 "CUDA kernels take device arrays only (move it with Tensor.to('cuda'))"
             )
 
 
-# ------------------------------------------------------------------ the fast path
-#
-# Numba's own launch re-types every argument, wraps each array for the CUDA Array Interface
-# and looks the context up again: 60% of a ~34 us launch on the H200 profile, more than the
-# kernels of a small MLP take. After Numba has compiled and run a kernel once for a
-# signature, later launches with that signature build the parameter list themselves (the
-# same layout Numba passes: meminfo, parent, size, itemsize, data, shape, strides per array)
-# and call cuda.core's launch directly.
+# ------------------------------------------------------------------ recording
 
-_ARRAY, _INT, _FLOAT64, _FLOAT32, _BOOL = range(5)
-_SCALAR_KINDS = {int: _INT, np.int64: _INT, float: _FLOAT64, np.float64: _FLOAT64,
-                 np.float32: _FLOAT32, bool: _BOOL, np.bool_: _BOOL}
-_compiled = {}            # (kernel, signature) -> cuda.core kernel, or None: always via Numba
-_configs = {}
-_thread = threading.local()
+def _record(recorders, run):
+    for recorder in recorders:
+        recorder.runs.append(run)
 
 
-def _signature(args):
-    """A hashable key of the argument types, or None when only Numba's path can take them."""
-    key = []
-    for arg in args:
-        if is_cuda_ndarray(arg):
-            if not arg.is_c_contiguous():
-                return None
-            key.append((arg.dtype, arg.ndim))
-        elif type(arg) in _SCALAR_KINDS:
-            key.append(type(arg))
-        else:
-            return None
-    return tuple(key)
+class LaunchRecorder:
+    """Records every kernel run of this thread while active::
+
+        with LaunchRecorder() as recorder:
+            train_step()
+        recorder.cuda_launches()   # how many CUDA launches the step made
+    """
+
+    def __init__(self):
+        self.runs = []
+
+    def __enter__(self):
+        if getattr(_thread, "recorders", None) is None:
+            _thread.recorders = []
+        _thread.recorders.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _thread.recorders.remove(self)
+
+    def clear(self):
+        self.runs.clear()
+
+    def kernels(self):
+        """The set of ``Kernel`` pairs that ran."""
+        return {run.kernel for run in self.runs}
+
+    def cuda_kernel_names(self):
+        """The names of the ``@cuda.jit`` kernels launched, in order."""
+        return [getattr(run.function, "py_func", run.function).__name__ for run in self.runs
+                if run.device == "cuda" and _launches_something(run.grid)]
+
+    def cuda_launches(self):
+        """How many CUDA launches were made (runs over an empty grid launch nothing)."""
+        return sum(1 for run in self.runs if run.device == "cuda" and _launches_something(run.grid))
 
 
-def _run(kernel, grid, block, args):
-    _refuse_host_arrays(kernel, args)
-    signature = None if SIMULATOR else _signature(args)
-    key = (kernel, signature)
-    function = _compiled.get(key)
-    if not function:
-        kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
-        if signature is not None and function is None:
-            _compiled[key] = _core_function(kernel, args)
-        return
-    if not getattr(_thread, "has_context", False):
-        cuda.current_context()   # a new thread (torch's backward threads) needs it made current
-        _thread.has_context = True
-    params = []
-    for arg in args:
-        if is_cuda_ndarray(arg):
-            params += (0, 0, arg.size, arg.dtype.itemsize, arg.device_ctypes_pointer.value)
-            params += arg.shape
-            params += arg.strides
-        else:
-            kind = _SCALAR_KINDS[type(arg)]
-            params.append(ctypes.c_int64(arg) if kind == _INT else
-                          ctypes.c_double(arg) if kind == _FLOAT64 else
-                          ctypes.c_float(arg) if kind == _FLOAT32 else bool(arg))
-    _core_launch(_default_stream(), _launch_config(grid, block), function, *params)
-
-
-def _core_function(kernel, args):
-    """The cuda.core kernel Numba compiled for ``args``, or False to keep Numba's path."""
-    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-    overloads = kernel.overloads
-    compiled = overloads.get(argtypes) or (next(iter(overloads.values()))
-                                           if kernel.specialized else None)
-    if compiled is None or compiled.debug or compiled.cooperative or compiled.extensions:
-        return False
-    return compiled._codelibrary.get_cufunc().kernel
-
-
-def _default_stream():
-    stream = getattr(_thread, "stream", None)
-    if stream is None:
-        stream = _thread.stream = _to_core_stream(0)
-    return stream
-
-
-def _launch_config(grid, block):
-    config_ = _configs.get((grid, block))
-    if config_ is None:
-        config_ = _configs[(grid, block)] = LaunchConfig(grid=grid, block=block, shmem_size=0)
-    return config_
-
-
-def device_meta(values):
-    """A cached int64 device array holding ``values`` (shapes, strides, sizes of one launch)."""
-    key = tuple(int(v) for v in values)
-    meta = _meta_cache.get(key)
-    if meta is None:
-        meta = cuda.to_device(np.array(key if key else (0,), dtype=np.int64))
-        _meta_cache[key] = meta
-        if len(_meta_cache) > _META_CACHE_SIZE:
-            _meta_cache.popitem(last=False)
-    else:
-        _meta_cache.move_to_end(key)
-    return meta
+def _launches_something(blocks):
+    return (math.prod(blocks) if isinstance(blocks, tuple) else blocks) > 0   # np.prod: +2.7 us

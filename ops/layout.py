@@ -1,13 +1,60 @@
-"""Shape arithmetic shared by the kernels' wrappers: broadcasting and flattening."""
-import numpy as np
+"""Shape arithmetic and the int64 metadata the kernels read: broadcasting, reductions, axes.
 
-from ops.device import device_of
+Every kernel argument costs launch time (4-5 us each through Numba's path on the H200), so
+the shapes and strides of a launch travel as one small int64 array, built here once per
+distinct layout and cached: read-only NumPy arrays for the CPU kernels, device arrays for the
+CUDA ones. The three layouts:
+
+- broadcast (binary elementwise ops): ``[ndim, shape, a strides, b strides]`` of the
+  coalesced output, or ``[0]`` when both inputs have the output's shape;
+- reduction: ``[n_reduced, n_kept_dims, n_reduced_dims, kept shape, kept strides,
+  reduced shape, reduced strides]``;
+- one axis (softmax): ``(rows, n, inner)``, the input seen as ``(outer, n, inner)``, passed
+  as three scalars.
+
+The kernels read the first two through ``broadcast_offsets`` and ``offset``, compiled below
+for both devices.
+"""
+import functools
+import math
+from collections import OrderedDict
+
+import numpy as np
+from numba import njit
+
+from ops.cuda_backend import cuda
+from ops.device import to_device
+
+_DEVICE_META_CACHE_SIZE = 4096
+_device_meta = OrderedDict()
 
 
 def flat(array):
     """A 1-D view of a C-contiguous host or device array (0-d arrays included)."""
     return array.reshape(array.size) if array.ndim != 1 else array
 
+
+@functools.lru_cache(maxsize=4096)
+def host_meta(values):
+    """A cached read-only int64 NumPy array holding the tuple ``values``."""
+    meta = np.array(values if values else (0,), dtype=np.int64)
+    meta.flags.writeable = False
+    return meta
+
+
+def device_meta(values):
+    """A cached int64 device array holding the tuple ``values``."""
+    meta = _device_meta.get(values)
+    if meta is None:
+        meta = _device_meta[values] = to_device(host_meta(values), "cuda")
+        if len(_device_meta) > _DEVICE_META_CACHE_SIZE:
+            _device_meta.popitem(last=False)
+    else:
+        _device_meta.move_to_end(values)
+    return meta
+
+
+# ------------------------------------------------------------------ shapes and strides
 
 def broadcast_shape(a_shape, b_shape, op_name):
     try:
@@ -53,17 +100,92 @@ def coalesce(shape, *stride_sets):
     return shape_out, strides_out
 
 
-def same_device(op_name, *arrays):
-    devices = {device_of(a) for a in arrays}
-    if len(devices) > 1:
-        shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in arrays)
-        raise ValueError(f"{op_name}: inputs live on different devices ({shapes})")
-    return devices.pop()
+@functools.lru_cache(maxsize=1024)
+def broadcast_layout(out_shape, a_shape, b_shape):
+    """The broadcast metadata of ``a <op> b`` into ``out_shape`` (see the module docstring)."""
+    if tuple(a_shape) == tuple(b_shape) == tuple(out_shape):
+        return (0,)
+    shape, (a_strides, b_strides) = coalesce(
+        out_shape, broadcast_strides(a_shape, out_shape), broadcast_strides(b_shape, out_shape))
+    return (len(shape),) + shape + a_strides + b_strides
 
 
-def same_dtype(op_name, *arrays):
-    dtypes = {np.dtype(a.dtype) for a in arrays}
-    if len(dtypes) > 1:
-        names = ", ".join(str(np.dtype(a.dtype)) for a in arrays)
-        raise TypeError(f"{op_name}: inputs have different dtypes ({names}); cast one first")
-    return dtypes.pop()
+# ------------------------------------------------------------------ reductions
+
+def normalize_axes(axis, ndim, op_name):
+    """``axis`` (None, an int or a tuple; negative counts from the end) as sorted axes."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    normalized = []
+    for a in axes:
+        if not -ndim <= a < max(ndim, 1) or (ndim == 0 and a not in (0, -1)):
+            raise ValueError(f"{op_name}: axis {a} is out of range for a {ndim}-d input")
+        normalized.append(int(a) % max(ndim, 1))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(f"{op_name}: repeated axis in {axis}")
+    return tuple(sorted(normalized)) if ndim else ()
+
+
+def reduced_shape(shape, axes, keepdims):
+    if keepdims:
+        return tuple(1 if i in axes else s for i, s in enumerate(shape))
+    return tuple(s for i, s in enumerate(shape) if i not in axes)
+
+
+@functools.lru_cache(maxsize=1024)
+def reduction_layout(shape, axes):
+    """The reduction metadata of reducing ``shape`` over ``axes`` (see the module docstring)."""
+    strides = contiguous_strides(shape)
+    kept = [i for i in range(len(shape)) if i not in axes]
+    kept_shape, (kept_strides,) = coalesce([shape[i] for i in kept], [strides[i] for i in kept])
+    red_shape, (red_strides,) = coalesce([shape[i] for i in axes], [strides[i] for i in axes])
+    n_reduced = math.prod(shape[i] for i in axes)
+    return ((n_reduced, len(kept_shape), len(red_shape))
+            + kept_shape + kept_strides + red_shape + red_strides)
+
+
+def axis_layout(shape, axis, op_name):
+    """``(rows, n, inner)``: ``shape`` seen as ``(outer, n, inner)`` around ``axis``."""
+    ndim = len(shape)
+    if not isinstance(axis, (int, np.integer)) or not -max(ndim, 1) <= axis < max(ndim, 1):
+        raise ValueError(f"{op_name}: axis {axis!r} is out of range for shape {tuple(shape)}")
+    if ndim == 0:
+        return (1, 1, 1)
+    axis = int(axis) % ndim
+    n, inner = shape[axis], math.prod(shape[axis + 1:])
+    return (math.prod(shape[:axis]) * inner, n, inner)
+
+
+# ------------------------------------------------------------------ reading the metadata in kernels
+
+def _broadcast_offsets(i, meta):
+    """Offsets into the two inputs of output element ``i`` of a broadcast layout."""
+    ndim = meta[0]
+    offset_a = 0
+    offset_b = 0
+    rest = i
+    for k in range(ndim - 1, -1, -1):
+        size = meta[1 + k]
+        coord = rest % size
+        rest //= size
+        offset_a += coord * meta[1 + ndim + k]
+        offset_b += coord * meta[1 + 2 * ndim + k]
+    return offset_a, offset_b
+
+
+def _offset(index, meta, first, ndim):
+    """Offset of the ``index``-th combination of the ``ndim`` dims described at meta[first:]
+    (shape, then strides): a reduction layout's kept or reduced part."""
+    offset = 0
+    for k in range(ndim - 1, -1, -1):
+        size = meta[first + k]
+        offset += (index % size) * meta[first + ndim + k]
+        index //= size
+    return offset
+
+
+broadcast_offsets_cpu = njit(inline="always", error_model="numpy")(_broadcast_offsets)
+broadcast_offsets_cuda = cuda.jit(device=True)(_broadcast_offsets)
+offset_cpu = njit(inline="always", error_model="numpy")(_offset)
+offset_cuda = cuda.jit(device=True)(_offset)

@@ -8,12 +8,13 @@
 - ``mse(pred, target)``: mean of ``(pred - target)²``.
 
 The means are fixed-order reductions (float64 accumulators): on CUDA one block of threads
-takes strided rows, then a shared-memory tree. No float atomics.
+takes strided rows, then ``ops.block_reduce``. No float atomics. The softmax of a row is
+``exp(x - max) / Σ exp(x - max)``, so huge tied logits (1e17) still share probability 1.
 
-Bad labels. On the CPU the kernel returns the first bad row and the op raises at once. On
-CUDA a kernel cannot raise and a device->host copy per step would stall the pipeline, so the
-kernel writes the bad label, its row and the class count into a small buffer in mapped
-(host-visible) memory, and makes the loss NaN. The host reads that buffer, without a
+Bad labels. A kernel cannot raise, so both kernels write the bad label, its row and the
+class count into a small buffer and make the loss NaN. On the CPU the op reads the buffer
+right after the call and raises at once. On CUDA a device->host copy per step would stall
+the pipeline, so the buffer is mapped (host-visible) memory that the host reads, without a
 synchronisation, at the start of every later CUDA cross-entropy call and in the backward:
 the ValueError comes at the latest one step after the bad batch. Labels given as a host
 NumPy array are checked on the host before they are copied.
@@ -21,33 +22,37 @@ NumPy array are checked on the host before they are copied.
 import math
 
 import numpy as np
-from numba import cuda, float64, njit
+from numba import njit
 
-from ops.block_sum import block_sum_cuda
-from ops.device import SIMULATOR, device_of, to_device
-from ops.launch import launch, launch_blocks, run_kernel
-from ops.layout import flat, same_device, same_dtype
-from ops.memory import empty
+from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
+from ops.cuda_backend import SIMULATOR, cuda, mapped_pair
+from ops.device import device_of, to_device, to_host
+from ops.dispatch import Out, run
+from ops.launch import Kernel, blocks_of, elements
+from ops.layout import flat
 from ops.registry import Op, register
 
-REDUCE_THREADS = 8 if SIMULATOR else 256   # a power of two (the tree halves it)
 LOG_FLOOR = -100.0   # PyTorch's clamp of BCE's logs
 BCE_GRAD_EPS = 1e-12
-
-
-@cuda.jit(device=True)
-def _block_mean(partial, t, total, count, out):
-    """out[0] = the block's ``total``s summed in a fixed order, divided by ``count``."""
-    total = block_sum_cuda(partial, t, total)
-    if t == 0:
-        out[0] = total / count
+ONE_BLOCK = blocks_of(lambda *args: 1, REDUCE_THREADS)
 
 
 # ------------------------------------------------------------------ cross-entropy
 
-def _row_loss(logits, labels, probs, i, classes):
-    """Row i's loss and softmax probabilities (the label already validated)."""
+def _row_loss(logits, labels, probs, bad_label, i, classes):
+    """Row i's loss, with its softmax probabilities written to ``probs``; a label outside
+    [0, classes) is recorded in ``bad_label`` and makes the row NaN."""
     base = i * classes
+    label = labels[i]
+    if label < 0 or label >= classes:
+        if bad_label[0] == 0:   # the first bad row (on CUDA: one of them)
+            bad_label[0] = 1
+            bad_label[1] = label
+            bad_label[2] = i
+            bad_label[3] = classes
+        for j in range(classes):
+            probs[base + j] = math.nan
+        return math.nan
     top = logits[base]
     for j in range(1, classes):
         if logits[base + j] > top:
@@ -55,10 +60,9 @@ def _row_loss(logits, labels, probs, i, classes):
     total = 0.0
     for j in range(classes):
         total += math.exp(logits[base + j] - top)
-    lse = top + math.log(total)
     for j in range(classes):
-        probs[base + j] = math.exp(logits[base + j] - lse)
-    return lse - logits[base + labels[i]]
+        probs[base + j] = math.exp(logits[base + j] - top) / total
+    return (top - logits[base + label]) + math.log(total)
 
 
 _row_loss_cpu = njit(inline="always")(_row_loss)
@@ -66,96 +70,88 @@ _row_loss_cuda = cuda.jit(device=True)(_row_loss)
 
 
 @njit(cache=True)
-def cross_entropy_cpu(logits, labels, probs, loss, classes):
-    """Writes loss[0] and probs; returns the first row with a bad label, or -1."""
+def cross_entropy_cpu(logits, labels, probs, loss, bad_label):
     rows = labels.size
-    for i in range(rows):
-        if labels[i] < 0 or labels[i] >= classes:
-            return i
+    classes = probs.size // rows
     total = 0.0
     for i in range(rows):
-        total += _row_loss_cpu(logits, labels, probs, i, classes)
+        total += _row_loss_cpu(logits, labels, probs, bad_label, i, classes)
     loss[0] = total / rows
-    return -1
 
 
 @cuda.jit(cache=True)
 def cross_entropy_cuda(logits, labels, probs, loss, bad_label):
-    partial = cuda.shared.array(REDUCE_THREADS, float64)
     t = cuda.threadIdx.x
     rows = labels.size
     classes = probs.size // rows
     total = 0.0
     for i in range(t, rows, REDUCE_THREADS):
-        label = labels[i]
-        if label < 0 or label >= classes:
-            bad_label[0] = 1
-            bad_label[1] = label
-            bad_label[2] = i
-            bad_label[3] = classes
-            total += math.nan
-            for j in range(classes):
-                probs[i * classes + j] = math.nan
-        else:
-            total += _row_loss_cuda(logits, labels, probs, i, classes)
-    _block_mean(partial, t, total, rows, loss)
+        total += _row_loss_cuda(logits, labels, probs, bad_label, i, classes)
+    total = block_reduce_cuda(SUM, total)
+    if t == 0:
+        loss[0] = total / rows
+
+
+def _cross_entropy_grad(k, probs, labels, grad_out, grad_logits):
+    rows = labels.size
+    classes = probs.size // rows
+    hit = labels[k // classes] == k % classes
+    grad_logits[k] = (probs[k] - 1 if hit else probs[k]) * (grad_out[0] / rows)
+
+
+_cross_entropy_grad_cpu = njit(inline="always")(_cross_entropy_grad)
+_cross_entropy_grad_cuda = cuda.jit(device=True)(_cross_entropy_grad)
 
 
 @njit(cache=True)
 def cross_entropy_grad_cpu(probs, labels, grad_out, grad_logits):
-    rows = labels.size
-    classes = probs.size // rows
-    scale = grad_out[0] / rows
     for k in range(probs.size):
-        hit = labels[k // classes] == k % classes
-        grad_logits[k] = (probs[k] - 1 if hit else probs[k]) * scale
+        _cross_entropy_grad_cpu(k, probs, labels, grad_out, grad_logits)
 
 
 @cuda.jit(cache=True)
 def cross_entropy_grad_cuda(probs, labels, grad_out, grad_logits):
     k = cuda.grid(1)
     if k < probs.size:
-        rows = labels.size
-        classes = probs.size // rows
-        hit = labels[k // classes] == k % classes
-        grad_logits[k] = (probs[k] - 1 if hit else probs[k]) * (grad_out[0] / rows)
+        _cross_entropy_grad_cuda(k, probs, labels, grad_out, grad_logits)
+
+
+CROSS_ENTROPY = Kernel("cross_entropy", cross_entropy_cpu, cross_entropy_cuda, ONE_BLOCK)
+CROSS_ENTROPY_GRAD = Kernel("cross_entropy_grad", cross_entropy_grad_cpu,
+                            cross_entropy_grad_cuda, elements(0))
 
 
 class _BadLabelBuffer:
-    """[flag, label, row, classes] in mapped memory: the kernel writes, the host reads it
-    whenever it likes without stopping the device."""
+    """[flag, label, row, classes], written by the kernels. On the CPU a plain array read
+    after every call; on CUDA mapped memory the host reads whenever it likes, without
+    stopping the device (in the simulator kernels are synchronous: read after every call)."""
 
-    def __init__(self):
-        if SIMULATOR:   # kernels run synchronously: a plain device array reads the same
-            self.device = cuda.to_device(np.zeros(4, np.int64))
-            self.host = None
+    def __init__(self, device):
+        self.deferred = device == "cuda" and not SIMULATOR
+        if device == "cuda":
+            self.host, self.device = mapped_pair(4, np.int64)
         else:
-            from numba.cuda.cudadrv.devicearray import DeviceNDArray
-            self.host = cuda.mapped_array(4, np.int64)
-            self.host[:] = 0
-            # a device-array view of the same memory: the launch path refuses host arrays
-            self.device = DeviceNDArray(self.host.shape, self.host.strides, self.host.dtype,
-                                        gpu_data=self.host.gpu_data)
+            self.host = self.device = np.zeros(4, np.int64)
 
     def raise_if_flagged(self):
-        values = self.device.copy_to_host() if SIMULATOR else self.host.copy()
+        values = to_host(self.device) if self.host is None else self.host.copy()
         if values[0]:
-            if SIMULATOR:
+            if self.host is None:
                 self.device.copy_to_device(np.zeros(4, np.int64))
             else:
                 self.host[:] = 0
+            when = " (a recent CUDA batch)" if self.deferred else ""
             raise ValueError(f"cross_entropy: label {values[1]} at row {values[2]} is outside "
-                             f"[0, {values[3]}) (a recent CUDA batch)")
+                             f"[0, {values[3]}){when}")
 
 
-_bad_label_buffer = None
+_bad_label_buffers = {}
 
 
-def _bad_labels():
-    global _bad_label_buffer
-    if _bad_label_buffer is None:
-        _bad_label_buffer = _BadLabelBuffer()
-    return _bad_label_buffer
+def _bad_labels(device):
+    if device not in _bad_label_buffers:
+        _bad_label_buffers[device] = _BadLabelBuffer(device)
+    return _bad_label_buffers[device]
 
 
 def _check_labels_on_host(labels, classes):
@@ -169,50 +165,39 @@ def _check_labels_on_host(labels, classes):
 class CrossEntropy(Op):
     """Mean cross-entropy of ``logits`` (N, C) against integer ``labels`` (N,)."""
     name = "cross_entropy"
+    kernels = (CROSS_ENTROPY, CROSS_ENTROPY_GRAD)
     integer_inputs = (1,)
-    cpu_kernels = (cross_entropy_cpu, cross_entropy_grad_cpu)
-    cuda_kernels = (cross_entropy_cuda, cross_entropy_grad_cuda)
+    host_inputs = (1,)   # host labels are checked on the host, then copied
 
-    def forward(self, logits, labels):
-        if np.dtype(labels.dtype).kind not in "iu":
-            raise TypeError(f"cross_entropy: labels must be integers, got {np.dtype(labels.dtype)}")
+    def check(self, logits, labels):
         if logits.ndim != 2 or labels.ndim != 1 or labels.shape[0] != logits.shape[0]:
             raise ValueError(f"cross_entropy: expects logits (N, C) and labels (N,), got "
                              f"{tuple(logits.shape)} and {tuple(labels.shape)}")
-        rows, classes = logits.shape
-        if rows == 0 or classes == 0:
+        if logits.shape[0] == 0 or logits.shape[1] == 0:
             raise ValueError(f"cross_entropy: empty batch, logits of shape {tuple(logits.shape)}")
+
+    def forward(self, logits, labels):
         device = device_of(logits)
         if device_of(labels) != device:
-            if device_of(labels) == "cpu":
-                _check_labels_on_host(np.asarray(labels), classes)
+            _check_labels_on_host(np.asarray(labels), logits.shape[1])
             labels = to_device(labels, device)
-        self.probs = empty(logits.shape, logits.dtype, device)
-        loss = empty((), logits.dtype, device)
-        if device == "cuda":
-            bad = _bad_labels()
+        bad = _bad_labels(device)
+        if bad.deferred:
             bad.raise_if_flagged()   # a previous batch's bad label, read without a sync
-            launch_blocks(cross_entropy_cuda, 1, REDUCE_THREADS, flat(logits), labels,
-                          flat(self.probs), flat(loss), bad.device)
-            if SIMULATOR:
-                bad.raise_if_flagged()
-        else:
-            bad_row = cross_entropy_cpu(flat(logits), labels, flat(self.probs), flat(loss),
-                                        classes)
-            if bad_row >= 0:
-                _check_labels_on_host(labels, classes)
+        self.probs, loss = run(CROSS_ENTROPY, flat(logits), labels,
+                               Out(logits.shape, logits.dtype), Out((), logits.dtype),
+                               bad.device)
+        if not bad.deferred:
+            bad.raise_if_flagged()
         self.labels = labels
         return loss
 
     def backward(self, grad_out, grad_dst):
-        grad = empty(self.probs.shape, self.probs.dtype, device_of(self.probs))
-        args = (flat(self.probs), self.labels, flat(grad_out), flat(grad))
-        if device_of(grad) == "cuda":
-            _bad_labels().raise_if_flagged()
-            launch(cross_entropy_grad_cuda, grad.size, *args)
-        else:
-            cross_entropy_grad_cpu(*args)
-        return grad, None
+        bad = _bad_labels(device_of(self.probs))
+        if bad.deferred:
+            bad.raise_if_flagged()
+        return run(CROSS_ENTROPY_GRAD, flat(self.probs), self.labels, flat(grad_out),
+                   Out(self.probs.shape, self.probs.dtype)), None
 
 
 # ------------------------------------------------------------------ BCE and MSE
@@ -264,12 +249,13 @@ def pair_loss_cpu(code, p, t, loss):
 
 @cuda.jit(cache=True)
 def pair_loss_cuda(code, p, t, loss):
-    partial = cuda.shared.array(REDUCE_THREADS, float64)
     t_index = cuda.threadIdx.x
     total = 0.0
     for k in range(t_index, p.size, REDUCE_THREADS):
         total += _pair_term_cuda(code, p[k], t[k])
-    _block_mean(partial, t_index, total, p.size, loss)
+    total = block_reduce_cuda(SUM, total)
+    if t_index == 0:
+        loss[0] = total / p.size
 
 
 @njit(cache=True)
@@ -294,44 +280,40 @@ def pair_grad_cuda(code, p, t, grad_out, grad_p, grad_t, which):
             grad_t[k] = dt
 
 
+PAIR_LOSS = Kernel("pair_loss", pair_loss_cpu, pair_loss_cuda, ONE_BLOCK)
+PAIR_GRAD = Kernel("pair_loss_grad", pair_grad_cpu, pair_grad_cuda, elements(1))
+
+
 class _PairLoss(Op):
     """A mean over elements of a loss of (prediction, target) pairs of the same shape."""
-    cpu_kernels = (pair_loss_cpu, pair_grad_cpu)
-    cuda_kernels = (pair_loss_cuda, pair_grad_cuda)
+    kernels = (PAIR_LOSS, PAIR_GRAD)
     code = None
 
-    def forward(self, p, t):
-        device = same_device(self.name, p, t)
-        same_dtype(self.name, p, t)
+    def check(self, p, t):
         if tuple(p.shape) != tuple(t.shape):
             raise ValueError(f"{self.name}: prediction {tuple(p.shape)} and target "
                              f"{tuple(t.shape)} must have the same shape")
         if p.size == 0:
             raise ValueError(f"{self.name}: empty input of shape {tuple(p.shape)}")
-        if self.code == BCE_CODE and device == "cpu" and not np.all((p >= 0) & (p <= 1)):
-            bad = np.asarray(p)[~((p >= 0) & (p <= 1))]
+        if self.code == BCE_CODE and isinstance(p, np.ndarray) and not np.all((p >= 0) & (p <= 1)):
+            bad = p[~((p >= 0) & (p <= 1))]   # host data is checked here; device data gives NaN
             raise ValueError(f"binary_cross_entropy: probabilities must lie in [0, 1], got "
                              f"{bad[0]} (and {bad.size - 1} more)")
-        loss = empty((), p.dtype, device)
-        if device == "cuda":
-            launch_blocks(pair_loss_cuda, 1, REDUCE_THREADS, self.code, flat(p), flat(t),
-                          flat(loss))
-        else:
-            pair_loss_cpu(self.code, flat(p), flat(t), flat(loss))
+
+    def forward(self, p, t):
         self.p, self.t = p, t
-        return loss
+        return run(PAIR_LOSS, self.code, flat(p), flat(t), Out((), p.dtype))
 
     def backward(self, grad_out, grad_dst):
         needs_p, needs_t = self.needs_input_grad
-        device, dtype = device_of(self.p), self.p.dtype
-        grad_p = empty(self.p.shape, dtype, device) if needs_p else None
-        grad_t = empty(self.t.shape, dtype, device) if needs_t else None
+        shape, dtype = self.p.shape, self.p.dtype
+        grad_p = Out(shape, dtype) if needs_p else None
+        grad_t = Out(shape, dtype) if needs_t else None
         which = (1 if needs_p else 0) | (2 if needs_t else 0)
-        first = grad_p if needs_p else grad_t   # an unused slot gets the used one: never written
-        args = (self.code, flat(self.p), flat(self.t), flat(grad_out), flat(first),
-                flat(grad_t if needs_t else first), which)
-        run_kernel(device, pair_grad_cpu, pair_grad_cuda, self.p.size, *args)
-        return grad_p, grad_t
+        first = grad_p or grad_t   # an unused slot gets the used one: never written
+        run(PAIR_GRAD, self.code, flat(self.p), flat(self.t), flat(grad_out), first,
+            grad_t or first, which)
+        return (grad_p.array if needs_p else None), (grad_t.array if needs_t else None)
 
 
 @register
@@ -346,5 +328,3 @@ class MSE(_PairLoss):
     """Mean squared error."""
     name = "mse"
     code = MSE_CODE
-
-

@@ -26,55 +26,15 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 from numba.np.numpy_support import from_dtype
 
-from ops.device import SIMULATOR
-from ops.launch import launch_blocks
-from ops.layout import same_device, same_dtype
-from ops.memory import empty
+from ops import cuda_backend
+from ops.cuda_backend import SIMULATOR, cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel
+from ops.pointwise import IDENTITY, derivative_cuda, value_cuda
 from ops.registry import Op, register
-
-# ------------------------------------------------------------------ activations (epilogues)
-
-ACT_NONE, ACT_RELU, ACT_LEAKY_RELU, ACT_SIGMOID, ACT_TANH = range(5)
-ACTIVATIONS = {None: ACT_NONE, "relu": ACT_RELU, "leaky_relu": ACT_LEAKY_RELU,
-               "sigmoid": ACT_SIGMOID, "tanh": ACT_TANH}
-
-
-def _activate(code, v, alpha):
-    zero = v - v
-    if code == ACT_RELU:
-        return v if v > zero else zero
-    if code == ACT_LEAKY_RELU:
-        return v if v > zero else v * alpha
-    if code == ACT_SIGMOID:   # never exp of a large positive number
-        if v >= zero:
-            return 1 / (1 + math.exp(-v))
-        e = math.exp(v)
-        return e / (1 + e)
-    if code == ACT_TANH:
-        return math.tanh(v)
-    return v
-
-
-def _scaled_grad(code, g, y, alpha):
-    """``g * act'(x)`` written in terms of the activation's output ``y`` (alpha >= 0)."""
-    if code == ACT_RELU:
-        return g if y > y - y else g - g
-    if code == ACT_LEAKY_RELU:
-        return g if y > y - y else g * alpha
-    if code == ACT_SIGMOID:
-        return g * (y * (1 - y))
-    if code == ACT_TANH:
-        return g * (1 - y * y)
-    return g
-
-
-activate_cpu = njit(inline="always")(_activate)
-scaled_grad_cpu = njit(inline="always")(_scaled_grad)
-_activate_cuda = cuda.jit(device=True)(_activate)
-_scaled_grad_cuda = cuda.jit(device=True)(_scaled_grad)
 
 # ------------------------------------------------------------------ CPU kernel
 
@@ -113,11 +73,7 @@ PLAIN, FORWARD, GRAD_A, GRAD_B = range(4)
 PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct banks
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors():
-    if SIMULATOR:
-        return 1
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+_multiprocessors = functools.cache(cuda_backend.multiprocessor_count)
 
 
 def pick_tiling(m, n):
@@ -170,8 +126,9 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
             if k < k_size:
                 if m < m_data:
                     value = a[k, m] if trans_a else a[m, k]
-                    if mode == GRAD_A:
-                        value = _scaled_grad_cuda(act, value, aux[m, k], alpha)
+                    if mode == GRAD_A:   # G = grad_out * act'(y), y standing for x
+                        y = aux[m, k]
+                        value = value * derivative_cuda(act, y, y, alpha)
                 elif ONES_ROW and m == m_data:
                     value = ONE
             regs[load] = value
@@ -199,7 +156,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
             if k < k_size and n < n_size:
                 value = b[n, k] if trans_b else b[k, n]
                 if mode == GRAD_B:
-                    value = _scaled_grad_cuda(act, value, aux[k, n], alpha)
+                    y = aux[k, n]
+                    value = value * derivative_cuda(act, y, y, alpha)
             regs[load] = value
 
     @cuda.jit(device=True)
@@ -266,7 +224,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
                     if m < m_data:
                         value = acc[i, j]
                         if mode == FORWARD:
-                            value = _activate_cuda(act, value + bias[n], alpha)
+                            value = value_cuda(act, value + bias[n], alpha)
                         out[m, n] = value
                     elif ONES_ROW and m == m_data:
                         side[n] = acc[i, j]
@@ -296,8 +254,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
 _specialized = {}
 
 
-def launch_gemm(mode, m, n, dtype, trans_a, trans_b, act, *args):
-    """Launch the ``mode`` kernel over an (m, n) output with the tiling that suits it.
+def gemm_launch(mode, m, n, dtype, trans_a, trans_b, act, args):
+    """The launch of the ``mode`` kernel over an (m, n) output with the tiling that suits it.
 
     Each kernel of the template only ever sees one argument signature (C-contiguous arrays
     of its dtype and fixed ranks, a scalar of its dtype), so after the first call it runs as
@@ -305,23 +263,28 @@ def launch_gemm(mode, m, n, dtype, trans_a, trans_b, act, *args):
     a launch's cost at MLP sizes."""
     tiling = pick_tiling(m, n)
     kernel = _gemm_kernels(np.dtype(dtype), tiling, trans_a, trans_b, mode, act)
-    if not SIMULATOR:
-        specialized = _specialized.get(kernel)
-        if specialized is None:
-            specialized = _specialized[kernel] = kernel.specialize(*args)
-        kernel = specialized
+    specialized = _specialized.get(kernel)
+    if specialized is None:
+        specialized = _specialized[kernel] = cuda_backend.specialize(kernel, args)
     blocks = (-(-n // tiling.BN), -(-m // tiling.BM))
-    launch_blocks(kernel, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), *args)
+    return specialized, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), args
 
 
 # ------------------------------------------------------------------ array-level GEMM
 
+def _gemm_plan(args):
+    a, b, out, trans_a, trans_b = args
+    m, n = out.shape
+    return (gemm_launch(PLAIN, m, n, a.dtype, trans_a, trans_b, IDENTITY, (a, b, out)),)
+
+
+GEMM = Kernel("gemm", gemm_cpu, cuda_plan=_gemm_plan)
+
+
 def gemm(a, b, trans_a=False, trans_b=False, out=None):
-    """``op(a) @ op(b)`` for 2-D arrays on one device, ``op`` a transpose when asked.
+    """``op(a) @ op(b)`` for 2-D arrays of one device and dtype, ``op`` a transpose when asked.
 
     ``out`` (C-contiguous, the right shape) receives the result when given."""
-    device = same_device("matmul", a, b)
-    dtype = same_dtype("matmul", a, b)
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"matmul: gemm takes 2-D arrays, got shapes {tuple(a.shape)} "
                          f"and {tuple(b.shape)}")
@@ -330,14 +293,12 @@ def gemm(a, b, trans_a=False, trans_b=False, out=None):
     if k != k_b:
         raise ValueError(f"matmul: inner dimensions differ: {_described(a, trans_a)} @ "
                          f"{_described(b, trans_b)}")
+    flags = (bool(trans_a), bool(trans_b))
     if out is None:
-        out = empty((m, n), dtype, device)
-    elif tuple(out.shape) != (m, n):
+        return run(GEMM, a, b, Out((m, n), a.dtype, flat=False), *flags)
+    if tuple(out.shape) != (m, n):
         raise ValueError(f"matmul: output buffer has shape {tuple(out.shape)}, expected {(m, n)}")
-    if device == "cuda":
-        launch_gemm(PLAIN, m, n, dtype, bool(trans_a), bool(trans_b), ACT_NONE, a, b, out)
-    else:
-        gemm_cpu(a, b, out, bool(trans_a), bool(trans_b))
+    run(GEMM, a, b, out, *flags)
     return out
 
 
@@ -347,31 +308,26 @@ def _described(x, transposed):
 
 # ------------------------------------------------------------------ the op
 
-def _registered_cuda_kernels():
-    f32 = np.dtype(np.float32)
-    tiling = SIMULATED if SIMULATOR else SMALL
-    return tuple(_gemm_kernels(f32, tiling, ta, tb, PLAIN, ACT_NONE)
-                 for ta, tb in ((False, False), (False, True), (True, False)))
-
-
 @register
 class MatMul(Op):
     """``a @ b`` for a (..., K) and b (K, N); backward uses the transposed GEMMs."""
     name = "matmul"
-    cpu_kernels = (gemm_cpu,)
-    cuda_kernels = _registered_cuda_kernels()
+    kernels = (GEMM,)
 
-    def forward(self, a, b):
+    def check(self, a, b):
         a_shape, b_shape = tuple(a.shape), tuple(b.shape)
         if len(a_shape) < 2 or len(b_shape) != 2:
             raise ValueError(f"matmul: expects a (..., K) @ (K, N) product (2-D x 2-D or N-D x "
                              f"2-D), got shapes {a_shape} and {b_shape}")
         if a_shape[-1] != b_shape[0]:
             raise ValueError(f"matmul: inner dimensions differ: {a_shape} @ {b_shape}")
+
+    def forward(self, a, b):
+        a_shape = tuple(a.shape)
         self.a_shape = a_shape
         self.a2 = a.reshape(math.prod(a_shape[:-1]), a_shape[-1])   # C-contiguous: a free view
         self.b = b
-        return gemm(self.a2, b).reshape(a_shape[:-1] + (b_shape[1],))
+        return gemm(self.a2, b).reshape(a_shape[:-1] + (b.shape[1],))
 
     def backward(self, grad_out, grad_dst):
         needs_a, needs_b = self.needs_input_grad

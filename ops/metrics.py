@@ -4,19 +4,19 @@
 training loop reads it once per epoch. Not an op: nothing here is differentiated.
 """
 import numpy as np
-from numba import cuda, float64, njit
+from numba import njit
 
-from ops.block_sum import block_sum_cuda
-from ops.device import SIMULATOR, device_of
-from ops.launch import launch_blocks
+from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
+from ops.cuda_backend import cuda
+from ops.device import to_host
+from ops.launch import Kernel, blocks_of
 from ops.memory import empty
 
-METRIC_THREADS = 8 if SIMULATOR else 128   # a power of two (the tree halves it)
 LOSS_SUM, CORRECT, ROWS = range(3)
 
 
-@njit(cache=True, error_model="numpy")
-def _is_correct_cpu(logits, labels, row):
+def _is_correct(logits, labels, row):
+    """1.0 when the row's first largest logit is at its label, else 0.0."""
     best = 0
     for c in range(1, logits.shape[1]):
         if logits[row, c] > logits[row, best]:
@@ -24,13 +24,7 @@ def _is_correct_cpu(logits, labels, row):
     return 1.0 if best == labels[row] else 0.0
 
 
-@njit(cache=True, error_model="numpy")
-def accumulate_cpu(loss, logits, labels, totals, classify, has_loss, first):
-    rows = logits.shape[0]
-    correct = 0.0
-    if classify:
-        for row in range(rows):
-            correct += _is_correct_cpu(logits, labels, row)
+def _add_totals(totals, loss, rows, correct, has_loss, first):
     if first:   # the kernel starts the accumulators itself: no separate zeroing
         totals[LOSS_SUM] = 0.0
         totals[CORRECT] = 0.0
@@ -40,30 +34,38 @@ def accumulate_cpu(loss, logits, labels, totals, classify, has_loss, first):
     totals[ROWS] += rows
 
 
+_is_correct_cpu = njit(inline="always", error_model="numpy")(_is_correct)
+_is_correct_cuda = cuda.jit(device=True)(_is_correct)
+_add_totals_cpu = njit(inline="always", error_model="numpy")(_add_totals)
+_add_totals_cuda = cuda.jit(device=True)(_add_totals)
+
+
+@njit(cache=True, error_model="numpy")
+def accumulate_cpu(loss, logits, labels, totals, classify, has_loss, first):
+    rows = logits.shape[0]
+    correct = 0.0
+    if classify:
+        for row in range(rows):
+            correct += _is_correct_cpu(logits, labels, row)
+    _add_totals_cpu(totals, loss, rows, correct, has_loss, first)
+
+
 @cuda.jit(cache=True)
 def accumulate_cuda(loss, logits, labels, totals, classify, has_loss, first):
-    """One block: per-thread counts over rows, then a fixed-order tree (no float atomics)."""
-    partial = cuda.shared.array(METRIC_THREADS, float64)
+    """One block: per-thread counts over rows, then the fixed-order block reduction."""
     t = cuda.threadIdx.x
     rows = logits.shape[0]
     count = 0.0
     if classify:
-        for row in range(t, rows, METRIC_THREADS):
-            best = 0
-            for c in range(1, logits.shape[1]):
-                if logits[row, c] > logits[row, best]:
-                    best = c
-            if best == labels[row]:
-                count += 1.0
-    correct = block_sum_cuda(partial, t, count)
+        for row in range(t, rows, REDUCE_THREADS):
+            count += _is_correct_cuda(logits, labels, row)
+    correct = block_reduce_cuda(SUM, count)
     if t == 0:
-        if first:
-            totals[LOSS_SUM] = 0.0
-            totals[CORRECT] = 0.0
-            totals[ROWS] = 0.0
-        totals[LOSS_SUM] += loss[0] * rows if has_loss else 0.0
-        totals[CORRECT] += correct
-        totals[ROWS] += rows
+        _add_totals_cuda(totals, loss, rows, correct, has_loss, first)
+
+
+ACCUMULATE = Kernel("accumulate_metrics", accumulate_cpu, accumulate_cuda,
+                    blocks_of(lambda *args: 1, REDUCE_THREADS))
 
 
 class RunningMetrics:
@@ -85,19 +87,15 @@ class RunningMetrics:
             logits = logits.reshape(logits.shape[0], -1)
         has_loss = loss is not None
         self.has_loss = has_loss if first else self.has_loss and has_loss
-        args = (loss.reshape(1) if has_loss else self.totals, logits,
-                labels if classify else self._no_labels, self.totals, classify, has_loss, first)
-        if device_of(logits) == "cuda":
-            launch_blocks(accumulate_cuda, 1, METRIC_THREADS, *args)
-        else:
-            accumulate_cpu(*args)
+        ACCUMULATE(loss.reshape(1) if has_loss else self.totals, logits,
+                   labels if classify else self._no_labels, self.totals, classify, has_loss,
+                   first)
 
     def read(self):
         """``(mean loss per sample, accuracy or None, rows)``; one device-to-host copy."""
         if self.classify is None:
             return None, None, 0
-        loss_sum, correct, rows = (self.totals.copy_to_host() if device_of(self.totals) == "cuda"
-                                   else self.totals)
+        loss_sum, correct, rows = to_host(self.totals)
         if rows == 0:
             return None, None, 0
         return ((loss_sum / rows if self.has_loss else None),

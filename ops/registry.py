@@ -1,37 +1,70 @@
 """The op contract and the registry that lets tests enumerate every op.
 
-An op is a class with a CPU path (``forward_cpu``, built on ``@njit`` kernels) and a CUDA
-path (``forward_cuda``, built on ``@cuda.jit`` kernels) and one ``backward`` that maps the
-upstream gradient to input gradients by the chain rule. One instance is made per call: it
-keeps what backward needs (and only that) on ``self``.
+An op is a class: one instance per call keeps what its backward needs (and only that) on
+``self``. It declares
+
+- its checks: every array input on one device (``host_inputs`` may come from the host),
+  float inputs of one dtype (``same_dtype``), integer arrays only at ``integer_inputs``, and
+  ``check(*inputs)`` for its shapes and parameters; ``op(*inputs)`` runs them, then
+  ``forward``;
+- ``kernels``: the ``ops.launch.Kernel`` pairs its forward and backward run (a test records
+  the runs of every op's cases and proves the list exact);
+- ``forward(*inputs)`` -> the output array, and ``backward(grad_out, grad_dst)`` -> one input
+  gradient (or None) per input, from the upstream gradient by the chain rule. Both run their
+  kernels through ``ops.dispatch.run``, which allocates and picks the device.
 """
+import numpy as np
+
 from ops.device import device_of
 
 REGISTRY = {}
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Op:
     name = None           # registry key, also used in error messages
-    cpu_kernels = ()      # the @njit kernels this op runs
-    cuda_kernels = ()     # the @cuda.jit kernels this op runs
-    is_view = False       # a view runs no kernel (reshape); every other op needs both kinds
+    kernels = ()          # the Kernel pairs this op runs (forward and backward)
+    is_view = False       # a view runs no kernel (reshape); every other op declares kernels
+    integer_inputs = ()   # input positions that take integer arrays (class labels)
+    host_inputs = ()      # input positions that may be host arrays beside device ones
+    same_dtype = True     # the float inputs must share one dtype
 
     def __init__(self, **params):
         self.params = params
         self.needs_input_grad = ()
 
+    def __call__(self, *inputs):
+        """The forward, after the declared checks."""
+        arrays = [x for x in inputs if hasattr(x, "shape")]
+        devices = {device_of(x) for i, x in enumerate(inputs)
+                   if hasattr(x, "shape") and i not in self.host_inputs}
+        if len(devices) > 1:
+            shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in arrays)
+            raise ValueError(f"{self.name}: inputs live on different devices ({shapes})")
+        floats = []
+        for position, x in enumerate(inputs):
+            if not hasattr(x, "shape"):
+                continue
+            dtype = np.dtype(x.dtype)
+            if position in self.integer_inputs:
+                if dtype.kind not in "iu":
+                    raise TypeError(f"{self.name}: labels must be integers, got {dtype}")
+            elif dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{self.name}: input {position} has dtype {dtype}; "
+                                "expected float32 or float64")
+            else:
+                floats.append(dtype)
+        if self.same_dtype and len(set(floats)) > 1:
+            names = ", ".join(str(d) for d in floats)
+            raise TypeError(f"{self.name}: inputs have different dtypes ({names}); cast one first")
+        self.check(*inputs)
+        return self.forward(*inputs)
+
+    def check(self, *inputs):
+        """Raise ValueError naming the op and the shapes when ``inputs`` do not fit (subclasses)."""
+
     def forward(self, *inputs):
-        """Dispatch on the device of the first array input; returns one output array."""
-        device = next(device_of(x) for x in inputs if hasattr(x, "shape"))
-        if device == "cuda":
-            return self.forward_cuda(*inputs)
-        return self.forward_cpu(*inputs)
-
-    def forward_cpu(self, *inputs):
-        raise NotImplementedError(f"{self.name}: no CPU forward")
-
-    def forward_cuda(self, *inputs):
-        raise NotImplementedError(f"{self.name}: no CUDA forward")
+        raise NotImplementedError(f"{self.name}: no forward")
 
     def backward(self, grad_out, grad_dst):
         """Input gradients (an array or None per input) from ``grad_out``.

@@ -1,11 +1,11 @@
 """Shape ops: reshape (a view: every array the engine makes is C-contiguous) and 2-D transpose."""
 import math
 
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import run_kernel
-from ops.memory import empty
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel, elements
 from ops.registry import Op, register
 
 
@@ -29,9 +29,12 @@ class Reshape(Op):
     name = "reshape"
     is_view = True
 
+    def check(self, x):
+        self.shape = resolve_shape(self.params["shape"], x.size)
+
     def forward(self, x):
         self.x_shape = tuple(x.shape)
-        return x.reshape(resolve_shape(self.params["shape"], x.size))
+        return x.reshape(self.shape)
 
     def backward(self, grad_out, grad_dst):
         return (grad_out.reshape(self.x_shape),)
@@ -55,19 +58,21 @@ def transpose_cuda(x, out):
         out[j, i] = x[i, j]
 
 
+TRANSPOSE = Kernel("transpose", transpose_cpu, transpose_cuda, elements(0))
+
+
 def transpose(x):
-    if x.ndim != 2:
-        raise ValueError(f"transpose: expects a 2-D input, got shape {tuple(x.shape)}")
-    out = empty((x.shape[1], x.shape[0]), x.dtype, device_of(x))
-    run_kernel(device_of(x), transpose_cpu, transpose_cuda, x.size, x, out)
-    return out
+    return run(TRANSPOSE, x, Out((x.shape[1], x.shape[0]), x.dtype, flat=False))
 
 
 @register
 class Transpose(Op):
     name = "transpose"
-    cpu_kernels = (transpose_cpu,)
-    cuda_kernels = (transpose_cuda,)
+    kernels = (TRANSPOSE,)
+
+    def check(self, x):
+        if x.ndim != 2:
+            raise ValueError(f"transpose: expects a 2-D input, got shape {tuple(x.shape)}")
 
     def forward(self, x):
         return transpose(x)

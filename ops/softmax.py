@@ -1,23 +1,26 @@
 """Softmax and log-softmax along one axis, stable (the row maximum is subtracted first).
 
-The input is seen as ``(outer, n, inner)`` with the softmax axis in the middle, so any axis
-works without a transpose: row ``r = o * inner + i`` starts at ``o * n * inner + i`` and
-steps by ``inner``. One thread handles one row, in a fixed order (sums in float64), so the
+The input is seen as ``(outer, n, inner)`` with the softmax axis in the middle
+(``ops.layout.axis_layout``), so any axis works without a transpose: row ``r = o * inner + i``
+starts at ``o * n * inner + i`` and steps by ``inner``. One thread handles one row, in a fixed order (sums in float64), so the
 CPU and CUDA kernels agree and results are reproducible.
 
 Backward, from the saved output y:
 - softmax:     dx = y * (g - Σ g·y)
 - log_softmax: dx = g - exp(y) * Σ g
+
+log_softmax is ``(x - max) - log Σ exp(x - max)``, never ``x - (max + log Σ ...)``: at huge
+tied logits (1e17) the latter loses the log term to rounding and every tied class gets
+probability 1.
 """
 import math
 
-import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import device_meta, launch
-from ops.layout import flat
-from ops.memory import empty
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel
+from ops.layout import axis_layout, flat
 from ops.registry import Op, register
 
 
@@ -35,9 +38,9 @@ def _softmax_row(r, x, out, n, inner, log):
         if not log:
             out[base + k * inner] = e
     if log:
-        shift = top + math.log(total)
+        log_total = math.log(total)
         for k in range(n):
-            out[base + k * inner] = x[base + k * inner] - shift
+            out[base + k * inner] = (x[base + k * inner] - top) - log_total
     else:
         scale = 1.0 / total
         for k in range(n):
@@ -66,80 +69,65 @@ _softmax_grad_row_cpu = njit(inline="always", error_model="numpy")(_softmax_grad
 _softmax_grad_row_cuda = cuda.jit(device=True)(_softmax_grad_row)
 
 
-@njit(cache=True, error_model="numpy")
-def softmax_cpu(x, out, meta, log):
-    rows, n, inner = meta[0], meta[1], meta[2]
-    for r in range(rows):
-        _softmax_row_cpu(r, x, out, n, inner, log)
+def _rows(*args):   # the grid rule: one thread per row (args[-3] is the row count)
+    return args[-3]
 
 
-@cuda.jit(cache=True)
-def softmax_cuda(x, out, meta, log):
-    r = cuda.grid(1)
-    if r < meta[0]:
-        _softmax_row_cuda(r, x, out, meta[1], meta[2], log)
+def _softmax_kernels(log, name):
+    """The forward and backward twins of softmax (``log`` False) or log_softmax, one thread
+    per row, over ``rows`` rows of ``n`` elements strided by ``inner``."""
 
+    @njit(cache=True, error_model="numpy")
+    def softmax_cpu(x, out, rows, n, inner):
+        for r in range(rows):
+            _softmax_row_cpu(r, x, out, n, inner, log)
 
-@njit(cache=True, error_model="numpy")
-def softmax_grad_cpu(y, g, grad_x, meta, log):
-    rows, n, inner = meta[0], meta[1], meta[2]
-    for r in range(rows):
-        _softmax_grad_row_cpu(r, y, g, grad_x, n, inner, log)
+    @cuda.jit(cache=True)
+    def softmax_cuda(x, out, rows, n, inner):
+        r = cuda.grid(1)
+        if r < rows:
+            _softmax_row_cuda(r, x, out, n, inner, log)
 
+    @njit(cache=True, error_model="numpy")
+    def softmax_grad_cpu(y, g, grad_x, rows, n, inner):
+        for r in range(rows):
+            _softmax_grad_row_cpu(r, y, g, grad_x, n, inner, log)
 
-@cuda.jit(cache=True)
-def softmax_grad_cuda(y, g, grad_x, meta, log):
-    r = cuda.grid(1)
-    if r < meta[0]:
-        _softmax_grad_row_cuda(r, y, g, grad_x, meta[1], meta[2], log)
+    @cuda.jit(cache=True)
+    def softmax_grad_cuda(y, g, grad_x, rows, n, inner):
+        r = cuda.grid(1)
+        if r < rows:
+            _softmax_grad_row_cuda(r, y, g, grad_x, n, inner, log)
 
-
-def _layout(shape, axis, op_name):
-    ndim = len(shape)
-    if not isinstance(axis, (int, np.integer)) or not -max(ndim, 1) <= axis < max(ndim, 1):
-        raise ValueError(f"{op_name}: axis {axis!r} is out of range for shape {tuple(shape)}")
-    if ndim == 0:
-        return (1, 1, 1)
-    axis = int(axis) % ndim
-    n, inner = shape[axis], math.prod(shape[axis + 1:])
-    return (math.prod(shape[:axis]) * inner, n, inner)
-
-
-def _run(cpu_kernel, cuda_kernel, meta_values, arrays, log):
-    rows = meta_values[0]
-    if rows == 0 or meta_values[1] == 0:
-        return
-    if device_of(arrays[0]) == "cuda":
-        launch(cuda_kernel, rows, *[flat(a) for a in arrays], device_meta(meta_values), log)
-    else:
-        cpu_kernel(*[flat(a) for a in arrays], np.array(meta_values, np.int64), log)
+    return (Kernel(name, softmax_cpu, softmax_cuda, _rows),
+            Kernel(f"{name}_grad", softmax_grad_cpu, softmax_grad_cuda, _rows))
 
 
 class _Softmax(Op):
-    cpu_kernels = (softmax_cpu, softmax_grad_cpu)
-    cuda_kernels = (softmax_cuda, softmax_grad_cuda)
-    log = False
+    def check(self, x):
+        self.rows, self.n, self.inner = axis_layout(tuple(x.shape), self.params.get("axis", -1),
+                                                    self.name)
 
     def forward(self, x):
-        self.meta = _layout(tuple(x.shape), self.params.get("axis", -1), self.name)
-        self.y = empty(x.shape, x.dtype, device_of(x))
-        _run(softmax_cpu, softmax_cuda, self.meta, (x, self.y), self.log)
+        layout = (self.rows if x.size else 0, self.n, self.inner)   # empty: no row to run
+        self.y = run(self.kernels[0], flat(x), Out(x.shape, x.dtype), *layout)
         return self.y
 
     def backward(self, grad_out, grad_dst):
-        grad_x = empty(self.y.shape, self.y.dtype, device_of(self.y))
-        _run(softmax_grad_cpu, softmax_grad_cuda, self.meta, (self.y, grad_out, grad_x), self.log)
-        return (grad_x,)
+        layout = (self.rows if self.y.size else 0, self.n, self.inner)
+        return (run(self.kernels[1], flat(self.y), flat(grad_out),
+                    Out(self.y.shape, self.y.dtype), *layout),)
 
 
 @register
 class Softmax(_Softmax):
     """``exp(x - max) / Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "softmax"
+    kernels = _softmax_kernels(False, "softmax")
 
 
 @register
 class LogSoftmax(_Softmax):
-    """``x - max - log Σ exp(x - max)`` along ``axis`` (default -1)."""
+    """``(x - max) - log Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "log_softmax"
-    log = True
+    kernels = _softmax_kernels(True, "log_softmax")

@@ -1,10 +1,10 @@
 """Adam (L2 weight decay added to the gradient) and AdamW (decoupled weight decay)."""
 import math
 
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import run_kernel
+from ops.cuda_backend import cuda
+from ops.launch import Kernel, elements
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -48,6 +48,9 @@ def adam_cuda(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minu
         _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2,
                            one_minus_beta2, eps, l2, param_decay, step_size,
                            bias_correction2_sqrt, first_step)
+
+
+ADAM_UPDATE = Kernel("adam", adam_cpu, adam_cuda, elements(0))
 
 
 class Adam(Optimizer):
@@ -113,7 +116,7 @@ class Adam(Optimizer):
         args = (param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
                 cast(1.0 - beta2), cast(group["eps"]), cast(l2), cast(param_decay),
                 cast(step_size), cast(bias_correction2_sqrt), step == 1)
-        run_kernel(device_of(param), adam_cpu, adam_cuda, param.size, *args)
+        ADAM_UPDATE(*args)
 
 
 class AdamW(Adam):

@@ -3,8 +3,8 @@
 ``clip_grad_norm_`` on the parameters of one FlatBuffer is two kernels on the GPU:
 
 1. ``norm_partials``: a grid of at most ``MAX_NORM_BLOCKS`` blocks; each thread folds
-   ``|g|**p`` over a fixed stride, each block reduces its threads with a shared-memory tree
-   into one partial;
+   ``|g|**p`` over a fixed stride, each block reduces its threads with the fixed-order
+   ``ops.block_reduce`` into one partial;
 2. ``scale_by_norm``: every block reduces all partials with the same fixed-order tree (so
    every block sees the same total, bit for bit), then scales its elements by
    ``min(1, max_norm / (total + 1e-6))``; block 0 writes the total.
@@ -13,22 +13,26 @@ No float atomics: the norm is the same run to run. The scale cannot join the red
 without a grid-wide barrier, and cannot wait for the optimizer's kernel because
 ``clip_grad_norm_`` must leave the gradients clipped when it returns (as torch does).
 Gradients spread over several tensors take two launches per tensor (partials of every
-tensor go into one array). Accumulation is float64 on both devices; the CPU kernels fold
-the elements in order, one partial per tensor.
+tensor go into one array). Accumulation is float64 on both devices. The partials array has
+the same layout on both: the CPU kernel folds a tensor's elements in order into its first
+partial and zeroes the others (adding 0 is exact; 0 is the neutral element of the max of
+absolute values too).
 """
 import math
 
 import numpy as np
-from numba import cuda, float64, njit
+from numba import njit
 
 from engine.tensor import Tensor
-from ops.device import SIMULATOR, device_of, to_host
-from ops.launch import launch_blocks, run_kernel
+from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combine_cpu,
+                               combine_cuda)
+from ops.cuda_backend import SIMULATOR, cuda
+from ops.device import device_of, to_host
+from ops.launch import Kernel, blocks_of, elements
 from ops.layout import flat
 from ops.memory import empty
 from optim.optimizer import whole_flat_buffer
 
-NORM_THREADS = 8 if SIMULATOR else 256      # a power of two (the trees halve it)
 MAX_NORM_BLOCKS = 4 if SIMULATOR else 512   # partials per gradient array, at most
 TORCH_CLIP_EPS = 1e-6                       # torch: max_norm / (total_norm + 1e-6)
 
@@ -47,10 +51,9 @@ def _accumulate(acc, value, norm_type):
     return acc + a ** norm_type
 
 
-def _combine(left, right, norm_type):
-    if norm_type == math.inf:
-        return right if (right > left or right != right) else left
-    return left + right
+def _combine_code(norm_type):
+    """The block reduction that folds partial results: a max for p = inf, else a sum."""
+    return MAX if norm_type == math.inf else SUM
 
 
 def _finish(acc, norm_type):
@@ -70,28 +73,41 @@ def _clip_coefficient(total, max_norm):
 
 
 _accumulate_cpu = njit(inline="always", error_model="numpy")(_accumulate)
-_combine_cpu = njit(inline="always", error_model="numpy")(_combine)
+_combine_code_cpu = njit(inline="always", error_model="numpy")(_combine_code)
 _finish_cpu = njit(inline="always", error_model="numpy")(_finish)
 _coefficient_cpu = njit(inline="always", error_model="numpy")(_clip_coefficient)
 _accumulate_cuda = cuda.jit(device=True)(_accumulate)
-_combine_cuda = cuda.jit(device=True)(_combine)
+_combine_code_cuda = cuda.jit(device=True)(_combine_code)
 _finish_cuda = cuda.jit(device=True)(_finish)
 _coefficient_cuda = cuda.jit(device=True)(_clip_coefficient)
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
-def norm_partials_cpu(grad, norm_type, partials, first):
+def norm_partials_cpu(grad, norm_type, partials, first, count):
     acc = 0.0
     for i in range(grad.size):
         acc = _accumulate_cpu(acc, float(grad[i]), norm_type)
     partials[first] = acc
+    for k in range(first + 1, first + count):
+        partials[k] = 0.0
+
+
+@cuda.jit(cache=True, fastmath=False)
+def norm_partials_cuda(grad, norm_type, partials, first, count):
+    acc = 0.0
+    for i in range(cuda.grid(1), grad.size, cuda.gridsize(1)):
+        acc = _accumulate_cuda(acc, float(grad[i]), norm_type)
+    acc = block_reduce_cuda(_combine_code_cuda(norm_type), acc)
+    if cuda.threadIdx.x == 0:
+        partials[first + cuda.blockIdx.x] = acc
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
 def scale_by_norm_cpu(grad, partials, norm_type, max_norm, total_out):
+    code = _combine_code_cpu(norm_type)
     acc = partials[0]
     for k in range(1, partials.size):
-        acc = _combine_cpu(acc, partials[k], norm_type)
+        acc = combine_cpu(code, acc, partials[k])
     total = _finish_cpu(acc, norm_type)
     coefficient = _coefficient_cpu(total, max_norm)
     for i in range(grad.size):
@@ -99,45 +115,32 @@ def scale_by_norm_cpu(grad, partials, norm_type, max_norm, total_out):
     total_out[0] = total
 
 
-@cuda.jit(device=True)
-def _tree_cuda(shared, acc, norm_type):
-    """The block's threads' ``acc`` combined in a fixed order; every thread gets the result."""
-    t = cuda.threadIdx.x
-    shared[t] = acc
-    cuda.syncthreads()
-    step = NORM_THREADS // 2
-    while step > 0:
-        if t < step:
-            shared[t] = _combine_cuda(shared[t], shared[t + step], norm_type)
-        cuda.syncthreads()
-        step //= 2
-    return shared[0]
-
-
-@cuda.jit(cache=True, fastmath=False)
-def norm_partials_cuda(grad, norm_type, partials, first):
-    shared = cuda.shared.array(NORM_THREADS, float64)
-    acc = 0.0
-    for i in range(cuda.grid(1), grad.size, cuda.gridsize(1)):
-        acc = _accumulate_cuda(acc, float(grad[i]), norm_type)
-    acc = _tree_cuda(shared, acc, norm_type)
-    if cuda.threadIdx.x == 0:
-        partials[first + cuda.blockIdx.x] = acc
-
-
 @cuda.jit(cache=True, fastmath=False)
 def scale_by_norm_cuda(grad, partials, norm_type, max_norm, total_out):
-    shared = cuda.shared.array(NORM_THREADS, float64)
+    code = _combine_code_cuda(norm_type)
     acc = 0.0
-    for k in range(cuda.threadIdx.x, partials.size, NORM_THREADS):   # same order in every block
-        acc = _combine_cuda(acc, partials[k], norm_type)
-    total = _finish_cuda(_tree_cuda(shared, acc, norm_type), norm_type)
+    for k in range(cuda.threadIdx.x, partials.size, REDUCE_THREADS):   # same order in every block
+        acc = combine_cuda(code, acc, partials[k])
+    total = _finish_cuda(block_reduce_cuda(code, acc), norm_type)
     coefficient = _coefficient_cuda(total, max_norm)
     i = cuda.grid(1)
     if i < grad.size:
         grad[i] = float(grad[i]) * coefficient
     if i == 0:
         total_out[0] = total
+
+
+def partial_count(grad):
+    """How many partials ``norm_partials`` writes for ``grad``: its CUDA grid's blocks."""
+    return min(MAX_NORM_BLOCKS, -(-grad.size // REDUCE_THREADS))
+
+
+NORM_PARTIALS = Kernel("norm_partials", norm_partials_cpu, norm_partials_cuda,
+                       blocks_of(lambda grad, norm_type, partials, first, count: count,
+                                 REDUCE_THREADS))
+SCALE_BY_NORM = Kernel("scale_by_norm", scale_by_norm_cpu, scale_by_norm_cuda,
+                       blocks_of(lambda grad, *rest: -(-grad.size // REDUCE_THREADS),
+                                 REDUCE_THREADS))
 
 
 def _clamp(value, bound):
@@ -164,6 +167,9 @@ def clip_value_cuda(grad, clip_value):
     i = cuda.grid(1)
     if i < grad.size:
         grad[i] = _clamp_cuda(grad[i], clip_value)
+
+
+CLIP_VALUE = Kernel("clip_value", clip_value_cpu, clip_value_cuda, elements(0))
 
 
 # ------------------------------------------------------------------ public functions
@@ -210,30 +216,22 @@ def clip_grad_norm_(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     device, dtype = device_of(grads[0]), grads[0].dtype
     if error_if_nonfinite:
         _raise_if_nonfinite_norm(grads, norm_type)
+    counts = [partial_count(g) for g in grads]
+    partials = empty(sum(counts), np.float64, device)
     total = empty(1, dtype, device)
-    if device == "cuda":
-        blocks = [min(MAX_NORM_BLOCKS, -(-g.size // NORM_THREADS)) for g in grads]
-        partials = empty(sum(blocks), np.float64, device)
-        first = 0
-        for grad, n_blocks in zip(grads, blocks):
-            launch_blocks(norm_partials_cuda, n_blocks, NORM_THREADS, grad, norm_type, partials, first)
-            first += n_blocks
-        for grad in grads:
-            launch_blocks(scale_by_norm_cuda, -(-grad.size // NORM_THREADS), NORM_THREADS,
-                          grad, partials, norm_type, max_norm, total)
-    else:
-        partials = empty(len(grads), np.float64, device)
-        for first, grad in enumerate(grads):
-            norm_partials_cpu(grad, norm_type, partials, first)
-        for grad in grads:
-            scale_by_norm_cpu(grad, partials, norm_type, max_norm, total)
+    first = 0
+    for grad, count in zip(grads, counts):
+        NORM_PARTIALS(grad, norm_type, partials, first, count)
+        first += count
+    for grad in grads:
+        SCALE_BY_NORM(grad, partials, norm_type, max_norm, total)
     return Tensor(total.reshape(()))
 
 
 def _raise_if_nonfinite_norm(grads, norm_type):
     partials = np.empty(len(grads), np.float64)
     for first, grad in enumerate(grads):
-        norm_partials_cpu(np.ascontiguousarray(to_host(grad)), norm_type, partials, first)
+        NORM_PARTIALS(np.ascontiguousarray(to_host(grad)), norm_type, partials, first, 1)
     if not np.all(np.isfinite(partials)):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the "
                            "gradients is non-finite, so it cannot be clipped")
@@ -247,4 +245,4 @@ def clip_grad_value_(params, clip_value):
         raise ValueError(f"clip_grad_value_: invalid clip_value: {clip_value} (must be >= 0)")
     for grad in _gradient_buffers(params, "clip_grad_value_"):
         value = grad.dtype.type(clip_value)
-        run_kernel(device_of(grad), clip_value_cpu, clip_value_cuda, grad.size, grad, value)
+        CLIP_VALUE(grad, value)

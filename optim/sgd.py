@@ -1,10 +1,10 @@
 """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay."""
 import math
 
-from numba import cuda, njit
+from numba import njit
 
-from ops.device import device_of
-from ops.launch import run_kernel
+from ops.cuda_backend import cuda
+from ops.launch import Kernel, elements
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -45,6 +45,9 @@ def sgd_cuda(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay
     if i < param.size:
         _sgd_element_cuda(i, param, grad, momentum_buffer, lr, momentum, dampening,
                           weight_decay, nesterov, first_step)
+
+
+SGD_UPDATE = Kernel("sgd", sgd_cpu, sgd_cuda, elements(0))
 
 
 class SGD(Optimizer):
@@ -99,4 +102,4 @@ class SGD(Optimizer):
         args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
                 float(group["dampening"]), float(group["weight_decay"]),
                 bool(group["nesterov"]), step == 1)
-        run_kernel(device_of(param), sgd_cpu, sgd_cuda, param.size, *args)
+        SGD_UPDATE(*args)

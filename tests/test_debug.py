@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 
 import engine
-from ops.launch import launch
 from ops.memory import empty
 
 
@@ -42,6 +41,8 @@ def test_anomaly_names_op_and_phase_backward(device):
 
 @pytest.mark.cuda
 def test_launch_refuses_host_arrays():
-    from ops.fill import fill_cuda
-    with pytest.raises(TypeError, match=r"fill_cuda: argument 0 is a host NumPy array of shape \(3,\)"):
-        launch(fill_cuda, 3, np.zeros(3, np.float32), np.float32(1))
+    from ops.shape import TRANSPOSE
+    x = empty((2, 3), np.float32, "cuda")
+    with pytest.raises(TypeError, match=r"transpose: argument 1 is a host NumPy array of "
+                                        r"shape \(3, 2\)"):
+        TRANSPOSE(x, np.zeros((3, 2), np.float32))

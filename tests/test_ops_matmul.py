@@ -162,7 +162,7 @@ def test_dense_backward_returns_the_destination_buffers(device):
     x, w, b = [to_device(rng.standard_normal(s), device) for s in ((4, 5), (5, 3), (3,))]
     op = Dense(activation="relu")
     op.needs_input_grad = (False, True, True)
-    op.forward(x, w, b)
+    op(x, w, b)
     dw, db = empty((5, 3), np.float64, device), empty((3,), np.float64, device)
     grads = op.backward(to_device(np.ones((4, 3)), device), (None, dw, db))
     assert grads[0] is None and grads[1] is dw and grads[2] is db

@@ -1,4 +1,8 @@
-"""Every registered op has both kernels and is covered by some test module's ``CASES``."""
+"""Every registered op declares the kernel pairs it runs, and the declaration is exact.
+
+Each op's ``check_op`` cases run on every backend with a ``LaunchRecorder`` around that op's
+forward and backward only: every kernel recorded must be declared in ``op.kernels``, and
+every declared kernel must run in some case (a declaration nobody runs is stale)."""
 import importlib
 import pathlib
 import pkgutil
@@ -7,7 +11,9 @@ import pytest
 from numba.core.registry import CPUDispatcher
 
 import ops
-from ops.device import SIMULATOR
+from ops.cuda_backend import SIMULATOR, is_cuda_kernel
+from ops.launch import Kernel, LaunchRecorder
+from tests.op_check import check_op
 
 TESTS = pathlib.Path(__file__).parent
 
@@ -19,12 +25,12 @@ def _import_all_ops():
     return ops.REGISTRY
 
 
-def _is_cuda_kernel(kernel):
-    if SIMULATOR:
-        from numba.cuda.simulator.kernel import FakeCUDAKernel
-        return isinstance(kernel, FakeCUDAKernel)
-    from numba.cuda.dispatcher import CUDADispatcher
-    return isinstance(kernel, CUDADispatcher)
+def _cases():
+    cases = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        module = importlib.import_module(f"tests.{path.stem}")
+        cases += list(getattr(module, "CASES", ()))
+    return cases
 
 
 def test_registry_is_populated():
@@ -32,23 +38,53 @@ def test_registry_is_populated():
 
 
 @pytest.mark.parametrize("name", sorted(_import_all_ops()))
-def test_op_has_cpu_and_cuda_kernels(name):
+def test_op_declares_twin_kernels(name):
     op = ops.REGISTRY[name]
     if op.is_view:
-        assert not op.cpu_kernels and not op.cuda_kernels, f"{name}: a view runs no kernel"
+        assert not op.kernels, f"{name}: a view runs no kernel"
         return
-    assert op.cpu_kernels, f"{name}: no @njit CPU kernel"
-    assert op.cuda_kernels, f"{name}: no @cuda.jit kernel"
-    for kernel in op.cpu_kernels:
-        assert isinstance(kernel, CPUDispatcher), f"{name}: {kernel!r} is not an @njit kernel"
-    for kernel in op.cuda_kernels:
-        assert _is_cuda_kernel(kernel), f"{name}: {kernel!r} is not a @cuda.jit kernel"
+    assert op.kernels, f"{name}: declares no kernel"
+    for kernel in op.kernels:
+        assert isinstance(kernel, Kernel), f"{name}: {kernel!r} is not an ops.launch.Kernel"
+        assert isinstance(kernel.cpu, CPUDispatcher), f"{name}: {kernel!r} has no @njit kernel"
+        assert kernel.cuda_plan is not None or is_cuda_kernel(kernel.cuda), \
+            f"{name}: {kernel!r} has no @cuda.jit kernel"
 
 
 def test_every_registered_op_has_a_test_case():
-    covered = set()
-    for path in sorted(TESTS.glob("test_*.py")):
-        module = importlib.import_module(f"tests.{path.stem}")
-        covered |= {case.op for case in getattr(module, "CASES", ())}
+    covered = {case.op for case in _cases()}
     missing = sorted(set(_import_all_ops()) - covered)
     assert not missing, f"registered ops without a check_op case: {missing}"
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Per op name, the kernel runs made inside that op's own forward and backward."""
+    runs = {}
+
+    def recording(name, method):
+        def wrapper(self, *args):
+            with LaunchRecorder() as recorder:
+                try:
+                    return method(self, *args)
+                finally:
+                    runs.setdefault(name, []).extend(recorder.runs)
+        return wrapper
+
+    for name, op in _import_all_ops().items():
+        monkeypatch.setattr(op, "forward", recording(name, op.forward))
+        monkeypatch.setattr(op, "backward", recording(name, op.backward))
+    return runs
+
+
+def test_ops_run_exactly_the_kernels_they_declare(recorded, device):
+    for case in _cases():
+        check_op(case, device)
+    for name, op in _import_all_ops().items():
+        ran = {run.kernel for run in recorded.get(name, ())}
+        undeclared = sorted(k.name for k in ran - set(op.kernels))
+        unused = sorted(k.name for k in set(op.kernels) - ran)
+        assert not undeclared, f"{name} runs kernels it does not declare: {undeclared}"
+        assert not unused, f"{name} declares kernels none of its cases ran on {device}: {unused}"
+        assert all(run.device == device for run in recorded.get(name, ())), \
+            f"{name}: a kernel ran on another device than its inputs' ({device})"

@@ -1,0 +1,42 @@
+"""The one fixed-order reduction of a CUDA block's per-thread values (no float atomics).
+
+Every thread writes its value into a shared array of ``REDUCE_THREADS`` entries (a power of
+two), then pairs are combined in a tree that halves each round: the same order every run, so
+sums are reproducible bit for bit. Sum, mean, max, the losses, the training metrics and the
+gradient norm all reduce through it, with one block of ``REDUCE_THREADS`` threads per output.
+"""
+from numba import float64, njit
+
+from ops.cuda_backend import SIMULATOR, cuda
+
+REDUCE_THREADS = 8 if SIMULATOR else 256   # the simulator starts one OS thread per CUDA thread
+SUM, MAX = 0, 1
+
+
+def combine(code, left, right):
+    """``left + right``, or the larger of the two where NaN wins (as NumPy's max)."""
+    if code == SUM:
+        return left + right
+    return right if (right > left or right != right) else left
+
+
+combine_cpu = njit(inline="always", error_model="numpy")(combine)
+combine_cuda = cuda.jit(device=True)(combine)
+
+
+@cuda.jit(device=True)
+def block_reduce_cuda(code, value):
+    """``value`` combined over the block's threads in a fixed order; every thread gets it."""
+    partial = cuda.shared.array(REDUCE_THREADS, float64)
+    t = cuda.threadIdx.x
+    partial[t] = value
+    cuda.syncthreads()
+    step = REDUCE_THREADS // 2
+    while step > 0:
+        if t < step:
+            partial[t] = combine_cuda(code, partial[t], partial[t + step])
+        cuda.syncthreads()
+        step //= 2
+    total = partial[0]
+    cuda.syncthreads()   # a second call in the same kernel may reuse the shared array
+    return total

