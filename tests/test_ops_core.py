@@ -47,6 +47,14 @@ CASES = (
         Case("max", ((2, 3, 4),), lambda a: a.max(axis=-1, keepdims=True),
              lambda a: a.max(axis=-1, keepdims=True)),
         Case("max", ((7,),), lambda a: a.max(), np.max),
+        # two-way ties: the gradient is split evenly (central differences agree at 1/2)
+        Case("max", ((2, 3),), lambda a: a.max(axis=1), lambda a: a.max(axis=1),
+             make_inputs=lambda rng: [np.array([[1.0, 3.0, 3.0], [2.0, -1.0, 2.0]])]),
+        Case("mean", ((2, 1, 3),), lambda a: a.mean(keepdims=True),
+             lambda a: a.mean(keepdims=True)),
+        Case("mean", ((7,),), lambda a: a.mean(), np.mean),
+        Case("pow_scalar", ((5,),), lambda a: a ** 0, lambda a: a ** 0,
+             make_inputs=lambda rng: [np.array([0.0, 1.0, -2.0, 0.5, 3.0])]),
         Case("reshape", ((3, 5),), lambda a: a.reshape(5, -1) * 1.0, lambda a: a.reshape(5, 3)),
         Case("reshape", ((2, 1, 3),), lambda a: a.flatten() * 1.0, lambda a: a.reshape(2, 3)),
         Case("transpose", ((3, 5),), lambda a: a.T, lambda a: a.T),
@@ -58,3 +66,40 @@ CASES = (
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_op(case, device):
     check_op(case, device)
+
+
+INF, NAN = np.inf, np.nan
+
+
+def test_activations_at_infinities_follow_torch(device):
+    """relu(-inf) = 0, relu(nan) = nan, sigmoid(+-inf) = 1 and 0, tanh(+-inf) = +-1: the
+    elementwise ops and the fused Dense epilogue are one code (ops.pointwise)."""
+    x = engine.tensor([-INF, INF, NAN, -1.0, 2.0], device=device)
+    np.testing.assert_array_equal(x.relu().numpy(), [0, INF, NAN, 0, 2])
+    np.testing.assert_array_equal(x.sigmoid().numpy()[:2], [0, 1])
+    np.testing.assert_array_equal(x.tanh().numpy()[:2], [-1, 1])
+    from engine import nn
+    for activation, expected in (("relu", [0, INF]), ("sigmoid", [0, 1]), ("tanh", [-1, 1])):
+        layer = nn.Dense(1, activation=activation, kernel_initializer=np.ones)
+        layer.build((1,), device)
+        y = layer(engine.tensor([[-INF], [INF]], device=device))
+        np.testing.assert_array_equal(y.numpy().ravel(), expected, err_msg=activation)
+
+
+def test_gradient_of_x_to_the_zero_is_zero_at_zero(device):
+    x = engine.tensor([0.0, 2.0], device=device, requires_grad=True)
+    (x ** 0).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [0, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_log_softmax_and_cross_entropy_stay_normalised_at_huge_tied_logits(device, dtype):
+    logits = engine.tensor([[1e17, 1e17, 0.0], [-1e17, 5.0, 5.0]], dtype=dtype, device=device,
+                           requires_grad=True)
+    probabilities = np.exp(logits.log_softmax(axis=-1).numpy().astype(np.float64))
+    np.testing.assert_allclose(probabilities, [[0.5, 0.5, 0], [0, 0.5, 0.5]], atol=1e-6)
+    loss = engine.losses.cross_entropy(logits, np.array([0, 1]))
+    np.testing.assert_allclose(loss.item(), np.log(2), rtol=1e-6)
+    loss.backward()
+    np.testing.assert_allclose(logits.grad.numpy(), [[-0.25, 0.25, 0], [0, -0.25, 0.25]],
+                               atol=1e-6)
