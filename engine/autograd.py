@@ -1,19 +1,34 @@
-"""The tape: a Wengert list of the ops that ran while grad mode was on.
+"""Autograd: the graph that ops record, the reverse walk that differentiates it, grad mode.
 
-``apply`` runs an op and, when an input requires grad, appends one ``Node`` (the op instance,
-holding what its backward needs, its inputs and a weak reference to its output). The tape is
-in recording order, which is a topological order by construction, so ``backward`` walks it
-in reverse from the root's node and needs no graph search. It accumulates into leaves'
-``.grad`` and drops the nodes it consumed unless ``retain_graph=True``.
+``apply`` runs an op and, when grad mode is on and an input requires grad, gives the output a
+``Node``: the op instance (holding what its backward needs), its inputs, and a sequence
+number from one process-wide counter. An input's node was always recorded before the nodes
+that consume it, so decreasing sequence numbers are a topological order: ``backward`` walks
+from the root's node through the inputs' nodes and needs no other record of the graph. The
+graph belongs to its tensors, not to a thread: any thread may run the backward of a graph
+another thread built (the torch bridge runs ours from torch's threads). Grad mode
+(``no_grad``) and anomaly detection are per thread, as in torch.
 
-A node whose output tensor has been garbage-collected can never receive a gradient, so it is
-pruned; a tape that still keeps growing means live outputs pile up without a backward (say a
-``total += loss`` that should have been ``total += loss.item()``), and it is reported.
+The rules of a backward:
+
+- it accumulates into the ``.grad`` of the leaves that require grad;
+- without ``retain_graph=True`` it releases every node it walked: their saved values and
+  inputs are freed, and a later backward that reaches one raises before touching any
+  gradient, naming ``retain_graph=True`` as the remedy (never a silent partial gradient).
+
+What autograd needs of a tensor is ``Value``, a base class; ``engine.tensor.Tensor`` is its
+one user-facing subclass. Autograd knows nothing else of it, so ``engine.tensor`` and
+``engine.functional`` build on this module and nothing here imports them.
+
+Each thread records onto a ``Tape``: a weak registry of its live nodes, used only to see a
+graph pile up. A dropped graph frees itself; one kept alive from step to step (say
+``total += loss`` where ``total += loss.item()`` was meant, or results of an evaluation run
+without ``no_grad()`` kept in a list) is reported once per tape with a ``RuntimeWarning``.
 """
-import bisect
 import contextlib
 import functools
 import itertools
+import operator
 import threading
 import warnings
 import weakref
@@ -22,15 +37,92 @@ import numpy as np
 
 from ops.check import count_nonfinite
 from ops.device import device_of, to_device
-from ops.elementwise import add
+from ops.elementwise import add_arrays
 from ops.fill import fill
 from ops.memory import empty
+from ops.registry import FLOAT_DTYPES
 
-TAPE_WARNING_SIZE = 10_000
+# A training step's graph is consumed by the backward of that step (the reference MLP's step
+# records 4 nodes, all released by its backward), so a node that STALE_BACKWARDS later
+# backwards of its tape have not reached belongs to no step: more than STALE_NODE_LIMIT such
+# nodes, or nodes holding more than STALE_BYTES_LIMIT of outputs, warn. `total += loss` over
+# the reference MLP leaves one node per step and warns after ~100 steps (the old bound of
+# 10,000 live nodes warned at step 9,996, with 6 GB resident). A tape holding more than
+# LIVE_NODE_LIMIT unreleased nodes warns too, with or without backwards (250 steps' graphs of
+# that MLP; a longer unrolled loop that is meant to be one graph may silence the warning).
+STALE_BACKWARDS = 3
+STALE_NODE_LIMIT = 100
+STALE_BYTES_LIMIT = 256 * 2**20
+LIVE_NODE_LIMIT = 1000
+
+_sequence = itertools.count()
+_by_sequence = operator.attrgetter("seq")
 
 
 class AnomalyError(FloatingPointError):
     """A NaN or Inf appeared while ``engine.detect_anomaly()`` was active."""
+
+
+class Node:
+    """One recorded op: ``op`` (None once released), its ``inputs``, ``seq`` (the recording
+    order), the ``tape`` it is registered on, that tape's ``backwards`` count when it was
+    recorded or a backward last reached it (``touched``), and its output's ``nbytes``."""
+    __slots__ = ("op", "inputs", "seq", "tape", "touched", "nbytes", "__weakref__")
+
+    def __init__(self, op, inputs, nbytes, tape):
+        self.op, self.inputs, self.nbytes, self.tape = op, inputs, nbytes, tape
+        self.seq = next(_sequence)
+        self.touched = tape.backwards
+
+
+class Tape:
+    """The live nodes recorded while this tape was a thread's current one, held weakly.
+
+    ``len(tape)`` counts those neither released by a backward nor freed with their graph.
+    It warns once (see the limits above) when they pile up. Recording and releasing take a
+    lock: a backward on another thread releases nodes while this one records."""
+
+    def __init__(self):
+        self.nodes = weakref.WeakSet()
+        self.backwards = 0      # backwards whose root was recorded here
+        self.warned = False
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self.nodes)
+
+    def record(self, op, inputs, output):
+        node = Node(op, inputs, int(output.size) * np.dtype(output.dtype).itemsize, self)
+        with self._lock:
+            self.nodes.add(node)
+            live = len(self.nodes)
+        if live > LIVE_NODE_LIMIT and not self.warned:
+            self._warn(f"{live} nodes that no backward has released", stacklevel=4)
+        return node
+
+    def release(self, nodes):
+        with self._lock:
+            for node in nodes:
+                self.nodes.discard(node)
+
+    def warn_if_stale(self):
+        """After a backward whose root was recorded here: warn once about stale nodes."""
+        if self.warned or not self.nodes:
+            return
+        with self._lock:
+            stale = [n for n in self.nodes if self.backwards - n.touched >= STALE_BACKWARDS]
+        held = sum(n.nbytes for n in stale)
+        if len(stale) > STALE_NODE_LIMIT or held > STALE_BYTES_LIMIT:
+            self._warn(f"{len(stale)} nodes ({held / 2**20:.1f} MB of outputs) that the last "
+                       f"{STALE_BACKWARDS} backward calls did not reach", stacklevel=5)
+
+    def _warn(self, what, stacklevel):
+        self.warned = True
+        warnings.warn(
+            f"the autograd tape holds {what}: a tensor kept from step to step keeps its whole "
+            "graph alive. Accumulate losses with `total += loss.item()`, not `total += loss`, "
+            "and evaluate inside `with engine.no_grad():`, or memory keeps growing "
+            "(this warning is given once per tape)", RuntimeWarning, stacklevel=stacklevel)
 
 
 class _State(threading.local):
@@ -40,45 +132,11 @@ class _State(threading.local):
         self.tape = Tape()
 
 
-class Node:
-    __slots__ = ("op", "inputs", "output_ref", "seq")
-
-    def __init__(self, op, inputs, output, seq):
-        self.op, self.inputs, self.seq = op, inputs, seq
-        self.output_ref = weakref.ref(output)
-
-
-class Tape:
-    def __init__(self):
-        self.nodes = []
-        self._counter = itertools.count()
-        self._warn_at = TAPE_WARNING_SIZE
-
-    def record(self, op, inputs, output):
-        node = Node(op, inputs, output, next(self._counter))
-        self.nodes.append(node)
-        if len(self.nodes) >= self._warn_at:
-            self.nodes = [n for n in self.nodes if n.output_ref() is not None]
-            if len(self.nodes) >= self._warn_at:
-                warnings.warn(
-                    f"the autograd tape holds {len(self.nodes)} live nodes and no backward has "
-                    "consumed them: wrap inference in `with engine.no_grad():` and accumulate "
-                    "losses with `.item()`, or memory keeps growing", RuntimeWarning, stacklevel=3)
-                self._warn_at *= 2
-        return node
-
-    def __len__(self):
-        return len(self.nodes)
-
-    def discard(self, consumed):
-        gone = {id(n) for n in consumed}
-        self.nodes = [n for n in self.nodes if id(n) not in gone]
-
-
 _state = _State()
 
 
 def current_tape():
+    """The tape this thread records onto."""
     return _state.tape
 
 
@@ -101,7 +159,7 @@ class set_grad_enabled(contextlib.ContextDecorator):
 
 
 class no_grad(contextlib.ContextDecorator):
-    """Record nothing on the tape inside this block (inference, evaluation)."""
+    """Record nothing inside this block (inference, evaluation); for this thread only."""
 
     def __enter__(self):
         self.prev = _state.grad_enabled
@@ -138,64 +196,162 @@ def _check_finite(array, op, phase, inputs):
             f"(output shape {tuple(array.shape)}, input shapes {shapes})")
 
 
+# ------------------------------------------------------------------ what autograd needs of a tensor
+
+class Value:
+    """A tensor as autograd sees it; ``engine.tensor.Tensor`` is the class users get.
+
+    A subclass sets ``data`` (its array) before calling ``Value.__init__`` and implements
+    ``_wrap(array, requires_grad=False)``, a new user-facing tensor over ``array`` (an op's
+    output, a gradient), and ``_operand(value)``, a number, list or array as a tensor of its
+    own device and dtype (the other side of a binary op).
+
+    ``_node`` is the Node of the op that computed the value, None for a leaf. A leaf's
+    gradient lives in ``_grad``; ``engine.parameter.Parameter`` keeps it in a slot of its
+    flat buffer instead, overriding the four slot methods ``_grad_array``, ``_store_grad``,
+    ``_accumulate_grad`` and ``_grad_destination``.
+    """
+
+    def __init__(self, requires_grad=False):
+        self._node = None
+        self._grad = None
+        self.requires_grad = requires_grad
+
+    @property
+    def requires_grad(self):
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        if value and np.dtype(self.data.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"requires_grad: only float32/float64 tensors can require grad, "
+                            f"this one is {np.dtype(self.data.dtype)}")
+        if not value and self._node is not None:
+            raise RuntimeError("requires_grad: a tensor computed from others cannot stop "
+                               "requiring grad; use .detach()")
+        self._requires_grad = bool(value)
+
+    @property
+    def is_leaf(self):
+        return self._node is None
+
+    @property
+    def grad(self):
+        """The accumulated gradient (a tensor), or None before any backward reached it."""
+        data = self._grad_array()
+        return None if data is None else self._wrap(data)
+
+    @grad.setter
+    def grad(self, value):
+        if value is None:
+            self._store_grad(None)
+            return
+        data = value.data if isinstance(value, Value) else value
+        if tuple(data.shape) != tuple(self.data.shape):
+            raise ValueError(f"grad: shape {tuple(data.shape)} does not match the tensor's "
+                             f"{tuple(self.data.shape)}")
+        self._store_grad(data)
+
+    # the gradient slot of a plain leaf: an array of its own
+    def _grad_array(self):
+        return self._grad
+
+    def _store_grad(self, data):
+        """Set the gradient to a copy of ``data`` (None forgets it)."""
+        self._grad = None if data is None else to_device(data, device_of(self.data))
+
+    def _accumulate_grad(self, g):
+        """Add ``g`` to the gradient (a copy of it when there is none: ``g`` may be shared)."""
+        if self._grad is None:
+            self._grad = to_device(g, device_of(self.data))
+        else:
+            self._grad = add_arrays(self._grad, g)
+
+    def _grad_destination(self):
+        """A preallocated buffer a backward rule may write this leaf's gradient into, or None."""
+        return None
+
+    def backward(self, grad=None, retain_graph=False):
+        """Accumulate d self / d leaf into every leaf's ``.grad``; ``grad`` is d loss / d self
+        (default: ones, for a one-element root only)."""
+        backward(self, grad, retain_graph)
+
+
 # ------------------------------------------------------------------ running ops
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 def apply(op_class, *inputs, **params):
-    """Run ``op_class`` on Tensors (or raw arrays that need no grad); record it when needed."""
-    from engine.tensor import Tensor
+    """Run ``op_class`` on Tensors (or raw arrays that need no grad); record it when grad mode
+    is on and an input requires grad. The result is made by the first Tensor input."""
     op = op_class(**params)
-    arrays = []
-    for position, x in enumerate(inputs):
-        data = x.data if isinstance(x, Tensor) else x
-        if (position not in getattr(op_class, "integer_inputs", ())
-                and np.dtype(data.dtype) not in FLOAT_DTYPES):
-            raise TypeError(f"{op_class.name}: input {position} has dtype {np.dtype(data.dtype)}; "
-                            "expected float32 or float64")
-        arrays.append(data)
-    needs = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+    maker = next((x for x in inputs if isinstance(x, Value)), None)
+    if maker is None:
+        raise TypeError(f"{op_class.name}: no input is an engine Tensor; wrap one with "
+                        "engine.tensor(...)")
+    arrays = [x.data if isinstance(x, Value) else x for x in inputs]
+    needs = tuple(isinstance(x, Value) and x.requires_grad for x in inputs)
     record = _state.grad_enabled and any(needs)
     op.needs_input_grad = needs if record else (False,) * len(inputs)
-    out = op.forward(*arrays)
+    out = op(*arrays)   # the declared checks (ops.registry.Op), then forward
     if _state.anomaly:
         _check_finite(out, op, "forward", arrays)
-    result = Tensor._wrap(out, requires_grad=record)
+    result = maker._wrap(out, requires_grad=record)
     if record:
-        result._node = _state.tape.record(op, inputs, result)
+        result._node = _state.tape.record(op, inputs, out)
     return result
 
 
+# ------------------------------------------------------------------ backward
+
 def _root_gradient(root, grad):
-    from engine.tensor import Tensor
+    shape, dtype, device = tuple(root.data.shape), np.dtype(root.data.dtype), device_of(root.data)
     if grad is None:
-        if root.size != 1:
+        if root.data.size != 1:
             raise RuntimeError(
-                f"backward: the root has shape {root.shape}; only a one-element tensor gets an "
+                f"backward: the root has shape {shape}; only a one-element tensor gets an "
                 "implicit gradient of ones: pass one of that shape, loss.backward(grad)")
-        return _ones_like(root.data)
-    data = grad.data if isinstance(grad, Tensor) else np.asarray(grad)
-    if tuple(data.shape) != root.shape:
+        return _cached_ones(shape, dtype, device)
+    data = grad.data if isinstance(grad, Value) else np.asarray(grad)
+    if tuple(data.shape) != shape:
         raise ValueError(f"backward: gradient shape {tuple(data.shape)} does not match "
-                         f"the root's shape {root.shape}")
-    if np.dtype(data.dtype) != root.dtype:
-        data = np.asarray(to_device(data, "cpu"), dtype=root.dtype)
-    return to_device(data, root.device) if device_of(data) != root.device else data
+                         f"the root's shape {shape}")
+    if np.dtype(data.dtype) != dtype:
+        data = np.asarray(to_device(data, "cpu"), dtype=dtype)
+    return to_device(data, device) if device_of(data) != device else data
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_ones(shape, dtype, device):
+    # the root gradient is only read by backward rules, never written, so one cached buffer
+    # per shape spares a fill launch per step
     return fill(empty(shape, dtype, device), 1)
 
 
-def _ones_like(array):
-    # the root gradient is only read by backward rules, never written, so one cached buffer
-    # per shape spares a fill launch per step
-    return _cached_ones(tuple(array.shape), np.dtype(array.dtype), device_of(array))
+_SECOND_BACKWARD = (
+    "backward: trying to backward through the graph a second time: the first backward "
+    "released the values it saved{where}. Specify retain_graph=True on the first backward "
+    "to go through the graph again")
+
+
+def _graph(root):
+    """Every node ``root`` reaches through inputs that need grad, latest first; raises before
+    any gradient is touched when one of them was released."""
+    seen = {root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node.op is None:
+            raise RuntimeError(_SECOND_BACKWARD.format(
+                where="" if node is root else " (part of this graph was consumed by it)"))
+        for x, needed in zip(node.inputs, node.op.needs_input_grad):
+            parent = x._node if needed else None
+            if parent is not None and parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return sorted(seen, key=_by_sequence, reverse=True)
 
 
 def backward(root, grad=None, retain_graph=False):
+    """Accumulate d ``root`` / d leaf into every leaf's ``.grad`` (see the module docstring)."""
     if not root.requires_grad:
         raise RuntimeError("backward: the tensor does not require grad (no input of the "
                            "computation had requires_grad=True, or it ran under no_grad)")
@@ -203,51 +359,57 @@ def backward(root, grad=None, retain_graph=False):
     if root._node is None:   # a leaf: d root / d root
         root._accumulate_grad(root_grad)
         return
-    if root._node.op is None:
-        raise RuntimeError("backward: this graph was already consumed by a backward; "
-                           "call the first backward with retain_graph=True to go through it twice")
-    tape = _state.tape
-    nodes = tape.nodes
-    end = bisect.bisect_right([n.seq for n in nodes], root._node.seq)
-    grads = {id(root): root_grad}
-    consumed = []
-    for node in reversed(nodes[:end]):
-        output = node.output_ref()
-        grad_out = grads.pop(id(output), None) if output is not None else None
+    nodes = _graph(root._node)
+    anomaly = _state.anomaly
+    grads = {root._node: root_grad}
+    for node in nodes:
+        grad_out = grads.pop(node, None)
         if grad_out is None:
             continue
-        if node.op is None:
-            raise RuntimeError("backward: part of this graph was already consumed by a backward; "
-                               "use retain_graph=True on the first one to go through it twice")
-        consumed.append(node)
-        if _state.anomaly:
+        if anomaly:
             _check_finite(grad_out, node.op, "backward (gradient reaching it)", node.inputs)
         input_grads = node.op.backward(grad_out, _grad_destinations(node.inputs))
         for x, needed, g in zip(node.inputs, node.op.needs_input_grad, input_grads):
             if not needed or g is None:
                 continue
-            if _state.anomaly:
+            if anomaly:
                 _check_finite(g, node.op, "backward", node.inputs)
-            if x._node is None:
+            parent = x._node
+            if parent is None:
                 x._accumulate_grad(g)
-            elif id(x) in grads:
-                grads[id(x)] = add(grads[id(x)], g)
+            elif parent in grads:
+                grads[parent] = add_arrays(grads[parent], g)
             else:
-                grads[id(x)] = g
-    if not retain_graph:
-        for node in consumed:
-            node.op = None   # frees the saved values; the node's output may still be alive
-        tape.discard(consumed)
+                grads[parent] = g
+    tape = root._node.tape
+    tape.backwards += 1
+    _after_backward(nodes, retain_graph)
+    tape.warn_if_stale()
+
+
+def _after_backward(nodes, retain_graph):
+    """Release the walked nodes (their saved values and inputs), or mark them reached."""
+    if retain_graph:
+        for node in nodes:
+            node.touched = node.tape.backwards
+        return
+    by_tape = {}
+    for node in nodes:
+        node.op, node.inputs = None, ()
+        by_tape.setdefault(node.tape, []).append(node)
+    for tape, released in by_tape.items():
+        tape.release(released)
 
 
 def _grad_destinations(inputs):
-    """Per input, the preallocated gradient buffer a backward may write into, or None."""
+    """Per input, the preallocated gradient buffer a backward rule may write into, or None
+    (a leaf offers it at its first occurrence only: later ones accumulate into it)."""
     seen = set()
     destinations = []
     for x in inputs:
-        buffer = getattr(x, "_grad_buffer", None)
-        writable = (buffer is not None and x._node is None and not x._grad_valid
-                    and id(x) not in seen)
-        seen.add(id(x))
-        destinations.append(buffer if writable else None)
+        destination = None
+        if isinstance(x, Value) and x._node is None and id(x) not in seen:
+            destination = x._grad_destination()
+            seen.add(id(x))
+        destinations.append(destination)
     return tuple(destinations)

@@ -1,48 +1,59 @@
 """The differentiable functions behind Tensor's operators and methods, and their module-level
-twins (``engine.relu(x)``, ``engine.softmax(x, axis=-1)``, ...). Each one runs a registered op."""
+twins (``engine.relu(x)``, ``engine.softmax(x, axis=-1)``, ...). Each one runs a registered op.
+
+This module sits below ``engine.tensor``: it sees tensors as ``engine.autograd.Value``s, and a
+binary op's other operand (a number, list or array) becomes a tensor through the Tensor side's
+``_operand``.
+"""
 import numbers
 
-from engine.autograd import apply
+from engine.autograd import Value, apply
 from ops import elementwise as ew
+from ops import matmul as mm
 from ops import reduce as rd
 from ops import shape as sh
-
-
-def _tensor_types():
-    from engine.tensor import Tensor, as_tensor
-    return Tensor, as_tensor
+from ops import softmax as sm
 
 
 def _is_scalar(value):
     return isinstance(value, numbers.Real) and not hasattr(value, "shape")
 
 
-def _binary(op_class, scalar_op, reflected_scalar_op, a, b, scalar_map=lambda s: s):
-    Tensor, as_tensor = _tensor_types()
-    if _is_scalar(b) and isinstance(a, Tensor):
+def _tensor_pair(name, a, b):
+    """``a`` and ``b`` as tensors of one device and dtype: the non-tensor side (a list or an
+    array) is converted to the tensor side's."""
+    if not isinstance(a, Value):
+        if not isinstance(b, Value):
+            raise TypeError(f"{name}: neither operand is an engine Tensor (got "
+                            f"{type(a).__name__} and {type(b).__name__})")
+        a = b._operand(a)
+    if not isinstance(b, Value):
+        b = a._operand(b)
+    return a, b
+
+
+def _binary(name, op_class, scalar_op, reflected_scalar_op, a, b, scalar_map=lambda s: s):
+    if _is_scalar(b) and isinstance(a, Value):
         return apply(scalar_op, a, p=scalar_map(b))
-    if _is_scalar(a) and isinstance(b, Tensor):
+    if _is_scalar(a) and isinstance(b, Value):
         return apply(reflected_scalar_op, b, p=a)
-    if not isinstance(a, Tensor):
-        a = as_tensor(a, b)
-    b = as_tensor(b, a)
-    return apply(op_class, a, b)
+    return apply(op_class, *_tensor_pair(name, a, b))
 
 
 def add(a, b):
-    return _binary(ew.Add, ew.AddScalar, ew.AddScalar, a, b)
+    return _binary("add", ew.Add, ew.AddScalar, ew.AddScalar, a, b)
 
 
 def sub(a, b):
-    return _binary(ew.Sub, ew.AddScalar, ew.RSubScalar, a, b, scalar_map=lambda s: -s)
+    return _binary("sub", ew.Sub, ew.AddScalar, ew.RSubScalar, a, b, scalar_map=lambda s: -s)
 
 
 def mul(a, b):
-    return _binary(ew.Mul, ew.MulScalar, ew.MulScalar, a, b)
+    return _binary("mul", ew.Mul, ew.MulScalar, ew.MulScalar, a, b)
 
 
 def div(a, b):
-    return _binary(ew.Div, ew.MulScalar, ew.RDivScalar, a, b, scalar_map=lambda s: 1.0 / s)
+    return _binary("div", ew.Div, ew.MulScalar, ew.RDivScalar, a, b, scalar_map=lambda s: 1.0 / s)
 
 
 def pow(x, exponent):
@@ -112,18 +123,12 @@ def transpose(x):
 
 
 def matmul(a, b):
-    from ops import matmul as mm
-    Tensor, as_tensor = _tensor_types()
-    if not isinstance(a, Tensor):
-        a = as_tensor(a, b)
-    return apply(mm.MatMul, a, as_tensor(b, a))
+    return apply(mm.MatMul, *_tensor_pair("matmul", a, b))
 
 
 def softmax(x, axis=-1):
-    from ops import softmax as sm
     return apply(sm.Softmax, x, axis=axis)
 
 
 def log_softmax(x, axis=-1):
-    from ops import softmax as sm
     return apply(sm.LogSoftmax, x, axis=axis)

@@ -5,10 +5,15 @@ becomes one scalar), one backward gives every analytic gradient, and each input 
 nudged by +-eps to get the numeric one. ``fast=True`` checks one random direction per input
 instead of every element (Chainer's ``gradient_check`` idea): one pair of evaluations per
 input, suited to larger inputs.
+
+While it nudges an input, the input's ``.data`` is a scratch copy; afterwards it is the very
+array object it was before (a model's parameters stay views into their flat buffer, so an
+optimizer's later step still updates what the model reads), with its values untouched.
 """
 import numpy as np
 
 from engine.autograd import no_grad
+from engine.tensor import Tensor
 from ops.device import to_device, to_host
 
 
@@ -19,7 +24,6 @@ class GradcheckError(AssertionError):
 def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast=False, seed=0):
     """True when every input's analytic gradient matches the numeric one, else raises
     ``GradcheckError`` naming the input, the worst element and both values."""
-    from engine.tensor import Tensor
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     checked = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
     if not checked:
@@ -44,7 +48,8 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast=False, seed=0):
     for i in checked:
         x = inputs[i]
         analytic = np.zeros(x.shape) if x.grad is None else x.grad.numpy().astype(np.float64)
-        original = to_host(x.data).copy()
+        original_data = x.data
+        original = to_host(original_data).copy()
 
         def value_at(values):
             x.data = to_device(values, x.device)
@@ -65,7 +70,7 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast=False, seed=0):
                 shifted[k] -= 2 * eps
                 numeric[k] = (upper - value_at(shifted)) / (2 * eps)
         finally:
-            x.data = to_device(original, x.device)
+            x.data = original_data
         error = np.abs(numeric - analytic) - (atol + rtol * np.abs(numeric))
         if error.size and error.max() > 0:
             worst = np.unravel_index(int(np.argmax(error)), x.shape)

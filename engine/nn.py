@@ -24,7 +24,7 @@ import numpy as np
 from engine import functional as F
 from engine import init
 from engine.autograd import apply
-from engine.parameter import FlatBuffer, Parameter
+from engine.parameter import Parameter, ParameterStore
 from engine.random import generator
 from engine.tensor import Tensor, tensor
 from ops import dropout as dropout_op
@@ -328,10 +328,7 @@ class Sequential:
 
     def _pack(self):
         """(Re)pack all parameters into one FlatBuffer per (device, dtype), in layer order."""
-        groups = {}
-        for p in self.parameters():
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        self._flat = [FlatBuffer(params) for params in groups.values()]
+        self._flat = ParameterStore(self.parameters())
 
     @property
     def built(self):
@@ -359,8 +356,8 @@ class Sequential:
     def to(self, device):
         """Move every flat buffer to ``device`` in one copy each; returns the model."""
         device = check_device(device)
-        for flat in self._flat:
-            flat.to(device)
+        if self._flat:   # a model not built yet has no store: its layers build on self.device
+            self._flat.to(device)
         self.device = device
         return self
 
@@ -432,13 +429,8 @@ class Sequential:
     def state_dict(self):
         """``{name: NumPy array}``: a host copy of every parameter (one copy per buffer)."""
         self._require_built("state_dict")
-        names = {id(p): name for name, p in self.named_parameters()}
-        state = {}
-        for flat in self._flat:
-            host = to_device(flat.data, "cpu")
-            for p, offset in zip(flat.params, flat.offsets):
-                state[names[id(p)]] = host[offset:offset + p.size].reshape(p.shape)
-        return {name: state[name] for name, _ in self.named_parameters()}
+        values = self._flat.host_values()
+        return {name: values[id(p)] for name, p in self.named_parameters()}
 
     def load_state_dict(self, state):
         """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters.
@@ -464,14 +456,7 @@ class Sequential:
                 raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
                                 "expected numbers")
             values[id(p)] = value
-        for flat in self._flat:
-            host = np.empty(flat.size, flat.dtype)
-            for p, offset in zip(flat.params, flat.offsets):
-                host[offset:offset + p.size] = values[id(p)].reshape(-1)
-            if flat.device == "cuda":
-                flat.data.copy_to_device(host)
-            else:
-                np.copyto(flat.data, host)
+        self._flat.load(values)
 
     def get_config(self):
         return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,

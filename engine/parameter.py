@@ -1,16 +1,37 @@
-"""Parameters and the flat buffers that hold them.
+"""Parameters, the flat buffers that hold them, and the store that packs a model's.
 
 A model's parameters of one device and dtype live in one contiguous data buffer, and their
-gradients in another; each Parameter's ``.data`` and gradient slot are views into them. So
-an optimizer updates every parameter with one kernel over the flat buffers, a gradient norm
-is one reduction, ``model.to(device)`` is one copy, and ``zero_grad`` needs no kernel: it
-marks the slots stale and the next backward overwrites them instead of accumulating.
+gradients in another (a ``FlatBuffer``); each Parameter's ``.data`` and gradient slot are
+views into them. So an optimizer updates every parameter with one kernel over the flat
+buffers, a gradient norm is one reduction, and ``model.to(device)`` is one copy per buffer.
+A ``ParameterStore`` packs a model's parameters into one FlatBuffer per device and dtype.
+
+The gradient-slot protocol of a packed parameter (the slot methods of
+``engine.autograd.Value``, implemented by the FlatBuffer):
+
+- a slot is *valid* (it holds the gradient: ``p.grad`` is a view of it) or *stale*
+  (``p.grad`` is None);
+- ``zero_grad`` (``p.grad = None``) marks a slot stale and launches nothing;
+- a backward offers a stale slot to the op as the destination of that gradient (an op may
+  write there directly) or copies into it, then marks it valid; into a valid slot it adds.
+
+A Parameter not packed yet keeps its gradient in an array of its own, as any tensor.
 """
 import numpy as np
 
 from engine.tensor import Tensor
-from ops.device import device_of, to_device
+from ops.device import device_of, to_device, to_host
+from ops.elementwise import add_arrays
 from ops.memory import empty
+
+
+def copy_into(destination, source):
+    """Copy ``source`` (host or device, same shape) into ``destination`` on its device."""
+    if device_of(destination) == "cuda":
+        destination.copy_to_device(source if device_of(source) == "cuda"
+                                   else np.ascontiguousarray(source))
+    else:
+        np.copyto(destination, to_host(source))
 
 
 class Parameter(Tensor):
@@ -18,16 +39,38 @@ class Parameter(Tensor):
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
-        self.flat = None   # the FlatBuffer holding it, once packed
+        self.flat = None    # the FlatBuffer holding it, once packed
+        self._slot = None   # its index in that buffer
 
     def __repr__(self):
         return "Parameter(" + super().__repr__()[len("tensor("):]
+
+    def _grad_array(self):
+        if self.flat is None:
+            return super()._grad_array()
+        return self.flat.slot_gradient(self._slot)
+
+    def _store_grad(self, data):
+        if self.flat is None:
+            super()._store_grad(data)
+        else:
+            self.flat.store_gradient(self._slot, data)
+
+    def _accumulate_grad(self, g):
+        if self.flat is None:
+            super()._accumulate_grad(g)
+        else:
+            self.flat.accumulate_gradient(self._slot, g)
+
+    def _grad_destination(self):
+        return None if self.flat is None else self.flat.gradient_destination(self._slot)
 
 
 class FlatBuffer:
     """One data buffer and one gradient buffer for ``params`` (all of one device and dtype).
 
-    ``offsets[i]`` is where ``params[i]`` starts in both buffers."""
+    ``offsets[i]`` is where ``params[i]`` starts in both buffers; slot ``i`` is its part of
+    ``grad``. Packing copies each parameter's values in and makes its ``.data`` a view."""
 
     def __init__(self, params):
         params = list(params)
@@ -44,7 +87,7 @@ class FlatBuffer:
         host = np.empty(self.size, params[0].dtype)
         for p, offset in zip(params, self.offsets):
             host[offset:offset + p.size] = p.numpy().reshape(-1)
-        self._bind(to_device(host, params[0].device), valid=False)
+        self._bind(to_device(host, params[0].device))
 
     @property
     def device(self):
@@ -54,34 +97,104 @@ class FlatBuffer:
     def dtype(self):
         return np.dtype(self.data.dtype)
 
-    def _bind(self, data, valid):
+    def _bind(self, data, grad=None):
+        """Make ``data`` (and ``grad``: valid gradients, or None for a new stale buffer) the
+        buffers, and every parameter's data and slot views into them."""
         self.data = data
-        self.grad = empty(self.size, data.dtype, device_of(data))
-        for p, offset in zip(self.params, self.offsets):
+        self.grad = empty(self.size, data.dtype, device_of(data)) if grad is None else grad
+        self._slots = []
+        for index, (p, offset) in enumerate(zip(self.params, self.offsets)):
             p.data = data[offset:offset + p.size].reshape(p.shape)
-            p._grad_buffer = self.grad[offset:offset + p.size].reshape(p.shape)
-            p._grad_valid = valid
-            p.flat = self
+            self._slots.append(self.grad[offset:offset + p.size].reshape(p.shape))
+            p.flat, p._slot = self, index
+        self._valid = [grad is not None] * len(self.params)
 
     def to(self, device):
-        """Move both buffers in one copy each; parameters keep their identity."""
+        """Move both buffers in one copy each; parameters keep their identity. The gradients
+        move along when every slot is valid, else every slot is stale after the move."""
         if device == self.device:
             return self
-        grads_valid = [p._grad_valid for p in self.params]
-        old_grad = self.grad
-        self._bind(to_device(self.data, device), valid=False)
-        if all(grads_valid):
-            self.grad = to_device(old_grad, device)
-            for p, offset in zip(self.params, self.offsets):
-                p._grad_buffer = self.grad[offset:offset + p.size].reshape(p.shape)
-                p._grad_valid = True
+        grad = to_device(self.grad, device) if self.grads_valid() else None
+        self._bind(to_device(self.data, device), grad)
         return self
+
+    # ----------------------------------------------------------- the gradient slots
+    def slot_gradient(self, index):
+        """Slot ``index`` when it holds a gradient, else None."""
+        return self._slots[index] if self._valid[index] else None
+
+    def store_gradient(self, index, data):
+        """Copy ``data`` into slot ``index`` (valid), or mark it stale when ``data`` is None."""
+        if data is not None:
+            copy_into(self._slots[index], data)
+        self._valid[index] = data is not None
+
+    def accumulate_gradient(self, index, g):
+        """Add ``g`` into slot ``index``; a stale slot is overwritten (unless ``g`` is the slot
+        itself, written by the op through ``gradient_destination``)."""
+        slot = self._slots[index]
+        if self._valid[index]:
+            add_arrays(slot, g, out=slot)
+        else:
+            if g is not slot:
+                copy_into(slot, g)
+            self._valid[index] = True
+
+    def gradient_destination(self, index):
+        """Slot ``index`` while it is stale (a backward rule may write its gradient there),
+        else None."""
+        return None if self._valid[index] else self._slots[index]
 
     def grads_valid(self):
         """True when every parameter's gradient slot holds a gradient (none stale)."""
-        return all(p._grad_valid for p in self.params)
+        return all(self._valid)
 
     def invalidate_grads(self):
         """``zero_grad`` without a kernel: the next backward overwrites instead of adding."""
-        for p in self.params:
-            p._grad_valid = False
+        self._valid = [False] * len(self.params)
+
+
+class ParameterStore:
+    """A model's parameters packed into FlatBuffers: one per (device, dtype), in the order
+    those first appear in ``params``, each holding its parameters in ``params`` order.
+
+    Iterating (and indexing) gives the FlatBuffers."""
+
+    def __init__(self, params):
+        groups = {}
+        for p in params:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self.buffers = [FlatBuffer(group) for group in groups.values()]
+
+    def __iter__(self):
+        return iter(self.buffers)
+
+    def __len__(self):
+        return len(self.buffers)
+
+    def __getitem__(self, index):
+        return self.buffers[index]
+
+    def to(self, device):
+        """Move every buffer to ``device``, one copy each."""
+        for buffer in self.buffers:
+            buffer.to(device)
+        return self
+
+    def host_values(self):
+        """``{id(p): NumPy array}``: every parameter's values, one host copy per buffer."""
+        values = {}
+        for buffer in self.buffers:
+            host = to_device(buffer.data, "cpu")
+            for p, offset in zip(buffer.params, buffer.offsets):
+                values[id(p)] = host[offset:offset + p.size].reshape(p.shape)
+        return values
+
+    def load(self, values):
+        """Write ``values`` (``{id(p): array of p's shape}``, one for every parameter, cast to
+        the buffer's dtype) into the buffers, one copy each."""
+        for buffer in self.buffers:
+            host = np.empty(buffer.size, buffer.dtype)
+            for p, offset in zip(buffer.params, buffer.offsets):
+                host[offset:offset + p.size] = values[id(p)].reshape(-1)
+            copy_into(buffer.data, host)

@@ -2,20 +2,23 @@
 
 Storage is a C-contiguous NumPy array on the CPU or a Numba device array on CUDA. Floating
 tensors are float32 (the default) or float64; integer tensors exist for labels and never
-require grad. All math goes through ``engine.functional``, which runs registered ops.
+require grad. What autograd needs (``requires_grad``, ``grad``, ``backward``) is inherited from
+``engine.autograd.Value``; all math goes through ``engine.functional``, which runs registered
+ops. Both modules sit below this one: neither imports it.
 """
 import numbers
 
 import numpy as np
 
-from engine import autograd
+from engine import functional as F
+from engine.autograd import Value
 from engine.random import generator
+from ops.cuda_backend import as_device_array, current_device_id, from_cuda_array_interface
 from ops.device import check_device, device_of, to_device, to_host
-from ops.memory import empty
-from ops.elementwise import add
 from ops.fill import fill
+from ops.memory import empty
+from ops.registry import FLOAT_DTYPES
 
-FLOAT_DTYPES = autograd.FLOAT_DTYPES
 INT_DTYPES = tuple(np.dtype(t) for t in (np.int64, np.int32, np.uint8))
 
 
@@ -30,85 +33,33 @@ def check_dtype(dtype, where="tensor"):
     return dtype
 
 
-class Tensor:
+class Tensor(Value):
     __array_priority__ = 1000   # NumPy defers to our reflected operators
 
     def __init__(self, data, requires_grad=False):
         """Wraps ``data`` (a host or device array) without copying; use ``engine.tensor`` to copy."""
         self.data = data
-        self._node = None
-        self._grad = None
-        self._grad_buffer = None   # a parameter's slot in a flat gradient buffer (engine.nn)
-        self._grad_valid = False
-        self.requires_grad = requires_grad
+        super().__init__(requires_grad)
 
-    @classmethod
-    def _wrap(cls, data, requires_grad=False):
-        return cls(data, requires_grad)
+    @staticmethod
+    def _wrap(data, requires_grad=False):
+        """A plain Tensor over ``data`` (also for a Parameter's results and gradients)."""
+        return Tensor(data, requires_grad)
+
+    def _operand(self, value):
+        return as_tensor(value, self)
 
     # ----------------------------------------------------------- attributes
-    @property
-    def requires_grad(self):
-        return self._requires_grad
-
-    @requires_grad.setter
-    def requires_grad(self, value):
-        if value and np.dtype(self.data.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"requires_grad: only float32/float64 tensors can require grad, "
-                            f"this one is {np.dtype(self.data.dtype)}")
-        if not value and self._node is not None:
-            raise RuntimeError("requires_grad: a tensor computed from others cannot stop "
-                               "requiring grad; use .detach()")
-        self._requires_grad = bool(value)
-
     shape = property(lambda self: tuple(self.data.shape))
     dtype = property(lambda self: np.dtype(self.data.dtype))
     device = property(lambda self: device_of(self.data))
     ndim = property(lambda self: len(self.data.shape))
     size = property(lambda self: int(self.data.size))
-    is_leaf = property(lambda self: self._node is None)
 
     def __len__(self):
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
-
-    # ----------------------------------------------------------- gradients
-    @property
-    def grad(self):
-        if self._grad_buffer is not None:
-            return Tensor(self._grad_buffer) if self._grad_valid else None
-        return None if self._grad is None else Tensor(self._grad)
-
-    @grad.setter
-    def grad(self, value):
-        if value is None:
-            self._grad, self._grad_valid = None, False
-            return
-        data = value.data if isinstance(value, Tensor) else value
-        if tuple(data.shape) != self.shape:
-            raise ValueError(f"grad: shape {tuple(data.shape)} does not match the tensor's {self.shape}")
-        if self._grad_buffer is not None:
-            _copy_into(self._grad_buffer, data)
-            self._grad_valid = True
-        else:
-            self._grad = to_device(data, self.device)
-
-    def _accumulate_grad(self, g):
-        if self._grad_buffer is not None:
-            if not self._grad_valid:
-                if g is not self._grad_buffer:
-                    _copy_into(self._grad_buffer, g)
-                self._grad_valid = True
-            else:
-                add(self._grad_buffer, g, out=self._grad_buffer)
-        elif self._grad is None:
-            self._grad = to_device(g, self.device)   # a copy: g may be shared with other tensors
-        else:
-            self._grad = add(self._grad, g)
-
-    def backward(self, grad=None, retain_graph=False):
-        autograd.backward(self, grad, retain_graph)
 
     def detach(self):
         return Tensor(self.data)
@@ -273,15 +224,7 @@ class Tensor:
     def __dlpack_device__(self):
         if self.device == "cpu":
             return self.data.__dlpack_device__()
-        from numba import cuda
-        return (DLPACK_CUDA, cuda.get_current_device().id)
-
-
-def _copy_into(destination, source):
-    if device_of(destination) == "cuda":
-        destination.copy_to_device(source if device_of(source) == "cuda" else np.ascontiguousarray(source))
-    else:
-        np.copyto(destination, to_host(source))
+        return (DLPACK_CUDA, current_device_id())
 
 
 # ------------------------------------------------------------------ creation
@@ -375,8 +318,7 @@ def from_dlpack(array, requires_grad=False):
     if device_of(array) == "cuda":
         data = array
     elif hasattr(array, "__cuda_array_interface__"):
-        from numba import cuda
-        data = cuda.as_cuda_array(array)
+        data = as_device_array(array)
     elif not hasattr(array, "__dlpack__"):
         raise TypeError(f"from_dlpack: a {_type_name(array)} exposes neither __dlpack__ nor "
                         "__cuda_array_interface__; copy it with engine.tensor(...)")
@@ -400,13 +342,9 @@ def _type_name(array):
 def _cuda_array_from_dlpack(array):
     """A Numba device array over a CUDA DLPack producer that has no CUDA Array Interface."""
     from cuda.core.utils import StridedMemoryView
-    from numba import cuda
     view = StridedMemoryView.from_dlpack(array, stream_ptr=-1)
     itemsize = view.dtype.itemsize
     strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
     interface = {"shape": tuple(view.shape), "strides": strides, "typestr": view.dtype.str,
                  "data": (view.ptr, view.readonly), "version": 3}
-    return cuda.from_cuda_array_interface(interface, owner=view, sync=False)
-
-
-from engine import functional as F  # noqa: E402  (functional builds on Tensor)
+    return from_cuda_array_interface(interface, owner=view)

@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 
 from engine.autograd import enable_grad
+from engine.parameter import copy_into
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
 from ops.device import device_of, to_device, to_host
@@ -204,7 +205,7 @@ class Optimizer:
                 state = self.state.get(p)
                 for name in names if state is not None else ():
                     view = storage[name][offset:offset + p.size].reshape(p.shape)
-                    _copy_into(view, state[name])
+                    copy_into(view, state[name])
                     state[name] = view
         return tuple(storage[name] for name in names)
 
@@ -274,16 +275,7 @@ class Optimizer:
             if values.shape != p.shape:
                 raise ValueError(f"{self._name}.load_state_dict: saved {name} has shape "
                                  f"{values.shape}, the parameter {p.shape}")
-            _copy_into(state[name], np.ascontiguousarray(values, dtype=p.dtype))
-
-
-def _copy_into(destination, source):
-    """Copy ``source`` (host or device, same shape) into ``destination`` on its device."""
-    if device_of(destination) == "cuda":
-        destination.copy_to_device(source if device_of(source) == "cuda"
-                                   else np.ascontiguousarray(source))
-    else:
-        destination[...] = to_host(source)
+            copy_into(state[name], np.ascontiguousarray(values, dtype=p.dtype))
 
 
 def whole_flat_buffer(params):
