@@ -9,6 +9,19 @@ the PCIe bus.
 Shuffling is reproducible: epoch ``k`` (the k-th ``iter()``, counting from 0) uses the
 permutation of a generator seeded with ``(seed, k)``, so a CPU and a CUDA loader with the
 same seed yield the same batches, and a run can be resumed at any epoch.
+
+Sharding for data-parallel training: ``shard=(rank, world_size)`` gives each of
+``world_size`` processes its part of every step. All ranks draw the same permutation of
+epoch ``k`` from ``(seed, k)``; step ``i``'s global batch is the ``world_size * batch_size``
+samples at positions ``i * world_size * batch_size ...`` of it, as one process with that
+batch size would take, and rank ``r`` takes the ``r``-th run of ``batch_size`` of them. So
+the ranks' batches are disjoint, cover the epoch, and averaging their gradients is one
+process's step on the global batch. Every rank yields the same number of batches, so no
+rank waits in a collective for a batch that never comes: a last global batch of ``rest``
+samples (fewer than ``world_size * batch_size``) is dropped with ``drop_last=True``; else
+each rank takes ``ceil(rest / world_size)`` of them, and the fewer than ``world_size``
+positions missing at the end repeat the epoch's first samples (padding: those samples count
+twice in that epoch).
 """
 import math
 
@@ -30,13 +43,16 @@ class DataLoader:
       applied once, after the scaling: ``(x - mean) / std``.
     - ``transform``: a callable applied to every image batch Tensor, returning a Tensor on
       the same device (e.g. ``data.GaussianNoise``).
-    - ``seed``: None draws one from the engine's generator (``engine.manual_seed``).
+    - ``seed``: None draws one from the engine's generator (``engine.manual_seed``); a
+      sharded loader that shuffles needs one, the same on every rank.
+    - ``shard``: ``(rank, world_size)``, this process's part of each step (module
+      docstring); ``batch_size`` is then the batch of one rank. None: the whole epoch.
 
     Every batch comes in freshly allocated buffers, so keeping a batch is safe.
     """
 
     def __init__(self, x, y, batch_size=128, shuffle=False, seed=None, drop_last=False,
-                 device="cpu", normalize=None, transform=None):
+                 device="cpu", normalize=None, transform=None, shard=None):
         x, y = _host_array(x, "x"), _host_array(y, "y")
         if x.ndim == 0 or y.ndim == 0:
             raise ValueError(f"DataLoader: x and y need a sample dimension, got shapes "
@@ -45,12 +61,18 @@ class DataLoader:
             raise ValueError(f"DataLoader: x has {len(x)} samples but y has {len(y)} "
                              f"(shapes {x.shape} and {y.shape})")
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"DataLoader: batch_size must be a positive integer, got {batch_size!r}")
+            raise ValueError(f"DataLoader: batch_size must be a positive integer, "
+                             f"got {batch_size!r}")
         if seed is not None and (not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise ValueError(f"DataLoader: seed must be a non-negative integer or None, got {seed!r}")
+            raise ValueError(f"DataLoader: seed must be a non-negative integer or None, "
+                             f"got {seed!r}")
         if transform is not None and not callable(transform):
             raise TypeError(f"DataLoader: transform must be callable, got {transform!r}")
         self.batch_size = int(batch_size)
+        self.shard = _checked_shard(shard)
+        if shuffle and self.shard[1] > 1 and seed is None:   # each rank would draw its own
+            raise ValueError("DataLoader: a sharded loader that shuffles needs seed=..., the "
+                             "same on every rank (else the ranks' shards overlap)")
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.device = check_device(device)
@@ -63,34 +85,53 @@ class DataLoader:
         # 2-D [N, columns]: the gather kernel copies whole rows
         self._x = _resident(_features(x, normalize), x, self.device)
         self._y = _resident(_targets(y), y, self.device)
-        self._in_order = None   # the identity order on the device, made once when not shuffling
+        self._in_order = None   # the unshuffled order on the device, made once
 
     def __len__(self):
-        if self.drop_last:
-            return self.num_samples // self.batch_size
-        return math.ceil(self.num_samples / self.batch_size)
+        return len(self._spans())
 
     def order(self, epoch):
-        """The host int64 sample order of ``epoch``."""
+        """The host int64 sample order of ``epoch`` (every rank's, before sharding)."""
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
         return np.random.default_rng((self.seed, epoch)).permutation(self.num_samples)
+
+    def _spans(self):
+        """``[(start, count)]``: this rank's batches as runs of positions in the padded order
+        (``_padded``). Unsharded, the shard is ``(0, 1)`` and these are plain batches."""
+        rank, ranks = self.shard
+        step = self.batch_size * ranks   # one global batch: all ranks' batches of a step
+        full, rest = divmod(self.num_samples, step)
+        spans = [(index * step + rank * self.batch_size, self.batch_size)
+                 for index in range(full)]
+        if rest and not self.drop_last:
+            count = math.ceil(rest / ranks)
+            spans.append((full * step + rank * count, count))
+        return spans
+
+    def _padded(self, order):
+        """``order`` with its first samples repeated at the end up to a multiple of the ranks
+        in the last global batch (fewer than ``world_size`` of them; none unsharded)."""
+        ranks = self.shard[1]
+        rest = self.num_samples % (self.batch_size * ranks)
+        if self.drop_last or rest % ranks == 0:
+            return order
+        missing = ranks - rest % ranks
+        return np.concatenate([order, order[np.arange(missing) % self.num_samples]])
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         return self._batches(self._device_order(epoch))
 
     def _device_order(self, epoch):
-        if self.shuffle:
-            return to_device(self.order(epoch), self.device)   # one upload per epoch
+        if self.shuffle:   # one upload per epoch
+            return to_device(self._padded(self.order(epoch)), self.device)
         if self._in_order is None:
-            self._in_order = to_device(self.order(epoch), self.device)
+            self._in_order = to_device(self._padded(self.order(epoch)), self.device)
         return self._in_order
 
     def _batches(self, order):
-        for index in range(len(self)):
-            start = index * self.batch_size
-            count = min(self.batch_size, self.num_samples - start)
+        for start, count in self._spans():
             x_rows, y_rows = gather_rows(self._x, self._y, order, start, count)
             xb = Tensor(x_rows.reshape((count,) + self.sample_shape))
             yb = Tensor(y_rows.reshape((count,) + self.target_shape))
@@ -99,9 +140,29 @@ class DataLoader:
             yield xb, yb
 
     def __repr__(self):
+        shard = f", shard={self.shard}" if self.shard != (0, 1) else ""
         return (f"DataLoader({self.num_samples} samples of shape {self.sample_shape}, "
                 f"batch_size={self.batch_size}, shuffle={self.shuffle}, "
-                f"drop_last={self.drop_last}, device='{self.device}', batches={len(self)})")
+                f"drop_last={self.drop_last}, device='{self.device}'{shard}, "
+                f"batches={len(self)})")
+
+
+def _checked_shard(shard):
+    """``shard`` as ``(rank, world_size)``; None is the whole epoch, ``(0, 1)``."""
+    if shard is None:
+        return (0, 1)
+    try:
+        rank, world_size = shard
+    except (TypeError, ValueError):
+        raise ValueError(f"DataLoader: shard must be a pair (rank, world_size), "
+                         f"got {shard!r}") from None
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+               for n in (rank, world_size)):
+        raise TypeError(f"DataLoader: shard (rank, world_size) must be integers, got {shard!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"DataLoader: shard {tuple(shard)} needs world_size >= 1 and "
+                         f"0 <= rank < world_size")
+    return (int(rank), int(world_size))
 
 
 def _host_array(values, name):
