@@ -1,12 +1,27 @@
 """Learning-rate schedules: they write ``"lr"`` into the optimizer's ``param_groups``.
 
-As in ``torch.optim.lr_scheduler``: building a scheduler records each group's
-``"initial_lr"`` and sets epoch 0; every ``step()`` moves one epoch on and writes the new
-rates. The rates are closed-form functions of the epoch (torch's chainable forms give the
-same values up to rounding), so a scheduler's whole state is ``last_epoch`` and
-``base_lrs``. The optimizer's kernels take ``lr`` as an argument: a new rate never
-recompiles anything. A plain callable works too: ``LambdaLR(opt, lambda epoch: ...)``,
-or write ``group["lr"]`` yourself.
+As in ``torch.optim.lr_scheduler`` (checked against torch 2.13): building a scheduler
+records each group's ``"initial_lr"`` (``base_lrs``; kept when a group already has one),
+moves ``last_epoch`` from -1 to 0 and writes that epoch's rates; every ``step()`` moves one
+epoch on and writes the next rates. ``StepLR`` and ``CosineAnnealingLR`` are chainable: each
+rate is computed from the group's *current* ``"lr"``, so a rate set by hand or by a second
+scheduler on the same optimizer carries on (set lr to 0.01, take two ``StepLR(step_size=2,
+gamma=0.5)`` steps: 0.005). ``LambdaLR`` is a closed form of ``base_lrs``, as torch's.
+
+Resuming, two ways:
+
+- build it fresh after loading the optimizer's state, then ``load_state_dict`` the saved
+  scheduler state: the loaded rates go on exactly (loading a scheduler's state writes no
+  rate, as in torch), bit for bit like a run never interrupted;
+- rebuild it with ``last_epoch=k`` (it needs the ``"initial_lr"`` the optimizer's state
+  carries): its first epoch is k + 1. ``CosineAnnealingLR`` then starts from its closed form
+  at k + 1, torch's ``_step_count == 1`` branch (torch 2.13 reaches it no more and keeps the
+  loaded rate), so a resumed run with another ``T_max`` (``engine.train --epochs``) follows
+  the new cosine; ``StepLR`` decays the loaded rate when k + 1 is a multiple of
+  ``step_size``, as torch's.
+
+The optimizer's kernels take ``lr`` as an argument: a new rate never recompiles anything. A
+plain callable works too (``LambdaLR(opt, lambda epoch: ...)``), or write ``group["lr"]``.
 """
 import math
 
@@ -29,24 +44,27 @@ class LRScheduler:
                                    "that a scheduler wrote")
         self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
         self.last_epoch = last_epoch
-        self.step()
+        self._step_count = 0
+        self._advance(initial=True)
 
-    def lr_at(self, group_index, base_lr, epoch):
-        """The learning rate of group ``group_index`` (initial rate ``base_lr``) at ``epoch``."""
+    def rates(self, initial):
+        """The rates of epoch ``last_epoch`` (just advanced), one per group, from the groups'
+        current ``"lr"``; ``initial`` is True for the step the constructor takes."""
         raise NotImplementedError
 
     def step(self):
         """Move one epoch on and write every group's ``"lr"``."""
-        self.last_epoch += 1
-        self._write_rates()
+        self._advance(initial=False)
 
-    def _write_rates(self):
-        for index, (group, base_lr) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
-            group["lr"] = self.lr_at(index, base_lr, self.last_epoch)
+    def _advance(self, initial):
+        self._step_count += 1
+        self.last_epoch += 1
+        for group, lr in zip(self.optimizer.param_groups, self.rates(initial)):
+            group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def get_last_lr(self):
-        """The rates written by the last ``step()``."""
+        """The rates written by the last step (the constructor's included)."""
         return list(self._last_lr)
 
     def state_dict(self):
@@ -55,15 +73,18 @@ class LRScheduler:
                 if key not in ("optimizer", "lr_lambdas")}
 
     def load_state_dict(self, state_dict):
-        """Restore the epoch and rewrite the optimizer's rates for it (closed forms need no
-        history), so the order of loading optimizer and scheduler states does not matter."""
+        """Restore the epoch and the rest of ``state_dict``; the optimizer's rates are left as
+        they are (they come with the optimizer's own state)."""
         self.__dict__.update(state_dict)
-        self._write_rates()
+
+    def _current_rates(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
 
 
 class StepLR(LRScheduler):
-    """``lr = initial_lr * gamma ** (epoch // step_size)``: decay by ``gamma`` every
-    ``step_size`` epochs."""
+    """Decay each group's current rate by ``gamma`` at every epoch that is a non-zero
+    multiple of ``step_size`` (from a constant start: ``initial_lr * gamma ** (epoch //
+    step_size)``)."""
 
     def __init__(self, optimizer, step_size, gamma=0.1, last_epoch=-1):
         if not isinstance(step_size, int) or isinstance(step_size, bool) or step_size < 1:
@@ -73,14 +94,23 @@ class StepLR(LRScheduler):
         self.step_size, self.gamma = step_size, float(gamma)
         super().__init__(optimizer, last_epoch)
 
-    def lr_at(self, group_index, base_lr, epoch):
-        return base_lr * self.gamma ** (epoch // self.step_size)
+    def rates(self, initial):
+        if self.last_epoch == 0 or self.last_epoch % self.step_size != 0:
+            return self._current_rates()
+        return [lr * self.gamma for lr in self._current_rates()]
 
 
 class CosineAnnealingLR(LRScheduler):
-    """``lr = eta_min + (initial_lr - eta_min) * (1 + cos(pi * epoch / T_max)) / 2``: half a
-    cosine from ``initial_lr`` down to ``eta_min`` over ``T_max`` epochs (it rises again
-    after ``T_max``, as torch's does; no restarts)."""
+    """Half a cosine from ``initial_lr`` down to ``eta_min`` over ``T_max`` epochs (it rises
+    again after ``T_max``, as torch's does; no restarts), in torch's recursive form::
+
+        lr_e = eta_min + (lr_{e-1} - eta_min) * (1 + cos(pi e / T_max)) / (1 + cos(pi (e-1) / T_max))
+        lr_e = lr_{e-1} + (initial_lr - eta_min) * (1 - cos(pi / T_max)) / 2
+                                               when (e - 1 - T_max) % (2 T_max) == 0
+
+    From a constant start this is ``eta_min + (initial_lr - eta_min) * (1 + cos(pi e /
+    T_max)) / 2``. The constructor's step keeps the current rates at epoch 0 and writes
+    that closed form when resuming (``last_epoch >= 0``, see the module docstring)."""
 
     def __init__(self, optimizer, T_max, eta_min=0.0, last_epoch=-1):
         if not isinstance(T_max, int) or isinstance(T_max, bool) or T_max < 1:
@@ -90,12 +120,24 @@ class CosineAnnealingLR(LRScheduler):
         self.T_max, self.eta_min = T_max, float(eta_min)
         super().__init__(optimizer, last_epoch)
 
-    def lr_at(self, group_index, base_lr, epoch):
-        return self.eta_min + (base_lr - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2
+    def rates(self, initial):
+        epoch, period, eta_min = self.last_epoch, self.T_max, self.eta_min
+        if initial and epoch > 0:
+            return [eta_min + (base_lr - eta_min) * (1 + math.cos(epoch * math.pi / period)) / 2
+                    for base_lr in self.base_lrs]
+        if initial:
+            return self._current_rates()
+        if (epoch - 1 - period) % (2 * period) == 0:   # the ratio below would divide by 0
+            return [lr + (base_lr - eta_min) * (1 - math.cos(math.pi / period)) / 2
+                    for lr, base_lr in zip(self._current_rates(), self.base_lrs)]
+        ratio = ((1 + math.cos(math.pi * epoch / period))
+                 / (1 + math.cos(math.pi * (epoch - 1) / period)))
+        return [ratio * (lr - eta_min) + eta_min for lr in self._current_rates()]
 
 
 class LambdaLR(LRScheduler):
-    """``lr = initial_lr * lr_lambda(epoch)``; ``lr_lambda`` is one callable or one per group."""
+    """``lr = initial_lr * lr_lambda(epoch)``; ``lr_lambda`` is one callable or one per group.
+    A closed form (not chainable), as torch's."""
 
     def __init__(self, optimizer, lr_lambda, last_epoch=-1):
         groups = optimizer.param_groups if isinstance(optimizer, Optimizer) else []
@@ -108,5 +150,5 @@ class LambdaLR(LRScheduler):
         self.lr_lambdas = lambdas
         super().__init__(optimizer, last_epoch)
 
-    def lr_at(self, group_index, base_lr, epoch):
-        return base_lr * self.lr_lambdas[group_index](epoch)
+    def rates(self, initial):
+        return [base_lr * fn(self.last_epoch) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]

@@ -734,3 +734,134 @@ def test_mnist_mlp_sized_buffer_matches_cpu_on_gpu(kind):
     np.testing.assert_allclose(norms["cuda"], norms["cpu"], rtol=1e-6)
     for a, b in zip(results["cpu"], results["cuda"]):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ chainable schedules
+
+def test_step_lr_reads_the_groups_current_rate():
+    opt = optim.SGD(make_params("cpu"), lr=0.1)
+    sched = optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt.param_groups[0]["lr"] = 0.01    # set by hand: the schedule carries on from it
+    sched.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.005 and sched.get_last_lr() == [0.005]
+
+
+def test_two_schedulers_compose():
+    opt = optim.SGD(make_params("cpu"), lr=1.0)
+    halve_every_2 = optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    tenth_every_3 = optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+    rates = []
+    for _ in range(6):
+        halve_every_2.step()
+        tenth_every_3.step()
+        rates.append(opt.param_groups[0]["lr"])
+    np.testing.assert_allclose(rates, [1, 0.5, 0.05, 0.025, 0.025, 0.00125], rtol=1e-15)
+
+
+def _torch_schedule_pairs(torch):
+    return [
+        (lambda o: optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3),
+         lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3)),
+        (lambda o: optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.01),
+         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.01)),
+    ]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("pair", [0, 1], ids=["step", "cosine"])
+def test_chained_and_composed_schedules_equal_torchs_exactly(pair):
+    """A rate written by hand mid-run, a second scheduler on the same optimizer, and cosine
+    past T_max (its special branch): torch's values bit for bit."""
+    torch = pytest.importorskip("torch")
+    ours_maker, theirs_maker = _torch_schedule_pairs(torch)[pair]
+    opt = optim.SGD(make_params("cpu"), lr=0.5)
+    torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    ours = [ours_maker(opt), optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)]
+    theirs = [theirs_maker(torch_opt), torch.optim.lr_scheduler.StepLR(torch_opt, 5, 0.7)]
+    for epoch in range(14):
+        if epoch == 6:
+            opt.param_groups[0]["lr"] = torch_opt.param_groups[0]["lr"] = 0.2
+        torch_opt.step()
+        for a, b in zip(ours, theirs):
+            a.step()
+            b.step()
+        assert opt.param_groups[0]["lr"] == torch_opt.param_groups[0]["lr"], epoch
+        assert ours[0].get_last_lr() == theirs[0].get_last_lr()
+
+
+SCHEDULE_ARGUMENTS = ("step_size", "gamma", "T_max", "eta_min")
+
+
+def _rebuilt(scheduler, optimizer, last_epoch):
+    """A scheduler of ``scheduler``'s class and arguments on ``optimizer``, at ``last_epoch``."""
+    arguments = {k: getattr(scheduler, k) for k in SCHEDULE_ARGUMENTS if hasattr(scheduler, k)}
+    return type(scheduler)(optimizer, **arguments, last_epoch=last_epoch)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("pair", [0, 1], ids=["step", "cosine"])
+def test_resuming_with_last_epoch_follows_torch(pair):
+    """Load the optimizer's state, rebuild the scheduler with last_epoch (engine.train's
+    resume): StepLR goes on as torch's exactly; cosine restarts from its closed form (torch's
+    _step_count == 1 branch), equal to torch's recursive values up to rounding."""
+    torch = pytest.importorskip("torch")
+    ours_maker, theirs_maker = _torch_schedule_pairs(torch)[pair]
+    opt = optim.SGD(make_params("cpu"), lr=0.5)
+    torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    ours, theirs = ours_maker(opt), theirs_maker(torch_opt)
+    for _ in range(5):
+        torch_opt.step()
+        ours.step()
+        theirs.step()
+    saved, torch_saved = opt.state_dict(), torch_opt.state_dict()
+    opt = optim.SGD(make_params("cpu"), lr=9.0)
+    opt.load_state_dict(saved)
+    torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=9.0)
+    torch_opt.load_state_dict(torch_saved)
+    resumed, torch_resumed = _rebuilt(ours, opt, 4), _rebuilt(theirs, torch_opt, 4)
+    rtol = 0 if pair == 0 else 1e-13
+    for _ in range(6):
+        assert opt.param_groups[0]["lr"] == pytest.approx(torch_opt.param_groups[0]["lr"],
+                                                          rel=rtol, abs=0)
+        assert resumed.last_epoch == torch_resumed.last_epoch
+        torch_opt.step()
+        resumed.step()
+        torch_resumed.step()
+
+
+def test_cosine_resumed_with_a_longer_t_max_follows_the_new_cosine():
+    """engine.train: a 1-epoch run resumed with --epochs 3 stretches its cosine to T_max=3."""
+    opt = optim.SGD(make_params("cpu"), lr=0.6)
+    short = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1)
+    short.step()
+    assert opt.param_groups[0]["lr"] == 0.0    # the end of the 1-epoch cosine
+    resumed = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3, last_epoch=0)
+    rates = [opt.param_groups[0]["lr"]]
+    for _ in range(2):
+        resumed.step()
+        rates.append(opt.param_groups[0]["lr"])
+    np.testing.assert_allclose(rates, [0.6 * (1 + math.cos(math.pi * e / 3)) / 2
+                                       for e in (1, 2, 3)], rtol=1e-14, atol=1e-17)
+
+
+def test_a_scheduler_loaded_from_its_state_goes_on_bit_for_bit():
+    opt = optim.SGD(make_params("cpu"), lr=0.5)
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=7, eta_min=0.01)
+    for _ in range(3):
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    straight = []
+    for _ in range(6):
+        sched.step()
+        straight.append(opt.param_groups[0]["lr"])
+    opt = optim.SGD(make_params("cpu"), lr=9.0)
+    opt.load_state_dict(saved_opt)
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=7, eta_min=0.01)
+    sched.load_state_dict(saved_sched)
+    resumed = []
+    for _ in range(6):
+        sched.step()
+        resumed.append(opt.param_groups[0]["lr"])
+    assert resumed == straight
+
