@@ -19,6 +19,13 @@ How a group is updated (``step``):
 
 Subclasses name their state buffers (``_state_names``), validate their hyper-parameters
 (``_check_group``) and launch their kernel (``_update``).
+
+State buffers are allocated uninitialised. ``_update`` gets them as ``StateBuffers``, whose
+``fresh`` flags say which hold no history yet (made since the parameter's last update), so
+the rule writes those before reading them. Adam's buffers are made with the state, so they
+are fresh exactly at step 1. A rule whose buffers may start at any step (``lazy_state``:
+SGD's momentum buffer, made when momentum turns non-zero after earlier steps, as in torch)
+also loads a saved state that lacks them.
 """
 import warnings
 import weakref
@@ -42,6 +49,7 @@ class Optimizer:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
         self._flat_state = weakref.WeakKeyDictionary()   # FlatBuffer -> {state name: flat array}
+        self._unwritten = {}   # parameter -> names of its state buffers that hold no history
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
                             "got a single Tensor (wrap it in a list)")
@@ -95,8 +103,11 @@ class Optimizer:
         """Names of the per-element state buffers the rule keeps for ``group`` (subclasses)."""
         raise NotImplementedError
 
+    lazy_state = False   # True: a state buffer may be made at any step (see the module doc)
+
     def _update(self, group, param, grad, buffers, step):
-        """Launch the rule's kernel on 1-D arrays; ``step`` counts from 1 (subclasses)."""
+        """Launch the rule's kernel on 1-D arrays; ``buffers`` are ``StateBuffers`` in
+        ``_state_names`` order; ``step`` counts from 1 (subclasses)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- stepping
@@ -127,6 +138,7 @@ class Optimizer:
 
     def _step_group(self, group):
         params = group["params"]
+        names = self._state_names(group)
         buffer = whole_flat_buffer(params)
         if buffer is not None:
             flat_state = self._flat_buffers(group, buffer)
@@ -134,10 +146,15 @@ class Optimizer:
                 for p in params:
                     if p not in self.state:
                         self._init_state(group, p)
-                    self.state[p]["step"] += 1
-                self._update(group, buffer.data, buffer.grad, flat_state,
-                             self.state[params[0]]["step"])
-                return
+                fresh = {self._fresh(p, names) for p in params}
+                if len(fresh) == 1:   # one kernel: every parameter's buffers alike
+                    for p in params:
+                        self.state[p]["step"] += 1
+                        self._unwritten[p].difference_update(names)
+                    self._update(group, buffer.data, buffer.grad,
+                                 StateBuffers(flat_state, fresh.pop()),
+                                 self.state[params[0]]["step"])
+                    return
         for p in params:
             grad = p.grad
             if grad is None:
@@ -148,12 +165,19 @@ class Optimizer:
             if p not in self.state:
                 self._init_state(group, p)
             state = self.state[p]
-            for name in self._state_names(group):
-                if device_of(state[name]) != p.device:   # the parameter moved since
+            for name in names:
+                if name not in state:   # named only now (lazy_state): made, no history
+                    state[name] = empty(p.shape, p.dtype, p.device)
+                    self._unwritten[p].add(name)
+                elif device_of(state[name]) != p.device:   # the parameter moved since
                     state[name] = to_device(state[name], p.device)
             state["step"] += 1
-            buffers = tuple(flat(state[name]) for name in self._state_names(group))
+            buffers = StateBuffers((flat(state[name]) for name in names), self._fresh(p, names))
+            self._unwritten[p].difference_update(names)
             self._update(group, flat(p.data), flat(grad.data), buffers, state["step"])
+
+    def _fresh(self, p, names):
+        return tuple(name in self._unwritten[p] for name in names)
 
     def _steps_aligned(self, params):
         """True when no parameter has state yet or all have taken the same number of steps
@@ -177,8 +201,7 @@ class Optimizer:
     # ----------------------------------------------------------- state
     def _init_state(self, group, p):
         """``state[p]`` with step 0 and its buffers: views into the group's flat state when the
-        group is one FlatBuffer, else arrays of its own. Uninitialised: the kernels treat
-        step 1 as "no history" and write every element."""
+        group is one FlatBuffer, else arrays of its own. Uninitialised, so all unwritten."""
         state = {"step": 0}
         buffer = whole_flat_buffer(group["params"])
         if buffer is not None:
@@ -190,11 +213,14 @@ class Optimizer:
             for name in self._state_names(group):
                 state[name] = empty(p.shape, p.dtype, p.device)
         self.state[p] = state
+        self._unwritten[p] = set(self._state_names(group))
 
     def _flat_buffers(self, group, buffer):
         """The group's flat state arrays, like ``buffer`` in size, device and dtype. Made once;
         made again (and the parameters' state moved into them) when the model was re-packed
-        into a new FlatBuffer or moved to another device after the state was created."""
+        into a new FlatBuffer or moved to another device after the state was created, or when
+        the rule names a buffer it did not before (a parameter's state lacking it gets an
+        unwritten view)."""
         names = self._state_names(group)
         storage = self._flat_state.get(buffer)
         if storage is None or any(name not in storage or device_of(storage[name]) != buffer.device
@@ -205,7 +231,10 @@ class Optimizer:
                 state = self.state.get(p)
                 for name in names if state is not None else ():
                     view = storage[name][offset:offset + p.size].reshape(p.shape)
-                    copy_into(view, state[name])
+                    if name in state:
+                        copy_into(view, state[name])
+                    else:
+                        self._unwritten[p].add(name)
                     state[name] = view
         return tuple(storage[name] for name in names)
 
@@ -226,13 +255,18 @@ class Optimizer:
                 if p in self.state:
                     state[index[id(p)]] = {
                         name: value if name == "step" else np.array(to_host(value), copy=True)
-                        for name, value in self.state[p].items()}
+                        for name, value in self.state[p].items()
+                        if name not in self._unwritten[p]}
         return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict):
         """Restore hyper-parameters and state saved by ``state_dict`` of an optimizer built on
         parameters of the same shapes in the same order (buffers are copied to each
-        parameter's device and dtype)."""
+        parameter's device and dtype). The saved hyper-parameters replace the current ones,
+        as in torch. A saved buffer the rule does not name for the loaded group (SGD's
+        momentum buffer saved after momentum was set to 0) is kept, and used again if the
+        rule names it later; one the rule names but the state lacks is made unwritten when
+        the rule is ``lazy_state`` (SGD), else the load is refused."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{self._name}.load_state_dict: the saved state has "
@@ -255,6 +289,7 @@ class Optimizer:
             new_groups.append(new_group)
         self.param_groups = new_groups
         self.state = {}
+        self._unwritten = {}
         self._flat_state = weakref.WeakKeyDictionary()
         for saved, group in zip(saved_groups, self.param_groups):
             for number, p in zip(saved["params"], group["params"]):
@@ -265,17 +300,34 @@ class Optimizer:
     def _load_param_state(self, group, p, saved):
         self._init_state(group, p)
         state = self.state[p]
-        expected = set(self._state_names(group)) | {"step"}
-        if set(saved) != expected:
+        names = self._state_names(group)
+        missing = [name for name in names if name not in saved]
+        if "step" not in saved or (missing and not self.lazy_state):
             raise ValueError(f"{self._name}.load_state_dict: a parameter's saved state has "
-                             f"{sorted(saved)}, expected {sorted(expected)}")
+                             f"{sorted(saved)}, expected {sorted(set(names) | {'step'})}")
         state["step"] = int(saved["step"])
-        for name in self._state_names(group):
+        for name in sorted(set(saved) - {"step"}):
             values = np.asarray(to_host(saved[name]))
             if values.shape != p.shape:
                 raise ValueError(f"{self._name}.load_state_dict: saved {name} has shape "
                                  f"{values.shape}, the parameter {p.shape}")
-            copy_into(state[name], np.ascontiguousarray(values, dtype=p.dtype))
+            values = np.ascontiguousarray(values, dtype=p.dtype)
+            if name in names:
+                copy_into(state[name], values)
+                self._unwritten[p].discard(name)
+            else:
+                state[name] = to_device(values, p.device)
+
+
+class StateBuffers(tuple):
+    """A parameter's (or a flat group's) state buffers for one update, in ``_state_names``
+    order; ``fresh[i]`` is True when buffer ``i`` holds no history yet: the rule must write
+    it before reading it."""
+
+    def __new__(cls, buffers, fresh):
+        self = super().__new__(cls, buffers)
+        self.fresh = tuple(fresh)
+        return self
 
 
 def whole_flat_buffer(params):

@@ -53,18 +53,21 @@ SGD_UPDATE = Kernel("sgd", sgd_cpu, sgd_cuda, elements(0))
 class SGD(Optimizer):
     r"""Stochastic gradient descent, as ``torch.optim.SGD``.
 
-    For each parameter :math:`p` with gradient :math:`g` at step :math:`t` (from 1)::
+    For each parameter :math:`p` with gradient :math:`g`::
 
         g = g + weight_decay * p                        # L2 penalty, when weight_decay != 0
         if momentum != 0:
-            b = g                               if t == 1
+            b = g                               the first time momentum is used (no b yet)
             b = momentum * b + (1 - dampening) * g   otherwise
             g = g + momentum * b                if nesterov
             g = b                               otherwise
         p = p - lr * g
 
-    Arithmetic is float64 inside the kernel, stored in the parameter's dtype. ``lr`` is a
-    kernel argument: a scheduler changing it costs no recompilation.
+    The momentum buffer ``b`` is made when a step first runs with ``momentum != 0`` (also
+    when momentum is turned on through ``param_groups`` after earlier steps) and kept when
+    momentum is set back to 0, as in torch; a saved state with or without it loads either
+    way. Arithmetic is float64 inside the kernel, stored in the parameter's dtype. ``lr`` is
+    a kernel argument: a scheduler changing it costs no recompilation.
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -76,6 +79,8 @@ class SGD(Optimizer):
         skip_nonfinite: skip (and count in ``skipped_steps``, with a warning) a step whose
             gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
     """
+
+    lazy_state = True   # the momentum buffer may start at any step
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, skip_nonfinite=False):
@@ -99,7 +104,8 @@ class SGD(Optimizer):
 
     def _update(self, group, param, grad, buffers, step):
         momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
+        buffer_is_new = bool(buffers) and buffers.fresh[0]   # made this step: start it from g
         args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
                 float(group["dampening"]), float(group["weight_decay"]),
-                bool(group["nesterov"]), step == 1)
+                bool(group["nesterov"]), buffer_is_new)
         SGD_UPDATE(*args)

@@ -865,3 +865,90 @@ def test_a_scheduler_loaded_from_its_state_goes_on_bit_for_bit():
         resumed.append(opt.param_groups[0]["lr"])
     assert resumed == straight
 
+
+# ------------------------------------------------------------------ SGD: momentum changed mid-run
+
+def _torch_twins(torch, params):
+    return [torch.tensor(p.numpy().copy(), requires_grad=True) for p in params]
+
+
+def _sgd_step_both(torch, params, opt, twins, torch_opt, grads):
+    set_grads(params, grads)
+    for t, g in zip(twins, grads):
+        t.grad = torch.tensor(g)
+    opt.step()
+    torch_opt.step()
+    for p, t in zip(params, twins):
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_sgd_momentum_switched_through_param_groups_matches_torch(flat):
+    torch = pytest.importorskip("torch")
+    params = make_params("cpu", flat=flat)
+    twins = _torch_twins(torch, params)
+    opt = optim.SGD(params, lr=0.1, weight_decay=0.01)
+    torch_opt = torch.optim.SGD(twins, lr=0.1, weight_decay=0.01)
+    schedule = [0.0, 0.0, 0.9, 0.9, 0.9, 0.0, 0.5, 0.5]   # on after two steps, off, on again
+    for momentum, grads in zip(schedule, grad_steps(len(schedule))):
+        opt.param_groups[0]["momentum"] = torch_opt.param_groups[0]["momentum"] = momentum
+        _sgd_step_both(torch, params, opt, twins, torch_opt, grads)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+@pytest.mark.parametrize("before, has_buffer", [((0.9, 0.9, 0.0), True), ((0.0, 0.0, 0.0), False)],
+                         ids=["buffer_kept_momentum_off", "no_buffer"])
+def test_sgd_loads_a_state_saved_with_another_momentum_setting(flat, before, has_buffer):
+    """A state saved with (or without) a momentum buffer loads into an SGD built with another
+    momentum; the saved hyper-parameters win, and turning momentum on afterwards goes on as
+    torch does (from the kept buffer, or from a new one)."""
+    torch = pytest.importorskip("torch")
+    steps = grad_steps(6)
+    params = make_params("cpu", flat=flat)
+    twins = _torch_twins(torch, params)
+    opt = optim.SGD(params, lr=0.1)
+    torch_opt = torch.optim.SGD(twins, lr=0.1)
+    for momentum, grads in zip(before, steps[:3]):
+        opt.param_groups[0]["momentum"] = torch_opt.param_groups[0]["momentum"] = momentum
+        _sgd_step_both(torch, params, opt, twins, torch_opt, grads)
+    saved, torch_saved = opt.state_dict(), torch_opt.state_dict()
+    assert ("momentum_buffer" in saved["state"][0]) == has_buffer
+
+    opt = optim.SGD(params, lr=0.3, momentum=0.5)
+    opt.load_state_dict(saved)
+    torch_opt = torch.optim.SGD(twins, lr=0.3, momentum=0.5)
+    torch_opt.load_state_dict(torch_saved)
+    assert opt.param_groups[0]["momentum"] == 0.0 == torch_opt.param_groups[0]["momentum"]
+    for momentum, grads in zip([0.0, 0.9, 0.9], steps[3:]):
+        opt.param_groups[0]["momentum"] = torch_opt.param_groups[0]["momentum"] = momentum
+        _sgd_step_both(torch, params, opt, twins, torch_opt, grads)
+
+
+def test_sgd_momentum_turned_on_later_starts_its_buffer_from_the_gradient(device):
+    params = make_params(device)
+    opt = optim.SGD(params, lr=0.1)
+    steps = grad_steps(3)
+    set_grads(params, steps[0])
+    opt.step()
+    after_one = [p.numpy().copy() for p in params]
+    opt.param_groups[0]["momentum"] = 0.9
+    for grads in steps[1:]:
+        set_grads(params, grads)
+        opt.step()
+    for p, start, g1, g2 in zip(params, after_one, steps[1], steps[2]):
+        expected = sgd_reference(start, [g1, g2], lr=0.1, momentum=0.9)
+        np.testing.assert_allclose(p.numpy(), expected, rtol=1e-13)
+    assert "momentum_buffer" in opt.state_dict()["state"][0]
+
+
+def test_adam_refuses_a_state_without_its_buffers():
+    params = make_params("cpu")
+    opt = optim.Adam(params, lr=0.01)
+    set_grads(params, grad_steps(1)[0])
+    opt.step()
+    state = opt.state_dict()
+    del state["state"][1]["exp_avg"]
+    with pytest.raises(ValueError, match=r"saved state has \['exp_avg_sq', 'step'\], expected"):
+        optim.Adam(params, lr=0.01).load_state_dict(state)
