@@ -1,9 +1,30 @@
 """Poison mode, anomaly detection and the CUDA launch path's refusals."""
 import numpy as np
 import pytest
+from numba import njit
 
 import engine
+from ops.cuda_backend import cuda
+from ops.device import to_device, to_host
+from ops.launch import Kernel, elements
 from ops.memory import empty
+
+
+@njit
+def _copy_but_the_last_cpu(x, out):
+    for i in range(x.size - 1):   # the bug under test: out[-1] is never written
+        out[i] = x[i]
+
+
+@cuda.jit
+def _copy_but_the_last_cuda(x, out):
+    i = cuda.grid(1)
+    if i < x.size - 1:
+        out[i] = x[i]
+
+
+COPY_BUT_THE_LAST = Kernel("copy_but_the_last", _copy_but_the_last_cpu, _copy_but_the_last_cuda,
+                           elements(0))
 
 
 def test_poison_fills_allocations_with_nan(device):
@@ -15,12 +36,15 @@ def test_poison_fills_allocations_with_nan(device):
     assert engine.debug.is_poisoned() == before
 
 
-def test_poison_mode_exposes_an_unwritten_output():
-    """The mechanism the op suite relies on: a kernel that skips an element is caught."""
+def test_poison_mode_exposes_a_kernel_that_skips_an_element(device):
+    """The mechanism the op suite relies on: a real kernel pair that leaves out[-1] unwritten,
+    run on an output from ``ops.memory.empty``, shows NaN exactly there in poison mode."""
+    x = to_device(np.arange(1.0, 6.0, dtype=np.float32), device)
     with engine.debug.poison():
-        out = empty(4, np.float32, "cpu")
-        out[:3] = 1.0   # "forgets" the last element
-        assert np.isnan(out).any()
+        out = empty(5, np.float32, device)
+        COPY_BUT_THE_LAST(x, out)
+    host = to_host(out)
+    assert np.isnan(host[-1]) and host[:-1].tolist() == [1, 2, 3, 4]
 
 
 def test_anomaly_names_op_and_phase_forward(device):
