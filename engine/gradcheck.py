@@ -58,7 +58,8 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast=False, seed=0):
         try:
             if fast:
                 step = rng.standard_normal(x.shape)
-                numeric = (value_at(original + eps * step) - value_at(original - eps * step)) / (2 * eps)
+                numeric = ((value_at(original + eps * step) - value_at(original - eps * step))
+                           / (2 * eps))
                 _compare(i, x.shape, "along a random direction", numeric,
                          float(np.sum(analytic * step)), atol, rtol)
                 continue

@@ -37,7 +37,7 @@ class Tensor(Value):
     __array_priority__ = 1000   # NumPy defers to our reflected operators
 
     def __init__(self, data, requires_grad=False):
-        """Wraps ``data`` (a host or device array) without copying; use ``engine.tensor`` to copy."""
+        """Wraps ``data`` (a host or device array) without copying; ``engine.tensor`` copies."""
         self.data = data
         super().__init__(requires_grad)
 
@@ -212,7 +212,8 @@ class Tensor(Value):
         return self.data.__cuda_array_interface__
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """A DLPack capsule over this tensor's memory (``torch.from_dlpack(t)``, ``np.from_dlpack(t)``)."""
+        """A DLPack capsule over this tensor's memory (``torch.from_dlpack(t)``,
+        ``np.from_dlpack(t)``)."""
         if self.device == "cpu":
             return self.data.__dlpack__(stream=stream, max_version=max_version,
                                         dl_device=dl_device, copy=copy)

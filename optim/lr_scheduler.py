@@ -31,7 +31,8 @@ from optim.optimizer import Optimizer
 class LRScheduler:
     def __init__(self, optimizer, last_epoch=-1):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{type(self).__name__}: {type(optimizer).__name__} is not an optim.Optimizer")
+            raise TypeError(f"{type(self).__name__}: {type(optimizer).__name__} is not an "
+                            "optim.Optimizer")
         self.optimizer = optimizer
         if last_epoch == -1:
             for group in optimizer.param_groups:
@@ -104,17 +105,18 @@ class CosineAnnealingLR(LRScheduler):
     """Half a cosine from ``initial_lr`` down to ``eta_min`` over ``T_max`` epochs (it rises
     again after ``T_max``, as torch's does; no restarts), in torch's recursive form::
 
-        lr_e = eta_min + (lr_{e-1} - eta_min) * (1 + cos(pi e / T_max)) / (1 + cos(pi (e-1) / T_max))
-        lr_e = lr_{e-1} + (initial_lr - eta_min) * (1 - cos(pi / T_max)) / 2
-                                               when (e - 1 - T_max) % (2 T_max) == 0
+        lr_e = eta_min + (lr_{e-1} - eta_min) * (1 + cos(pi e / T)) / (1 + cos(pi (e-1) / T))
+        lr_e = lr_{e-1} + (initial_lr - eta_min) * (1 - cos(pi / T)) / 2
+                                               when (e - 1 - T) % (2 T) == 0
 
-    From a constant start this is ``eta_min + (initial_lr - eta_min) * (1 + cos(pi e /
-    T_max)) / 2``. The constructor's step keeps the current rates at epoch 0 and writes
+    with ``T = T_max``. From a constant start this is ``eta_min + (initial_lr - eta_min) *
+    (1 + cos(pi e / T)) / 2``. The constructor's step keeps the current rates at epoch 0 and writes
     that closed form when resuming (``last_epoch >= 0``, see the module docstring)."""
 
     def __init__(self, optimizer, T_max, eta_min=0.0, last_epoch=-1):
         if not isinstance(T_max, int) or isinstance(T_max, bool) or T_max < 1:
-            raise ValueError(f"CosineAnnealingLR: invalid T_max: {T_max!r} (must be an integer >= 1)")
+            raise ValueError(f"CosineAnnealingLR: invalid T_max: {T_max!r} "
+                             "(must be an integer >= 1)")
         if not eta_min >= 0:
             raise ValueError(f"CosineAnnealingLR: invalid eta_min: {eta_min} (must be >= 0)")
         self.T_max, self.eta_min = T_max, float(eta_min)
@@ -141,9 +143,11 @@ class LambdaLR(LRScheduler):
 
     def __init__(self, optimizer, lr_lambda, last_epoch=-1):
         groups = optimizer.param_groups if isinstance(optimizer, Optimizer) else []
-        lambdas = list(lr_lambda) if isinstance(lr_lambda, (list, tuple)) else [lr_lambda] * len(groups)
+        lambdas = (list(lr_lambda) if isinstance(lr_lambda, (list, tuple))
+                   else [lr_lambda] * len(groups))
         if len(lambdas) != len(groups):
-            raise ValueError(f"LambdaLR: got {len(lambdas)} lr_lambda(s) for {len(groups)} param groups")
+            raise ValueError(f"LambdaLR: got {len(lambdas)} lr_lambda(s) for {len(groups)} "
+                             "param groups")
         for fn in lambdas:
             if not callable(fn):
                 raise TypeError(f"LambdaLR: lr_lambda must be callable, got {fn!r}")
@@ -151,4 +155,5 @@ class LambdaLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def rates(self, initial):
-        return [base_lr * fn(self.last_epoch) for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+        return [base_lr * fn(self.last_epoch)
+                for fn, base_lr in zip(self.lr_lambdas, self.base_lrs)]

@@ -69,14 +69,16 @@ class Optimizer:
         lines = [f"{self._name} ("]
         for i, group in enumerate(self.param_groups):
             lines.append(f"Parameter Group {i}")
-            lines += [f"    {key}: {value}" for key, value in sorted(group.items()) if key != "params"]
+            lines += [f"    {key}: {value}" for key, value in sorted(group.items())
+                      if key != "params"]
         return "\n".join(lines + [")"])
 
     # ----------------------------------------------------------- groups
     def add_param_group(self, group):
         """Add a group (a dict with ``"params"``; missing hyper-parameters take the defaults)."""
         if not isinstance(group, dict):
-            raise TypeError(f"{self._name}: a param group must be a dict, got {type(group).__name__}")
+            raise TypeError(f"{self._name}: a param group must be a dict, "
+                            f"got {type(group).__name__}")
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for position, p in enumerate(params):
@@ -90,7 +92,8 @@ class Optimizer:
             raise ValueError(f"{self._name}: a parameter appears twice in one group")
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if any(id(p) in seen for p in params):
-            raise ValueError(f"{self._name}: some parameters appear in more than one parameter group")
+            raise ValueError(f"{self._name}: some parameters appear in more than one "
+                             "parameter group")
         group = {**self.defaults, **group, "params": params}
         self._check_group(group)
         self.param_groups.append(group)
@@ -284,7 +287,8 @@ class Optimizer:
                                  f"this optimizer {len(group['params'])}")
         new_groups = []
         for saved, group in zip(saved_groups, self.param_groups):
-            new_group = {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
+            new_group = {**{k: v for k, v in saved.items() if k != "params"},
+                         "params": group["params"]}
             self._check_group(new_group)
             new_groups.append(new_group)
         self.param_groups = new_groups

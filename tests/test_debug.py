@@ -50,7 +50,8 @@ def test_poison_mode_exposes_a_kernel_that_skips_an_element(device):
 def test_anomaly_names_op_and_phase_forward(device):
     x = engine.tensor([1.0, -1.0], device=device, requires_grad=True)
     with engine.detect_anomaly():
-        with pytest.raises(engine.AnomalyError, match=r"log: 1 non-finite value\(s\) in the forward"):
+        with pytest.raises(engine.AnomalyError,
+                           match=r"log: 1 non-finite value\(s\) in the forward"):
             x.log()
 
 

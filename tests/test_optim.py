@@ -95,7 +95,8 @@ def reference_for(kind, p0, grads, kwargs):
 
 OPTIMIZERS = {"sgd": optim.SGD, "adam": optim.Adam, "adamw": optim.AdamW}
 RULE_CASES = ([("sgd", c) for c in SGD_CASES] + [("adam", c) for c in ADAM_CASES]
-              + [("adamw", dict(c, weight_decay=c.get("weight_decay", 0.0) + 0.05)) for c in ADAM_CASES])
+              + [("adamw", dict(c, weight_decay=c.get("weight_decay", 0.0) + 0.05))
+                 for c in ADAM_CASES])
 
 
 def case_id(case):
@@ -195,7 +196,8 @@ def test_param_groups_have_their_own_hyper_parameters(device):
         set_grads([a, b, c], grads)
         opt.step()
     np.testing.assert_allclose(a.numpy(), sgd_reference(initial[0], [s[0] for s in steps], 0.1))
-    np.testing.assert_allclose(c.numpy(), sgd_reference(initial[2], [s[2] for s in steps], 0.5, 0.9))
+    np.testing.assert_allclose(c.numpy(),
+                               sgd_reference(initial[2], [s[2] for s in steps], 0.5, 0.9))
 
 
 def test_add_param_group_and_duplicates():
@@ -223,7 +225,7 @@ def test_lr_is_a_kernel_argument_not_a_recompile():
     np.testing.assert_array_equal(params[0].numpy(), before)   # lr 0 really reached the kernel
 
 
-# ------------------------------------------------------------------ gradients: zero_grad, accumulation
+# -------------------------------------------------------------- gradients: zero_grad, accumulation
 
 def _loss(params, x):
     return sum(((p * x[i]) ** 2).sum() for i, p in enumerate(params))
@@ -631,7 +633,8 @@ def test_schedulers_against_torch():
         torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
         ours, theirs = ours_maker(opt), theirs_maker(torch_opt)
         for _ in range(12):
-            assert opt.param_groups[0]["lr"] == pytest.approx(torch_opt.param_groups[0]["lr"], rel=1e-12)
+            assert opt.param_groups[0]["lr"] == pytest.approx(torch_opt.param_groups[0]["lr"],
+                                                              rel=1e-12)
             torch_opt.step()
             ours.step()
             theirs.step()
