@@ -8,19 +8,20 @@ A built model keeps its parameters in one flat data buffer and one flat gradient
 device and dtype (``engine.parameter.FlatBuffer``); each Parameter is a view. Optimizers run
 one kernel over each buffer and ``model.to(device)`` moves each in one copy.
 
-``model.save(path)`` writes one ``.npz``: the architecture as JSON text and the weights by
-name. It goes to a temporary file in the same directory that is then renamed over ``path``,
-so an interrupted save leaves the previous file intact; ``load`` reads it with
-``allow_pickle=False``, so a model file can never run code.
+``model.save(path)`` writes one ``.npz``: the architecture as JSON text under
+``CONFIG_KEY`` and the weights by name, through ``engine.archive.atomic_write`` (an
+interrupted save leaves the previous file intact). ``load`` reads it with
+``engine.archive.read_npz``: arrays and text only, never pickles, so a model file can never
+run code, and any damage is a ``ValueError`` naming the file.
 """
 import importlib
 import json
 import math
 import os
-import zipfile
 
 import numpy as np
 
+from engine import archive
 from engine import functional as F
 from engine import init
 from engine.autograd import apply
@@ -35,7 +36,7 @@ RELU_FAMILY = ("relu", "leaky_relu")
 FORMAT_VERSION = 1
 CONFIG_KEY = "__config__"
 TRAINING_PREFIX = "train/"   # what `python -m engine.train --save` adds beside the model
-ZIP_MAGIC = b"PK\x03\x04"
+MODEL_FILE = "a model file written by model.save"
 
 
 def _check_activation(name, where):
@@ -465,16 +466,29 @@ class Sequential:
 
     @classmethod
     def from_config(cls, config):
-        """A model with the architecture of ``config`` (its weights zero, not initialised)."""
+        """A model with the architecture of ``config`` (its weights zero, not initialised).
+
+        ``config`` is what ``get_config`` returns: ``{"format": "engine.nn.Sequential",
+        "version": 1, "name": str, "layers": [{"class_name": str, "config": dict}, ...]}``;
+        anything else is a ValueError saying what does not fit (a layer's own checks give
+        ValueError or TypeError)."""
         kind = config.get("format") if isinstance(config, dict) else type(config).__name__
         if kind != "engine.nn.Sequential":
             raise ValueError(f"not an engine.nn.Sequential config (format {kind!r})")
         if config.get("version") != FORMAT_VERSION:
             raise ValueError(f"config version {config.get('version')!r} is not supported "
                              f"(this engine reads version {FORMAT_VERSION})")
-        model = cls(name=config.get("name", "sequential"))
+        name, layers = config.get("name", "sequential"), config.get("layers")
+        if not isinstance(name, str) or not isinstance(layers, list):
+            raise ValueError("a config needs a text 'name' and a list of 'layers', got "
+                             f"{type(name).__name__} and {type(layers).__name__}")
+        model = cls(name=name)
         model._initialize = False
-        for entry in config["layers"]:
+        for index, entry in enumerate(layers):
+            if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
+                    or not isinstance(entry.get("config"), dict)):
+                raise ValueError(f"layer {index} of the config is not "
+                                 "{'class_name': str, 'config': dict}")
             layer_class = LAYERS.get(entry["class_name"])
             if layer_class is None:
                 raise ValueError(f"unknown layer type {entry['class_name']!r}; "
@@ -484,22 +498,11 @@ class Sequential:
         return model
 
     def save(self, path):
-        """Write the architecture and weights to one ``.npz`` at ``path``, atomically: a
-        temporary file in the same directory, then a rename over ``path``."""
-        path = os.fspath(path)
-        arrays = self.state_dict()
-        config = json.dumps(self.get_config())
-        temporary = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(temporary, "wb") as file:
-                np.savez(file, **{CONFIG_KEY: np.array(config)}, **arrays)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-            raise
+        """Write the architecture and weights to one ``.npz`` at ``path`` with
+        ``engine.archive.atomic_write`` (a temporary file in the same directory renamed over
+        ``path``; the file gets the mode ``open()`` would give it)."""
+        archive.write_npz(path, {CONFIG_KEY: np.array(json.dumps(self.get_config())),
+                                 **self.state_dict()})
 
 
 def _human_bytes(nbytes):
@@ -510,29 +513,29 @@ def _human_bytes(nbytes):
 
 
 def load(path, device="cpu"):
-    """The model saved at ``path`` by ``model.save``, on ``device``.
+    """The model saved at ``path`` by ``model.save`` (or a training checkpoint, whose
+    ``train/`` entries are skipped unread), on ``device``.
 
-    The file is read with ``allow_pickle=False``: it holds arrays and JSON text, never code.
-    A file that is not such a model is a ValueError naming it."""
+    The file holds arrays and JSON text, never code. A file that is not such a model,
+    damaged or crafted, is a ValueError naming it; a file that cannot be opened is the
+    OSError of ``open`` (FileNotFoundError, PermissionError)."""
     path = os.fspath(path)
-    with open(path, "rb") as file:   # FileNotFoundError names the path
-        magic = file.read(4)
-    if magic != ZIP_MAGIC:
-        raise ValueError(f"nn.load: {path!r} is not a model file written by model.save "
-                         f"(not an .npz archive: it starts with {magic!r})")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            config = json.loads(str(archive[CONFIG_KEY][()]))
-            state = {key: archive[key] for key in archive.files
-                     if key != CONFIG_KEY and not key.startswith(TRAINING_PREFIX)}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        raise ValueError(f"nn.load: {path!r} is not a model file written by model.save "
-                         f"({type(error).__name__}: {error})") from None
+        entries = archive.read_npz(path, MODEL_FILE,
+                                   keep=lambda name: not name.startswith(TRAINING_PREFIX))
+        config = archive.loads_json(archive.text_entry(entries, CONFIG_KEY, path, MODEL_FILE),
+                                    f"{path!r}: the architecture ({CONFIG_KEY})")
+    except ValueError as error:
+        raise ValueError(f"nn.load: {error}") from None
+    state = {key: value for key, value in entries.items() if key != CONFIG_KEY}
     try:
         model = Sequential.from_config(config)
         model.load_state_dict(state)
     except (KeyError, ValueError, TypeError) as error:
         raise ValueError(f"nn.load: {path!r}: {error}") from None
+    except MemoryError:   # a crafted architecture far larger than the weights in the file
+        raise ValueError(f"nn.load: {path!r}: the architecture needs more memory than this "
+                         "machine has; the file does not hold such weights") from None
     return model.to(device)
 
 

@@ -378,6 +378,118 @@ def test_corrupt_files_are_clear_errors(tmp_path):
         nn.load(tmp_path / "missing.npz")
 
 
+def _tiny_model_file(path):
+    engine.manual_seed(0)
+    model = nn.Sequential([nn.Dense(2, activation="tanh", input_shape=(3,))])
+    model.save(path)
+    return model.state_dict()
+
+
+def test_every_flipped_byte_of_a_model_file_is_a_value_error_or_harmless(tmp_path):
+    """One flipped byte anywhere: nn.load raises ValueError naming the file (it used to raise
+    RecursionError, TypeError, MemoryError, EOFError, ...) or, when the byte sits in a ZIP
+    field nobody reads, loads the very same weights."""
+    weights = _tiny_model_file(tmp_path / "good.npz")
+    content = (tmp_path / "good.npz").read_bytes()
+    damaged = tmp_path / "damaged.npz"
+    errors = 0
+    for position in range(len(content)):
+        flipped = bytearray(content)
+        flipped[position] ^= 0xFF
+        damaged.write_bytes(bytes(flipped))
+        try:
+            model = nn.load(damaged)
+        except ValueError as error:
+            assert str(error).startswith(f"nn.load: '{damaged}'"), (position, error)
+            errors += 1
+            continue
+        for name, value in model.state_dict().items():
+            np.testing.assert_array_equal(value, weights[name])
+    assert errors > len(content) // 2
+
+
+def _crafted_model_file(path, config_text, **weights):
+    np.savez(path, __config__=np.array(config_text), **weights)
+    return path
+
+
+def _tiny_config(**changes):
+    config = nn.Sequential([nn.Dense(2, input_shape=(3,))]).get_config()
+    config.update(changes)
+    return config
+
+
+CRAFTED_CONFIGS = {
+    "text that is not JSON": ("{'layers': []}", "not valid JSON"),
+    "JSON nested 100000 deep": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "layers as a dict": (json.dumps(_tiny_config(layers={"0": 1})), "a list of 'layers'"),
+    "a layer that is a number": (json.dumps(_tiny_config(layers=[7])), "layer 0 of the config"),
+    "a text unit count": (json.dumps(_tiny_config(layers=[
+        {"class_name": "Dense", "config": {"units": "2", "input_shape": [3]}}])), "units"),
+    "an unknown argument": (json.dumps(_tiny_config(layers=[
+        {"class_name": "Dense", "config": {"units": 2, "exec": "rm"}}])), "exec"),
+    "a trillion units": (json.dumps(_tiny_config(layers=[
+        {"class_name": "Dense", "config": {"units": 10**12, "input_shape": [3]}}])),
+        "more memory than"),
+}
+
+
+@pytest.mark.parametrize("crafted", CRAFTED_CONFIGS, ids=str)
+def test_crafted_architectures_are_value_errors(tmp_path, crafted):
+    text, message = CRAFTED_CONFIGS[crafted]
+    path = _crafted_model_file(tmp_path / "crafted.npz", text,
+                               **{"dense.weight": np.zeros((3, 2), np.float32),
+                                  "dense.bias": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=message) as error:
+        nn.load(path)
+    assert str(error.value).startswith(f"nn.load: '{path}'")
+
+
+def test_a_config_entry_of_the_wrong_type_is_a_value_error(tmp_path):
+    path = tmp_path / "numbers.npz"
+    np.savez(path, __config__=np.arange(3), w=np.zeros(2))
+    with pytest.raises(ValueError, match="entry '__config__' should be text"):
+        nn.load(path)
+
+
+def test_save_gives_the_mode_open_would(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        _tiny_model_file(tmp_path / "model.npz")
+        assert os.stat(tmp_path / "model.npz").st_mode & 0o777 == 0o644   # not mkstemp's 0600
+        os.chmod(tmp_path / "model.npz", 0o600)
+        _tiny_model_file(tmp_path / "model.npz")
+        assert os.stat(tmp_path / "model.npz").st_mode & 0o777 == 0o600   # a private file stays so
+    finally:
+        os.umask(previous)
+
+
+def test_threads_saving_one_model_file_never_clash(tmp_path):
+    """Two threads used to share one temporary name: FileNotFoundError and files failing
+    their CRC."""
+    import threading
+    path = tmp_path / "model.npz"
+    models = [mnist_mlp() for _ in range(3)]
+    errors = []
+
+    def save_repeatedly(model):
+        try:
+            for _ in range(6):
+                model.save(path)
+        except Exception as error:   # collected: the assertion below names it
+            errors.append(error)
+
+    threads = [threading.Thread(target=save_repeatedly, args=(m,)) for m in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and os.listdir(tmp_path) == ["model.npz"]
+    loaded = nn.load(path).state_dict()
+    assert any(all(np.array_equal(loaded[name], value) for name, value in m.state_dict().items())
+               for m in models)
+
+
 # ------------------------------------------------------------------ training
 
 def test_losses_are_reexported():
