@@ -2,22 +2,24 @@
 
 Nothing in the engine needs the network: MNIST ships with the package. This is for users who
 want Fashion-MNIST (or the original MNIST files) and have internet access. Every file is
-streamed into a temporary file next to its destination, hashed on the way, and renamed into
-place only when the hash matches, so the cache never holds a partial or corrupted file under
-a real name.
+streamed through ``engine.archive.atomic_write`` (a temporary file next to its
+destination), hashed on the way, and renamed into place only when the hash matches, so the
+cache never holds a partial or corrupted file under a real name.
 """
 import hashlib
 import os
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+
+from engine.archive import atomic_write
 
 _CHUNK_BYTES = 1 << 20
 
 
 def cache_dir(dataset):
-    """Default folder for ``dataset``: ``$XDG_CACHE_HOME/numba-engine/<dataset>`` (``~/.cache`` when unset)."""
+    """Default folder for ``dataset``: ``$XDG_CACHE_HOME/numba-engine/<dataset>``
+    (``~/.cache`` when unset)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "numba-engine", dataset)
 
@@ -50,25 +52,17 @@ def download(base_url, checksums, folder, timeout=60):
 
 
 def fetch(url, destination, sha256, timeout=60):
-    """Download ``url`` to ``destination`` if and only if its content has ``sha256``."""
-    fd, temp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(destination)),
-                                     prefix=f".{os.path.basename(destination)}.", suffix=".part")
-    try:
+    """Download ``url`` to ``destination`` if and only if its content has ``sha256`` (the
+    file gets the mode ``open()`` would give it)."""
+    with atomic_write(destination) as out:
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as response:
-                    while chunk := response.read(_CHUNK_BYTES):
-                        digest.update(chunk)
-                        out.write(chunk)
-            except (urllib.error.URLError, OSError) as exc:
-                raise OSError(f"download {url}: {exc}") from exc
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                while chunk := response.read(_CHUNK_BYTES):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except (urllib.error.URLError, OSError) as exc:
+            raise OSError(f"download {url}: {exc}") from exc
         if digest.hexdigest() != sha256:
             raise ValueError(f"download {url}: sha256 {digest.hexdigest()} does not match the "
                              f"expected {sha256}; the file was discarded")
-        os.chmod(temp_path, 0o644)   # mkstemp makes it private (0600); a data file is not
-        os.replace(temp_path, destination)
-    except BaseException:
-        if os.path.exists(temp_path):
-            os.unlink(temp_path)
-        raise

@@ -4,15 +4,21 @@ Layout: a 4-byte magic number ``0x00 0x00 <dtype code> <ndim>``, then ``ndim`` b
 int32 dimension sizes, then the data in row-major order, big-endian. ``read_idx`` checks all
 of it, down to the exact data length, because a truncated download or a file with trailing
 garbage otherwise loads as silently wrong pixels.
+
+Reading is bounded by the header: a gzip stream is inflated incrementally
+(``zlib.decompressobj`` with a ``max_length``), never past the bytes the header's shape
+needs plus ``TRAILING_LIMIT``, so a small file that inflates to gigabytes (a gzip bomb)
+costs at most the memory its header declares before it is rejected.
 """
 import gzip
 import math
-import os
 import struct
-import tempfile
+import sys
 import zlib
 
 import numpy as np
+
+from engine.archive import atomic_write
 
 # IDX dtype code -> big-endian NumPy dtype (the codes of the format's definition)
 IDX_DTYPES = {
@@ -25,6 +31,63 @@ IDX_DTYPES = {
 }
 _CODE_OF_KIND = {(dtype.kind, dtype.itemsize): code for code, dtype in IDX_DTYPES.items()}
 _GZIP_MAGIC = b"\x1f\x8b"
+TRAILING_LIMIT = 1 << 20   # trailing bytes are counted exactly up to this many
+_INPUT_STEP = 1 << 20      # compressed bytes given to one decompress call
+
+
+class _Content:
+    """The decompressed bytes of an IDX file, produced on demand and never more than asked
+    for. A gzip file may hold several members (as ``gzip`` writes on append) and zero
+    padding after them, as the ``gzip`` module accepts. The compressed input is fed in
+    steps of ``_INPUT_STEP`` bytes, so no call copies the whole input as its
+    ``unconsumed_tail``."""
+
+    def __init__(self, content, name, digest):
+        self.name, self.digest = name, digest
+        self.source, self.position = memoryview(content), 0
+        self.gzip = content[:2] == _GZIP_MAGIC
+        self.inflate = zlib.decompressobj(wbits=31)   # 31: expect a gzip header
+        self.pending = b""
+
+    def read(self, count):
+        """The next ``count`` bytes, fewer only at the end of the content."""
+        if not self.gzip:
+            chunk = self.source[self.position:self.position + count]
+            self.position += len(chunk)
+        else:
+            pieces, have = [], 0
+            while have < count and (piece := self._inflate(count - have)) is not None:
+                pieces.append(piece)
+                have += len(piece)
+            chunk = bytearray().join(pieces)   # writable: the array can keep it, uncopied
+        if self.digest is not None:
+            self.digest.update(chunk)
+        return chunk
+
+    def _inflate(self, limit):
+        """What one decompress call gives (at most ``limit`` bytes); None at the end."""
+        if self.inflate.eof:
+            rest = self.inflate.unused_data + self.source[self.position:]
+            if rest[:2] != _GZIP_MAGIC:
+                if rest.strip(b"\0"):
+                    raise ValueError(f"{self.name}: not a valid gzip stream ({len(rest)} bytes "
+                                     "of garbage after its end)")
+                return None
+            self.inflate = zlib.decompressobj(wbits=31)
+            self.source, self.position, self.pending = memoryview(rest), 0, b""
+        data = self.pending
+        if not data:
+            data = self.source[self.position:self.position + _INPUT_STEP]
+            self.position += len(data)
+        try:
+            piece = self.inflate.decompress(data, min(limit, sys.maxsize))
+        except zlib.error as exc:
+            raise ValueError(f"{self.name}: not a valid gzip stream ({exc})") from None
+        self.pending = self.inflate.unconsumed_tail
+        if not piece and not data and not self.inflate.eof:
+            raise ValueError(f"{self.name}: not a valid gzip stream (it ends early: "
+                             "truncated)")
+        return piece
 
 
 def read_idx(path):
@@ -35,20 +98,20 @@ def read_idx(path):
         return parse_idx(f.read(), path)
 
 
-def parse_idx(content, name):
+def parse_idx(content, name, digest=None):
     """The array in ``content``, the bytes of an IDX file (gzip-compressed or raw).
 
-    ``name`` only appears in error messages. The result is writable and owns its memory."""
-    if content[:2] == _GZIP_MAGIC:
-        try:
-            content = zlib.decompress(content, wbits=31)   # 31: expect a gzip header
-        except zlib.error as exc:
-            raise ValueError(f"{name}: not a valid gzip stream ({exc})") from None
-    if len(content) < 4:
-        raise ValueError(f"{name}: {len(content)} bytes is too short for an IDX header")
-    zero0, zero1, code, ndim = content[:4]
+    ``name`` only appears in error messages. ``digest``, a ``hashlib`` object, is updated
+    with the decompressed IDX bytes as they are read (its digest is then the checksum of
+    the content, whatever the compression). The result is writable, native-endian and
+    never a view of ``content``."""
+    stream = _Content(content, name, digest)
+    magic = stream.read(4)
+    if len(magic) < 4:
+        raise ValueError(f"{name}: {len(magic)} bytes is too short for an IDX header")
+    zero0, zero1, code, ndim = magic
     if zero0 != 0 or zero1 != 0:
-        raise ValueError(f"{name}: bad magic number 0x{content[:4].hex()} "
+        raise ValueError(f"{name}: bad magic number 0x{bytes(magic).hex()} "
                          "(an IDX file starts with two zero bytes)")
     if code not in IDX_DTYPES:
         known = ", ".join(f"0x{c:02X}" for c in IDX_DTYPES)
@@ -56,54 +119,47 @@ def parse_idx(content, name):
     if ndim == 0:
         raise ValueError(f"{name}: the header declares 0 dimensions (at least 1 expected)")
     header_size = 4 + 4 * ndim
-    if len(content) < header_size:
+    sizes = stream.read(4 * ndim)
+    if len(sizes) < 4 * ndim:
         raise ValueError(f"{name}: truncated header: {ndim} dimensions need {header_size} "
-                         f"bytes, the file has {len(content)}")
-    shape = struct.unpack(f">{ndim}I", content[4:header_size])
+                         f"bytes, the file has {4 + len(sizes)}")
+    shape = struct.unpack(f">{ndim}I", sizes)
     dtype = IDX_DTYPES[code]
     expected = math.prod(shape) * dtype.itemsize
-    found = len(content) - header_size
-    if found < expected:
+    data = stream.read(expected)
+    if len(data) < expected:
         raise ValueError(f"{name}: truncated: shape {shape} of {dtype.newbyteorder('=')} "
-                         f"needs {expected} data bytes, the file has {found}")
-    if found > expected:
-        raise ValueError(f"{name}: {found - expected} trailing bytes after the data of "
-                         f"shape {shape} ({expected} bytes)")
-    array = np.frombuffer(content, dtype, count=math.prod(shape), offset=header_size)
-    # astype copies: the result is writable, native-endian and does not pin ``content``
-    return array.reshape(shape).astype(dtype.newbyteorder("="))
+                         f"needs {expected} data bytes, the file has {len(data)}")
+    trailing = len(stream.read(TRAILING_LIMIT + 1))
+    if trailing:
+        count = f"more than {TRAILING_LIMIT}" if trailing > TRAILING_LIMIT else f"{trailing}"
+        raise ValueError(f"{name}: {count} trailing bytes after the data of shape {shape} "
+                         f"({expected} bytes)")
+    array = np.frombuffer(data, dtype, count=math.prod(shape)).reshape(shape)
+    # a view of ``content`` (raw files) is copied; inflated bytes are the array's own and
+    # are copied only to swap the byte order
+    return array.astype(dtype.newbyteorder("="), copy=not array.flags.writeable)
 
 
 def write_idx(path, array):
     """Write ``array`` as an IDX file (gzip-compressed when ``path`` ends in ``.gz``).
 
-    Atomic: the bytes go to a temporary file in the same folder that then replaces ``path``,
-    so a crash never leaves a half-written file under the final name."""
+    Atomic (``engine.archive.atomic_write``): a crash never leaves a half-written file under
+    the final name, and the file gets the mode ``open()`` would give it."""
     array = np.asarray(array)
     code = _CODE_OF_KIND.get((array.dtype.kind, array.dtype.itemsize))
     if code is None:
         raise ValueError(f"write_idx {path}: dtype {array.dtype} has no IDX code "
                          "(uint8, int8, int16, int32, float32 or float64)")
     if not 1 <= array.ndim <= 255:
-        raise ValueError(f"write_idx {path}: IDX stores 1 to 255 dimensions, got shape {array.shape}")
+        raise ValueError(f"write_idx {path}: IDX stores 1 to 255 dimensions, got shape "
+                         f"{array.shape}")
     if any(size >= 2 ** 32 for size in array.shape):
-        raise ValueError(f"write_idx {path}: dimension sizes must fit in 32 bits, got {array.shape}")
+        raise ValueError(f"write_idx {path}: dimension sizes must fit in 32 bits, got "
+                         f"{array.shape}")
     header = bytes((0, 0, code, array.ndim)) + struct.pack(f">{array.ndim}I", *array.shape)
     content = header + np.ascontiguousarray(array, dtype=IDX_DTYPES[code]).tobytes()
     if str(path).endswith(".gz"):
         content = gzip.compress(content, compresslevel=9, mtime=0)   # mtime 0: reproducible bytes
-    write_atomic(path, content)
-
-
-def write_atomic(path, content):
-    """Write ``content`` to ``path`` through a temporary file and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, temp_path = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.chmod(temp_path, 0o644)   # mkstemp makes it private (0600); a data file is not
-        os.replace(temp_path, path)
-    except BaseException:
-        os.unlink(temp_path)
-        raise
+    with atomic_write(path) as file:
+        file.write(content)

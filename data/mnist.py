@@ -5,7 +5,9 @@ list below (once per process and file: the verdict is cached by path, size and m
 ``load(root=...)``, or the ``ENGINE_MNIST_DIR`` environment variable, reads another copy of
 the four standard files instead (gzip-compressed or raw). Such a copy is yours and is only
 checked for structure, unless ``verify=True`` asks for its checksums to match a known
-release (the shipped rebuild or the original distribution).
+release (the shipped rebuild or the original distribution). A file matches when the sha256
+of its bytes is a known one (a known .gz) or the sha256 of its decompressed IDX content is
+(any compression: a recompressed or unpacked copy verifies too).
 
 ``read_set`` is the reader shared with ``data.fashion_mnist``: same file names, same format.
 """
@@ -51,7 +53,8 @@ KNOWN_SHA256 = {name: {digest} for name, digest in RAW_SHA256.items()}
 for _name in SHIPPED_SHA256:
     KNOWN_SHA256[_name] = {SHIPPED_SHA256[_name], UPSTREAM_SHA256[_name]}
 
-_verified = {}   # (path, size, mtime_ns) -> sha256 that matched: each file is hashed once per process
+# (path, size, mtime_ns) -> the sha256 that matched: each file is hashed once per process
+_verified = {}
 
 
 def load(root=None, verify=None):
@@ -80,7 +83,9 @@ def read_set(folder, dataset, known_sha256=None, missing_hint="", classes=10):
     """The four files of an MNIST-format set in ``folder`` as two (images, labels) pairs.
 
     Each file is read as ``<name>.gz`` or, failing that, ``<name>``. ``known_sha256`` maps a
-    file name to the set of acceptable digests of its bytes; None skips the check."""
+    file name to the set of acceptable sha256 digests: under ``<name>.gz``, of a .gz file's
+    bytes; under ``<name>``, of the decompressed IDX content (which is also a raw file's
+    bytes). A file passes when either matches; None skips the check."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{dataset}: folder {folder} does not exist; " + missing_hint)
@@ -103,20 +108,29 @@ def read_set(folder, dataset, known_sha256=None, missing_hint="", classes=10):
 
 def _read_checked(path, known_sha256):
     content = path.read_bytes()
-    if known_sha256 is not None:
-        accepted = known_sha256.get(path.name)
-        if accepted is None:
-            raise ValueError(f"{path}: no known checksum for this file name; load it with verify=False")
-        stat = path.stat()
-        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-        if _verified.get(key) not in accepted:
-            digest = hashlib.sha256(content).hexdigest()
-            if digest not in accepted:
-                raise ValueError(f"{path}: sha256 {digest} matches no known release of this "
-                                 f"file ({', '.join(sorted(accepted))}); the file is damaged "
-                                 "or not the one expected")
-            _verified[key] = digest
-    return parse_idx(content, path)
+    if known_sha256 is None:
+        return parse_idx(content, path)
+    content_name = path.name.removesuffix(".gz")
+    of_content = known_sha256.get(content_name, set())
+    of_file = known_sha256.get(path.name, set()) if path.name != content_name else set()
+    if not of_content and not of_file:
+        raise ValueError(f"{path}: no known checksum for this file name; load it with "
+                         "verify=False")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if _verified.get(key) in of_file | of_content:
+        return parse_idx(content, path)
+    if of_file and (file_digest := hashlib.sha256(content).hexdigest()) in of_file:
+        _verified[key] = file_digest   # a known .gz: no need to hash what it inflates to
+        return parse_idx(content, path)
+    digest = hashlib.sha256()
+    array = parse_idx(content, path, digest)
+    if digest.hexdigest() not in of_content:
+        raise ValueError(f"{path}: sha256 {digest.hexdigest()} matches no known release of "
+                         f"this file's IDX content ({', '.join(sorted(of_content))}); the file "
+                         "is damaged or not the one expected")
+    _verified[key] = digest.hexdigest()
+    return array
 
 
 def _check_pair(images_path, images, labels_path, labels, classes):
@@ -124,7 +138,8 @@ def _check_pair(images_path, images, labels_path, labels, classes):
         raise ValueError(f"{images_path}: expected uint8 images [N, rows, cols], "
                          f"got {images.dtype} {images.shape}")
     if labels.ndim != 1 or labels.dtype != np.uint8:
-        raise ValueError(f"{labels_path}: expected uint8 labels [N], got {labels.dtype} {labels.shape}")
+        raise ValueError(f"{labels_path}: expected uint8 labels [N], got {labels.dtype} "
+                         f"{labels.shape}")
     if len(images) != len(labels):
         raise ValueError(f"{images_path} holds {len(images)} images but {labels_path} "
                          f"holds {len(labels)} labels")

@@ -2,11 +2,14 @@
 synthetic sets."""
 import functools
 import gzip
+import hashlib
 import http.server
 import os
 import shutil
 import struct
 import threading
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -69,7 +72,8 @@ CORRUPTIONS = {
     "bad magic": (lambda b: b"\x01" + b[1:], "bad magic number"),
     "bad dtype code": (lambda b: b[:2] + b"\x07" + b[3:], "unknown IDX dtype code 0x07"),
     "zero dimensions": (lambda b: b[:3] + b"\x00" + b[4:], "0 dimensions"),
-    "wrong ndim": (lambda b: b[:3] + b"\x03" + b[4:], "trailing bytes after the data of shape \\(2, 3, 0\\)"),
+    "wrong ndim": (lambda b: b[:3] + b"\x03" + b[4:],
+                   "trailing bytes after the data of shape \\(2, 3, 0\\)"),
     "truncated data": (lambda b: b[:-1], "truncated: shape \\(2, 3\\)"),
     "truncated header": (lambda b: b[:9], "truncated header"),
     "trailing bytes": (lambda b: b + b"\x00\x00", "2 trailing bytes"),
@@ -95,6 +99,78 @@ def test_read_idx_rejects_corruption(tmp_path, corruption, compress):
 def test_read_idx_valid_reference():
     np.testing.assert_array_equal(parse_idx(_valid_idx(), "ok"),
                                   np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def _bomb(header, inflated_bytes):
+    """``header`` then ``inflated_bytes`` zero bytes, gzip-compressed (about 1000:1)."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = bytes(1 << 20)
+    parts = [compressor.compress(header)]
+    parts += [compressor.compress(block) for _ in range(inflated_bytes >> 20)]
+    return b"".join(parts) + compressor.flush()
+
+
+def test_a_gzip_bomb_is_rejected_within_the_header_s_bounds():
+    """A 200 KB file that inflates to 200 MB behind a one-image header: the reader stops
+    after the header's 784 bytes plus TRAILING_LIMIT (it used to inflate everything)."""
+    bomb = _bomb(b"\x00\x00\x08\x03" + struct.pack(">3I", 1, 28, 28), 200 << 20)
+    assert len(bomb) < 300_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"more than 1048576 trailing bytes after the data "
+                                             r"of shape \(1, 28, 28\)"):
+            parse_idx(bomb, "bomb.gz")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_a_huge_declared_shape_costs_only_the_bytes_that_exist():
+    header = b"\x00\x00\x08\x03" + struct.pack(">3I", 2**32 - 1, 2**32 - 1, 2**32 - 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="truncated: shape .* the file has 4194304"):
+            parse_idx(_bomb(header, 4 << 20), "declared.gz")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 << 20, f"{peak / 2**20:.1f} MiB"
+
+
+def test_gzip_members_padding_and_garbage():
+    content = _valid_idx()
+    expected = np.arange(6, dtype=np.float32).reshape(2, 3)
+    two_members = gzip.compress(content[:7]) + gzip.compress(content[7:])   # as gzip appends
+    np.testing.assert_array_equal(parse_idx(two_members, "members.gz"), expected)
+    np.testing.assert_array_equal(parse_idx(gzip.compress(content) + bytes(5), "padded.gz"),
+                                  expected)
+    with pytest.raises(ValueError, match="padded.gz: not a valid gzip stream \\(3 bytes of "
+                                         "garbage after its end\\)"):
+        parse_idx(gzip.compress(content) + b"abc", "padded.gz")
+    crc_damaged = bytearray(gzip.compress(content))
+    crc_damaged[-6] ^= 0xFF   # the trailer's CRC-32
+    with pytest.raises(ValueError, match="not a valid gzip stream"):
+        parse_idx(bytes(crc_damaged), "crc.gz")
+
+
+def test_parse_idx_hashes_the_decompressed_content():
+    for content in (_valid_idx(), gzip.compress(_valid_idx(), compresslevel=1)):
+        digest = hashlib.sha256()
+        parse_idx(content, "x", digest)
+        assert digest.hexdigest() == hashlib.sha256(_valid_idx()).hexdigest()
+
+
+def test_write_idx_gives_the_mode_open_would(tmp_path):
+    previous = os.umask(0o077)
+    try:
+        data.write_idx(tmp_path / "private", np.zeros(3, np.uint8))
+        assert os.stat(tmp_path / "private").st_mode & 0o777 == 0o600
+        os.umask(0o002)
+        data.write_idx(tmp_path / "shared", np.zeros(3, np.uint8))
+        assert os.stat(tmp_path / "shared").st_mode & 0o777 == 0o664   # not a fixed 0644
+    finally:
+        os.umask(previous)
 
 
 # ------------------------------------------------------------------ MNIST
@@ -171,6 +247,20 @@ def test_uncompressed_copy_verifies(tmp_path, mnist):
     np.testing.assert_array_equal(y_train, mnist[0][1])
 
 
+def test_recompressed_copy_verifies_by_its_content(tmp_path, mnist):
+    """Debian recompresses the .gz files it packages: their bytes differ from every known
+    release, their decompressed content does not (the check used to hash the .gz bytes)."""
+    for name in data.mnist.FILES:
+        with gzip.open(data.mnist.PACKAGE_DIR / (name + ".gz")) as f:
+            raw = f.read()
+        (tmp_path / (name + ".gz")).write_bytes(gzip.compress(raw, compresslevel=1, mtime=1))
+    recompressed = tmp_path / "train-labels-idx1-ubyte.gz"
+    assert downloads.file_sha256(recompressed) not in data.mnist.KNOWN_SHA256[recompressed.name]
+    (x_train, y_train), (x_test, _) = data.mnist.load(root=tmp_path, verify=True)
+    np.testing.assert_array_equal(x_test, mnist[1][0])
+    np.testing.assert_array_equal(y_train, mnist[0][1])
+
+
 def test_checksum_verdict_is_cached(mnist, monkeypatch):
     data.mnist.load()
 
@@ -223,6 +313,40 @@ def test_fashion_mnist_reads_root_and_env_var(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="matches no known release"):
         data.fashion_mnist.load(verify=True)   # not the upstream files
     assert len(data.fashion_mnist.CLASSES) == 10
+
+
+def test_fashion_mnist_checksums_cover_the_decompressed_files():
+    known = data.fashion_mnist.KNOWN_SHA256
+    for name in data.mnist.FILES:
+        assert known[name + ".gz"] == {data.fashion_mnist.UPSTREAM_SHA256[name + ".gz"]}
+        assert known[name] == {data.fashion_mnist.RAW_SHA256[name]}
+
+
+def test_fashion_mnist_verify_accepts_recompressed_files(tmp_path, monkeypatch):
+    """A Debian-style copy: the upstream content, recompressed (here: a synthetic set whose
+    content digests stand in for the upstream ones)."""
+    arrays = _write_set(tmp_path / "upstream")
+    debian = tmp_path / "debian"
+    debian.mkdir()
+    raw_digests = {}
+    for name in arrays:
+        with gzip.open(tmp_path / "upstream" / (name + ".gz")) as f:
+            raw = f.read()
+        raw_digests[name] = hashlib.sha256(raw).hexdigest()
+        (debian / (name + ".gz")).write_bytes(gzip.compress(raw, compresslevel=6, mtime=7))
+    monkeypatch.setattr(data.fashion_mnist, "KNOWN_SHA256", {
+        **{name + ".gz": {downloads.file_sha256(tmp_path / "upstream" / (name + ".gz"))}
+           for name in arrays},
+        **{name: {digest} for name, digest in raw_digests.items()}})
+    (x_train, _), (_, y_test) = data.fashion_mnist.load(root=debian, verify=True)
+    np.testing.assert_array_equal(x_train, arrays["train-images-idx3-ubyte"])
+    np.testing.assert_array_equal(y_test, arrays["t10k-labels-idx1-ubyte"])
+    damaged = data.read_idx(debian / "t10k-labels-idx1-ubyte.gz")
+    damaged[0] = (damaged[0] + 1) % 10
+    data.write_idx(debian / "t10k-labels-idx1-ubyte.gz", damaged)
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: sha256 [0-9a-f]{64} "
+                                         "matches no known release of this file's IDX content"):
+        data.fashion_mnist.load(root=debian, verify=True)
 
 
 def test_fashion_mnist_absent_says_how_to_get_it(tmp_path, monkeypatch):
@@ -318,6 +442,18 @@ def test_download_replaces_damaged_cached_file(http_folder, tmp_path):
     downloads.download(base_url, {name: data.mnist.SHIPPED_SHA256[name]}, cache)
     assert downloads.file_sha256(cache / name) == data.mnist.SHIPPED_SHA256[name]
     assert requested == ["/files/" + name]
+
+
+def test_downloaded_files_get_the_mode_open_would(http_folder, tmp_path):
+    served, base_url, _ = http_folder
+    _serve_shipped(served)
+    name = "t10k-labels-idx1-ubyte.gz"
+    previous = os.umask(0o027)
+    try:
+        downloads.download(base_url, {name: data.mnist.SHIPPED_SHA256[name]}, tmp_path / "c")
+    finally:
+        os.umask(previous)
+    assert os.stat(tmp_path / "c" / name).st_mode & 0o777 == 0o640   # not a fixed 0644
 
 
 def test_default_cache_folder(monkeypatch, tmp_path):
