@@ -1,7 +1,9 @@
-"""engine.train: the fit loop, evaluate, checkpoints, and the command's behaviour on good and
-bad input (in process through ``main``: any exception other than SystemExit would have been
-a traceback; one real subprocess checks the module entry point)."""
+"""engine.fit and engine.train: the fit loop, evaluate, checkpoints, and the command's
+behaviour on good and bad input (in process through ``main``: any exception other than
+SystemExit would have been a traceback; one real subprocess checks the module entry point)."""
+import errno
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -15,8 +17,11 @@ import engine
 import optim
 from engine import nn
 from engine.losses import cross_entropy
-from engine.train import (RECORD_KEYS, _pack, _unpack, evaluate, fit, main, pixel_statistics,
-                          read_checkpoint)
+from engine import archive
+from engine.archive import decode, encode
+from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar,
+                        read_checkpoint, save_checkpoint, show_progress)
+from engine.train import build_mlp, main, pixel_statistics, plot_history
 from ops.device import cuda_available
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,13 +74,40 @@ def test_fit_with_a_plain_iterable_grows_its_buffers_and_calls_callbacks():
     assert seen == history and history[-1]["train_acc"] is not None
 
 
-def test_fit_clips_and_steps_a_scheduler():
+def _gradient_norms_at_each_step(optimizer, parameters):
+    """Wrap ``optimizer.step`` to record the global gradient norm it is about to apply."""
+    norms, step = [], optimizer.step
+
+    def recording_step(*args, **kwargs):
+        norms.append(float(np.sqrt(sum(np.sum(p.grad.numpy().astype(np.float64) ** 2)
+                                       for p in parameters))))
+        return step(*args, **kwargs)
+
+    optimizer.step = recording_step
+    return norms
+
+
+def _clipped_run(clip_norm):
+    engine.manual_seed(0)
     model, loader, _, _ = _blobs_model_and_loader("cpu")
     optimizer = optim.Adam(model.parameters(), lr=0.01)
+    norms = _gradient_norms_at_each_step(optimizer, model.parameters())
     scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    fit(model, loader, optimizer, cross_entropy, 2, scheduler=scheduler, clip_norm=0.5,
+    fit(model, loader, optimizer, cross_entropy, 2, scheduler=scheduler, clip_norm=clip_norm,
         progress=True, verbose=False)
+    return model, optimizer, norms
+
+
+def test_fit_clips_and_steps_a_scheduler():
+    """Clipping happened: every step applied a gradient of norm <= clip_norm, where the same
+    run without clipping applies larger ones, and the weights differ."""
+    model, optimizer, norms = _clipped_run(0.5)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)
+    assert len(norms) == 12 and max(norms) <= 0.5 * (1 + 1e-5)
+    unclipped, _, free_norms = _clipped_run(0.0)
+    assert sum(norm > 0.5 for norm in free_norms) >= 3, free_norms
+    assert any(not np.array_equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                         unclipped.state_dict().values()))
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -102,12 +134,12 @@ def test_checkpoint_skeleton_round_trips_nested_state():
     state = {"state": {0: {"step": 3, "exp_avg": np.arange(4.0)}}, "betas": (0.9, 0.999),
              "groups": [{"lr": 1e-3, "params": [0, 1]}], "none": None, "flag": True}
     arrays = {}
-    restored = _unpack(json.loads(json.dumps(_pack(state, arrays))), arrays)
+    restored = decode(json.loads(json.dumps(encode(state, arrays))), arrays)
     assert restored["state"][0]["step"] == 3 and restored["betas"] == (0.9, 0.999)
     np.testing.assert_array_equal(restored["state"][0]["exp_avg"], np.arange(4.0))
     assert restored["groups"] == state["groups"] and restored["none"] is None
     with pytest.raises(TypeError, match="cannot store"):
-        _pack({"f": object()}, {})
+        encode({"f": object()}, {})
 
 
 def test_pixel_statistics_are_exact():
@@ -141,25 +173,34 @@ def test_command_logs_json_records_and_plots(tmp_path, capsys):
         assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_save_and_resume_continue_the_run_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_save_and_resume_continue_the_run_exactly(tmp_path, capsys, optimizer):
+    """Bit for bit, as the README promises: the same records, weights and optimizer state as
+    the run that was never interrupted."""
     straight, first, resumed = (tmp_path / name for name in ("straight", "first", "resumed"))
-    main(TINY + ["--epochs", "2", "--save", str(straight) + ".npz",
-                 "--log-json", str(straight) + ".jsonl"])
-    main(TINY + ["--epochs", "1", "--save", str(first) + ".npz"])
-    main(TINY + ["--epochs", "2", "--resume", str(first) + ".npz",
-                 "--save", str(resumed) + ".npz", "--log-json", str(resumed) + ".jsonl"])
+    run = TINY + ["--optimizer", optimizer]
+    main(run + ["--epochs", "2", "--save", str(straight) + ".npz",
+                "--log-json", str(straight) + ".jsonl"])
+    main(run + ["--epochs", "1", "--save", str(first) + ".npz"])
+    main(run + ["--epochs", "2", "--resume", str(first) + ".npz",
+                "--save", str(resumed) + ".npz", "--log-json", str(resumed) + ".jsonl"])
     assert "resuming after epoch 1" in capsys.readouterr().out
     reference = [json.loads(line) for line in open(str(straight) + ".jsonl")]
     continued = [json.loads(line) for line in open(str(resumed) + ".jsonl")]
     assert [record["epoch"] for record in continued] == [2]
     for key in ("loss", "train_acc", "test_acc"):
-        assert continued[0][key] == pytest.approx(reference[1][key], rel=1e-5)
+        assert continued[0][key] == reference[1][key]
     a, b = read_checkpoint(str(straight) + ".npz"), read_checkpoint(str(resumed) + ".npz")
     assert a["epoch"] == b["epoch"] == 2 and len(b["history"]) == 2
+    assert a["model"].keys() == b["model"].keys()
     for name, value in a["model"].items():
-        np.testing.assert_allclose(b["model"][name], value, rtol=1e-5, atol=1e-7)
-    assert a["optimizer"]["state"][0]["step"] == b["optimizer"]["state"][0]["step"]
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".checkpoint-")]
+        np.testing.assert_array_equal(b["model"][name], value)
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for index, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            np.testing.assert_array_equal(b["optimizer"]["state"][index][name], value)
+    assert a["rng"] == b["rng"]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]   # no temporary files
 
 
 def test_checkpoint_holds_a_model_file(tmp_path, capsys):
@@ -189,6 +230,90 @@ def _garbage(tmp_path):
     return str(path)
 
 
+RUN_CONFIG = {"dataset": "mnist", "hidden": [16], "optimizer": "adam", "schedule": "cosine"}
+A_RECORD = {"epoch": 1, "loss": 2.5, "train_acc": 0.1, "test_acc": 0.2, "seconds": 0.1,
+            "samples_per_s": 1900.0}
+
+
+def _checkpoint(tmp_path, name="run.npz"):
+    """A checkpoint of the TINY run's architecture after one (pretend) epoch."""
+    model = build_mlp((28, 28), (16,), 10)
+    optimizer = optim.Adam(model.parameters(), lr=2e-3)
+    path = tmp_path / name
+    save_checkpoint(str(path), model, optimizer, 1, [A_RECORD], RUN_CONFIG)
+    return path
+
+
+def _rewritten(path, skeleton_text):
+    """The checkpoint at ``path`` with its training state's JSON replaced."""
+    with np.load(path, allow_pickle=False) as stored:
+        entries = {name: stored[name] for name in stored.files}
+    entries[CHECKPOINT_KEY] = np.array(skeleton_text)
+    np.savez(path, **entries)
+    return str(path)
+
+
+def _with_state(key, value):
+    """A fixture: a checkpoint whose training state has ``key`` set to ``value``."""
+    def make(tmp_path):
+        path = _checkpoint(tmp_path)
+        with np.load(path, allow_pickle=False) as stored:
+            skeleton = json.loads(str(stored[CHECKPOINT_KEY]))
+        for pair in skeleton["dict"]:
+            if pair[0] == key:
+                pair[1] = encode(value, {})
+        return _rewritten(path, json.dumps(skeleton))
+    make.__name__ = f"checkpoint with {key}={value!r:.30}"
+    return make
+
+
+def _deeply_nested_state(tmp_path):
+    return _rewritten(_checkpoint(tmp_path), '{"list": [' * 100_000 + "]}" * 100_000)
+
+
+def _flipped(locate):
+    """A fixture: a checkpoint with the byte at ``locate(content)`` flipped."""
+    def make(tmp_path):
+        path = _checkpoint(tmp_path)
+        content = bytearray(path.read_bytes())
+        content[locate(bytes(content))] ^= 0x20
+        path.write_bytes(bytes(content))
+        return str(path)
+    make.__name__ = f"checkpoint with a flipped byte {locate.__name__}"
+    return make
+
+
+def in_the_weights(content):
+    return len(content) // 3
+
+
+def in_the_training_state(content):
+    return content.index('"epoch"'.encode("utf-32-le")) + 4   # np.array(str) is UTF-32
+
+
+def in_the_zip_directory(content):
+    return content.rindex(b"PK\x01\x02") + 16   # the CRC-32 of the last entry
+
+
+def _empty_data_dir(tmp_path):
+    folder = tmp_path / "empty-mnist"
+    folder.mkdir()
+    for prefix in ("train", "t10k"):
+        data.write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", np.zeros((0, 28, 28), np.uint8))
+        data.write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", np.zeros(0, np.uint8))
+    return str(folder)
+
+
+def _a_directory(tmp_path):
+    (tmp_path / "taken").mkdir()
+    return str(tmp_path / "taken")
+
+
+def _under_a_file(tmp_path):
+    (tmp_path / "plain-file").write_text("")
+    return str(tmp_path / "plain-file" / "model.npz")
+
+
 BAD_INPUTS = [
     (["--dataset", "cifar"], "unknown dataset"),
     (["--epochs", "0"], "--epochs"),
@@ -209,6 +334,29 @@ BAD_INPUTS = [
     (["--resume", _not_a_checkpoint], "not a training checkpoint"),
     (["--save", "/nonexistent/dir/model.npz"], "--save"),
     (["--log-json", "/nonexistent/dir/log.jsonl"], "--log-json"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--clip-norm", "inf"], "--clip-norm must be a finite number >= 0, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0"),
+    (["--momentum", "inf"], "--momentum must be a finite number >= 0"),
+    (["--threads", "0"], "--threads must be a positive integer"),
+    (["--save", _a_directory], "is a directory"),
+    (["--log-json", _a_directory], "is a directory"),
+    (["--save", _under_a_file], "plain-file is not a directory"),
+    (["--data-dir", _empty_data_dir], "the training images (0, 28, 28) hold no samples"),
+    (["--resume", _flipped(in_the_weights)], "cannot read the checkpoint"),
+    (["--resume", _flipped(in_the_training_state)], "cannot read the checkpoint"),
+    (["--resume", _flipped(in_the_zip_directory)], "cannot read the checkpoint"),
+    (["--resume", _with_state("epoch", -1)], "epoch must be a non-negative integer, got -1"),
+    (["--resume", _with_state("epoch", "3")], "epoch must be a non-negative integer, got '3'"),
+    (["--resume", _with_state("epoch", True)], "epoch must be a non-negative integer"),
+    (["--resume", _with_state("history", {"epoch": 1})], "history must be a list"),
+    (["--resume", _with_state("history", [{**A_RECORD, "loss": "low"}])],
+     "loss is 'low', not a number"),
+    (["--resume", _with_state("history", [{**A_RECORD, "epoch": 7}])], "epoch must be 1..1"),
+    (["--resume", _with_state("rng", {"bit_generator": "PCG64"})], "rng is not a PCG64 state"),
+    (["--resume", _with_state("optimizer", [1, 2])], "optimizer must be a dict"),
+    (["--resume", _deeply_nested_state], "nested too deeply"),
 ]
 
 
@@ -222,6 +370,7 @@ def test_bad_input_exits_with_one_line(arguments, message, tmp_path, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], captured.err
     assert "Traceback" not in captured.err
+    assert "epoch 1/" not in captured.out   # found before any training
 
 
 @pytest.mark.skipif(cuda_available(), reason="CUDA is usable here")
@@ -275,3 +424,229 @@ def test_a_training_checkpoint_loads_as_a_model(tmp_path):
     from engine import nn
     model = nn.load(str(checkpoint))
     assert model(engine.zeros(2, 28, 28)).shape == (2, 10)
+
+
+# ------------------------------------------------------------------ saving and outputs
+
+def test_resume_keeps_saving_to_the_checkpoint_it_resumed(tmp_path, capsys):
+    """--resume PATH without --save used to stop checkpointing."""
+    path = str(tmp_path / "run.npz")
+    main(TINY + ["--save", path])
+    main(TINY + ["--epochs", "2", "--resume", path])
+    state = read_checkpoint(path)
+    assert state["epoch"] == 2 and [r["epoch"] for r in state["history"]] == [1, 2]
+    other = str(tmp_path / "other.npz")
+    main(TINY + ["--epochs", "3", "--resume", path, "--save", other])
+    assert read_checkpoint(path)["epoch"] == 2 and read_checkpoint(other)["epoch"] == 3
+
+
+def test_a_longer_resumed_run_stretches_the_cosine(tmp_path, capsys):
+    """A finished 1-epoch run (its rate ends at 0) resumed up to 3 epochs trains epochs 2 and
+    3 at the rates of a 3-epoch run; epoch 1's rate is the peak in both, so the result is the
+    3-epoch run's, bit for bit. (A cosine continuing from the saved rate stays at 0.)"""
+    path, straight = str(tmp_path / "run.npz"), str(tmp_path / "straight.npz")
+    main(TINY + ["--save", path])
+    assert read_checkpoint(path)["optimizer"]["param_groups"][0]["lr"] == 0
+    main(TINY + ["--epochs", "3", "--resume", path])
+    main(TINY + ["--epochs", "3", "--save", straight])
+    resumed, reference = read_checkpoint(path), read_checkpoint(straight)
+    assert resumed["epoch"] == 3
+    for name, value in reference["model"].items():
+        np.testing.assert_array_equal(resumed["model"][name], value)
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in reference["history"]]
+
+
+def test_checkpoints_get_the_mode_open_would(tmp_path, capsys):
+    path = tmp_path / "run.npz"
+    previous = os.umask(0o022)
+    try:
+        main(TINY + ["--save", str(path)])
+    finally:
+        os.umask(previous)
+    assert os.stat(path).st_mode & 0o777 == 0o644   # mkstemp's 0600 before
+
+
+def test_an_unwritable_output_folder_is_found_before_training(tmp_path, monkeypatch, capsys):
+    checkpoint = _checkpoint(tmp_path, "old.npz")
+
+    def read_only_folder(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(archive.tempfile, "mkstemp", read_only_folder)
+    code, captured = _run_main(TINY + ["--save", str(tmp_path / "run.npz")], capsys)
+    assert code == 2 and captured.err.strip().splitlines() == [
+        f"engine-train: error: --save {tmp_path / 'run.npz'}: cannot be written "
+        "(Permission denied)"]
+    assert "epoch 1/" not in captured.out and os.listdir(tmp_path) == ["old.npz"]
+    code, captured = _run_main(TINY + ["--epochs", "2", "--resume", str(checkpoint)], capsys)
+    assert code == 2 and captured.err.strip().splitlines() == [
+        f"engine-train: error: --resume {checkpoint}: cannot be written (Permission denied); "
+        "a resumed run saves there unless --save names another file"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_a_read_only_folder_is_found_before_training(tmp_path, capsys):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        code, captured = _run_main(TINY + ["--log-json", str(folder / "log.jsonl")], capsys)
+    finally:
+        folder.chmod(0o755)
+    assert code == 2 and "cannot be written (Permission denied)" in captured.err
+    assert "epoch 1/" not in captured.out
+
+
+def _failing_on_call(function, failing_call):
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == failing_call:
+            raise OSError(errno.ENOSPC, "No space left on device", "/x/.run.npz.1.abc.partial")
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_save_failing_during_training_is_one_line_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    path = tmp_path / "run.npz"
+    monkeypatch.setattr(archive, "write_npz", _failing_on_call(archive.write_npz, 2))
+    code, captured = _run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
+    assert code == 1 and captured.err.strip().splitlines() == [
+        f"engine-train: error: --save {path}: cannot write the checkpoint of epoch 2 (No space "
+        f"left on device); the checkpoint of epoch 1 in {path} is intact"]
+    assert read_checkpoint(str(path))["epoch"] == 1 and "epoch 3/3" not in captured.out
+
+
+def test_a_failing_first_save_of_a_resumed_run_names_the_resumed_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    path = tmp_path / "run.npz"
+    main(TINY + ["--save", str(path)])
+    capsys.readouterr()
+    monkeypatch.setattr(archive, "write_npz", _failing_on_call(archive.write_npz, 1))
+    code, captured = _run_main(TINY + ["--epochs", "2", "--resume", str(path)], capsys)
+    assert code == 1 and captured.err.strip().endswith(
+        f"the checkpoint of epoch 1 in {path} is intact")
+    assert read_checkpoint(str(path))["epoch"] == 1
+
+
+def test_a_log_failing_during_training_is_one_line(tmp_path, monkeypatch, capsys):
+    import engine.train
+    log, path = tmp_path / "log.jsonl", tmp_path / "run.npz"
+    monkeypatch.setattr(engine.train, "append_record",
+                        _failing_on_call(engine.train.append_record, 2))
+    code, captured = _run_main(TINY + ["--epochs", "2", "--save", str(path), "--log-json",
+                                       str(log)], capsys)
+    assert code == 1 and captured.err.strip().splitlines() == [
+        f"engine-train: error: --log-json {log}: cannot append the record of epoch 2 (No "
+        f"space left on device); the checkpoint of epoch 2 in {path} is intact"]
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_threads_flag_sets_the_engine_s_threads(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(engine, "set_num_threads", calls.append, raising=False)
+    main(TINY + ["--threads", "1"])
+    assert calls == [1]
+    main(TINY)
+    assert calls == [1]   # no flag, no call: the engine's default stays
+
+
+def test_every_flipped_byte_of_a_checkpoint_is_a_value_error_or_harmless(tmp_path):
+    engine.manual_seed(0)
+    model = nn.Sequential([nn.Dense(2, input_shape=(3,))])
+    optimizer = optim.Adam(model.parameters())
+    model(engine.randn(4, 3)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "good.npz"
+    save_checkpoint(str(path), model, optimizer, 1, [A_RECORD], RUN_CONFIG)
+    good, content = read_checkpoint(str(path)), path.read_bytes()
+    damaged = tmp_path / "damaged.npz"
+    errors = 0
+    for position in range(len(content)):
+        flipped = bytearray(content)
+        flipped[position] ^= 0xFF
+        damaged.write_bytes(bytes(flipped))
+        try:
+            state = read_checkpoint(str(damaged))
+        except ValueError:
+            errors += 1
+            continue
+        assert (state["epoch"], state["history"], state["config"], state["rng"]) == (
+            good["epoch"], good["history"], good["config"], good["rng"]), position
+        for name in state["model"]:
+            np.testing.assert_array_equal(state["model"][name], good["model"][name])
+    assert errors > len(content) // 2
+
+
+# ------------------------------------------------------------------ progress and curves
+
+def test_fit_reads_the_per_step_losses_once_per_epoch():
+    model, loader, _, _ = _blobs_model_and_loader("cpu")   # 6 batches of 8
+    seen = []
+
+    def loss_fn(logits, labels):
+        loss = cross_entropy(logits, labels)
+        seen.append(loss)
+        return loss
+
+    step_losses = []
+    history = fit(model, loader, optim.SGD(model.parameters(), lr=0.1), loss_fn, 2,
+                  progress=False, verbose=False, step_losses=step_losses)
+    assert [len(losses) for losses in step_losses] == [6, 6]
+    np.testing.assert_array_equal(np.concatenate(step_losses), [l.item() for l in seen])
+    for record, losses in zip(history, step_losses):
+        assert record["loss"] == pytest.approx(losses.mean(), rel=1e-6)   # equal batches
+
+
+def test_the_progress_bar_keeps_samples_per_second_at_80_columns():
+    screen = io.StringIO()
+    bar = progress_bar(469, 10, 10, file=screen, ncols=80, mininterval=0)
+    bar.update(400)
+    show_progress(bar, 0.1234, 102602.4)
+    bar.refresh()
+    line = screen.getvalue().split("\r")[-1]
+    bar.close()
+    assert len(line) <= 80 and line.endswith("loss 0.1234, 102602 samples/s"), line
+    assert line.rindex("|") - line.index("|") > 10, line   # a bar, not one character
+    assert line.startswith("epoch 10/10  85%|") and "400/469" in line
+
+
+def test_plot_shows_every_step_and_integer_epochs(tmp_path):
+    pytest.importorskip("matplotlib")
+    history = [{**A_RECORD, "epoch": epoch, "loss": 2.0 / epoch, "test_acc": 0.1 * epoch}
+               for epoch in (1, 2, 3)]
+    step_losses = [np.linspace(3, 2, 5), np.linspace(2, 1, 5), np.linspace(1, 0.5, 5)]
+    path = tmp_path / "curves.png"
+    figure = plot_history(history, str(path), step_losses)
+    loss_axes, accuracy_axes = figure.axes
+    per_step, per_epoch = loss_axes.lines
+    np.testing.assert_allclose(per_step.get_xdata()[:5], [0.2, 0.4, 0.6, 0.8, 1.0])
+    assert len(per_step.get_ydata()) == 15 and list(per_epoch.get_xdata()) == [1, 2, 3]
+    for axes in (loss_axes, accuracy_axes):
+        assert axes.get_xlabel() == "epoch" and axes.get_ylabel()
+        ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert accuracy_axes.get_ylabel() == "accuracy (%)"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["curves.png"]
+
+
+def test_plot_of_a_resumed_run_has_steps_only_for_its_epochs(tmp_path):
+    pytest.importorskip("matplotlib")
+    history = [{**A_RECORD, "epoch": epoch} for epoch in (1, 2, 3)]
+    figure = plot_history(history, str(tmp_path / "c.svg"), [np.ones(4)])
+    np.testing.assert_allclose(figure.axes[0].lines[0].get_xdata(), [2.25, 2.5, 2.75, 3.0])
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+
+
+@pytest.mark.parametrize("target, message", [
+    (lambda tmp_path: _a_directory(tmp_path), "is a directory"),
+    (lambda tmp_path: str(tmp_path / "curves.nope"), "matplotlib writes no 'nope' files")])
+def test_a_bad_plot_path_is_found_before_training(tmp_path, capsys, target, message):
+    pytest.importorskip("matplotlib")
+    code, captured = _run_main(TINY + ["--plot", target(tmp_path)], capsys)
+    assert code == 2 and message in captured.err and len(captured.err.splitlines()) == 1
+    assert "epoch 1/" not in captured.out
