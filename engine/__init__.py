@@ -1,20 +1,117 @@
 """A Numba-JIT neural-net engine: Tensors, tape autograd, layers, losses.
 
 ``engine.optim`` and ``engine.data`` are the top-level ``optim`` and ``data`` packages,
-imported on first use so that the engine core never depends on them.
+imported on first use so that the engine core never depends on them. ``engine.__version__``
+is the installed distribution's version (``numba-engine`` in setup.cfg), read on first use.
+
+Importing ``engine`` sets the CPU GEMMs' BLAS threads to ``blas_threads.DEFAULT_THREADS``
+(see ``engine.blas_threads``) and keeps the engine's top-level packages (``ops``, ``optim``,
+``data``) from being shadowed by what sits in the current folder, where most ML projects
+keep a ``data/`` directory:
+
+- a folder of one of these names without ``__init__.py`` (an empty ``data/``) never wins over
+  the engine's package. Python's own rule is that a regular package anywhere on ``sys.path``
+  beats such a namespace folder, but an editable install's finder is asked only after the
+  path, so the folder won there;
+- ``python -m engine.<module>`` started outside the project does not search the current
+  folder, which ``-m`` puts first on ``sys.path`` (``python -m pip`` does the same): the
+  engine's own commands import nothing of the user's;
+- a real module of one of these names that would be imported instead of ours (a script's
+  own ``optim.py`` beside it) is an ImportError naming that file, raised by ``import engine``
+  for ``ops`` and by ``engine.optim`` / ``engine.data`` for the other two; the file's code
+  is not run.
 """
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
 
-from engine import debug  # noqa: F401
-from engine.autograd import (AnomalyError, detect_anomaly, enable_grad,  # noqa: F401
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_PACKAGES = ("ops", "optim", "data")
+
+
+class _OwnPackagesOverNamespaceFolders(importlib.abc.MetaPathFinder):
+    """Finds ``ops``, ``optim`` and ``data`` beside ``engine`` when ``sys.path`` offers no
+    regular module or package of that name (nothing, or only namespace folders)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or name not in _OWN_PACKAGES:
+            return None
+        found = importlib.machinery.PathFinder.find_spec(name)
+        if found is not None and found.origin is not None:
+            return None   # a regular module or package: Python's order decides
+        package = os.path.join(_PROJECT_ROOT, name)
+        return importlib.util.spec_from_file_location(
+            name, os.path.join(package, "__init__.py"), submodule_search_locations=[package])
+
+
+def _running_engine_module():
+    """True while Python locates the module of ``python -m engine...``: ``sys.argv[0]`` is
+    "-m" until the module is found, and ``sys.orig_argv`` names it."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    arguments = sys.orig_argv[1:]
+    for index, argument in enumerate(arguments):
+        if argument.startswith("-m"):
+            name = argument[2:] or (arguments[index + 1] if index + 1 < len(arguments) else "")
+            return name == "engine" or name.startswith("engine.")
+    return False
+
+
+def _forget_current_folder_for_engine_commands():
+    if getattr(sys.flags, "safe_path", False) or not _running_engine_module():
+        return   # -P / PYTHONSAFEPATH: the current folder was never added
+    current = os.getcwd()
+    if sys.path and sys.path[0] in ("", current) and not os.path.samefile(current,
+                                                                            _PROJECT_ROOT):
+        del sys.path[0]
+
+
+def _shadowing_file(name):
+    """The file that ``import name`` gives instead of the engine's package, or None."""
+    module = sys.modules.get(name)
+    if module is not None:
+        origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", [])),
+                                                           None)
+    else:
+        spec = importlib.util.find_spec(name)
+        origin = None if spec is None else spec.origin
+    ours = os.path.join(_PROJECT_ROOT, name, "__init__.py")
+    if origin is not None and os.path.exists(origin) and os.path.samefile(origin, ours):
+        return None
+    return origin or f"a module {name!r} without a file"
+
+
+def _require_own(name):
+    shadow = _shadowing_file(name)
+    if shadow is not None:
+        raise ImportError(f"engine: {shadow} shadows the engine's {name!r} package "
+                          f"({os.path.join(_PROJECT_ROOT, name)}); rename it, or run from "
+                          f"another folder")
+
+
+if not any(isinstance(finder, _OwnPackagesOverNamespaceFolders) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _OwnPackagesOverNamespaceFolders())
+_forget_current_folder_for_engine_commands()
+_require_own("ops")
+
+from engine import debug  # noqa: F401, E402
+from engine.autograd import (AnomalyError, detect_anomaly, enable_grad,  # noqa: F401, E402
                              is_grad_enabled, no_grad, set_grad_enabled)
-from engine.functional import (add, div, exp, flatten, leaky_relu, log, log_softmax,  # noqa: F401
-                               matmul, max, mean, mul, neg, pow, relu, reshape, sigmoid,
-                               softmax, sqrt, sub, sum, tanh, transpose)
-from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401
-from engine.random import manual_seed  # noqa: F401
-from engine.tensor import Tensor, from_dlpack, full, ones, randn, tensor, zeros  # noqa: F401
-from ops.device import cuda_available  # noqa: F401
+from engine.blas_threads import apply_default as _apply_default_blas_threads  # noqa: E402
+from engine.blas_threads import get_num_threads, set_num_threads  # noqa: F401, E402
+from engine.functional import (add, div, exp, flatten, leaky_relu, log,  # noqa: F401, E402
+                               log_softmax, matmul, max, mean, mul, neg, pow, relu, reshape,
+                               sigmoid, softmax, sqrt, sub, sum, tanh, transpose)
+from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401, E402
+from engine.random import manual_seed  # noqa: F401, E402
+from engine.tensor import (Tensor, from_dlpack, full, ones, randn, tensor,  # noqa: F401, E402
+                           zeros)
+from ops.device import cuda_available  # noqa: F401, E402
+
+_apply_default_blas_threads()
 
 _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "losses": "engine.losses", "init": "engine.init", "train": "engine.train",
@@ -23,7 +120,16 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
 
 def __getattr__(name):
     if name in _LAZY_SUBMODULES:
+        if name in _OWN_PACKAGES:
+            _require_own(name)
         module = importlib.import_module(_LAZY_SUBMODULES[name])
         globals()[name] = module
         return module
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            globals()[name] = version("numba-engine")
+        except PackageNotFoundError:   # a checkout on sys.path that pip never installed
+            globals()[name] = "0+unknown"
+        return globals()[name]
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
