@@ -230,3 +230,9 @@ def is_cuda_kernel(kernel):
         return isinstance(kernel, FakeCUDAKernel)
     from numba.cuda.dispatcher import CUDADispatcher
     return isinstance(kernel, CUDADispatcher)
+
+
+def engine_stream():
+    """The cuda.core Stream the engine's kernels launch on, for work that must follow them in
+    order without a host sync (NCCL collectives in ``engine.distributed``)."""
+    return _default_stream()

@@ -1,0 +1,423 @@
+"""Data-parallel training: sharded loading (no MPI needed), a world of one, and 2-rank runs.
+
+The 2-rank tests start ``mpiexec -n 2 python -m tests.test_distributed SCENARIO OUT`` (this
+file's ``__main__``: what each rank runs) and are skipped when mpi4py or mpiexec is missing
+(``pip install -e '.[distributed]'`` brings both). The ``gpu`` tests need a real GPU, NCCL
+and nccl4py; the 2-GPU one also needs a second GPU.
+"""
+import importlib.util
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+import engine
+import optim
+from engine import distributed as dist
+from engine import nn
+from engine.losses import cross_entropy
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SAMPLES, FEATURES, CLASSES = 100, 12, 3
+PER_RANK_BATCH, RANKS, EPOCHS, SEED = 8, 2, 2, 5
+RANK_SEED = 100   # rank r builds its model from seed RANK_SEED + r: broadcast_model must fix it
+MPI_TIMEOUT_S = 240   # a run that takes longer hangs: the test fails, never waits forever
+
+
+def _mpiexec():
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH, or None."""
+    beside = pathlib.Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+needs_mpi = pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
+    reason="needs mpi4py and mpiexec: pip install -e '.[distributed]'")
+
+
+# ------------------------------------------------------------------ sharded loading
+
+def _indexed_set(samples=SAMPLES):
+    """Features whose first column is the sample's index, so a batch says which rows it has."""
+    x = np.random.default_rng(0).normal(size=(samples, FEATURES))
+    x[:, 0] = np.arange(samples)
+    y = np.random.default_rng(1).integers(0, CLASSES, samples)
+    return x, y
+
+
+def _rows(batch):
+    return batch[0].numpy()[:, 0].astype(np.int64).tolist()
+
+
+def _rank_batches(ranks, batch_size, samples=SAMPLES, **options):
+    """Per rank, the list of each step's sample indices, over one epoch."""
+    x, y = _indexed_set(samples)
+    return [[_rows(b) for b in data.DataLoader(x, y, batch_size=batch_size, seed=SEED,
+                                                 shard=(r, ranks), **options)]
+            for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks, batch_size", [(2, 8), (3, 8), (4, 25), (2, 50), (3, 1)])
+def test_shards_are_one_process_global_batches_split_by_rank(ranks, batch_size):
+    """Step i on all ranks together is step i of one loader with batch ranks * batch_size."""
+    x, y = _indexed_set()
+    whole = [_rows(b) for b in data.DataLoader(x, y, batch_size=ranks * batch_size,
+                                                shuffle=True, seed=SEED)]
+    per_rank = _rank_batches(ranks, batch_size, shuffle=True)
+    full_steps = SAMPLES // (ranks * batch_size)
+    for step in range(full_steps):
+        assert sum((per_rank[r][step] for r in range(ranks)), []) == whole[step]
+        assert all(len(per_rank[r][step]) == batch_size for r in range(ranks))
+
+
+@pytest.mark.parametrize("samples, ranks, batch_size", [(100, 2, 8), (100, 3, 8), (10, 3, 4),
+                                                        (7, 4, 2), (2, 3, 5), (96, 2, 8)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shards_are_disjoint_cover_the_epoch_and_give_every_rank_as_many_batches(
+        samples, ranks, batch_size, drop_last):
+    per_rank = _rank_batches(ranks, batch_size, samples, shuffle=True, drop_last=drop_last)
+    counts = {len(batches) for batches in per_rank}
+    assert len(counts) == 1, f"batch counts per rank differ: {counts}"
+    x, y = _indexed_set(samples)
+    loaders = [data.DataLoader(x, y, batch_size=batch_size, shard=(r, ranks),
+                               drop_last=drop_last) for r in range(ranks)]
+    assert {len(loader) for loader in loaders} == counts
+    taken = [i for batches in per_rank for batch in batches for i in batch]
+    step = ranks * batch_size
+    full = samples // step * step
+    if drop_last:   # every full global batch, once; the rest dropped
+        assert len(taken) == len(set(taken)) == full
+        return
+    rest = samples - full
+    padding = -rest % ranks
+    assert sorted(set(taken)) == list(range(samples))   # covers the epoch
+    assert len(taken) == samples + padding               # each once, but the padding
+    for batches in per_rank:   # a last partial step: every rank takes ceil(rest / ranks)
+        assert all(len(b) == batch_size for b in batches[:full // step])
+        assert all(len(b) == -(-rest // ranks) for b in batches[full // step:])
+
+
+def test_padding_repeats_the_first_samples_of_the_epoch():
+    """10 samples, 3 ranks of 4: the one global batch has 12 places; the last 2 repeat the
+    epoch's first two samples, on the last rank."""
+    x, y = _indexed_set(10)
+    order = data.DataLoader(x, y, batch_size=4, shuffle=True, seed=SEED).order(0).tolist()
+    per_rank = _rank_batches(3, 4, 10, shuffle=True)
+    assert per_rank == [[order[0:4]], [order[4:8]], [order[8:10] + order[0:2]]]
+
+
+def test_shards_reshuffle_per_epoch_alike_on_every_rank_and_resume(device):
+    x, y = _indexed_set()
+
+    def epochs(rank, count, start=0):
+        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=SEED,
+                                 shard=(rank, 2), device=device)
+        loader.epoch = start
+        return [[_rows(b) for b in loader] for _ in range(count)]
+
+    rank0, rank1 = epochs(0, 2), epochs(1, 2)
+    assert rank0[0] != rank0[1]   # a new permutation each epoch
+    for epoch in range(2):   # same permutation on both ranks: their shards stay disjoint
+        assert not set(sum(rank0[epoch], [])) & set(sum(rank1[epoch], []))
+    assert epochs(0, 1, start=1) == rank0[1:]
+
+
+def test_unsharded_loader_is_shard_zero_of_one():
+    x, y = _indexed_set()
+    plain = [_rows(b) for b in data.DataLoader(x, y, batch_size=8, shuffle=True, seed=SEED)]
+    assert _rank_batches(1, 8, shuffle=True) == [plain]
+
+
+@pytest.mark.parametrize("shard, error, words", [
+    ((2, 2), ValueError, "0 <= rank < world_size"), ((-1, 2), ValueError, "0 <= rank"),
+    ((0, 0), ValueError, "world_size >= 1"), ((0,), ValueError, "pair (rank, world_size)"),
+    (3, ValueError, "pair (rank, world_size)"), ((0.0, 2), TypeError, "integers"),
+    ((True, 2), TypeError, "integers")])
+def test_bad_shard_is_refused_by_name(shard, error, words):
+    x, y = _indexed_set()
+    with pytest.raises(error, match="shard") as raised:
+        data.DataLoader(x, y, batch_size=8, shard=shard)
+    assert words in str(raised.value)
+
+
+def test_a_sharded_shuffled_loader_needs_a_seed():
+    x, y = _indexed_set()
+    with pytest.raises(ValueError, match="needs seed=.*same on every rank"):
+        data.DataLoader(x, y, batch_size=8, shuffle=True, shard=(0, 2))
+
+
+# ------------------------------------------------------------------ a world of one
+
+def _model(dtype=np.float64, hidden=16):
+    return nn.Sequential([nn.Dense(hidden, activation="relu", dtype=dtype,
+                                   input_shape=(FEATURES,)),
+                          nn.Dense(CLASSES, dtype=dtype)])
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A fresh, uninitialised world in a process that mpiexec did not start."""
+    for name in dist.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(dist.CHECK_REPLICAS_VARIABLE, raising=False)
+    monkeypatch.setattr(dist, "_world", None)
+
+
+def _gradients(model):
+    return [np.array(buffer.grad) for buffer in model.flat_buffers()]
+
+
+def _one_backward(model, device="cpu"):
+    x, y = _indexed_set()
+    model.to(device)
+    cross_entropy(model(engine.tensor(x[:16], dtype=np.float64, device=device)),
+                  y[:16]).backward()
+
+
+def test_a_world_of_one_needs_no_mpiexec_and_changes_nothing(world_of_one, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)   # not even imported
+    dist.init()
+    assert (dist.rank(), dist.world_size()) == (0, 1)
+    model = _model()
+    weights = model.state_dict()
+    assert dist.broadcast_model(model) is model
+    _one_backward(model)
+    before = _gradients(model)
+    dist.all_reduce_gradients(model)
+    for old, new in zip(before, _gradients(model)):
+        np.testing.assert_array_equal(old, new)
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, weights[name])
+    dist.check_replicas(model)
+    dist.check_agreement("a number", 3)
+
+
+def test_nothing_runs_before_init(world_of_one):
+    for call in (dist.rank, dist.world_size, lambda: dist.all_reduce_gradients(_model())):
+        with pytest.raises(RuntimeError, match=r"init\(\) first"):
+            call()
+
+
+def test_a_distributed_run_without_mpi4py_fails_at_init(world_of_one, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None)
+    with pytest.raises(RuntimeError, match=r"needs mpi4py.*\[distributed\]"):
+        dist.init(require_mpi=True)
+
+
+def test_mpiexec_without_mpi4py_fails_at_init(world_of_one, monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(RuntimeError, match="started by mpiexec.*mpi4py"):
+        dist.init()
+
+
+@pytest.mark.parametrize("value", ["yes", "-1", "1.5"])
+def test_a_bad_replica_interval_is_named(world_of_one, monkeypatch, value):
+    monkeypatch.setenv(dist.CHECK_REPLICAS_VARIABLE, value)
+    with pytest.raises(ValueError, match=f"{dist.CHECK_REPLICAS_VARIABLE}='{value}'"):
+        dist.init()
+
+
+def test_init_refuses_an_unknown_device(world_of_one):
+    with pytest.raises(ValueError, match="unknown device"):
+        dist.init(device="tpu")
+
+
+# ------------------------------------------------------------------ 2 ranks (mpiexec)
+
+def _run_ranks(scenario, out, ranks=RANKS, replica_interval=None):
+    """Run this file's ``__main__`` as ``scenario`` on ``ranks`` MPI ranks; returns
+    ``(exit status, stdout + stderr)``. Past MPI_TIMEOUT_S every rank is killed and the test
+    fails: a distributed run must end, never hang."""
+    env = dict(os.environ)
+    env.pop(dist.CHECK_REPLICAS_VARIABLE, None)
+    if replica_interval is not None:
+        env[dist.CHECK_REPLICAS_VARIABLE] = str(replica_interval)
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "tests.test_distributed",
+               scenario, str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=MPI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {MPI_TIMEOUT_S} s:\n{output}")
+    return process.returncode, output
+
+
+def _train_single_process(device="cpu"):
+    """What one process with batch RANKS * PER_RANK_BATCH computes, from rank 0's model."""
+    x, y = _indexed_set()
+    engine.manual_seed(RANK_SEED)
+    model = _model().to(device)
+    initial = model.state_dict()
+    optimizer = optim.Adam(model.parameters(), lr=0.01)
+    loader = data.DataLoader(x, y, batch_size=RANKS * PER_RANK_BATCH, shuffle=True,
+                             seed=SEED, device=device)
+    for _ in range(EPOCHS):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    return initial, model.state_dict()
+
+
+def _assert_trains_as_one_process(out, device):
+    initial, expected = _train_single_process(device)
+    ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(RANKS)]
+    for name, value in expected.items():
+        assert np.abs(value - initial[name]).max() > 1e-3, "training did not move the weights"
+        for weights in ranks:
+            np.testing.assert_allclose(weights[name], value, rtol=1e-9, atol=1e-12,
+                                       err_msg=name)
+        np.testing.assert_array_equal(ranks[1][name], ranks[0][name])   # replicas: bit equal
+
+
+@needs_mpi
+def test_two_cpu_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_path):
+    status, output = _run_ranks("train-cpu", tmp_path, replica_interval=1)
+    assert status == 0, output
+    _assert_trains_as_one_process(tmp_path, "cpu")
+
+
+@needs_mpi
+def test_diverged_replicas_are_caught_naming_the_rank(tmp_path):
+    status, output = _run_ranks("diverge", tmp_path, replica_interval=3)
+    assert status == 0, output
+    for r in range(RANKS):   # every rank raised the same error, so none waits for another
+        message = (tmp_path / f"rank{r}.txt").read_text()
+        assert message.startswith("1: rank 1 disagrees with rank 0 on the parameters after 3 "
+                                  "step(s) (the replicas have diverged; CRC-32 of each flat "
+                                  "buffer): ["), message
+
+
+@needs_mpi
+def test_ranks_that_build_different_models_fail_at_the_broadcast(tmp_path):
+    status, output = _run_ranks("mismatch", tmp_path)
+    assert status == 0, output
+    for r in range(RANKS):
+        message = (tmp_path / f"rank{r}.txt").read_text()
+        assert message.startswith("1: rank 1 disagrees with rank 0 on the model"), message
+        assert "(12, 17)" in message and "(12, 16)" in message
+
+
+@needs_mpi
+def test_a_rank_that_dies_ends_the_run_instead_of_hanging_it(tmp_path):
+    status, output = _run_ranks("die", tmp_path)
+    assert status != 0
+    assert "ValueError: rank 1 fails on purpose" in output
+    assert not (tmp_path / "rank0.txt").exists()   # rank 0 never got past the all-reduce
+
+
+# ------------------------------------------------------------------ GPUs (NCCL)
+
+@pytest.mark.gpu
+def test_a_one_rank_nccl_world_averages_and_broadcasts_on_the_gpu(world_of_one):
+    pytest.importorskip("nccl.core", reason="needs nccl4py: pip install -e '.[distributed]'")
+    dist.init(device="cuda")
+    assert dist._world.nccl is not None and dist._world.nccl.nranks == 1
+    model = _model()
+    _one_backward(model, "cuda")
+    weights = model.state_dict()
+    before = [buffer.grad.copy_to_host() for buffer in model.flat_buffers()]
+    dist.broadcast_model(model)
+    dist.all_reduce_gradients(model)
+    for old, buffer in zip(before, model.flat_buffers()):
+        np.testing.assert_array_equal(buffer.grad.copy_to_host(), old)   # the mean of one
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, weights[name])
+    dist.check_replicas(model)
+
+
+@pytest.mark.gpu
+@needs_mpi
+def test_two_gpu_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_path):
+    from ops.cuda_backend import cuda
+    if len(cuda.gpus) < RANKS:
+        pytest.skip(f"needs {RANKS} GPUs (NCCL refuses two ranks on one GPU)")
+    status, output = _run_ranks("train-cuda", tmp_path, replica_interval=1)
+    assert status == 0, output
+    _assert_trains_as_one_process(tmp_path, "cuda")
+
+
+# ------------------------------------------------------------------ what each rank runs
+
+def _rank_trains(device, out):
+    """The data-parallel loop of one rank; writes its final weights to ``rank{r}.npz``."""
+    dist.init(device=device)
+    x, y = _indexed_set()
+    engine.manual_seed(RANK_SEED + dist.rank())
+    model = dist.broadcast_model(_model().to(device))
+    optimizer = optim.Adam(model.parameters(), lr=0.01)
+    loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
+                             device=device, shard=(dist.rank(), dist.world_size()))
+    for _ in range(EPOCHS):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            cross_entropy(model(xb), yb).backward()
+            dist.all_reduce_gradients(model)
+            optimizer.step()
+    np.savez(out / f"rank{dist.rank()}.npz", **model.state_dict())
+
+
+def _report_mismatch(out, step):
+    """Run ``step``; write the RankMismatch it must raise to ``rank{r}.txt``."""
+    try:
+        step()
+    except dist.RankMismatch as mismatch:
+        (out / f"rank{dist.rank()}.txt").write_text(f"{mismatch.rank}: {mismatch}")
+        return
+    raise AssertionError("no RankMismatch")
+
+
+def _rank_diverges(out):
+    """Rank 1 nudges one weight after step 2; the check before step 3 must catch it."""
+    dist.init()
+    x, y = _indexed_set()
+    model = dist.broadcast_model(_model())
+    optimizer = optim.SGD(model.parameters(), lr=0.1)
+
+    def train():
+        for step in range(5):
+            if step == 2 and dist.rank() == 1:
+                model.flat_buffers()[0].data[0] += 1e-6
+            optimizer.zero_grad()
+            cross_entropy(model(engine.tensor(x[:8], dtype=np.float64)), y[:8]).backward()
+            dist.all_reduce_gradients(model)
+            optimizer.step()
+
+    _report_mismatch(out, train)
+
+
+def _rank_builds_its_own_model(out):
+    dist.init()
+    model = nn.Sequential([nn.Dense(16 + dist.rank(), input_shape=(FEATURES,))])
+    _report_mismatch(out, lambda: dist.broadcast_model(model))
+
+
+def _rank_dies(out):
+    dist.init()
+    model = dist.broadcast_model(_model())
+    x, y = _indexed_set()
+    if dist.rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    cross_entropy(model(engine.tensor(x[:8], dtype=np.float64)), y[:8]).backward()
+    dist.all_reduce_gradients(model)   # waits for rank 1 until its abort ends the run
+    (out / "rank0.txt").write_text("past the all-reduce")
+
+
+SCENARIOS = {"train-cpu": lambda out: _rank_trains("cpu", out),
+             "train-cuda": lambda out: _rank_trains("cuda", out),
+             "diverge": _rank_diverges, "mismatch": _rank_builds_its_own_model,
+             "die": _rank_dies}
+
+if __name__ == "__main__":
+    scenario, out_dir = sys.argv[1:]
+    SCENARIOS[scenario](pathlib.Path(out_dir))
