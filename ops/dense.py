@@ -105,19 +105,23 @@ class Dense(Op):
     def backward(self, grad_out, grad_dst):
         needs_x, needs_w, needs_b = self.needs_input_grad
         needs_params = needs_w or needs_b
-        x, w, dtype = self.x, self.w, np.dtype(self.x.dtype)
+        x, w, dtype = self.x, self.w, self.x.dtype
+        # each gradient goes into the tape's buffer when it gave one, else a new output; one
+        # that is not needed gets an empty array the kernel never writes
+        grad_x = (grad_dst[0] if grad_dst[0] is not None else Out(x.shape, dtype, flat=False)) \
+            if needs_x else Out((0, 0), dtype, flat=False)
+        grad_w, grad_b = grad_dst[1], grad_dst[2]
+        if needs_params:
+            grad_w = grad_w if grad_w is not None else Out(w.shape, dtype, flat=False)
+            grad_b = grad_b if grad_b is not None else Out((w.shape[1],), dtype, flat=False)
+        else:
+            grad_w, grad_b = Out((0, 0), dtype, flat=False), Out((0,), dtype, flat=False)
+        run(DENSE_BACKWARD, x, w, self.y, grad_out, grad_x, grad_w, grad_b, self.act,
+            self.alpha, needs_x, needs_params)
+        return (_made(grad_x) if needs_x else None, _made(grad_w) if needs_w else None,
+                _made(grad_b) if needs_b else None)
 
-        def slot(needed, destination, shape):
-            """The tape's buffer when it gave one, else a new output; an empty array the
-            kernel never writes when the gradient is not needed."""
-            if not needed:
-                return Out((0,) * len(shape), dtype, flat=False)
-            return destination if destination is not None else Out(shape, dtype, flat=False)
 
-        slots = (slot(needs_x, grad_dst[0], x.shape), slot(needs_params, grad_dst[1], w.shape),
-                 slot(needs_params, grad_dst[2], (w.shape[1],)))
-        run(DENSE_BACKWARD, x, w, self.y, grad_out, *slots, self.act, self.alpha, needs_x,
-            needs_params)
-        grad_x, grad_w, grad_b = (s.array if isinstance(s, Out) else s for s in slots)
-        return (grad_x if needs_x else None, grad_w if needs_w else None,
-                grad_b if needs_b else None)
+def _made(slot):
+    """The array behind a gradient slot: the tape's buffer, or the output the run made."""
+    return slot.array if type(slot) is Out else slot

@@ -12,7 +12,7 @@ placeholders stand for what the dispatcher makes::
 - ``Meta(values)``: a tuple of ints (shapes, strides) as one cached int64 array: read-only
   NumPy on the CPU, a device array on CUDA (one kernel argument instead of many).
 """
-from ops.cuda_backend import is_device_array
+from ops.launch import device_of_args
 from ops.layout import device_meta, flat, host_meta
 from ops.memory import empty
 
@@ -37,25 +37,20 @@ class Meta:
 def run(kernel, *args):
     """Run ``kernel`` on ``args`` with its ``Out`` and ``Meta`` placeholders made; returns the
     new outputs (one array, a tuple of several, or None)."""
-    device = "cpu"
-    for arg in args:
-        if is_device_array(arg):
-            device = "cuda"
-            break
+    device = device_of_args(args)
+    resolved = list(args)
     outputs = []
-    resolved = []
-    for arg in args:
+    for position, arg in enumerate(args):
         kind = type(arg)
         if kind is Out:
             if arg.array is None:   # one placeholder named twice is one array
                 arg.array = empty(arg.shape, arg.dtype, device)
                 outputs.append(arg.array)
-            resolved.append(flat(arg.array) if arg.flat else arg.array)
+            resolved[position] = flat(arg.array) if arg.flat else arg.array
         elif kind is Meta:
-            resolved.append(device_meta(arg.values) if device == "cuda" else host_meta(arg.values))
-        else:
-            resolved.append(arg)
-    kernel(*resolved)
+            resolved[position] = (device_meta(arg.values) if device == "cuda"
+                                  else host_meta(arg.values))
+    kernel.run_on(device, resolved)
     if not outputs:
         return None
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

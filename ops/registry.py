@@ -35,17 +35,13 @@ class Op:
 
     def __call__(self, *inputs):
         """The forward, after the declared checks."""
-        arrays = [x for x in inputs if hasattr(x, "shape")]
-        devices = {device_of(x) for i, x in enumerate(inputs)
-                   if hasattr(x, "shape") and i not in self.host_inputs}
-        if len(devices) > 1:
-            shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in arrays)
-            raise ValueError(f"{self.name}: inputs live on different devices ({shapes})")
-        floats = []
+        devices, floats = set(), []
         for position, x in enumerate(inputs):
             if not hasattr(x, "shape"):
                 continue
-            dtype = np.dtype(x.dtype)
+            if position not in self.host_inputs:
+                devices.add("cpu" if type(x) is np.ndarray else device_of(x))
+            dtype = x.dtype
             if position in self.integer_inputs:
                 if dtype.kind not in "iu":
                     raise TypeError(f"{self.name}: labels must be integers, got {dtype}")
@@ -54,7 +50,11 @@ class Op:
                                 "expected float32 or float64")
             else:
                 floats.append(dtype)
-        if self.same_dtype and len(set(floats)) > 1:
+        if len(devices) > 1:
+            shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in inputs
+                               if hasattr(a, "shape"))
+            raise ValueError(f"{self.name}: inputs live on different devices ({shapes})")
+        if self.same_dtype and len(floats) > 1 and len(set(floats)) > 1:
             names = ", ".join(str(d) for d in floats)
             raise TypeError(f"{self.name}: inputs have different dtypes ({names}); cast one first")
         self.check(*inputs)
