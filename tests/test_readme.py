@@ -1,0 +1,116 @@
+"""README.md as a new user meets it: every ```python block runs as written on a CPU machine,
+and every link it makes points at a file of the repository.
+
+The blocks run in one fresh interpreter (started without NUMBA_ENABLE_CUDASIM, as on a
+CPU machine), in an empty folder, each in a namespace of its own: a block may use only what it
+defines, as when it is pasted alone. One interpreter for all of them, not one each, because
+each start pays for ``import engine`` and the kernel cache again.
+"""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+HEADING = re.compile(r"^#+ (.*)$", re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+# Run after the Data block, in its namespace: the noise is clipped to the normalised pixel
+# range, not to (0, 1), which would set 96.7% of normalised pixels to exactly 0 or 1.
+DATA_BLOCK_CHECK = """
+import numpy as np
+pixels = next(iter(loader))[0].numpy()
+low, high = (0 - MEAN) / STD, (1 - MEAN) / STD
+assert low - 1e-6 <= pixels.min() and pixels.max() <= high + 1e-6, (pixels.min(), pixels.max())
+at_zero_or_one = np.isin(pixels, np.float32([0, 1])).mean()
+assert at_zero_or_one < 0.01, f"{at_zero_or_one:.1%} of the pixels are exactly 0 or 1"
+assert pixels.std() > 0.5, pixels.std()   # normalised images, not a clipped blank
+"""
+
+RUNNER = """
+import json, sys, traceback
+blocks = json.load(open(sys.argv[1]))
+failures = []
+for code, check in blocks:
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compile(code, "<README block>", "exec"), namespace)
+        if check:
+            exec(compile(check, "<check of the README block>", "exec"), namespace)
+        failures.append(None)
+    except BaseException:
+        failures.append(traceback.format_exc())
+json.dump(failures, open(sys.argv[2], "w"))
+"""
+
+
+def _blocks():
+    """``(code, heading, line)`` of every ```python block, in reading order."""
+    text = README.read_text()
+    blocks = []
+    for match in PYTHON_BLOCK.finditer(text):
+        headings = HEADING.findall(text, 0, match.start())
+        blocks.append((match.group(1), headings[-1] if headings else "top",
+                       text.count("\n", 0, match.start()) + 1))
+    return blocks
+
+
+BLOCKS = _blocks()
+
+
+def _check_for(code):
+    return DATA_BLOCK_CHECK if "normalize=" in code and "data.DataLoader(" in code else ""
+
+
+@pytest.fixture(scope="module")
+def block_failures(tmp_path_factory):
+    """One traceback (or None) per README block, from one CPU-only interpreter."""
+    folder = tmp_path_factory.mktemp("readme")
+    blocks_file, failures_file = folder / "blocks.json", folder / "failures.json"
+    blocks_file.write_text(json.dumps([(code, _check_for(code)) for code, _, _ in BLOCKS]))
+    environment = {name: value for name, value in os.environ.items()
+                   if name != "NUMBA_ENABLE_CUDASIM"}
+    result = subprocess.run([sys.executable, "-c", RUNNER, str(blocks_file), str(failures_file)],
+                            cwd=folder, env=environment, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    return json.loads(failures_file.read_text())
+
+
+def test_the_readme_has_its_python_blocks():
+    assert len(BLOCKS) >= 9, [heading for _, heading, _ in BLOCKS]
+    assert sum(bool(_check_for(code)) for code, _, _ in BLOCKS) == 1   # the Data example
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)),
+                         ids=[f"line{line}-{heading}" for _, heading, line in BLOCKS])
+def test_readme_block_runs_as_written(index, block_failures):
+    code, heading, line = BLOCKS[index]
+    if "import torch" in code and importlib.util.find_spec("torch") is None:
+        pytest.skip("needs PyTorch (pip install '.[torch]')")
+    assert block_failures[index] is None, (
+        f"README.md line {line} ({heading}):\n{code}\n{block_failures[index]}")
+
+
+def test_readme_links_point_into_the_repository():
+    links = [link for link in LINK.findall(README.read_text())
+             if "://" not in link and not link.startswith("#")]
+    assert "engine/API.md" in links
+    for link in links:
+        target = (README.parent / link.split("#")[0]).resolve()
+        assert target.is_relative_to(REPO_ROOT) and target.exists(), link
+
+
+def test_the_api_reference_is_the_shared_contract():
+    shared = REPO_ROOT.parent / "shared" / "API.md"
+    if not shared.exists():
+        pytest.skip(f"no {shared} beside this checkout to compare with")
+    assert (REPO_ROOT / "engine" / "API.md").read_text() == shared.read_text(), (
+        "engine/API.md differs from the shared API contract: copy it in again")
