@@ -62,3 +62,35 @@ def test_numpy_operands_and_reflected_scalars(device):
     np.testing.assert_allclose((x ** 2).numpy(), [1, 4])
     with pytest.raises(TypeError, match="exponent"):
         x ** x
+
+
+# ------------------------------------------------------------------ device names
+
+def test_auto_device_never_picks_the_cuda_simulator():
+    """"auto" means a real GPU: in a process running Numba's simulator it is the CPU, while
+    "cuda" still asks for the simulator there (as the CUDA tests do)."""
+    import os
+    import subprocess
+    import sys
+    code = ("from ops.device import check_device, cuda_available\n"
+            "import engine\n"
+            "print(cuda_available(), check_device('auto'), check_device('cuda'),"
+            " engine.zeros(2, device='auto').device)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "cpu", "cuda", "cpu"]
+
+
+def test_unusable_cuda_names_the_cuda_extra_and_not_the_simulator(monkeypatch):
+    import ops.device
+    monkeypatch.setattr(ops.device, "SIMULATOR", False)
+    monkeypatch.setattr(ops.device, "cuda_available", lambda: False)
+    assert ops.device.check_device("auto") == "cpu"
+    for name in ("cuda", "CUDA:0"):
+        with pytest.raises(RuntimeError) as error:
+            ops.device.check_device(name)
+        message = str(error.value)
+        assert "no CUDA GPU is usable here" in message and ".[cuda]" in message
+        assert "NUMBA_ENABLE_CUDASIM" not in message and "simulator" not in message
+        assert "\n" not in message
