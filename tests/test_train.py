@@ -584,8 +584,8 @@ def test_every_flipped_byte_of_a_checkpoint_is_a_value_error_or_harmless(tmp_pat
 
 # ------------------------------------------------------------------ progress and curves
 
-def test_fit_reads_the_per_step_losses_once_per_epoch():
-    model, loader, _, _ = _blobs_model_and_loader("cpu")   # 6 batches of 8
+def test_fit_reads_the_per_step_losses_once_per_epoch(device):
+    model, loader, _, _ = _blobs_model_and_loader(device)   # 6 batches of 8
     seen = []
 
     def loss_fn(logits, labels):
