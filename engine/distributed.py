@@ -6,6 +6,8 @@
 Every rank holds the whole model and trains on its shard of each global batch
 (``data.DataLoader(..., shard=(rank(), world_size()))``); ``all_reduce_gradients`` averages
 the gradients, so every rank takes the same step and the replicas stay equal.
+``mean_over_ranks`` averages host numbers (an epoch's loss and accuracy on each shard), so
+rank 0, which alone prints and saves, reports the whole world's.
 
 - **The world.** ``init()`` reads rank and size from MPI (mpi4py; MPICH from the package
   index, since Open MPI refuses to run as root). A process not started by ``mpiexec`` is a
@@ -190,6 +192,16 @@ def check_replicas(model):
                  for buffer in model.flat_buffers()]
     check_agreement(f"the parameters after {world.steps} step(s) (the replicas have "
                     "diverged; CRC-32 of each flat buffer)", checksums)
+
+
+def mean_over_ranks(values):
+    """The mean over the ranks of each of ``values`` (host numbers: an epoch's loss and
+    accuracy on each rank's shard), as a list of floats, the same on every rank."""
+    world = _require_world("mean_over_ranks")
+    local = np.array(values, dtype=np.float64).reshape(-1)
+    if world.size > 1:
+        world.average(local)
+    return local.tolist()
 
 
 def check_agreement(what, value):

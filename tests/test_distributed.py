@@ -196,6 +196,7 @@ def test_a_world_of_one_needs_no_mpiexec_and_changes_nothing(world_of_one, monke
         np.testing.assert_array_equal(value, weights[name])
     dist.check_replicas(model)
     dist.check_agreement("a number", 3)
+    assert dist.mean_over_ranks([0.25, 3]) == [0.25, 3.0]
 
 
 def test_nothing_runs_before_init(world_of_one):
@@ -272,6 +273,8 @@ def _train_single_process(device="cpu"):
 def _assert_trains_as_one_process(out, device):
     initial, expected = _train_single_process(device)
     ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(RANKS)]
+    for weights in ranks:   # ranks 0 and 1 passed [0, 1] and [1, 11]
+        np.testing.assert_array_equal(weights.pop("rank_means"), [0.5, 6.0])
     for name, value in expected.items():
         assert np.abs(value - initial[name]).max() > 1e-3, "training did not move the weights"
         for weights in ranks:
@@ -364,7 +367,8 @@ def _rank_trains(device, out):
             cross_entropy(model(xb), yb).backward()
             dist.all_reduce_gradients(model)
             optimizer.step()
-    np.savez(out / f"rank{dist.rank()}.npz", **model.state_dict())
+    np.savez(out / f"rank{dist.rank()}.npz", **model.state_dict(),
+             rank_means=dist.mean_over_ranks([dist.rank(), 10 * dist.rank() + 1]))
 
 
 def _report_mismatch(out, step):
