@@ -19,7 +19,7 @@ import threading
 import numpy as np
 from numba import config
 from numba import cuda  # noqa: F401  (re-exported: the kernel modules' CUDA API)
-from numba.cuda.cudadrv.devicearray import DeviceNDArray, is_cuda_ndarray
+from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 # Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning for it.
@@ -28,6 +28,7 @@ config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 if not SIMULATOR:
     from cuda.core import LaunchConfig
     from cuda.core import launch as _core_launch
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import _to_core_stream
 
 _thread = threading.local()
