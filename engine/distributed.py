@@ -19,9 +19,9 @@ rank 0, which alone prints and saves, reports the whole world's.
   through the CUDA Array Interface and queued on the engine's stream, so it follows the
   backward kernels without a host sync and can be captured into a CUDA graph. No bucketing:
   a model's gradients already are one buffer (one bucket) per device and dtype, and the
-  reference MLP's 0.94 MB all-reduce took 0.19-0.20 ms on 2 CPU ranks (``python -m
-  bench.distributed``, 2-core machine), a tenth of its 2 ms step; the 784-2048-2048-10
-  MLP's 23 MB took 7-16 ms of a 70-150 ms step.
+  reference MLP's 0.94 MB all-reduce took 0.18-0.20 ms on 2 CPU ranks (``python -m
+  bench.distributed`` and a bare mpi4py loop, 2-core machine), a tenth of its 1.6-2 ms
+  step; the 784-2048-2048-10 MLP's 23 MB took 7-18 ms of a 66-150 ms step.
 - **Same model everywhere.** ``broadcast_model`` first checks that every rank built the same
   model (parameter shapes, buffer devices and dtypes), then sends rank 0's flat parameter
   buffers to all. With ``ENGINE_CHECK_REPLICAS=N`` (N >= 1), every N-th call of
