@@ -8,17 +8,15 @@ rate is computed from the group's *current* ``"lr"``, so a rate set by hand or b
 scheduler on the same optimizer carries on (set lr to 0.01, take two ``StepLR(step_size=2,
 gamma=0.5)`` steps: 0.005). ``LambdaLR`` is a closed form of ``base_lrs``, as torch's.
 
-Resuming, two ways:
-
-- build it fresh after loading the optimizer's state, then ``load_state_dict`` the saved
-  scheduler state: the loaded rates go on exactly (loading a scheduler's state writes no
-  rate, as in torch), bit for bit like a run never interrupted;
-- rebuild it with ``last_epoch=k`` (it needs the ``"initial_lr"`` the optimizer's state
-  carries): its first epoch is k + 1. ``CosineAnnealingLR`` then starts from its closed form
-  at k + 1, torch's ``_step_count == 1`` branch (torch 2.13 reaches it no more and keeps the
-  loaded rate), so a resumed run with another ``T_max`` (``engine.train --epochs``) follows
-  the new cosine; ``StepLR`` decays the loaded rate when k + 1 is a multiple of
-  ``step_size``, as torch's.
+Resuming: the optimizer's state holds the rates, and the schedule goes on from them, bit
+for bit like a run never interrupted. Load the optimizer's state, then either build the
+scheduler fresh and ``load_state_dict`` its saved state (which writes no rate, as in torch),
+or rebuild it with ``last_epoch=k`` (it needs the ``"initial_lr"`` the optimizer's state
+carries; its first epoch is k + 1). As in torch, the constructor's step keeps the loaded
+rates for ``CosineAnnealingLR``, while ``StepLR`` decays them when k + 1 is a multiple of
+``step_size`` (torch's advice: build the scheduler before loading the optimizer's state).
+A recursive cosine resumed with another ``T_max`` goes on from the loaded rate; a schedule
+that must be a function of the epoch alone is a ``LambdaLR`` (``engine.train`` does that).
 
 The optimizer's kernels take ``lr`` as an argument: a new rate never recompiles anything. A
 plain callable works too (``LambdaLR(opt, lambda epoch: ...)``), or write ``group["lr"]``.
@@ -110,8 +108,7 @@ class CosineAnnealingLR(LRScheduler):
                                                when (e - 1 - T) % (2 T) == 0
 
     with ``T = T_max``. From a constant start this is ``eta_min + (initial_lr - eta_min) *
-    (1 + cos(pi e / T)) / 2``. The constructor's step keeps the current rates at epoch 0 and writes
-    that closed form when resuming (``last_epoch >= 0``, see the module docstring)."""
+    (1 + cos(pi e / T)) / 2``. The constructor's step keeps the current rates."""
 
     def __init__(self, optimizer, T_max, eta_min=0.0, last_epoch=-1):
         if not isinstance(T_max, int) or isinstance(T_max, bool) or T_max < 1:
@@ -124,9 +121,6 @@ class CosineAnnealingLR(LRScheduler):
 
     def rates(self, initial):
         epoch, period, eta_min = self.last_epoch, self.T_max, self.eta_min
-        if initial and epoch > 0:
-            return [eta_min + (base_lr - eta_min) * (1 + math.cos(epoch * math.pi / period)) / 2
-                    for base_lr in self.base_lrs]
         if initial:
             return self._current_rates()
         if (epoch - 1 - period) % (2 * period) == 0:   # the ratio below would divide by 0
