@@ -5,8 +5,8 @@ which Numba hands to SciPy's BLAS (OpenBLAS in the SciPy wheels). BLAS starts on
 core by default, and its idle threads spin while they wait for work, so on a machine that is
 doing anything else they fight the other processes: on the project's 2-core machine, beside
 one busy process, ``python -m bench.mlp --device cpu`` took a median 6.4 s per epoch at 2
-BLAS threads and 1.0 s at 1, while an idle machine gave 0.48 and 0.60 s (the README's "CPU
-threads" section has the commands and numbers).
+BLAS threads and 1.0 s at 1, and 0.48 and 0.60 s without it (the README's "CPU threads"
+section has the commands and numbers).
 
 So the engine runs BLAS on ``DEFAULT_THREADS`` = 1 thread, unless the user chose through
 one of ``USER_VARIABLES`` (which BLAS itself reads), which is then left alone. The default is
