@@ -96,7 +96,7 @@ def _header(*names):
 
 class _NumbaEvent:
     def __init__(self):
-        from numba import cuda
+        from ops.cuda_backend import cuda
         self.event = cuda.event()
 
     def record(self):
@@ -107,7 +107,7 @@ class _NumbaEvent:
 
 
 def bench_cuda(shapes):
-    from numba import cuda
+    from ops.cuda_backend import cuda
 
     from ops.device import to_device
     from ops.matmul import gemm

@@ -220,7 +220,7 @@ def compile_times(device, hidden):
 
 def machine_description(device):
     if device == "cuda":
-        from numba import cuda
+        from ops.cuda_backend import cuda
         name = getattr(cuda.get_current_device(), "name", "Numba's CUDA simulator")
         return name.decode() if isinstance(name, bytes) else str(name)
     model = platform.processor() or platform.machine()

@@ -130,7 +130,7 @@ def run(device, quick=False):
 
     def engine_sync():
         if device == "cuda":
-            from numba import cuda
+            from ops.cuda_backend import cuda
             cuda.synchronize()
 
     def torch_sync():

@@ -45,6 +45,7 @@ import numpy as np
 
 from ops.cuda_backend import SIMULATOR, cuda, engine_stream
 from ops.device import check_device, device_of, to_host
+from ops.launch import note_unrecordable
 
 CHECK_REPLICAS_VARIABLE = "ENGINE_CHECK_REPLICAS"
 # set by the process managers that start MPI ranks: MPICH's hydra, PMIx, Open MPI
@@ -177,6 +178,8 @@ def all_reduce_gradients(model):
     """Average each flat gradient buffer of ``model`` over the ranks, one collective per
     buffer; call it after ``backward()`` and before the optimizer step, on every rank."""
     world = _require_world("all_reduce_gradients")
+    if world.size > 1:
+        note_unrecordable("an all-reduce (engine.distributed) runs no kernel of the engine")
     if world.replica_interval and world.steps % world.replica_interval == 0:
         check_replicas(model)
     world.steps += 1

@@ -30,6 +30,7 @@ from engine.random import generator
 from engine.tensor import Tensor, tensor
 from ops import dropout as dropout_op
 from ops.device import check_device, to_device
+from ops.launch import note_unrecordable
 
 ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
 RELU_FAMILY = ("relu", "leaky_relu")
@@ -232,6 +233,7 @@ class Dropout(Layer):
         if not self.training or self.p == 0.0:
             return x
         seed = int(generator().integers(0, dropout_op.SEED_LIMIT))
+        note_unrecordable("Dropout draws its mask seed on the host per call")
         return apply(dropout_op.Dropout, x, p=self.p, seed=seed)
 
     def get_config(self):

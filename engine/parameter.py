@@ -20,18 +20,9 @@ A Parameter not packed yet keeps its gradient in an array of its own, as any ten
 import numpy as np
 
 from engine.tensor import Tensor
-from ops.device import device_of, to_device, to_host
+from ops.device import copy_into, device_of, to_device, to_host
 from ops.elementwise import add_arrays
 from ops.memory import empty
-
-
-def copy_into(destination, source):
-    """Copy ``source`` (host or device, same shape) into ``destination`` on its device."""
-    if device_of(destination) == "cuda":
-        destination.copy_to_device(source if device_of(source) == "cuda"
-                                   else np.ascontiguousarray(source))
-    else:
-        np.copyto(destination, to_host(source))
 
 
 class Parameter(Tensor):

@@ -13,7 +13,8 @@ import numpy as np
 from engine import functional as F
 from engine.autograd import Value
 from engine.random import generator
-from ops.cuda_backend import as_device_array, current_device_id, from_cuda_array_interface
+from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
+                               dlpack_capsule)
 from ops.device import check_device, device_of, to_device, to_host
 from ops.fill import fill
 from ops.memory import empty
@@ -217,10 +218,8 @@ class Tensor(Value):
         if self.device == "cpu":
             return self.data.__dlpack__(stream=stream, max_version=max_version,
                                         dl_device=dl_device, copy=copy)
-        from cuda.core.utils import StridedMemoryView   # numba-cuda's own dependency
-        view = StridedMemoryView.from_cuda_array_interface(self.data, stream_ptr=-1)
-        return view.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device,
-                               copy=copy)
+        return dlpack_capsule(self.data, stream=stream, max_version=max_version,
+                              dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self):
         if self.device == "cpu":
@@ -324,7 +323,7 @@ def from_dlpack(array, requires_grad=False):
         raise TypeError(f"from_dlpack: a {_type_name(array)} exposes neither __dlpack__ nor "
                         "__cuda_array_interface__; copy it with engine.tensor(...)")
     elif array.__dlpack_device__()[0] == DLPACK_CUDA:
-        data = _cuda_array_from_dlpack(array)
+        data = device_array_from_dlpack(array)
     else:
         data = np.from_dlpack(array)
     check_dtype(data.dtype, "from_dlpack")
@@ -339,13 +338,3 @@ def from_dlpack(array, requires_grad=False):
 def _type_name(array):
     return f"{type(array).__module__}.{type(array).__qualname__}"
 
-
-def _cuda_array_from_dlpack(array):
-    """A Numba device array over a CUDA DLPack producer that has no CUDA Array Interface."""
-    from cuda.core.utils import StridedMemoryView
-    view = StridedMemoryView.from_dlpack(array, stream_ptr=-1)
-    itemsize = view.dtype.itemsize
-    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
-    interface = {"shape": tuple(view.shape), "strides": strides, "typestr": view.dtype.str,
-                 "data": (view.ptr, view.readonly), "version": 3}
-    return from_cuda_array_interface(interface, owner=view)

@@ -101,9 +101,24 @@ def mapped_pair(size, dtype):
     return host, device
 
 
-def from_cuda_array_interface(interface, owner):
-    """A device array over foreign CUDA memory described by a CUDA Array Interface dict."""
-    return cuda.from_cuda_array_interface(interface, owner=owner, sync=False)
+def device_array_from_dlpack(producer):
+    """A device array over the memory of a CUDA DLPack producer that has no CUDA Array
+    Interface (no copy)."""
+    from cuda.core.utils import StridedMemoryView   # numba-cuda's own dependency
+    view = StridedMemoryView.from_dlpack(producer, stream_ptr=-1)
+    itemsize = view.dtype.itemsize
+    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+    interface = {"shape": tuple(view.shape), "strides": strides, "typestr": view.dtype.str,
+                 "data": (view.ptr, view.readonly), "version": 3}
+    return cuda.from_cuda_array_interface(interface, owner=view, sync=False)
+
+
+def dlpack_capsule(device_array, **options):
+    """A DLPack capsule over a device array's memory (``options``: the ``__dlpack__``
+    keywords)."""
+    from cuda.core.utils import StridedMemoryView
+    view = StridedMemoryView.from_cuda_array_interface(device_array, stream_ptr=-1)
+    return view.__dlpack__(**options)
 
 
 def as_device_array(obj):
@@ -153,17 +168,32 @@ _configs = {}
 
 def launch(kernel, grid, block, args):
     """Launch the ``@cuda.jit`` ``kernel`` on ``grid`` blocks of ``block`` threads."""
-    signature = None if SIMULATOR else _signature(args)
-    key = (kernel, signature)
-    function = _compiled.get(key)
+    function = direct_function(kernel, args)
     if not function:
         kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
-        if signature is not None and function is None:
-            _compiled[key] = _core_function(kernel, args)
+        signature = None if SIMULATOR else _signature(args)
+        if signature is not None and (kernel, signature) not in _compiled:
+            _compiled[(kernel, signature)] = _core_function(kernel, args)
         return
     if not getattr(_thread, "has_context", False):
         cuda.current_context()   # a new thread (torch's backward threads) needs it made current
         _thread.has_context = True
+    _core_launch(_default_stream(), _launch_config(grid, block), function,
+                 *kernel_params(args))
+
+
+def direct_function(kernel, args):
+    """The cuda.core kernel Numba compiled for the types of ``args``, once it has run them
+    (None before, and always in the simulator or for arguments only Numba can pass)."""
+    if SIMULATOR:
+        return None
+    signature = _signature(args)
+    return _compiled.get((kernel, signature)) if signature is not None else None
+
+
+def kernel_params(args):
+    """The kernel parameter list Numba would pass for ``args`` (each array expands to
+    meminfo, parent, size, itemsize, data, shape, strides)."""
     params = []
     for arg in args:
         if is_cuda_ndarray(arg):
@@ -175,7 +205,40 @@ def launch(kernel, grid, block, args):
             params.append(ctypes.c_int64(arg) if kind == _INT else
                           ctypes.c_double(arg) if kind == _FLOAT64 else
                           ctypes.c_float(arg) if kind == _FLOAT32 else bool(arg))
-    _core_launch(_default_stream(), _launch_config(grid, block), function, *params)
+    return params
+
+
+# ------------------------------------------------------------------ CUDA graphs
+
+def build_graph(launches):
+    """An executable CUDA graph of ``launches`` (``(function, grid, block, args)`` with
+    ``function`` from ``direct_function``) in one chain, each after the one before, and its
+    kernel nodes (to update their arguments between replays)."""
+    from cuda.core.graph import GraphDefinition
+    definition = GraphDefinition()
+    nodes = []
+    node = definition
+    for function, grid, block, args in launches:
+        node = node.launch(_launch_config(grid, block), function, *kernel_params(args))
+        nodes.append(node)
+    return definition.instantiate(), nodes
+
+
+def update_graph_node(graph, node, function, grid, block, args):
+    """Give a kernel node of an instantiated graph new arguments for its next launches."""
+    graph[node].update(config=_launch_config(grid, block), kernel=function,
+                       args=kernel_params(args))
+
+
+def launch_graph(graph):
+    """Launch ``graph`` on the engine's stream, after the kernels launched before it."""
+    graph.launch(_default_stream())
+
+
+def copy_into_device_array(destination, source):
+    """Copy the device array ``source`` into ``destination`` (same shape and dtype), ordered
+    on the engine's stream after the kernels before it, without a host sync."""
+    destination.copy_to_device(source)
 
 
 def specialize(kernel, args):

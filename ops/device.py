@@ -3,7 +3,9 @@ import functools
 
 import numpy as np
 
+from ops.array_copy import copy_array
 from ops.cuda_backend import SIMULATOR, cuda, device_empty, host_to_device, is_device_array
+from ops.launch import note_unrecordable
 
 DEVICES = ("cpu", "cuda")
 
@@ -49,16 +51,46 @@ def check_device(device):
 def to_host(array):
     """A NumPy array with the contents of ``array`` (a copy when it lives on the GPU)."""
     if is_device_array(array):
+        note_unrecordable("a device value read on the host (.item(), .numpy(), a check)")
         return array.copy_to_host()
     return np.asarray(array)
 
 
 def to_device(array, device):
-    """A fresh copy of a host or device array on ``device``."""
+    """A fresh copy of a host or device array on ``device``.
+
+    A copy within one device of a C-contiguous array is a kernel (``ops.array_copy``), so a
+    captured step replays it; a copy between the host and the device is not."""
+    on_device = is_device_array(array)
     if device == "cuda":
-        if is_device_array(array):
-            out = device_empty(array.shape, array.dtype)   # fully written: no poison needed
+        if on_device and _c_contiguous(array):
+            return copy_array(device_empty(array.shape, array.dtype), array)   # all written
+        note_unrecordable("data copied between the host and the device")
+        if on_device:
+            out = device_empty(array.shape, array.dtype)
             out.copy_to_device(array)
             return out
         return host_to_device(array)
+    if type(array) is np.ndarray and array.flags.c_contiguous:
+        return copy_array(np.empty(array.shape, array.dtype), array)
+    if not on_device:
+        note_unrecordable("host data copied into a new array")
     return np.array(to_host(array), copy=True, order="C")
+
+
+def copy_into(destination, source):
+    """Copy ``source`` (host or device, same shape and dtype) into ``destination``; within one
+    device a kernel, as ``to_device``."""
+    if device_of(source) == device_of(destination) and _c_contiguous(source):
+        copy_array(destination, source)
+        return
+    note_unrecordable("data copied between the host and the device")
+    if is_device_array(destination):
+        destination.copy_to_device(source if is_device_array(source)
+                                   else np.ascontiguousarray(source))
+    else:
+        np.copyto(destination, to_host(source))
+
+
+def _c_contiguous(array):
+    return array.is_c_contiguous() if is_device_array(array) else array.flags.c_contiguous

@@ -118,6 +118,30 @@ def _refuse_host_arrays(name, args):
 
 # ------------------------------------------------------------------ recording
 
+def recording():
+    """True while a ``LaunchRecorder`` is active on this thread."""
+    return bool(getattr(_thread, "recorders", None))
+
+
+def claim_last_run(refresh):
+    """Mark the run just made as one whose arguments ``refresh()`` gives anew for each replay
+    (every active recorder of this thread; nothing when none is active). A kernel that
+    made several launches (a cuda_plan) cannot be claimed."""
+    for recorder in getattr(_thread, "recorders", None) or ():
+        recorder.refreshers[len(recorder.runs) - 1] = refresh
+
+
+def note_unrecordable(reason):
+    """Tell the active recorders that the code just did work no kernel run holds (a host copy,
+    a collective, a host-side random draw), so replaying the runs would skip it."""
+    for recorder in getattr(_thread, "recorders", None) or ():
+        recorder.unrecordable.append(reason)
+
+
+class StaleRecording(Exception):
+    """A claimed run cannot give arguments for this step any more: record the step again."""
+
+
 def _record(recorders, run):
     for recorder in recorders:
         recorder.runs.append(run)
@@ -129,10 +153,15 @@ class LaunchRecorder:
         with LaunchRecorder() as recorder:
             train_step()
         recorder.cuda_launches()   # how many CUDA launches the step made
-    """
+
+    Code whose kernel arguments change from one step to the next (an optimizer's step count
+    and learning rate) claims its run with ``claim_last_run(refresh)``: a replay of the
+    recording calls ``refresh()`` for the run's arguments of that step."""
 
     def __init__(self):
         self.runs = []
+        self.refreshers = {}   # run index -> callable giving that run's arguments anew
+        self.unrecordable = []   # why a replay of these runs would not do what the code did
 
     def __enter__(self):
         if getattr(_thread, "recorders", None) is None:

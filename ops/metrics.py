@@ -10,6 +10,7 @@ from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
 from ops.cuda_backend import cuda
 from ops.device import to_host
 from ops.launch import Kernel, blocks_of
+from ops.fill import fill
 from ops.memory import empty
 
 LOSS_SUM, CORRECT, ROWS = range(3)
@@ -24,11 +25,7 @@ def _is_correct(logits, labels, row):
     return 1.0 if best == labels[row] else 0.0
 
 
-def _add_totals(totals, loss, rows, correct, has_loss, first):
-    if first:   # the kernel starts the accumulators itself: no separate zeroing
-        totals[LOSS_SUM] = 0.0
-        totals[CORRECT] = 0.0
-        totals[ROWS] = 0.0
+def _add_totals(totals, loss, rows, correct, has_loss):
     totals[LOSS_SUM] += loss[0] * rows if has_loss else 0.0
     totals[CORRECT] += correct
     totals[ROWS] += rows
@@ -41,17 +38,17 @@ _add_totals_cuda = cuda.jit(device=True)(_add_totals)
 
 
 @njit(cache=True, error_model="numpy")
-def accumulate_cpu(loss, logits, labels, totals, classify, has_loss, first):
+def accumulate_cpu(loss, logits, labels, totals, classify, has_loss):
     rows = logits.shape[0]
     correct = 0.0
     if classify:
         for row in range(rows):
             correct += _is_correct_cpu(logits, labels, row)
-    _add_totals_cpu(totals, loss, rows, correct, has_loss, first)
+    _add_totals_cpu(totals, loss, rows, correct, has_loss)
 
 
 @cuda.jit(cache=True)
-def accumulate_cuda(loss, logits, labels, totals, classify, has_loss, first):
+def accumulate_cuda(loss, logits, labels, totals, classify, has_loss):
     """One block: per-thread counts over rows, then the fixed-order block reduction."""
     t = cuda.threadIdx.x
     rows = logits.shape[0]
@@ -61,7 +58,7 @@ def accumulate_cuda(loss, logits, labels, totals, classify, has_loss, first):
             count += _is_correct_cuda(logits, labels, row)
     correct = block_reduce_cuda(SUM, count)
     if t == 0:
-        _add_totals_cuda(totals, loss, rows, correct, has_loss, first)
+        _add_totals_cuda(totals, loss, rows, correct, has_loss)
 
 
 ACCUMULATE = Kernel("accumulate_metrics", accumulate_cpu, accumulate_cuda,
@@ -72,7 +69,9 @@ class RunningMetrics:
     """Mean loss and accuracy of one pass, accumulated on ``device``."""
 
     def __init__(self, device):
-        self.totals = empty(3, np.float64, device)   # started by the first add's kernel
+        # zeroed here, not by the first add: every add is then the same launch, which a
+        # captured step can replay
+        self.totals = fill(empty(3, np.float64, device), 0)
         self.classify = None
         self._no_labels = empty(0, np.int64, device)
 
@@ -88,8 +87,7 @@ class RunningMetrics:
         has_loss = loss is not None
         self.has_loss = has_loss if first else self.has_loss and has_loss
         ACCUMULATE(loss.reshape(1) if has_loss else self.totals, logits,
-                   labels if classify else self._no_labels, self.totals, classify, has_loss,
-                   first)
+                   labels if classify else self._no_labels, self.totals, classify, has_loss)
 
     def read(self):
         """``(mean loss per sample, accuracy or None, rows)``; one device-to-host copy."""

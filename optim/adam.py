@@ -102,7 +102,9 @@ class Adam(Optimizer):
     def _state_names(self, group):
         return ("exp_avg", "exp_avg_sq")
 
-    def _update(self, group, param, grad, buffers, step):
+    update_kernel = ADAM_UPDATE
+
+    def _update_args(self, group, param, grad, buffers, step):
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         beta1, beta2 = (float(b) for b in group["betas"])
         if self.decoupled_weight_decay:
@@ -116,7 +118,7 @@ class Adam(Optimizer):
         args = (param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
                 cast(1.0 - beta2), cast(group["eps"]), cast(l2), cast(param_decay),
                 cast(step_size), cast(bias_correction2_sqrt), step == 1)
-        ADAM_UPDATE(*args)
+        return args
 
 
 class AdamW(Adam):

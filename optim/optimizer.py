@@ -18,10 +18,11 @@ How a group is updated (``step``):
   correct but costs one launch per parameter.
 
 Subclasses name their state buffers (``_state_names``), validate their hyper-parameters
-(``_check_group``) and launch their kernel (``_update``).
+(``_check_group``) and give their kernel (``update_kernel``) and its arguments
+(``_update_args``).
 
-State buffers are allocated uninitialised. ``_update`` gets them as ``StateBuffers``, whose
-``fresh`` flags say which hold no history yet (made since the parameter's last update), so
+State buffers are allocated uninitialised. ``_update_args`` gets them as ``StateBuffers``,
+whose ``fresh`` flags say which hold no history yet (made since the parameter's last update), so
 the rule writes those before reading them. Adam's buffers are made with the state, so they
 are fresh exactly at step 1. A rule whose buffers may start at any step (``lazy_state``:
 SGD's momentum buffer, made when momentum turns non-zero after earlier steps, as in torch)
@@ -33,10 +34,10 @@ import weakref
 import numpy as np
 
 from engine.autograd import enable_grad
-from engine.parameter import copy_into
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
-from ops.device import device_of, to_device, to_host
+from ops.device import copy_into, device_of, to_device, to_host
+from ops.launch import StaleRecording, claim_last_run, recording
 from ops.layout import flat
 from ops.memory import empty
 
@@ -108,9 +109,11 @@ class Optimizer:
 
     lazy_state = False   # True: a state buffer may be made at any step (see the module doc)
 
-    def _update(self, group, param, grad, buffers, step):
-        """Launch the rule's kernel on 1-D arrays; ``buffers`` are ``StateBuffers`` in
-        ``_state_names`` order; ``step`` counts from 1 (subclasses)."""
+    update_kernel = None   # the rule's ops.launch.Kernel (subclasses)
+
+    def _update_args(self, group, param, grad, buffers, step):
+        """The arguments of ``update_kernel`` for 1-D arrays; ``buffers`` are ``StateBuffers``
+        in ``_state_names`` order; ``step`` counts from 1 (subclasses)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- stepping
@@ -154,9 +157,8 @@ class Optimizer:
                     for p in params:
                         self.state[p]["step"] += 1
                         self._unwritten[p].difference_update(names)
-                    self._update(group, buffer.data, buffer.grad,
-                                 StateBuffers(flat_state, fresh.pop()),
-                                 self.state[params[0]]["step"])
+                    self._run_update(group, buffer.data, buffer.grad,
+                                     StateBuffers(flat_state, fresh.pop()), params)
                     return
         for p in params:
             grad = p.grad
@@ -177,7 +179,28 @@ class Optimizer:
             state["step"] += 1
             buffers = StateBuffers((flat(state[name]) for name in names), self._fresh(p, names))
             self._unwritten[p].difference_update(names)
-            self._update(group, flat(p.data), flat(grad.data), buffers, state["step"])
+            self._run_update(group, flat(p.data), flat(grad.data), buffers, [p])
+
+    def _run_update(self, group, param, grad, buffers, params):
+        """Launch the rule's kernel on the 1-D arrays of ``params`` (their steps just
+        advanced). Inside a recorded step (``engine.capture``) the run is claimed: each replay
+        advances their steps as this call did and gives the kernel that step's scalars (the
+        learning rate as the group holds it then, the bias corrections)."""
+        self.update_kernel(*self._update_args(group, param, grad, buffers,
+                                              self.state[params[0]]["step"]))
+        if recording():
+            names = self._state_names(group)
+
+            def next_step_arguments():
+                if self._state_names(group) != names:
+                    raise StaleRecording(f"{self._name}: the state buffers changed since the "
+                                         "step was recorded")
+                for p in params:
+                    self.state[p]["step"] += 1
+                return self._update_args(group, param, grad,
+                                         StateBuffers(buffers, self._fresh(params[0], names)),
+                                         self.state[params[0]]["step"])
+            claim_last_run(next_step_arguments)
 
     def _fresh(self, p, names):
         return tuple(name in self._unwritten[p] for name in names)

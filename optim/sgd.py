@@ -102,10 +102,12 @@ class SGD(Optimizer):
     def _state_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _update(self, group, param, grad, buffers, step):
+    update_kernel = SGD_UPDATE
+
+    def _update_args(self, group, param, grad, buffers, step):
         momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
         buffer_is_new = bool(buffers) and buffers.fresh[0]   # made this step: start it from g
         args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
                 float(group["dampening"]), float(group["weight_decay"]),
                 bool(group["nesterov"]), buffer_is_new)
-        SGD_UPDATE(*args)
+        return args

@@ -1,4 +1,5 @@
-"""The engine's modules import one way: no circles, not even through imports inside functions."""
+"""The engine's and the kernels' modules import one way: no circles, not even through imports
+inside functions."""
 import ast
 import pathlib
 
@@ -12,34 +13,34 @@ def _module_name(path):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _engine_modules():
-    return {_module_name(path): path for path in sorted((ROOT / "engine").rglob("*.py"))}
+def _package_modules(package):
+    return {_module_name(path): path for path in sorted((ROOT / package).rglob("*.py"))}
 
 
-def _imported(node, modules):
-    """The engine modules an import statement names (``from engine import nn`` names
-    ``engine.nn``; the ``engine`` package itself, the facade over all of them, is left out)."""
+def _imported(node, modules, package):
+    """The package's modules an import statement names (``from engine import nn`` names
+    ``engine.nn``; the package itself, the facade over all of them, is left out)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     elif node.module is not None:
         names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
     else:
         names = []
-    return {name for name in names if name in modules and name != "engine"}
+    return {name for name in names if name in modules and name != package}
 
 
-def import_graph():
-    """``{module: {modules it imports anywhere in its code}}`` over engine's submodules."""
-    modules = _engine_modules()
+def import_graph(package="engine"):
+    """``{module: {modules it imports anywhere in its code}}`` over the package's submodules."""
+    modules = _package_modules(package)
     graph = {}
     for name, path in modules.items():
-        if name == "engine":
+        if name == package:
             continue
         tree = ast.parse(path.read_text(), str(path))
         graph[name] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                graph[name] |= _imported(node, modules) - {name}
+                graph[name] |= _imported(node, modules, package) - {name}
     return graph
 
 
@@ -78,6 +79,41 @@ def test_engine_has_no_import_circle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+def test_ops_has_no_import_circle():
+    graph = import_graph("ops")
+    assert "ops.launch" in graph and "ops.memory" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_ops_runtime_floor_in_order():
+    """The floor under the op families: each imports only those before it (numba-cuda only
+    through ops.cuda_backend)."""
+    graph = import_graph("ops")
+    order = ["ops.cuda_backend", "ops.launch", "ops.array_copy", "ops.device", "ops.fill",
+             "ops.cuda_pool", "ops.memory", "ops.layout", "ops.dispatch", "ops.block_reduce"]
+    for position, module in enumerate(order):
+        assert graph[module] <= set(order[:position]), (module, graph[module])
+
+
+def _imports_numba_cuda(node):
+    if isinstance(node, ast.Import):
+        return any(alias.name.startswith("numba.cuda") for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return (node.module.startswith("numba.cuda")
+                or node.module == "numba" and any(a.name == "cuda" for a in node.names))
+    return False
+
+
+def test_only_the_cuda_backend_imports_numba_cuda():
+    """A move from numba-cuda to its successor is a change to ops/cuda_backend.py alone."""
+    importers = sorted(str(path.relative_to(ROOT))
+                       for package in ("engine", "ops", "optim", "data", "bench")
+                       for path in (ROOT / package).rglob("*.py")
+                       if any(_imports_numba_cuda(node)
+                              for node in ast.walk(ast.parse(path.read_text()))))
+    assert importers == ["ops/cuda_backend.py"]
+
+
 def test_the_core_layers_in_order():
     """random, autograd, functional, tensor, parameter: each imports only those before it."""
     graph = import_graph()
@@ -88,10 +124,11 @@ def test_the_core_layers_in_order():
 
 
 def test_no_colliding_helper_names():
-    """One gradient-copy helper for engine and optim; tensor.py binds no array-level ``add``."""
-    sources = list((ROOT / "engine").rglob("*.py")) + list((ROOT / "optim").rglob("*.py"))
-    copies = [path.name for path in sources
+    """One copy helper for engine, optim and ops; tensor.py binds no array-level ``add``."""
+    sources = [path for package in ("engine", "optim", "ops")
+               for path in (ROOT / package).rglob("*.py")]
+    copies = [str(path.relative_to(ROOT)) for path in sources
               for node in ast.parse(path.read_text()).body
               if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "copy_into"]
-    assert copies == ["parameter.py"]
+    assert copies == ["ops/device.py"]
     assert not hasattr(engine.tensor, "add")
