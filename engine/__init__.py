@@ -107,6 +107,7 @@ from engine.functional import (add, div, exp, flatten, leaky_relu, log,  # noqa:
                                sigmoid, softmax, sqrt, sub, sum, tanh, transpose)
 from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401, E402
 from engine.random import manual_seed  # noqa: F401, E402
+from engine.step_capture import capture  # noqa: F401, E402
 from engine.tensor import (Tensor, from_dlpack, full, ones, randn, tensor,  # noqa: F401, E402
                            zeros)
 from ops.device import cuda_available  # noqa: F401, E402

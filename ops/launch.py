@@ -138,6 +138,14 @@ def note_unrecordable(reason):
         recorder.unrecordable.append(reason)
 
 
+def on_replay(check):
+    """Have each replay of the recording being made call ``check()`` first (a check of a
+    previous step's inputs that the kernels flag, such as cross-entropy's bad labels)."""
+    for recorder in getattr(_thread, "recorders", None) or ():
+        if check not in recorder.replay_checks:
+            recorder.replay_checks.append(check)
+
+
 class StaleRecording(Exception):
     """A claimed run cannot give arguments for this step any more: record the step again."""
 
@@ -162,6 +170,7 @@ class LaunchRecorder:
         self.runs = []
         self.refreshers = {}   # run index -> callable giving that run's arguments anew
         self.unrecordable = []   # why a replay of these runs would not do what the code did
+        self.replay_checks = []   # callables a replay runs first (deferred input checks)
 
     def __enter__(self):
         if getattr(_thread, "recorders", None) is None:

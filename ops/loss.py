@@ -26,9 +26,9 @@ from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
 from ops.cuda_backend import SIMULATOR, cuda, mapped_pair
-from ops.device import device_of, to_device, to_host
+from ops.device import device_of, to_device
 from ops.dispatch import Out, run
-from ops.launch import Kernel, blocks_of, elements
+from ops.launch import Kernel, blocks_of, elements, on_replay
 from ops.layout import flat
 from ops.registry import Op, register
 
@@ -134,7 +134,9 @@ class _BadLabelBuffer:
             self.host = self.device = np.zeros(4, np.int64)
 
     def raise_if_flagged(self):
-        values = to_host(self.device) if self.host is None else self.host.copy()
+        # the simulator's buffer is read directly, not through to_host: a check of the
+        # step's labels is not step data a captured replay would lose
+        values = self.device.copy_to_host() if self.host is None else self.host.copy()
         if values[0]:
             if self.host is None:
                 self.device.copy_to_device(np.zeros(4, np.int64))
@@ -184,6 +186,7 @@ class CrossEntropy(Op):
         bad = _bad_labels(device)
         if bad.deferred:
             bad.raise_if_flagged()   # a previous batch's bad label, read without a sync
+        on_replay(bad.raise_if_flagged)   # a captured step's replays check it too
         self.probs, loss = run(CROSS_ENTROPY, flat(logits), labels,
                                Out(logits.shape, logits.dtype), Out((), logits.dtype),
                                bad.device)
