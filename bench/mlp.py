@@ -37,7 +37,7 @@ LEARNING_RATE = 1e-3
 
 # ------------------------------------------------------------------ the engine side
 
-def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
+def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, capture=True):
     import engine
     import data
     import optim
@@ -56,7 +56,8 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
     def train_epoch():
         nonlocal epochs_done
         record = fit(model, loader, optimizer, cross_entropy, epochs_done + 1,
-                     start_epoch=epochs_done, progress=False, verbose=False)[-1]
+                     start_epoch=epochs_done, progress=False, verbose=False,
+                     capture=capture)[-1]
         epochs_done += 1
         return record["seconds"]
 
@@ -98,7 +99,11 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden):
 
 # ------------------------------------------------------------------ the PyTorch side
 
-def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, order_of_epoch):
+def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, order_of_epoch,
+               cuda_graph=False):
+    """PyTorch on the same model and batches: eager, or (``cuda_graph``, CUDA only) each full
+    batch's step replayed as one CUDA graph (``torch.cuda.graph``, Adam with
+    ``capturable=True``); the last partial batch runs eagerly."""
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
     torch.manual_seed(0)
@@ -120,8 +125,38 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, orde
         if isinstance(layer, torch.nn.Linear):
             torch.nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
             torch.nn.init.zeros_(layer.bias)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=cuda_graph)
     epochs_done = 0
+
+    def eager_step(inputs, labels):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+
+    step = eager_step
+    if cuda_graph:
+        static_x = x_train_t[:BATCH_SIZE].clone()
+        static_y = y_train_t[:BATCH_SIZE].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm-up steps off the default stream, as torch asks
+            for _ in range(3):
+                eager_step(static_x, static_y)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            loss = torch.nn.functional.cross_entropy(model(static_x), static_y)
+            loss.backward()
+            optimizer.step()
+
+        def step(inputs, labels):
+            if len(inputs) != BATCH_SIZE:
+                return eager_step(inputs, labels)
+            static_x.copy_(inputs)
+            static_y.copy_(labels)
+            graph.replay()
 
     def synchronize():
         if torch_device == "cuda":
@@ -135,10 +170,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, orde
         start = time.perf_counter()
         for first in range(0, len(order), BATCH_SIZE):
             rows = order[first:first + BATCH_SIZE]
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x_train_t[rows]), y_train_t[rows])
-            loss.backward()
-            optimizer.step()
+            step(x_train_t[rows], y_train_t[rows])
         synchronize()
         return time.perf_counter() - start
 
@@ -241,12 +273,18 @@ def run(device, epochs, hidden, limit, measure_compile):
 
     engine_epoch, engine_instrumented, engine_accuracy, loader = _engine_run(
         x_train, y_train, x_test, y_test, normalize, device, hidden)
-    frameworks = {"engine": engine_epoch}
+    eager_epoch, _, eager_accuracy, _ = _engine_run(
+        x_train, y_train, x_test, y_test, normalize, device, hidden, capture=False)
+    frameworks = {"engine": engine_epoch, "engine eager": eager_epoch}
+    accuracies = {"engine": engine_accuracy, "engine eager": eager_accuracy}
     torch_version = None
     if _torch_usable(device):
-        torch_epoch, torch_accuracy, torch_version = _torch_run(
-            x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order)
-        frameworks["torch"] = torch_epoch
+        for name, cuda_graph in (("torch", False), ("torch graph", True)):
+            if cuda_graph and device != "cuda":
+                continue
+            frameworks[name], accuracies[name], torch_version = _torch_run(
+                x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order,
+                cuda_graph=cuda_graph)
     warmup = {name: epoch() for name, epoch in frameworks.items()}
     seconds = {name: [] for name in frameworks}
     for _ in range(epochs):   # A B A B: both see the same machine state
@@ -260,9 +298,11 @@ def run(device, epochs, hidden, limit, measure_compile):
         rows[name] = {"s_per_epoch": median, "us_per_step": 1e6 * median / steps,
                       "samples_per_s": len(x_train) / median,
                       "warmup_epoch_s": warmup[name], "epoch_s": seconds[name]}
-    rows["engine"].update(test_acc=engine_accuracy(), **instrumented)
-    if torch_version:
-        rows["torch"].update(test_acc=torch_accuracy(), version=torch_version)
+    rows["engine"].update(**instrumented)
+    for name in frameworks:
+        rows[name]["test_acc"] = accuracies[name]()
+        if name.startswith("torch"):
+            rows[name]["version"] = torch_version
     result = {"device": device, "machine": machine_description(device),
               "model": "-".join(map(str, (784,) + tuple(hidden) + (10,))) + " ReLU",
               "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
@@ -281,18 +321,23 @@ def format_table(result):
              f"batch {result['batch_size']}, "
              f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
              f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
-             "epochs after 1 warm-up, engine and torch alternating", "",
+             "epochs after 1 warm-up, the rows alternating epoch by epoch; launches/step: the "
+             "kernels of one eager step (a captured step replays them in one graph launch)", "",
              "| framework | s/epoch | us/step | samples/s | test acc | launches/step |",
              "|---|---:|---:|---:|---:|---:|"]
+    labels = {"engine": "engine, fit (captured step)", "engine eager": "engine, fit(capture=False)",
+              "torch": "torch {version} eager", "torch graph": "torch {version}, CUDA graph step"}
     for name, row in rows.items():
-        label = f"torch {row['version']} eager" if name == "torch" else "engine"
+        label = labels[name].format(version=row.get("version"))
         launches = row.get("launches_per_step")
         lines.append(f"| {label} | {row['s_per_epoch']:.3f} | {row['us_per_step']:.0f} | "
                      f"{row['samples_per_s']:.0f} | {100 * row['test_acc']:.2f}% | "
                      f"{'-' if launches is None else f'{launches:g}'} |")
     lines.append("")
     if result["engine_over_torch"] is not None:
-        lines.append(f"engine / torch s/epoch: {result['engine_over_torch']:.2f}x")
+        eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
+        lines.append(f"engine / torch eager s/epoch: {result['engine_over_torch']:.2f}x "
+                     f"captured, {eager:.2f}x eager")
     engine = rows["engine"]
     lines.append("autograd tape between steps: at most "
                  f"{engine['tape_nodes_between_steps_max']} nodes")

@@ -16,6 +16,7 @@ saying what is wrong, never a crash later in training.
 """
 import json
 import time
+import weakref
 
 import numpy as np
 from tqdm import tqdm
@@ -24,7 +25,8 @@ import optim
 from engine import archive, nn
 from engine.autograd import no_grad
 from engine.random import generator
-from engine.tensor import Tensor
+from engine.step_capture import capture as engine_capture
+from engine.tensor import Tensor, tensor
 from ops.device import to_host
 from ops.metrics import RunningMetrics
 
@@ -85,12 +87,10 @@ def _read_losses(arrays):
     return np.concatenate([np.ravel(to_host(array)) for array in arrays]).astype(np.float64)
 
 
-def _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar, step_losses):
-    model.train()
-    metrics = None
-    losses = [] if step_losses is not None else None
-    start = time.perf_counter()
-    for step, (inputs, labels) in enumerate(loader):
+def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics):
+    """The function of one training step that ``fit`` captures (``engine.capture``): on the
+    GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device."""
+    def train_step(inputs, labels):
         optimizer.zero_grad()
         logits = model(inputs)
         loss = loss_fn(logits, labels)
@@ -98,16 +98,47 @@ def _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar, 
         if clip_norm:
             optim.clip_grad_norm_(parameters, clip_norm)
         optimizer.step()
-        metrics = metrics or RunningMetrics(logits.device)
-        metrics.add(loss.data, logits.data, _storage(labels))
+        metrics.add(loss.data, logits.data, labels.data)
+        return loss
+    return train_step
+
+
+_steps = weakref.WeakKeyDictionary()   # optimizer -> (what the step was made for, step, metrics)
+
+
+def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture):
+    """The training step and its metrics; a captured one is kept for the next ``fit`` call of
+    the same model, optimizer, loss and clipping (its recordings then carry over: a loop of
+    one-epoch ``fit`` calls records once)."""
+    made_for = (id(model), loss_fn, float(clip_norm), capture, tuple(id(p) for p in parameters),
+                parameters[0].device if parameters else "cpu")
+    kept = _steps.get(optimizer)
+    if kept is not None and kept[0] == made_for:
+        return kept[1], kept[2]
+    metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
+    step = _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics)
+    if capture:
+        step = engine_capture(step)
+        _steps[optimizer] = (made_for, step, metrics)
+    return step, metrics
+
+
+def _train_epoch(loader, step, metrics, bar, step_losses):
+    metrics.reset()
+    losses = [] if step_losses is not None else None
+    start = time.perf_counter()
+    for index, (inputs, labels) in enumerate(loader):
+        if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
+            labels = tensor(labels, device=inputs.device)
+        loss = step(inputs, labels)
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
         if bar is not None:
             bar.update(1)
-            if step % PROGRESS_EVERY == 0:   # the one host sync every PROGRESS_EVERY steps
-                rate = (step + 1) * logits.shape[0] / max(time.perf_counter() - start, 1e-9)
+            if index % PROGRESS_EVERY == 0:   # the one host sync every PROGRESS_EVERY steps
+                rate = (index + 1) * inputs.shape[0] / max(time.perf_counter() - start, 1e-9)
                 show_progress(bar, loss.item(), rate)
-    loss, train_acc, rows = metrics.read() if metrics else (None, None, 0)   # waits for the GPU
+    loss, train_acc, rows = metrics.read()   # waits for the GPU
     seconds = time.perf_counter() - start
     if losses is not None:
         step_losses.append(_read_losses(losses))
@@ -134,7 +165,7 @@ def append_record(path, record):
 
 def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
         clip_norm=0.0, on_epoch_end=(), progress=True, verbose=True, log_json=None,
-        start_epoch=0, history=None, step_losses=None):
+        start_epoch=0, history=None, step_losses=None, capture=True):
     """Train ``model`` for epochs ``start_epoch + 1 .. epochs``; returns the list of records.
 
     Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, gradient
@@ -146,7 +177,12 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     printed (``verbose``), appended as one JSON line to ``log_json`` and passed to each of
     ``on_epoch_end`` (a callable or a list of them). ``progress`` shows a tqdm bar per epoch
     on stderr. ``step_losses``, a list, receives per epoch one float64 array of the batch
-    losses of its steps, read at the end of the epoch (no host sync per step)."""
+    losses of its steps, read at the end of the epoch (no host sync per step).
+
+    ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
+    batch shape runs eagerly, the second is recorded, the others replay it (one CUDA graph
+    launch on the GPU); the results are the eager ones bit for bit. A step that cannot be
+    captured (Dropout, for one) runs eagerly; ``fit.last_eager_reason`` says why."""
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
     if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
@@ -157,14 +193,16 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     callbacks = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
     history = [] if history is None else history
     parameters = model.parameters()
+    step, metrics = _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture)
     for epoch in range(start_epoch + 1, epochs + 1):
         bar = progress_bar(_length(loader), epoch, epochs) if progress else None
+        model.train()
         try:
-            record = _train_epoch(model, loader, optimizer, loss_fn, parameters, clip_norm, bar,
-                                  step_losses)
+            record = _train_epoch(loader, step, metrics, bar, step_losses)
         finally:
             if bar is not None:
                 bar.close()
+        fit.last_eager_reason = getattr(step, "eager_reason", None)
         if scheduler is not None:
             scheduler.step()
         record = {"epoch": epoch, **record,
@@ -178,6 +216,9 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
         for callback in callbacks:
             callback(record)
     return history
+
+
+fit.last_eager_reason = None
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -75,6 +75,11 @@ class RunningMetrics:
         self.classify = None
         self._no_labels = empty(0, np.int64, device)
 
+    def reset(self):
+        """Start a new pass: the totals zeroed by a kernel (the same arrays: a captured step
+        that adds to them stays valid)."""
+        fill(self.totals, 0)
+
     def add(self, loss, logits, labels):
         """``loss``: the batch-mean loss array (one element, or None); ``logits`` (rows,
         classes) or any prediction array; ``labels``: class indices (else no accuracy)."""

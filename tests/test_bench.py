@@ -35,7 +35,9 @@ def test_bench_mlp_smoke(tmp_path, capsys):
     assert 0 <= engine_row["test_acc"] <= 1
     assert engine_row["tape_nodes_between_steps_max"] == 0
     assert ("torch" in result["results"]) == HAS_TORCH
-    assert "| engine |" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "| engine, fit (captured step) |" in output
+    assert "| engine, fit(capture=False) |" in output
 
 
 def test_bench_ops_quick_smoke(tmp_path, capsys):

@@ -93,8 +93,9 @@ def _clipped_run(clip_norm):
     optimizer = optim.Adam(model.parameters(), lr=0.01)
     norms = _gradient_norms_at_each_step(optimizer, model.parameters())
     scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    # eager steps: the norms are read in Python inside each step, which a replay skips
     fit(model, loader, optimizer, cross_entropy, 2, scheduler=scheduler, clip_norm=clip_norm,
-        progress=True, verbose=False)
+        progress=True, verbose=False, capture=False)
     return model, optimizer, norms
 
 
@@ -593,13 +594,36 @@ def test_fit_reads_the_per_step_losses_once_per_epoch(device):
         seen.append(loss)
         return loss
 
-    step_losses = []
+    step_losses = []   # eager steps: loss_fn keeps each step's loss, which a replay skips
     history = fit(model, loader, optim.SGD(model.parameters(), lr=0.1), loss_fn, 2,
-                  progress=False, verbose=False, step_losses=step_losses)
+                  progress=False, verbose=False, step_losses=step_losses, capture=False)
     assert [len(losses) for losses in step_losses] == [6, 6]
     np.testing.assert_array_equal(np.concatenate(step_losses), [l.item() for l in seen])
     for record, losses in zip(history, step_losses):
         assert record["loss"] == pytest.approx(losses.mean(), rel=1e-6)   # equal batches
+
+
+def test_fit_captures_its_step_and_equals_eager_fit_bit_for_bit(device):
+    """The default captured fit and ``capture=False`` give the same records and weights."""
+    results = []
+    for capture in (True, False):
+        engine.manual_seed(0)
+        model, loader, _, _ = _blobs_model_and_loader(device)
+        optimizer = optim.Adam(model.parameters(), lr=0.01)
+        scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        step_losses = []
+        history = fit(model, loader, optimizer, cross_entropy, 3, scheduler=scheduler,
+                      clip_norm=0.5, progress=False, verbose=False, step_losses=step_losses,
+                      capture=capture)
+        results.append((history, step_losses, model.state_dict(), fit.last_eager_reason))
+    captured, captured_losses, captured_weights, reason = results[0]
+    eager, eager_losses, weights, _ = results[1]
+    assert reason is None
+    assert [(r["loss"], r["train_acc"]) for r in captured] == \
+        [(r["loss"], r["train_acc"]) for r in eager]
+    np.testing.assert_array_equal(np.concatenate(captured_losses), np.concatenate(eager_losses))
+    for name in weights:
+        np.testing.assert_array_equal(captured_weights[name], weights[name], err_msg=name)
 
 
 def test_the_progress_bar_keeps_samples_per_second_at_80_columns():
