@@ -34,10 +34,9 @@ the same kernels on the same arguments, so their losses and weights are bit for 
 import functools
 from collections import OrderedDict
 
-import numpy as np
-
 from engine.tensor import Tensor
 from ops import cuda_backend
+from ops.array_copy import copy_array
 from ops.device import device_of, to_device
 from ops.launch import LaunchRecorder, StaleRecording
 
@@ -74,10 +73,8 @@ class _Recording:
         for check in self.checks:
             check()
         for destination, source in zip(self.inputs, arrays):
-            if self.device == "cuda":
-                cuda_backend.copy_into_device_array(destination, source)
-            else:
-                np.copyto(destination, source)
+            # a copy kernel: numba's copy_to_device costs ~200 us of Python per call on the H200
+            copy_array(destination, source)
         refreshed = {index: refresh() for index, refresh in self.refreshers.items()}
         if self.graph is not None:
             for index, args in refreshed.items():

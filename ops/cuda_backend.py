@@ -235,12 +235,6 @@ def launch_graph(graph):
     graph.launch(_default_stream())
 
 
-def copy_into_device_array(destination, source):
-    """Copy the device array ``source`` into ``destination`` (same shape and dtype), ordered
-    on the engine's stream after the kernels before it, without a host sync."""
-    destination.copy_to_device(source)
-
-
 def specialize(kernel, args):
     """``kernel`` specialised to the types of ``args`` (skips Numba's per-call typing), or the
     kernel itself in the simulator."""
