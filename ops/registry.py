@@ -15,6 +15,7 @@ An op is a class: one instance per call keeps what its backward needs (and only 
 """
 import numpy as np
 
+from ops.cuda_backend import is_device_array
 from ops.device import device_of
 
 REGISTRY = {}
@@ -34,31 +35,36 @@ class Op:
         self.needs_input_grad = ()
 
     def __call__(self, *inputs):
-        """The forward, after the declared checks."""
-        devices, floats = set(), []
+        """The forward, after the declared checks (one pass over the inputs: this runs for
+        every op of every step)."""
+        on_device = dtype = None
         for position, x in enumerate(inputs):
-            if not hasattr(x, "shape"):
-                continue
             if position not in self.host_inputs:
-                devices.add("cpu" if type(x) is np.ndarray else device_of(x))
-            dtype = x.dtype
+                here = type(x) is not np.ndarray and is_device_array(x)
+                if on_device is None:
+                    on_device = here
+                elif here != on_device:
+                    self._refuse_devices(inputs)
+            kind = x.dtype
             if position in self.integer_inputs:
-                if dtype.kind not in "iu":
-                    raise TypeError(f"{self.name}: labels must be integers, got {dtype}")
-            elif dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{self.name}: input {position} has dtype {dtype}; "
-                                "expected float32 or float64")
-            else:
-                floats.append(dtype)
-        if len(devices) > 1:
-            shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in inputs
-                               if hasattr(a, "shape"))
-            raise ValueError(f"{self.name}: inputs live on different devices ({shapes})")
-        if self.same_dtype and len(floats) > 1 and len(set(floats)) > 1:
-            names = ", ".join(str(d) for d in floats)
-            raise TypeError(f"{self.name}: inputs have different dtypes ({names}); cast one first")
+                if kind.kind not in "iu":
+                    raise TypeError(f"{self.name}: labels must be integers, got {kind}")
+            elif kind is not dtype:
+                if kind not in FLOAT_DTYPES:
+                    raise TypeError(f"{self.name}: input {position} has dtype {kind}; "
+                                    "expected float32 or float64")
+                if dtype is not None and self.same_dtype and kind != dtype:
+                    names = ", ".join(str(a.dtype) for i, a in enumerate(inputs)
+                                      if i not in self.integer_inputs)
+                    raise TypeError(f"{self.name}: inputs have different dtypes ({names}); "
+                                    "cast one first")
+                dtype = kind
         self.check(*inputs)
         return self.forward(*inputs)
+
+    def _refuse_devices(self, inputs):
+        shapes = ", ".join(f"{device_of(a)} {tuple(a.shape)}" for a in inputs)
+        raise ValueError(f"{self.name}: inputs live on different devices ({shapes})")
 
     def check(self, *inputs):
         """Raise ValueError naming the op and the shapes when ``inputs`` do not fit (subclasses)."""
