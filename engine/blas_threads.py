@@ -8,7 +8,8 @@ one busy process, ``python -m bench.mlp --device cpu`` took a median 6.4 s per e
 BLAS threads and 1.0 s at 1, and 0.48 and 0.60 s without it (the README's "CPU threads"
 section has the commands and numbers).
 
-So the engine runs BLAS on ``DEFAULT_THREADS`` = 1 thread, unless the user chose through
+So the engine runs BLAS on ``DEFAULT_THREADS`` threads, half the CPUs the process may use
+(at least 1: one thread on the 2-core machine), unless the user chose through
 one of ``USER_VARIABLES`` (which BLAS itself reads), which is then left alone. The default is
 set on every BLAS library of the process (SciPy's, and NumPy's, which is subject to the same
 contention) when SciPy's BLAS module is imported, which Numba does at the first CPU GEMM:
@@ -21,7 +22,16 @@ import importlib.util
 import os
 import sys
 
-DEFAULT_THREADS = 1
+def _usable_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+# one thread on 2 cores (measured above); on the H200 host's 16 cores bench.mlp's CPU epoch
+# took 1.0-1.2 s at 1 thread and 0.58 s at BLAS's default 16: half leaves room for the rest
+DEFAULT_THREADS = max(1, _usable_cpus() // 2)
 USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                   "BLIS_NUM_THREADS")
 SCIPY_BLAS = "scipy.linalg.cython_blas"   # the module through which Numba reaches BLAS

@@ -25,61 +25,67 @@ from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
 from ops.registry import Op, register
 
 
-@njit(cache=True)
-def dense_forward_cpu(x, w, bias, out, act, alpha):
-    np.dot(x, w, out)
-    rows, cols = out.shape
-    for i in range(rows):
-        for j in range(cols):
-            out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
+def _dense_kernels(act):
+    """The forward and backward twins of a Dense layer with activation ``act`` (an
+    ``ops.pointwise`` code): the CPU loops are built with the code as a constant, so the
+    compiler folds the activation and vectorises them (the relu epilogue over 128x256:
+    32 us with a runtime code, 6 us folded); the CUDA side is the GEMM template's."""
 
-
-@njit(cache=True)
-def dense_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, act, alpha, needs_x,
-                       needs_params):
-    rows, cols = grad_out.shape
-    g = np.empty_like(grad_out)   # BLAS needs G = grad_out * act'(y) in memory
-    for i in range(rows):
-        for j in range(cols):
-            g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
-    if needs_x:
-        np.dot(g, w.T, grad_x)
-    if needs_params:
-        np.dot(x.T, g, grad_w)
-        for j in range(cols):
-            grad_b[j] = 0
-        for i in range(rows):   # row by row: the same order as the CUDA kernel's K loop
+    @njit(cache=True)
+    def dense_forward_cpu(x, w, bias, out, alpha):
+        np.dot(x, w, out)
+        rows, cols = out.shape
+        for i in range(rows):
             for j in range(cols):
-                grad_b[j] += g[i, j]
+                out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
+
+    @njit(cache=True)
+    def dense_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
+                           needs_params):
+        rows, cols = grad_out.shape
+        g = np.empty_like(grad_out)   # BLAS needs G = grad_out * act'(y) in memory
+        for i in range(rows):
+            for j in range(cols):
+                g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
+        if needs_x:
+            np.dot(g, w.T, grad_x)
+        if needs_params:
+            np.dot(x.T, g, grad_w)
+            for j in range(cols):
+                grad_b[j] = 0
+            for i in range(rows):   # row by row: the same order as the CUDA kernel's K loop
+                for j in range(cols):
+                    grad_b[j] += g[i, j]
+
+    def forward_plan(args):
+        x, w, bias, out, alpha = args
+        return (gemm_launch(FORWARD, out.shape[0], out.shape[1], out.dtype, False, False, act,
+                            args),)
+
+    def backward_plan(args):
+        x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x, needs_params = args
+        launches = []
+        if needs_x:
+            launches.append(gemm_launch(GRAD_A, x.shape[0], x.shape[1], x.dtype, False, True,
+                                        act, (grad_out, y, w, grad_x, alpha)))
+        if needs_params:
+            launches.append(gemm_launch(GRAD_B, w.shape[0] + 1, w.shape[1], x.dtype, True,
+                                        False, act, (x, grad_out, y, grad_w, grad_b, alpha)))
+        return launches
+
+    name = next(key for key, code in ACTIVATIONS.items() if code == act) or "linear"
+    return (Kernel(f"dense_forward_{name}", dense_forward_cpu, cuda_plan=forward_plan),
+            Kernel(f"dense_backward_{name}", dense_backward_cpu, cuda_plan=backward_plan))
 
 
-def _forward_plan(args):
-    x, w, bias, out, act, alpha = args
-    return (gemm_launch(FORWARD, out.shape[0], out.shape[1], out.dtype, False, False, act,
-                        (x, w, bias, out, alpha)),)
-
-
-def _backward_plan(args):
-    x, w, y, grad_out, grad_x, grad_w, grad_b, act, alpha, needs_x, needs_params = args
-    launches = []
-    if needs_x:
-        launches.append(gemm_launch(GRAD_A, x.shape[0], x.shape[1], x.dtype, False, True, act,
-                                    (grad_out, y, w, grad_x, alpha)))
-    if needs_params:
-        launches.append(gemm_launch(GRAD_B, w.shape[0] + 1, w.shape[1], x.dtype, True, False,
-                                    act, (x, grad_out, y, grad_w, grad_b, alpha)))
-    return launches
-
-
-DENSE_FORWARD = Kernel("dense_forward", dense_forward_cpu, cuda_plan=_forward_plan)
-DENSE_BACKWARD = Kernel("dense_backward", dense_backward_cpu, cuda_plan=_backward_plan)
+DENSE = {code: _dense_kernels(code) for code in ACTIVATIONS.values()}
 
 
 @register
 class Dense(Op):
     """``act(x @ W + b)``, x (N, in), W (in, out), b (out,); params activation, alpha."""
     name = "dense"
-    kernels = (DENSE_FORWARD, DENSE_BACKWARD)
+    kernels = tuple(kernel for pair in DENSE.values() for kernel in pair)
 
     def check(self, x, w, b):
         activation = self.params.get("activation")
@@ -97,8 +103,8 @@ class Dense(Op):
         self.alpha = np.dtype(x.dtype).type(alpha)
 
     def forward(self, x, w, b):
-        out = run(DENSE_FORWARD, x, w, b, Out((x.shape[0], w.shape[1]), x.dtype, flat=False),
-                  self.act, self.alpha)
+        out = run(DENSE[self.act][0], x, w, b, Out((x.shape[0], w.shape[1]), x.dtype,
+                                                   flat=False), self.alpha)
         self.x, self.w, self.y = x, w, out
         return out
 
@@ -116,8 +122,8 @@ class Dense(Op):
             grad_b = grad_b if grad_b is not None else Out((w.shape[1],), dtype, flat=False)
         else:
             grad_w, grad_b = Out((0, 0), dtype, flat=False), Out((0,), dtype, flat=False)
-        run(DENSE_BACKWARD, x, w, self.y, grad_out, grad_x, grad_w, grad_b, self.act,
-            self.alpha, needs_x, needs_params)
+        run(DENSE[self.act][1], x, w, self.y, grad_out, grad_x, grad_w, grad_b, self.alpha,
+            needs_x, needs_params)
         return (_made(grad_x) if needs_x else None, _made(grad_w) if needs_w else None,
                 _made(grad_b) if needs_b else None)
 
