@@ -94,7 +94,11 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
     whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
     arguments (each kernel argument costs launch time)."""
     BM, BN, BK, TM, TN = tiling[:5]
-    entry = cuda.jit(max_registers=tiling.max_registers) if tiling.max_registers else cuda.jit
+    # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
+    # differ per dtype, tiling, layout, mode and activation (max_registers is not part of the
+    # key, and no two tilings share a closure)
+    entry = (cuda.jit(cache=True, max_registers=tiling.max_registers) if tiling.max_registers
+             else cuda.jit(cache=True))
     TY, TX = BM // TM, BN // TN
     THREADS = TY * TX
     A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
