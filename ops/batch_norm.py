@@ -1,0 +1,256 @@
+"""BatchNorm over the channels of (N, C) or (N, C, H, W) inputs, as torch's BatchNorm1d/2d.
+
+x is seen as (N, C, S) with S the product of the dims after C (1 for 2-D inputs); channel c
+has the ``n = N·S`` values ``x[:, c, :]``. With ``w`` and ``b`` the optional weight and bias
+(1 and 0 when absent):
+
+- training: ``mean_c = Σ x / n``, ``var_c = Σ (x - mean_c)² / n`` (biased, two passes, in
+  float64), then in place ``running_mean = (1 - momentum)·running_mean + momentum·mean_c``
+  and ``running_var = (1 - momentum)·running_var + momentum·var_c·n / (n - 1)`` (unbiased);
+- eval: ``mean_c, var_c = running_mean[c], running_var[c]``, nothing updated;
+- ``y = (x - mean_c) · invstd_c · w[c] + b[c]`` with ``invstd_c = 1 / sqrt(var_c + eps)``.
+
+Backward from ``dy = grad_out``, with ``x̂ = (x - mean_c)·invstd_c`` and sums over channel c:
+``db = Σ dy``, ``dw = Σ dy·x̂``, and ``dx = w·invstd·(dy - Σ dy / n - x̂·Σ dy·x̂ / n)`` in
+training (the statistics depend on x), ``dx = dy·w·invstd`` in eval. The running statistics
+are buffers: they get no gradient.
+
+One kernel forward (statistics, running-statistics update and normalisation) and one kernel
+backward (both sums and dx), each one block of ``REDUCE_THREADS`` threads per channel on
+CUDA (fixed-order sums: reproducible bit for bit) and a loop over channels on the CPU. The
+update happens on the device, from device scalars only: capture-ready.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
+from ops.cuda_backend import cuda
+from ops.dispatch import Meta, Out, run
+from ops.launch import Kernel, blocks_of
+from ops.layout import flat
+from ops.registry import Op, register
+
+# meta: (N, C, S, training, has_weight, has_bias); the backward's adds (needs_x, needs_w,
+# needs_b): the buffer of a gradient not asked for is a placeholder never written (a CUDA
+# kernel cannot take an empty array on the fast launch path: its data pointer is NULL)
+
+
+# ------------------------------------------------------------------ CPU kernels
+
+
+@njit(cache=True, parallel=True)
+def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
+                   meta, momentum, eps):
+    nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
+                                                           meta[3], meta[4], meta[5])
+    count = nb * inner
+    for c in prange(channels):
+        if training:
+            total = 0.0
+            for n in range(nb):
+                segment = x[(n * channels + c) * inner:(n * channels + c + 1) * inner]
+                for s in range(inner):
+                    total += segment[s]
+            mean = total / count
+            total = 0.0
+            for n in range(nb):
+                segment = x[(n * channels + c) * inner:(n * channels + c + 1) * inner]
+                for s in range(inner):
+                    total += (segment[s] - mean) ** 2
+            var = total / count
+            running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean
+            running_var[c] = (1 - momentum) * running_var[c] + momentum * var * count / (count - 1)
+        else:
+            mean, var = running_mean[c], running_var[c]
+        invstd = 1 / math.sqrt(var + eps)
+        saved_mean[c], saved_invstd[c] = mean, invstd
+        scale = invstd * weight[c] if has_weight else invstd
+        shift = bias[c] if has_bias else 0.0
+        typed_mean, typed_scale, typed_shift = (y.dtype.type(mean), y.dtype.type(scale),
+                                                y.dtype.type(shift))
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, destination = x[first:first + inner], y[first:first + inner]
+            for s in range(inner):
+                destination[s] = (source[s] - typed_mean) * typed_scale + typed_shift
+
+
+@njit(cache=True, parallel=True)
+def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
+                            grad_b, meta):
+    nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
+    needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
+    count = nb * inner
+    for c in prange(channels):
+        mean, invstd = saved_mean[c], saved_invstd[c]
+        sum_dy = 0.0
+        sum_dy_xhat = 0.0
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, gradient = x[first:first + inner], grad_out[first:first + inner]
+            for s in range(inner):
+                sum_dy += gradient[s]
+                sum_dy_xhat += gradient[s] * (source[s] - mean)
+        sum_dy_xhat *= invstd
+        if needs_b:
+            grad_b[c] = sum_dy
+        if needs_w:
+            grad_w[c] = sum_dy_xhat
+        if not needs_x:
+            continue
+        scale = invstd * weight[c] if has_weight else invstd
+        mean_dy = sum_dy / count if training else 0.0
+        mean_dy_xhat = sum_dy_xhat / count if training else 0.0
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, gradient = x[first:first + inner], grad_out[first:first + inner]
+            destination = grad_x[first:first + inner]
+            for s in range(inner):
+                xhat = (source[s] - mean) * invstd
+                destination[s] = scale * (gradient[s] - mean_dy - xhat * mean_dy_xhat)
+
+
+# ------------------------------------------------------------------ CUDA kernels
+
+
+@cuda.jit(cache=True)
+def batch_norm_cuda(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
+                    meta, momentum, eps):
+    c = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
+                                                           meta[3], meta[4], meta[5])
+    count = nb * inner
+    if training:
+        total = 0.0
+        for r in range(t, count, REDUCE_THREADS):
+            total += x[((r // inner) * channels + c) * inner + r % inner]
+        mean = block_reduce_cuda(SUM, total) / count
+        total = 0.0
+        for r in range(t, count, REDUCE_THREADS):
+            total += (x[((r // inner) * channels + c) * inner + r % inner] - mean) ** 2
+        var = block_reduce_cuda(SUM, total) / count
+        if t == 0:
+            running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean
+            running_var[c] = (1 - momentum) * running_var[c] + momentum * var * count / (count - 1)
+    else:
+        mean, var = 1.0 * running_mean[c], 1.0 * running_var[c]
+    invstd = 1 / math.sqrt(var + eps)
+    if t == 0:
+        saved_mean[c], saved_invstd[c] = mean, invstd
+    scale = invstd * weight[c] if has_weight else invstd
+    shift = bias[c] if has_bias else 0.0
+    for r in range(t, count, REDUCE_THREADS):
+        at = ((r // inner) * channels + c) * inner + r % inner
+        y[at] = (x[at] - mean) * scale + shift
+
+
+@cuda.jit(cache=True)
+def batch_norm_backward_cuda(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
+                             grad_b, meta):
+    c = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
+    count = nb * inner
+    mean, invstd = saved_mean[c], saved_invstd[c]
+    sum_dy = 0.0
+    sum_dy_xhat = 0.0
+    for r in range(t, count, REDUCE_THREADS):
+        at = ((r // inner) * channels + c) * inner + r % inner
+        sum_dy += grad_out[at]
+        sum_dy_xhat += grad_out[at] * (x[at] - mean)
+    sum_dy = block_reduce_cuda(SUM, sum_dy)
+    sum_dy_xhat = block_reduce_cuda(SUM, sum_dy_xhat) * invstd
+    if t == 0:
+        if meta[8]:
+            grad_b[c] = sum_dy
+        if meta[7]:
+            grad_w[c] = sum_dy_xhat
+    if not meta[6]:
+        return
+    scale = invstd * weight[c] if has_weight else invstd
+    mean_dy = sum_dy / count if training else 0.0
+    mean_dy_xhat = sum_dy_xhat / count if training else 0.0
+    for r in range(t, count, REDUCE_THREADS):
+        at = ((r // inner) * channels + c) * inner + r % inner
+        xhat = (x[at] - mean) * invstd
+        grad_x[at] = scale * (grad_out[at] - mean_dy - xhat * mean_dy_xhat)
+
+
+BATCH_NORM = Kernel("batch_norm", batch_norm_cpu, batch_norm_cuda,
+                    blocks_of(lambda *args: args[6].size, REDUCE_THREADS))
+BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", batch_norm_backward_cpu,
+                             batch_norm_backward_cuda,
+                             blocks_of(lambda *args: args[2].size, REDUCE_THREADS))
+
+
+# ------------------------------------------------------------------ the op
+
+
+@register
+class BatchNorm(Op):
+    """Inputs ``(x, running_mean, running_var)``, then optionally ``weight``, then ``bias``
+    (a bias without a weight: pass ones as the weight); params training (default False),
+    momentum (default 0.1, in [0, 1]) and eps (default 1e-5, > 0)."""
+    name = "batch_norm"
+    kernels = (BATCH_NORM, BATCH_NORM_BACKWARD)
+
+    def check(self, x, running_mean, running_var, weight=None, bias=None):
+        training = bool(self.params.get("training", False))
+        momentum = self.params.get("momentum", 0.1)
+        eps = self.params.get("eps", 1e-5)
+        if not 2 <= x.ndim <= 4:
+            raise ValueError(f"batch_norm: expects x (N, C) or (N, C, H, W), got shape "
+                             f"{tuple(x.shape)}")
+        channels = x.shape[1]
+        for what, array in (("running_mean", running_mean), ("running_var", running_var),
+                            ("weight", weight), ("bias", bias)):
+            if array is not None and tuple(array.shape) != (channels,):
+                raise ValueError(f"batch_norm: {what} must have shape ({channels},) for x "
+                                 f"{tuple(x.shape)}, got {tuple(array.shape)}")
+        if momentum is None or not 0 <= momentum <= 1:
+            raise ValueError(f"batch_norm: momentum must be a number in [0, 1] (the "
+                             f"cumulative average of momentum=None is not supported), got "
+                             f"{momentum!r}")
+        if not eps > 0:
+            raise ValueError(f"batch_norm: eps must be > 0, got {eps!r}")
+        inner = math.prod(x.shape[2:])
+        if training and x.shape[0] * inner <= 1:
+            raise ValueError(f"batch_norm: training needs more than one value per channel, "
+                             f"got x {tuple(x.shape)}")
+        dtype = np.dtype(x.dtype).type
+        self.momentum, self.eps = dtype(momentum), dtype(eps)
+        self.meta = Meta((x.shape[0], channels, inner, training, weight is not None,
+                          bias is not None))
+
+    def forward(self, x, running_mean, running_var, weight=None, bias=None):
+        channels = x.shape[1]
+        # an absent weight or bias is never read: running_mean fills its slot
+        y, self.mean, self.invstd = run(
+            BATCH_NORM, flat(x), running_mean, running_var,
+            running_mean if weight is None else weight, running_mean if bias is None else bias,
+            Out(x.shape, x.dtype), Out((channels,), x.dtype), Out((channels,), x.dtype),
+            self.meta, self.momentum, self.eps)
+        self.x, self.weight = x, weight
+        return y
+
+    def backward(self, grad_out, grad_dst):
+        asked = tuple(self.needs_input_grad) + (False,) * (5 - len(self.needs_input_grad))
+        needs = (asked[0], asked[3], asked[4])   # the running statistics get no gradient
+        destinations = tuple(grad_dst) + (None,) * (5 - len(grad_dst))
+        destinations = (destinations[0], destinations[3], destinations[4])
+        x, dtype, channels = self.x, np.dtype(self.x.dtype), self.x.shape[1]
+        placeholders = (flat(x), self.mean, self.mean)   # never written: see the meta
+        slots = [(Out(shape, dtype) if destination is None else flat(destination)) if needed
+                 else placeholder
+                 for needed, destination, shape, placeholder in zip(
+                     needs, destinations, (x.shape, (channels,), (channels,)), placeholders)]
+        weight = self.mean if self.weight is None else self.weight   # read only if given
+        run(BATCH_NORM_BACKWARD, flat(x), weight, self.mean, self.invstd, flat(grad_out),
+            *slots, Meta(self.meta.values + needs))
+        grad_x, grad_w, grad_b = (
+            None if not needed else slot.array if isinstance(slot, Out) else destination
+            for needed, slot, destination in zip(needs, slots, destinations))
+        return (grad_x, None, None, grad_w, grad_b)[:len(self.needs_input_grad)]

@@ -1,0 +1,525 @@
+"""Conv2D, fused: ``act(conv(x, w) + b)`` forward in one kernel, backward in one (CPU) or two
+(CUDA) kernels, with PyTorch's layouts and semantics.
+
+x is (N, C, H, W), w is (O, C / groups, KH, KW), b is (O,) or absent; the output is
+(N, O, OH, OW) with ``OH = (H + pad_top + pad_bottom - DH * (KH - 1) - 1) // SH + 1`` (OW
+alike) and
+
+    y[n, o, oh, ow] = act(b[o] + Σ_{c, i, j} w[o, c, i, j] · x[n, g·Cg + c, ih, iw]),
+    ih = oh·SH - pad_top + i·DH,  iw = ow·SW - pad_left + j·DW,  g = o // (O / groups),
+
+where ``Cg = C / groups`` and x reads 0 outside the input (zero padding). ``padding`` is an
+int, a pair (rows, columns), "valid" (no padding) or "same" (stride 1 only, as torch: the
+total ``D·(K - 1)`` per dimension, the odd one on the bottom/right).
+
+Backward, with ``G = grad_out · act'(y)`` (the activation's derivative read from y, as
+``ops.dense`` does, so leaky_relu needs ``alpha >= 0``):
+- ``dx[n, c, ih, iw] = Σ_{o in c's group, i, j} G[n, o, oh, ow] · w[o, c % Cg, i, j]`` over
+  the taps with ``oh = (ih + pad_top - i·DH) / SH`` (and ow alike) whole and in range;
+- ``dw[o, c, i, j] = Σ_{n, oh, ow} G[n, o, oh, ow] · x[n, g·Cg + c, ih, iw]``;
+- ``db[o] = Σ_{n, oh, ow} G[n, o, oh, ow]``.
+Every sum runs in a fixed order (no float atomics): results are reproducible bit for bit.
+
+CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLAS GEMM
+(``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
+activates in place. The backward computes G once per sample, then ``dx`` as
+``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ`` (accumulated sample by sample in
+order).
+
+CUDA: direct kernels (a first version; the lead's H200 rows in ``bench/conv_ops.py`` decide
+what to tile): the forward one thread per output element with the bias and the activation
+in the same kernel; ``dx`` one thread per input element gathering its taps (no scatter, so
+no atomics); ``dw`` and ``db`` in one launch, one block of ``REDUCE_THREADS`` threads per
+weight or bias element folding N·OH·OW products in a fixed order. Shapes and flags travel as
+one cached metadata array and nothing is read back to the host: capture-ready.
+"""
+import numpy as np
+from numba import njit, prange
+
+from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
+from ops.cuda_backend import SIMULATOR, cuda
+from ops.dispatch import Meta, Out, run
+from ops.launch import THREADS_PER_BLOCK, Kernel, elements
+from ops.layout import flat
+from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
+                           derivative_cpu, derivative_cuda, value_cpu, value_cuda)
+from ops.registry import Op, register
+
+BACKWARD_TASKS = 8
+
+# ------------------------------------------------------------------ geometry
+
+
+def pair(value, what, op_name, minimum):
+    """``value`` (an int or a pair of ints) as a pair of ints ``>= minimum``."""
+    values = (value, value) if isinstance(value, (int, np.integer)) else value
+    if not isinstance(values, (tuple, list)) or len(values) != 2 or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{op_name}: {what} must be an int or a pair of ints, got {value!r}")
+    if min(values) < minimum:
+        raise ValueError(f"{op_name}: {what} must be >= {minimum}, got {value!r}")
+    return int(values[0]), int(values[1])
+
+
+def window_output_size(size, kernel, stride, dilation, pad_before, pad_after):
+    """Positions of a dilated window sliding over a padded dimension (0 when it never fits)."""
+    span = dilation * (kernel - 1) + 1
+    padded = size + pad_before + pad_after
+    return (padded - span) // stride + 1 if padded >= span else 0
+
+
+def conv_padding(padding, kernel, dilation, stride, op_name):
+    """``((top, bottom), (left, right))`` of ``padding``: an int, a pair, "valid" or "same"."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0), (0, 0)
+        if padding != "same":
+            raise ValueError(f"{op_name}: padding must be an int, a pair, 'valid' or 'same', "
+                             f"got {padding!r}")
+        if stride != (1, 1):
+            raise ValueError(f"{op_name}: padding='same' needs stride 1, got stride {stride}")
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        return tuple((t // 2, t - t // 2) for t in totals)
+    rows, columns = pair(padding, "padding", op_name, 0)
+    return (rows, rows), (columns, columns)
+
+
+# meta: (N, C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, ACT, HAS_BIAS),
+# PT/PL the top/left padding (the bottom/right one only shapes OH/OW)
+def _geometry(meta):
+    return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
+            meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15])
+
+
+_geometry_cpu = njit(inline="always")(_geometry)
+_geometry_cuda = cuda.jit(device=True)(_geometry)
+ACT_AT, HAS_BIAS_AT = 16, 17
+
+
+# ------------------------------------------------------------------ CPU kernels
+
+
+@njit(inline="always")
+def valid_range(count, stride, offset, size):
+    """``[lo, hi)``: the positions p in [0, count) whose ``p·stride + offset`` lies in
+    [0, size)."""
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    hi = 0 if size - offset <= 0 else (size - offset + stride - 1) // stride
+    hi = min(hi, count)
+    return lo, max(lo, hi)
+
+
+@njit(inline="always")
+def _is_shift(geometry):
+    """True when every im2col row is the input plane shifted by one offset (stride 1 and the
+    output as wide as the input: 'same' padding), so rows copy in one contiguous run."""
+    return geometry[9] == 1 and geometry[10] == 1 and geometry[6] == geometry[3]
+
+
+@njit(cache=True)
+def _im2col(x, n, g, geometry, cols, column):
+    """cols[(c·KH + i)·KW + j, column + oh·OW + ow] = x[n, g·Cg + c, ih, iw], 0 in the
+    padding."""
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    cg = c_in // groups
+    positions = oh_n * ow_n
+    zero = cols.dtype.type(0)
+    shifted = _is_shift(geometry)
+    for c in range(cg):
+        first = (n * c_in + g * cg + c) * h * w_in
+        plane = x[first:first + h * w_in]
+        for i in range(kh):
+            oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
+            for j in range(kw):
+                row = cols[(c * kh + i) * kw + j, column:column + positions]
+                ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
+                row[:oh_lo * ow_n] = zero
+                row[oh_hi * ow_n:] = zero
+                if shifted:
+                    shift = (i * dh - pt) * w_in + j * dw - pl
+                    lo = max(oh_lo * ow_n, -shift)
+                    hi = min(oh_hi * ow_n, plane.size - shift)
+                    destination, source = row[lo:hi], plane[lo + shift:hi + shift]
+                    for p in range(destination.size):
+                        destination[p] = source[p]
+                    for oh in range(oh_lo, oh_hi):   # the columns that read the padding
+                        for ow in range(ow_lo):
+                            row[oh * ow_n + ow] = zero
+                        for ow in range(ow_hi, ow_n):
+                            row[oh * ow_n + ow] = zero
+                    continue
+                for oh in range(oh_lo, oh_hi):
+                    start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
+                    for ow in range(ow_n):
+                        row[oh * ow_n + ow] = (plane[start + ow * sw] if ow_lo <= ow < ow_hi
+                                               else zero)
+
+
+@njit(cache=True)
+def _col2im_add(cols, column, grad_x, n, g, geometry):
+    """grad_x[n, g·Cg + c, ih, iw] += cols[(c·KH + i)·KW + j, column + oh·OW + ow] over the
+    taps inside the input: the adjoint of ``_im2col``, in a fixed order. Zeroes the padding
+    taps of ``cols`` (scratch) on the shift path, which then adds whole rows."""
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    cg = c_in // groups
+    positions = oh_n * ow_n
+    zero = cols.dtype.type(0)
+    shifted = _is_shift(geometry)
+    for c in range(cg):
+        first = (n * c_in + g * cg + c) * h * w_in
+        plane = grad_x[first:first + h * w_in]
+        for i in range(kh):
+            oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
+            for j in range(kw):
+                row = cols[(c * kh + i) * kw + j, column:column + positions]
+                ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
+                if shifted:
+                    for oh in range(oh_lo, oh_hi):
+                        for ow in range(ow_lo):
+                            row[oh * ow_n + ow] = zero
+                        for ow in range(ow_hi, ow_n):
+                            row[oh * ow_n + ow] = zero
+                    shift = (i * dh - pt) * w_in + j * dw - pl
+                    lo = max(oh_lo * ow_n, -shift)
+                    hi = min(oh_hi * ow_n, plane.size - shift)
+                    source, destination = row[lo:hi], plane[lo + shift:hi + shift]
+                    for p in range(source.size):
+                        destination[p] += source[p]
+                    continue
+                for oh in range(oh_lo, oh_hi):
+                    start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
+                    for ow in range(ow_lo, ow_hi):
+                        plane[start + ow * sw] += row[oh * ow_n + ow]
+
+
+@njit(inline="always")
+def _activate_run(destination, source, shift, code, alpha):
+    for p in range(destination.size):
+        destination[p] = value_cpu(code, source[p] + shift, alpha)
+
+
+@njit(inline="always")
+def _activate(destination, source, shift, act, alpha):
+    """destination = act(source + shift), one loop per activation with its code a constant:
+    the loop vectorises (relu over 3.2M float32: 2.5 ms with a runtime code, 0.43 ms)."""
+    if act == RELU:
+        _activate_run(destination, source, shift, RELU, alpha)
+    elif act == LEAKY_RELU:
+        _activate_run(destination, source, shift, LEAKY_RELU, alpha)
+    elif act == SIGMOID:
+        _activate_run(destination, source, shift, SIGMOID, alpha)
+    elif act == TANH:
+        _activate_run(destination, source, shift, TANH, alpha)
+    else:
+        _activate_run(destination, source, shift, IDENTITY, alpha)
+
+
+@njit(inline="always")
+def _gradient_run(destination, grad_out, y, code, alpha):
+    for p in range(destination.size):
+        destination[p] = grad_out[p] * derivative_cpu(code, y[p], y[p], alpha)
+
+
+@njit(inline="always")
+def _gradient(destination, grad_out, y, act, alpha):
+    """destination = grad_out · act'(y), one loop per activation (see ``_activate``)."""
+    if act == RELU:
+        _gradient_run(destination, grad_out, y, RELU, alpha)
+    elif act == LEAKY_RELU:
+        _gradient_run(destination, grad_out, y, LEAKY_RELU, alpha)
+    elif act == SIGMOID:
+        _gradient_run(destination, grad_out, y, SIGMOID, alpha)
+    elif act == TANH:
+        _gradient_run(destination, grad_out, y, TANH, alpha)
+    else:
+        _gradient_run(destination, grad_out, y, IDENTITY, alpha)
+
+
+@njit(cache=True, parallel=True)
+def conv2d_forward_cpu(x, w, bias, out, meta, alpha):
+    geometry = _geometry_cpu(meta)
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    act, has_bias = meta[ACT_AT], meta[HAS_BIAS_AT]
+    positions = oh_n * ow_n
+    cg, og = c_in // groups, o_out // groups
+    k = cg * kh * kw
+    for n in prange(nb):
+        cols = np.empty((k, positions), x.dtype)
+        for g in range(groups):
+            _im2col(x, n, g, geometry, cols, 0)
+            at = (n * o_out + g * og) * positions
+            product = out[at:at + og * positions].reshape((og, positions))
+            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
+            for o_local in range(og):
+                o = g * og + o_local
+                _activate(product[o_local], product[o_local],
+                          bias[o] if has_bias else alpha - alpha, act, alpha)
+
+
+@njit(cache=True, parallel=True)
+def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, alpha, needs_x,
+                         needs_w, needs_b):
+    """The gradients the flags ask for; the buffer of one not asked for is a placeholder
+    that is never written."""
+    geometry = _geometry_cpu(meta)
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    act = meta[ACT_AT]
+    positions = oh_n * ow_n
+    cg, og = c_in // groups, o_out // groups
+    k = cg * kh * kw
+    tasks = min(nb, BACKWARD_TASKS)
+    # one partial dw and db per task (a fixed split of the batch), added in task order
+    # below: the same sums on any number of threads
+    w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
+    b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+    for task in prange(tasks):
+        gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+        cols = np.empty((k, positions), x.dtype)
+        product = np.empty((og, k), x.dtype)
+        for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+            at = n * o_out * positions
+            for o in range(o_out):
+                row = gradient[o]
+                _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
+                          y[at + o * positions:at + (o + 1) * positions], act, alpha)
+                if needs_b:
+                    total = b_partials[task, o]
+                    for p in range(positions):
+                        total += row[p]
+                    b_partials[task, o] = total
+            if needs_x:
+                grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+            for g in range(groups):
+                g_group = gradient[g * og:(g + 1) * og]
+                if needs_w:
+                    _im2col(x, n, g, geometry, cols, 0)
+                    np.dot(g_group, cols.T, product)
+                    partial = w_partials[task, g * og * k:(g + 1) * og * k]
+                    flat_product = product.reshape(og * k)
+                    for index in range(og * k):
+                        partial[index] += flat_product[index]
+                if needs_x:
+                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
+                    _col2im_add(cols, 0, grad_x, n, g, geometry)
+    for index in range(w_partials.shape[1]):
+        total = alpha - alpha
+        for task in range(tasks):
+            total += w_partials[task, index]
+        grad_w[index] = total
+    for o in range(b_partials.shape[1]):
+        total = alpha - alpha
+        for task in range(tasks):
+            total += b_partials[task, o]
+        grad_b[o] = total
+
+
+# ------------------------------------------------------------------ CUDA kernels
+
+
+@cuda.jit(cache=True)
+def conv2d_forward_cuda(x, w, bias, out, meta, alpha):
+    index = cuda.grid(1)
+    if index >= out.size:
+        return
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+        _geometry_cuda(meta)
+    ow = index % ow_n
+    rest = index // ow_n
+    oh = rest % oh_n
+    rest //= oh_n
+    o = rest % o_out
+    n = rest // o_out
+    cg = c_in // groups
+    g = o // (o_out // groups)
+    total = bias[o] if meta[HAS_BIAS_AT] else alpha - alpha
+    for c in range(cg):
+        plane = (n * c_in + g * cg + c) * h * w_in
+        taps = (o * cg + c) * kh * kw
+        for i in range(kh):
+            ih = oh * sh - pt + i * dh
+            if ih < 0 or ih >= h:
+                continue
+            for j in range(kw):
+                iw = ow * sw - pl + j * dw
+                if 0 <= iw < w_in:
+                    total += x[plane + ih * w_in + iw] * w[taps + i * kw + j]
+    out[index] = value_cuda(meta[ACT_AT], total, alpha)
+
+
+@cuda.jit(cache=True)
+def conv2d_grad_input_cuda(w, y, grad_out, grad_x, meta, alpha):
+    index = cuda.grid(1)
+    if index >= grad_x.size:
+        return
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+        _geometry_cuda(meta)
+    act = meta[ACT_AT]
+    iw = index % w_in
+    rest = index // w_in
+    ih = rest % h
+    rest //= h
+    c = rest % c_in
+    n = rest // c_in
+    cg, og = c_in // groups, o_out // groups
+    g, c_local = c // cg, c % cg
+    total = alpha - alpha
+    for o in range(g * og, (g + 1) * og):
+        plane = (n * o_out + o) * oh_n * ow_n
+        taps = (o * cg + c_local) * kh * kw
+        for i in range(kh):
+            th = ih + pt - i * dh
+            if th < 0 or th % sh != 0 or th // sh >= oh_n:
+                continue
+            for j in range(kw):
+                tw = iw + pl - j * dw
+                if tw < 0 or tw % sw != 0 or tw // sw >= ow_n:
+                    continue
+                at = plane + (th // sh) * ow_n + tw // sw
+                total += (grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
+                          * w[taps + i * kw + j])
+    grad_x[index] = total
+
+
+@cuda.jit(cache=True)
+def conv2d_grad_params_cuda(x, y, grad_out, grad_w, grad_b, meta, alpha, weight_blocks):
+    """Block b < weight_blocks (w.size, or 0 when dw is not asked for) computes dw's element
+    b, the next blocks db."""
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+        _geometry_cuda(meta)
+    act = meta[ACT_AT]
+    element = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    positions = oh_n * ow_n
+    cg = c_in // groups
+    is_bias = element >= weight_blocks
+    o = element - weight_blocks
+    i = j = c = g = 0
+    if not is_bias:
+        j = element % kw
+        i = (element // kw) % kh
+        c = (element // (kw * kh)) % cg
+        o = element // (kw * kh * cg)
+        g = o // (o_out // groups)
+    total = 0.0
+    for r in range(t, nb * positions, REDUCE_THREADS):
+        n = r // positions
+        p = r % positions
+        at = (n * o_out + o) * positions + p
+        gradient = grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
+        if is_bias:
+            total += gradient
+            continue
+        ih = (p // ow_n) * sh - pt + i * dh
+        iw = (p % ow_n) * sw - pl + j * dw
+        if 0 <= ih < h and 0 <= iw < w_in:
+            total += gradient * x[((n * c_in + g * cg + c) * h + ih) * w_in + iw]
+    total = block_reduce_cuda(SUM, total)
+    if t == 0:
+        if is_bias:
+            grad_b[o] = total
+        else:
+            grad_w[element] = total
+
+
+def _threads_for(count):
+    """``(blocks, threads)`` of a one-thread-per-element launch over ``count`` elements."""
+    threads = max(1, min(THREADS_PER_BLOCK, count)) if SIMULATOR else THREADS_PER_BLOCK
+    return -(-count // threads), threads
+
+
+def _backward_plan(args):
+    x, w, y, grad_out, grad_x, grad_w, grad_b, meta, alpha, needs_x, needs_w, needs_b = args
+    launches = []
+    if needs_x:
+        blocks, threads = _threads_for(grad_x.size)
+        launches.append((conv2d_grad_input_cuda, blocks, threads,
+                         (w, y, grad_out, grad_x, meta, alpha)))
+    if needs_w or needs_b:
+        weight_blocks = w.size if needs_w else 0
+        launches.append((conv2d_grad_params_cuda,
+                         weight_blocks + (grad_b.size if needs_b else 0), REDUCE_THREADS,
+                         (x, y, grad_out, grad_w, grad_b, meta, alpha, weight_blocks)))
+    return launches
+
+
+CONV2D_FORWARD = Kernel("conv2d_forward", conv2d_forward_cpu, conv2d_forward_cuda, elements(3))
+CONV2D_BACKWARD = Kernel("conv2d_backward", conv2d_backward_cpu, cuda_plan=_backward_plan)
+
+
+# ------------------------------------------------------------------ the op
+
+
+@register
+class Conv2D(Op):
+    """``act(conv2d(x, w) + b)``; params stride, padding, dilation, groups (torch's meaning),
+    activation (a name of ``ops.pointwise.ACTIVATIONS``) and alpha (leaky_relu, >= 0).
+    Inputs ``(x, w)`` or ``(x, w, b)``."""
+    name = "conv2d"
+    kernels = (CONV2D_FORWARD, CONV2D_BACKWARD)
+
+    def check(self, x, w, b=None):
+        params = self.params
+        activation = params.get("activation")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"conv2d: unknown activation {activation!r}; expected one of "
+                             f"{sorted(ACTIVATIONS, key=str)}")
+        alpha = float(params.get("alpha", 0.01))
+        if alpha < 0:
+            raise ValueError(f"conv2d: leaky_relu alpha must be >= 0, got {alpha}")
+        shapes = f"x {tuple(x.shape)}, w {tuple(w.shape)}" + (
+            "" if b is None else f", b {tuple(b.shape)}")
+        if x.ndim != 4 or w.ndim != 4:
+            raise ValueError(f"conv2d: expects x (N, C, H, W) and w (O, C/groups, KH, KW), got "
+                             f"{shapes}")
+        groups = params.get("groups", 1)
+        if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
+        nb, c_in, h, w_in = x.shape
+        o_out, cg, kh, kw = w.shape
+        if c_in % groups or o_out % groups or cg * groups != c_in:
+            raise ValueError(f"conv2d: with groups={groups}, x's channels and w's outputs must "
+                             f"divide by groups and w must have C/groups = "
+                             f"{c_in / groups:g} input channels; got {shapes}")
+        if b is not None and (b.ndim != 1 or b.shape[0] != o_out):
+            raise ValueError(f"conv2d: bias must have shape ({o_out},); got {shapes}")
+        if kh < 1 or kw < 1:
+            raise ValueError(f"conv2d: empty kernel; got {shapes}")
+        stride = pair(params.get("stride", 1), "stride", "conv2d", 1)
+        dilation = pair(params.get("dilation", 1), "dilation", "conv2d", 1)
+        (pt, pb), (pl, pr) = conv_padding(params.get("padding", 0), (kh, kw), dilation, stride,
+                                          "conv2d")
+        oh = window_output_size(h, kh, stride[0], dilation[0], pt, pb)
+        ow = window_output_size(w_in, kw, stride[1], dilation[1], pl, pr)
+        if oh < 1 or ow < 1:
+            raise ValueError(f"conv2d: the padded input ({h + pt + pb}x{w_in + pl + pr}) is "
+                             f"smaller than the dilated kernel "
+                             f"({dilation[0] * (kh - 1) + 1}x{dilation[1] * (kw - 1) + 1}); "
+                             f"got {shapes}")
+        self.out_shape = (nb, o_out, oh, ow)
+        self.meta = Meta((nb, c_in, h, w_in, o_out, oh, ow, kh, kw) + stride + (pt, pl)
+                         + dilation + (groups, ACTIVATIONS[activation], b is not None))
+        self.alpha = np.dtype(x.dtype).type(alpha)
+
+    def forward(self, x, w, b=None):
+        # an absent bias is never read: w fills its slot, so every call has one signature
+        bias = flat(w) if b is None else b
+        out = run(CONV2D_FORWARD, flat(x), flat(w), bias, Out(self.out_shape, x.dtype),
+                  self.meta, self.alpha)
+        self.x, self.w, self.y, self.has_bias = x, w, out, b is not None
+        return out
+
+    def backward(self, grad_out, grad_dst):
+        asked = tuple(self.needs_input_grad)
+        needs = (asked[0], asked[1], len(asked) > 2 and asked[2] and self.has_bias)
+        destinations = tuple(grad_dst) + (None,) * (3 - len(grad_dst))
+        x, w, dtype = self.x, self.w, np.dtype(self.x.dtype)
+        placeholders = (flat(x), flat(w), flat(w))   # never written: see the CPU kernel
+        slots = [(Out(shape, dtype) if destination is None else flat(destination)) if needed
+                 else placeholder
+                 for needed, destination, shape, placeholder in zip(
+                     needs, destinations, (x.shape, w.shape, (w.shape[0],)), placeholders)]
+        run(CONV2D_BACKWARD, flat(x), flat(w), flat(self.y), flat(grad_out), *slots,
+            self.meta, self.alpha, *needs)
+        grads = [None if not needed else slot.array if isinstance(slot, Out) else destination
+                 for needed, slot, destination in zip(needs, slots, destinations)]
+        return tuple(grads[:len(asked)])

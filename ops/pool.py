@@ -1,0 +1,301 @@
+"""MaxPool2D and AvgPool2D over NCHW inputs, with PyTorch's defaults and semantics.
+
+Window ``(oh, ow)`` of a plane covers rows ``oh·SH - PH .. oh·SH - PH + KH - 1`` (columns
+alike); ``stride`` defaults to ``kernel_size``, ``padding`` is at most half the kernel (as
+torch asks), and ``OH = (H + 2·PH - KH) // SH + 1``.
+
+- max: ``y = max`` over the window's elements inside the input (padding never wins);
+  ``argmax`` is the first maximum in row-major window order (the last NaN when there is
+  one: NaN propagates), and the gradient goes to it alone, as torch's does on ties.
+- avg: ``y = Σ window / (KH·KW)``, padded zeros counted in the average (torch's
+  ``count_include_pad=True``).
+
+Backward: each input element sums the gradients of the windows that hold it (for max, those
+whose argmax it is) in row-major window order. On CUDA one thread per input element gathers
+them, so overlapping windows need no atomics; on the CPU each plane is zeroed and every
+window scatters into it, in that same order. The CPU kernels walk planes and rows with no
+index division per element; the CUDA ones run one thread per element.
+"""
+import numpy as np
+from numba import njit, prange
+
+from ops.conv import pair, valid_range, window_output_size
+from ops.cuda_backend import cuda
+from ops.dispatch import Meta, Out, run
+from ops.launch import Kernel, elements
+from ops.layout import flat
+from ops.registry import Op, register
+
+# meta: (planes = N·C, H, W, OH, OW, KH, KW, SH, SW, PH, PW)
+
+
+def _geometry(meta):
+    return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
+            meta[9], meta[10])
+
+
+_geometry_cpu = njit(inline="always")(_geometry)
+_geometry_cuda = cuda.jit(device=True)(_geometry)
+
+
+@cuda.jit(device=True)
+def _windows_holding(i, kernel, stride, pad, count):
+    """``[lo, hi)``: the window positions along one axis whose span holds input index i."""
+    first = i + pad - kernel + 1
+    lo = 0 if first <= 0 else (first + stride - 1) // stride
+    hi = min(count, (i + pad) // stride + 1)
+    return lo, max(lo, hi)
+
+
+@cuda.jit(device=True)
+def _max_window(x, plane, oh, ow, geometry):
+    """The window's maximum and its plane-relative index ``ih·W + iw``: the first maximum,
+    or the last NaN (torch's rule ``value > best or isnan(value)``)."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    base = plane * h * w
+    h0, w0 = oh * sh - ph, ow * sw - pw
+    best_at = max(h0, 0) * w + max(w0, 0)   # a window always holds an input element
+    best = x[base + best_at]
+    for ih in range(max(h0, 0), min(h0 + kh, h)):
+        for iw in range(max(w0, 0), min(w0 + kw, w)):
+            value = x[base + ih * w + iw]
+            if value > best or value != value:
+                best, best_at = value, ih * w + iw
+    return best, best_at
+
+
+@cuda.jit(device=True)
+def _avg_window(x, plane, oh, ow, geometry, scale):
+    """Σ window · scale, window in row-major order: the padding adds zeros."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    base = plane * h * w
+    h0, w0 = oh * sh - ph, ow * sw - pw
+    total = scale - scale
+    for ih in range(max(h0, 0), min(h0 + kh, h)):
+        for iw in range(max(w0, 0), min(w0 + kw, w)):
+            total += x[base + ih * w + iw]
+    return total * scale
+
+
+@cuda.jit(device=True)
+def _max_grad_at(argmax, grad_out, plane, ih, iw, geometry):
+    """d loss / d x[plane, ih, iw]: the gradients of the windows whose argmax it is."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    oh_lo, oh_hi = _windows_holding(ih, kh, sh, ph, oh_n)
+    ow_lo, ow_hi = _windows_holding(iw, kw, sw, pw, ow_n)
+    me = ih * w + iw
+    total = 0.0
+    base = plane * oh_n * ow_n
+    for oh in range(oh_lo, oh_hi):
+        for ow in range(ow_lo, ow_hi):
+            if argmax[base + oh * ow_n + ow] == me:
+                total += grad_out[base + oh * ow_n + ow]
+    return total
+
+
+@cuda.jit(device=True)
+def _avg_grad_at(grad_out, plane, ih, iw, geometry, scale):
+    """d loss / d x[plane, ih, iw]: (Σ over the windows holding it of grad_out) · scale."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    oh_lo, oh_hi = _windows_holding(ih, kh, sh, ph, oh_n)
+    ow_lo, ow_hi = _windows_holding(iw, kw, sw, pw, ow_n)
+    total = scale - scale
+    base = plane * oh_n * ow_n
+    for oh in range(oh_lo, oh_hi):
+        for ow in range(ow_lo, ow_hi):
+            total += grad_out[base + oh * ow_n + ow]
+    return total * scale
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def max_pool_cpu(x, out, argmax, meta):
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+    for plane in prange(planes):
+        source = x[plane * h * w:(plane + 1) * h * w]
+        for oh in range(oh_n):
+            at = (plane * oh_n + oh) * ow_n
+            best, best_at = out[at:at + ow_n], argmax[at:at + ow_n]
+            h0 = oh * sh - ph
+            for ow in range(ow_n):
+                w0 = ow * sw - pw
+                top_at = max(h0, 0) * w + max(w0, 0)
+                top = source[top_at]
+                for ih in range(max(h0, 0), min(h0 + kh, h)):
+                    for iw in range(max(w0, 0), min(w0 + kw, w)):
+                        value = source[ih * w + iw]
+                        # a select, not a branch: the branch mispredicts on random data and
+                        # does not scale under prange (5.6 ms serial, 14.7 ms on 2 threads)
+                        better = (value > top) | (value != value)
+                        top = value if better else top
+                        top_at = ih * w + iw if better else top_at
+                best[ow], best_at[ow] = top, top_at
+
+
+@cuda.jit(cache=True)
+def max_pool_cuda(x, out, argmax, meta):
+    at = cuda.grid(1)
+    if at < out.size:
+        geometry = _geometry_cuda(meta)
+        oh_n, ow_n = geometry[3], geometry[4]
+        plane, position = at // (oh_n * ow_n), at % (oh_n * ow_n)
+        out[at], argmax[at] = _max_window(x, plane, position // ow_n, position % ow_n,
+                                               geometry)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
+    """Scatters each window's gradient to its argmax, windows in row-major order: each input
+    element sums its windows in the order of the CUDA gather."""
+    planes, h, w, oh_n, ow_n = meta[0], meta[1], meta[2], meta[3], meta[4]
+    zero = grad_in.dtype.type(0)
+    for plane in prange(planes):
+        target = grad_in[plane * h * w:(plane + 1) * h * w]
+        for i in range(h * w):
+            target[i] = zero
+        first = plane * oh_n * ow_n
+        for o in range(first, first + oh_n * ow_n):
+            target[argmax[o]] += grad_out[o]
+
+
+@cuda.jit(cache=True)
+def max_pool_grad_cuda(argmax, grad_out, grad_in, meta):
+    at = cuda.grid(1)
+    if at < grad_in.size:
+        geometry = _geometry_cuda(meta)
+        h, w = geometry[1], geometry[2]
+        plane, position = at // (h * w), at % (h * w)
+        grad_in[at] = _max_grad_at(argmax, grad_out, plane, position // w, position % w,
+                                         geometry)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def avg_pool_cpu(x, out, meta, scale):
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+    zero = scale - scale
+    for plane in prange(planes):
+        source = x[plane * h * w:(plane + 1) * h * w]
+        for oh in range(oh_n):
+            at = (plane * oh_n + oh) * ow_n
+            total = out[at:at + ow_n]
+            for ow in range(ow_n):
+                total[ow] = zero
+            h0 = oh * sh - ph
+            for ih in range(max(h0, 0), min(h0 + kh, h)):
+                for j in range(kw):
+                    ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
+                    for ow in range(ow_lo, ow_hi):
+                        total[ow] += source[ih * w + ow * sw - pw + j]
+            for ow in range(ow_n):
+                total[ow] *= scale
+
+
+@cuda.jit(cache=True)
+def avg_pool_cuda(x, out, meta, scale):
+    at = cuda.grid(1)
+    if at < out.size:
+        geometry = _geometry_cuda(meta)
+        oh_n, ow_n = geometry[3], geometry[4]
+        plane, position = at // (oh_n * ow_n), at % (oh_n * ow_n)
+        out[at] = _avg_window(x, plane, position // ow_n, position % ow_n, geometry,
+                                   scale)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def avg_pool_grad_cpu(grad_out, grad_in, meta, scale):
+    """Scatters each window's gradient over it, then scales: every input element adds its
+    windows in row-major window order (j descending is ow ascending), as the CUDA gather."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+    zero = scale - scale
+    for plane in prange(planes):
+        target = grad_in[plane * h * w:(plane + 1) * h * w]
+        for i in range(h * w):
+            target[i] = zero
+        for oh in range(oh_n):
+            at = (plane * oh_n + oh) * ow_n
+            window_grad = grad_out[at:at + ow_n]
+            h0 = oh * sh - ph
+            for ih in range(max(h0, 0), min(h0 + kh, h)):
+                for j in range(kw - 1, -1, -1):
+                    ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
+                    for ow in range(ow_lo, ow_hi):
+                        target[ih * w + ow * sw - pw + j] += window_grad[ow]
+        for i in range(h * w):
+            target[i] *= scale
+
+
+@cuda.jit(cache=True)
+def avg_pool_grad_cuda(grad_out, grad_in, meta, scale):
+    at = cuda.grid(1)
+    if at < grad_in.size:
+        geometry = _geometry_cuda(meta)
+        h, w = geometry[1], geometry[2]
+        plane, position = at // (h * w), at % (h * w)
+        grad_in[at] = _avg_grad_at(grad_out, plane, position // w, position % w,
+                                        geometry, scale)
+
+
+MAX_POOL = Kernel("max_pool2d", max_pool_cpu, max_pool_cuda, elements(1))
+MAX_POOL_GRAD = Kernel("max_pool2d_grad", max_pool_grad_cpu, max_pool_grad_cuda, elements(2))
+AVG_POOL = Kernel("avg_pool2d", avg_pool_cpu, avg_pool_cuda, elements(1))
+AVG_POOL_GRAD = Kernel("avg_pool2d_grad", avg_pool_grad_cpu, avg_pool_grad_cuda, elements(1))
+
+
+# ------------------------------------------------------------------ ops
+
+
+class _Pool2D(Op):
+    def check(self, x):
+        name = self.name
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expects x (N, C, H, W), got shape {tuple(x.shape)}")
+        kernel = pair(self.params.get("kernel_size"), "kernel_size", name, 1)
+        stride = self.params.get("stride")
+        stride = kernel if stride is None else pair(stride, "stride", name, 1)
+        padding = pair(self.params.get("padding", 0), "padding", name, 0)
+        if any(2 * p > k for p, k in zip(padding, kernel)):
+            raise ValueError(f"{name}: padding {padding} must be at most half of kernel_size "
+                             f"{kernel}")
+        nb, channels, h, w = x.shape
+        oh = window_output_size(h, kernel[0], stride[0], 1, padding[0], padding[0])
+        ow = window_output_size(w, kernel[1], stride[1], 1, padding[1], padding[1])
+        if oh < 1 or ow < 1:
+            raise ValueError(f"{name}: kernel_size {kernel} does not fit in the padded input "
+                             f"({h + 2 * padding[0]}x{w + 2 * padding[1]}) of x "
+                             f"{tuple(x.shape)}")
+        self.x_shape = tuple(x.shape)
+        self.out_shape = (nb, channels, oh, ow)
+        self.meta = Meta((nb * channels, h, w, oh, ow) + kernel + stride + padding)
+        self.scale = np.dtype(x.dtype).type(1.0 / (kernel[0] * kernel[1]))
+
+
+@register
+class MaxPool2D(_Pool2D):
+    """Max over each window; params kernel_size, stride (default kernel_size), padding."""
+    name = "max_pool2d"
+    kernels = (MAX_POOL, MAX_POOL_GRAD)
+
+    def forward(self, x):
+        out, self.argmax = run(MAX_POOL, flat(x), Out(self.out_shape, x.dtype),
+                               Out(self.out_shape, np.int32), self.meta)
+        return out
+
+    def backward(self, grad_out, grad_dst):
+        return (run(MAX_POOL_GRAD, flat(self.argmax), flat(grad_out),
+                    Out(self.x_shape, grad_out.dtype), self.meta),)
+
+
+@register
+class AvgPool2D(_Pool2D):
+    """Mean of each window, padded zeros counted; params kernel_size, stride, padding."""
+    name = "avg_pool2d"
+    kernels = (AVG_POOL, AVG_POOL_GRAD)
+
+    def forward(self, x):
+        return run(AVG_POOL, flat(x), Out(self.out_shape, x.dtype), self.meta, self.scale)
+
+    def backward(self, grad_out, grad_dst):
+        return (run(AVG_POOL_GRAD, flat(grad_out), Out(self.x_shape, grad_out.dtype),
+                    self.meta, self.scale),)

@@ -1,0 +1,506 @@
+"""Conv2D, MaxPool2D, AvgPool2D and BatchNorm on every backend.
+
+The ``check_op`` cases run on odd, tiny shapes (7x9 inputs, 3x2 kernels, stride 2, padding
+1, dilation 2, groups 2) against float64 NumPy references written independently of the
+kernels (a padded input sliced per tap); PyTorch checks the semantics where they are its
+own (``padding="same"``, pooling ties, BatchNorm's running statistics). The ``gpu`` tests
+run the network's shapes against torch in float64.
+"""
+import numpy as np
+import pytest
+
+import engine
+from engine.autograd import apply
+from engine.parameter import FlatBuffer, Parameter
+from ops.batch_norm import BatchNorm
+from ops.conv import Conv2D
+from ops.pool import AvgPool2D, MaxPool2D
+from ops.device import to_device, to_host
+from tests.op_check import Case, check_op
+
+ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
+
+
+# ------------------------------------------------------------------ NumPy references
+
+def _pair(value):
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def _np_activation(name, v, alpha=0.01):
+    if name == "relu":
+        return np.maximum(v, 0)
+    if name == "leaky_relu":
+        return np.where(v > 0, v, alpha * v)
+    if name == "sigmoid":
+        return 1 / (1 + np.exp(-v))
+    if name == "tanh":
+        return np.tanh(v)
+    return v
+
+
+def _np_padding(padding, kernel, dilation):
+    if padding == "valid":
+        return (0, 0), (0, 0)
+    if padding == "same":
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        return tuple((t // 2, t - t // 2) for t in totals)
+    rows, columns = _pair(padding)
+    return (rows, rows), (columns, columns)
+
+
+def np_conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, activation=None,
+              alpha=0.01):
+    """The convolution as a sum over taps of the zero-padded input, sliced per tap."""
+    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
+    rows, columns = _np_padding(padding, w.shape[2:], (dh, dw))
+    padded = np.pad(x, ((0, 0), (0, 0), rows, columns))
+    out_c, in_per_group, kh, kw = w.shape
+    oh = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((x.shape[0], out_c, oh, ow))
+    per_group = out_c // groups
+    for g in range(groups):
+        channels = padded[:, g * in_per_group:(g + 1) * in_per_group]
+        filters = w[g * per_group:(g + 1) * per_group]
+        for i in range(kh):
+            for j in range(kw):
+                patch = channels[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh,
+                                 j * dw:j * dw + sw * (ow - 1) + 1:sw]
+                out[:, g * per_group:(g + 1) * per_group] += np.einsum(
+                    "nchw,oc->nohw", patch, filters[:, :, i, j])
+    if b is not None:
+        out += b[None, :, None, None]
+    return _np_activation(activation, out, alpha)
+
+
+def _np_pool(x, kernel_size, stride=None, padding=0, average=False):
+    """Max (or mean, padded zeros counted) of each window of the padded input."""
+    (kh, kw) = _pair(kernel_size)
+    (sh, sw) = (kh, kw) if stride is None else _pair(stride)
+    (ph, pw) = _pair(padding)
+    padded = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)),
+                    constant_values=0.0 if average else -np.inf)
+    oh = (padded.shape[2] - kh) // sh + 1
+    ow = (padded.shape[3] - kw) // sw + 1
+    taps = [padded[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
+            for i in range(kh) for j in range(kw)]
+    return np.mean(taps, axis=0) if average else np.max(taps, axis=0)
+
+
+def _np_batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False,
+                   eps=1e-5):
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    if training:
+        mean, var = x.mean(axis=axes), x.var(axis=axes)
+    else:
+        mean, var = running_mean, running_var
+    y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+# ------------------------------------------------------------------ cases
+
+def _conv_case(x_shape, w_shape, bias=True, grad=None, **params):
+    shapes = (x_shape, w_shape) + (((w_shape[0],),) if bias else ())
+    return Case("conv2d", shapes, lambda *t: apply(Conv2D, *t, **params),
+                lambda *a: np_conv2d(*a, **params), grad=grad)
+
+
+CONV_CASES = [
+    _conv_case((2, 4, 7, 9), (6, 2, 3, 2), stride=2, padding=1, dilation=2, groups=2,
+               activation="relu"),
+    _conv_case((3, 2, 7, 9), (3, 2, 3, 2), padding="same", activation="tanh"),
+    _conv_case((2, 3, 7, 9), (4, 3, 3, 2), bias=False, stride=(2, 1), padding=(1, 0)),
+    _conv_case((2, 2, 7, 9), (4, 1, 3, 2), stride=(1, 2), dilation=(2, 1), groups=2,
+               activation="leaky_relu", alpha=0.2),
+    _conv_case((2, 3, 7, 9), (2, 3, 3, 2), padding="valid", activation="sigmoid"),
+    _conv_case((3, 1, 7, 9), (2, 1, 3, 3), padding="same", activation="relu",
+               grad=(False, True, True)),   # a first layer: the image needs no gradient
+]
+
+
+
+def _pool_case(op, x_shape, **params):
+    cls, average = {"max_pool2d": (MaxPool2D, False), "avg_pool2d": (AvgPool2D, True)}[op]
+    return Case(op, (x_shape,), lambda x: apply(cls, x, **params),
+                lambda x: _np_pool(x, average=average, **params))
+
+
+POOL_CASES = [
+    _pool_case(op, shape, **params) for op in ("max_pool2d", "avg_pool2d")
+    for shape, params in [((2, 3, 7, 9), dict(kernel_size=2)),   # the tails are dropped
+                          ((2, 2, 7, 9), dict(kernel_size=(3, 2), stride=2, padding=1)),
+                          ((1, 2, 7, 9), dict(kernel_size=3, stride=1, padding=1))]]
+
+
+def _batch_norm_case(x_shape, training, parameters=2):
+    """x, the running statistics, then ``parameters`` of (weight, bias)."""
+    channels = x_shape[1]
+
+    def make(rng):
+        arrays = [rng.uniform(-2, 3, size=x_shape), rng.uniform(-1, 1, size=channels),
+                  rng.uniform(0.5, 2, size=channels)]
+        return arrays + [rng.uniform(-2, 2, size=channels) for _ in range(parameters)]
+
+    def fn(*tensors):
+        return apply(BatchNorm, *tensors, training=training, momentum=0.2)
+
+    def ref(*arrays):
+        return _np_batch_norm(*arrays, training=training)
+
+    shapes = (x_shape, (channels,), (channels,)) + ((channels,),) * parameters
+    return Case("batch_norm", shapes, fn, ref, make_inputs=make,
+                grad=(True, False, False) + (True,) * parameters)
+
+
+BATCH_NORM_CASES = [
+    _batch_norm_case((3, 2, 5, 7), training=True),
+    _batch_norm_case((5, 3), training=True, parameters=0),
+    _batch_norm_case((2, 3, 3, 5), training=True, parameters=1),
+    _batch_norm_case((3, 2, 5, 7), training=False),
+    _batch_norm_case((5, 3), training=False, parameters=1),
+]
+
+CASES = CONV_CASES + POOL_CASES + BATCH_NORM_CASES
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_op(case, device):
+    check_op(case, device)
+
+
+# ------------------------------------------------------------------ Conv2D
+
+def _conv_inputs(device, shapes, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [engine.tensor(rng.standard_normal(s), dtype=dtype, device=device,
+                          requires_grad=True) for s in shapes]
+
+
+@pytest.mark.torch
+@pytest.mark.filterwarnings("ignore:Using padding='same'")   # torch on even kernels
+@pytest.mark.parametrize("padding,dilation", [("same", 1), ("same", (2, 1)), (0, 1)])
+def test_conv2d_matches_torch(device, padding, dilation):
+    import torch
+    x, w, b = _conv_inputs(device, ((2, 3, 7, 9), (4, 3, 3, 2), (4,)))
+    y = apply(Conv2D, x, w, b, padding=padding, dilation=dilation)
+    upstream = np.random.default_rng(1).standard_normal(y.shape)
+    (y * engine.tensor(upstream, device=device)).sum().backward()
+    tx, tw, tb = [torch.tensor(t.numpy(), requires_grad=True) for t in (x, w, b)]
+    ty = torch.nn.functional.conv2d(tx, tw, tb, padding=padding, dilation=dilation)
+    ty.backward(torch.tensor(upstream))
+    for got, want in [(y, ty), (x.grad, tx.grad), (w.grad, tw.grad), (b.grad, tb.grad)]:
+        np.testing.assert_allclose(got.numpy(), want.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_conv2d_backward_is_bit_reproducible(device):
+    results = []
+    for _ in range(2):
+        x, w, b = _conv_inputs(device, ((3, 4, 7, 9), (6, 2, 3, 2), (6,)), dtype=np.float32)
+        y = apply(Conv2D, x, w, b, stride=2, padding=1, groups=2, activation="relu")
+        y.sum().backward()
+        results.append([t.numpy() for t in (y, x.grad, w.grad, b.grad)])
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+
+
+def test_conv2d_writes_parameter_grads_into_the_flat_buffer(device):
+    rng = np.random.default_rng(4)
+    w = Parameter(to_device(rng.standard_normal((4, 3, 3, 2)), device))
+    b = Parameter(to_device(rng.standard_normal(4), device))
+    flat_buffer = FlatBuffer([w, b])
+    x = engine.tensor(rng.standard_normal((2, 3, 7, 9)), device=device)
+    apply(Conv2D, x, w, b, padding=1, activation="tanh").sum().backward()
+    g = 1 - np.tanh(np_conv2d(x.numpy(), w.numpy(), b.numpy(), padding=1)) ** 2
+    grads = to_host(flat_buffer.grad)
+    np.testing.assert_allclose(grads[w.size:], g.sum(axis=(0, 2, 3)), rtol=1e-12)
+    reference = engine.tensor(w.numpy(), requires_grad=True, device=device)
+    apply(Conv2D, x, reference, engine.tensor(b.numpy(), device=device), padding=1,
+          activation="tanh").sum().backward()
+    np.testing.assert_allclose(grads[:w.size], reference.grad.numpy().ravel(), rtol=1e-12)
+    assert x.grad is None
+
+
+def test_conv2d_backward_returns_the_destination_buffers(device):
+    rng = np.random.default_rng(5)
+    x, w, b = [to_device(rng.standard_normal(s), device) for s in ((2, 3, 7, 9), (4, 3, 3, 2),
+                                                                   (4,))]
+    op = Conv2D(padding=1)
+    op.needs_input_grad = (False, True, True)
+    y = op(x, w, b)
+    dw = to_device(np.full((4, 3, 3, 2), np.nan), device)
+    db = to_device(np.full(4, np.nan), device)
+    grads = op.backward(to_device(np.ones(y.shape), device), (None, dw, db))
+    assert grads[0] is None and grads[1] is dw and grads[2] is db
+    np.testing.assert_allclose(to_host(db), np.full(4, 2 * 7 * 10))   # N·OH·OW
+
+
+def test_conv2d_rejects_bad_arguments(device):
+    x = engine.zeros(2, 4, 7, 9, device=device)
+    w = engine.zeros(6, 2, 3, 2, device=device)
+    with pytest.raises(ValueError, match=r"conv2d: expects x \(N, C, H, W\).*x \(4, 7, 9\)"):
+        apply(Conv2D, engine.zeros(4, 7, 9, device=device), w)
+    with pytest.raises(ValueError, match=r"groups=1.*x \(2, 4, 7, 9\), w \(6, 2, 3, 2\)"):
+        apply(Conv2D, x, w)
+    with pytest.raises(ValueError, match=r"groups=3.*divide"):
+        apply(Conv2D, x, w, groups=3)
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\).*b \(5,\)"):
+        apply(Conv2D, x, w, engine.zeros(5, device=device), groups=2)
+    with pytest.raises(ValueError, match="padding='same' needs stride 1, got stride \\(2, 2\\)"):
+        apply(Conv2D, x, w, groups=2, padding="same", stride=2)
+    with pytest.raises(ValueError, match="padding must be an int, a pair, 'valid' or 'same'"):
+        apply(Conv2D, x, w, groups=2, padding="full")
+    with pytest.raises(ValueError, match="stride must be >= 1, got 0"):
+        apply(Conv2D, x, w, groups=2, stride=0)
+    with pytest.raises(ValueError, match=r"dilation must be an int or a pair of ints"):
+        apply(Conv2D, x, w, groups=2, dilation=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"padded input \(7x9\) is smaller than the dilated "
+                                         r"kernel \(9x2\)"):
+        apply(Conv2D, x, w, groups=2, dilation=(4, 1))
+    with pytest.raises(ValueError, match="conv2d: unknown activation 'gelu'"):
+        apply(Conv2D, x, w, groups=2, activation="gelu")
+    with pytest.raises(ValueError, match="alpha must be >= 0"):
+        apply(Conv2D, x, w, groups=2, activation="leaky_relu", alpha=-1)
+    with pytest.raises(TypeError, match="conv2d: inputs have different dtypes"):
+        apply(Conv2D, x, engine.zeros(6, 2, 3, 2, dtype=np.float64, device=device), groups=2)
+
+
+# ------------------------------------------------------------------ pooling
+
+@pytest.mark.torch
+@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+def test_pooling_matches_torch_on_ties_and_padding(device, cls):
+    import torch
+    rng = np.random.default_rng(6)
+    x = np.round(rng.standard_normal((2, 3, 7, 9)), 0)   # many ties inside the windows
+    params = dict(kernel_size=(3, 2), stride=(2, 1), padding=1)
+    t = engine.tensor(x, device=device, requires_grad=True)
+    y = apply(cls, t, **params)
+    upstream = rng.standard_normal(y.shape)
+    (y * engine.tensor(upstream, device=device)).sum().backward()
+    functional = torch.nn.functional
+    function = functional.max_pool2d if cls is MaxPool2D else functional.avg_pool2d
+    tx = torch.tensor(x, requires_grad=True)
+    ty = function(tx, **params)
+    ty.backward(torch.tensor(upstream))
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(t.grad.numpy(), tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_max_pool_gives_a_tied_window_gradient_to_its_first_maximum(device):
+    x = engine.tensor(np.ones((1, 1, 2, 3)), device=device, requires_grad=True)
+    apply(MaxPool2D, x, kernel_size=2, stride=1).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [[[[1, 1, 0], [0, 0, 0]]]])
+
+
+def test_max_pool_propagates_nan(device):
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    x[0, 0, 0, 1] = np.nan
+    y = apply(MaxPool2D, engine.tensor(x, device=device), kernel_size=2).numpy()
+    assert np.isnan(y[0, 0, 0, 0]) and not np.isnan(y[0, 0, 1, 1])
+
+
+@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+def test_pooling_rejects_bad_arguments(device, cls):
+    name = cls.name
+    x = engine.zeros(2, 3, 7, 9, device=device)
+    with pytest.raises(ValueError, match=rf"{name}: expects x \(N, C, H, W\), got shape \(7, 9\)"):
+        apply(cls, engine.zeros(7, 9, device=device), kernel_size=2)
+    with pytest.raises(ValueError, match=rf"{name}: kernel_size must be an int or a pair"):
+        apply(cls, x, kernel_size=None)
+    with pytest.raises(ValueError, match=rf"{name}: stride must be >= 1"):
+        apply(cls, x, kernel_size=2, stride=0)
+    with pytest.raises(ValueError, match=r"padding \(2, 2\) must be at most half of "
+                                         r"kernel_size \(3, 3\)"):
+        apply(cls, x, kernel_size=3, padding=2)
+    with pytest.raises(ValueError, match=r"kernel_size \(8, 2\) does not fit in the padded "
+                                         r"input \(7x9\)"):
+        apply(cls, x, kernel_size=(8, 2))
+
+
+# ------------------------------------------------------------------ BatchNorm
+
+def _batch_norm_inputs(device, shape, seed=7):
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    arrays = [rng.uniform(-2, 3, shape), rng.uniform(-1, 1, channels),
+              rng.uniform(0.5, 2, channels), rng.standard_normal(channels),
+              rng.standard_normal(channels)]
+    return arrays, [engine.tensor(a, device=device) for a in arrays]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("shape", [(5, 3), (3, 2, 5, 7)])
+def test_batch_norm_updates_running_statistics_as_torch(device, shape):
+    import torch
+    arrays, (x, running_mean, running_var, weight, bias) = _batch_norm_inputs(device, shape)
+    mean_buffer, var_buffer = running_mean.data, running_var.data
+    torch_mean, torch_var = torch.tensor(arrays[1]), torch.tensor(arrays[2])
+    for step in range(3):
+        batch = engine.tensor(arrays[0] * (step + 1), device=device)
+        y = apply(BatchNorm, batch, running_mean, running_var, weight, bias, training=True,
+                  momentum=0.3)
+        ty = torch.nn.functional.batch_norm(
+            torch.tensor(arrays[0] * (step + 1)), torch_mean, torch_var,
+            torch.tensor(arrays[3]), torch.tensor(arrays[4]), training=True, momentum=0.3)
+        np.testing.assert_allclose(y.numpy(), ty.numpy(), rtol=1e-12, atol=1e-12)
+    assert running_mean.data is mean_buffer and running_var.data is var_buffer   # in place
+    np.testing.assert_allclose(running_mean.numpy(), torch_mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(running_var.numpy(), torch_var.numpy(), rtol=1e-12)
+    y = apply(BatchNorm, x, running_mean, running_var, weight, bias)   # eval: torch's default
+    ty = torch.nn.functional.batch_norm(torch.tensor(arrays[0]), torch_mean, torch_var,
+                                        torch.tensor(arrays[3]), torch.tensor(arrays[4]))
+    np.testing.assert_allclose(y.numpy(), ty.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(running_var.numpy(), torch_var.numpy(), rtol=1e-12)
+
+
+def test_batch_norm_writes_parameter_grads_into_the_flat_buffer(device):
+    arrays, (x, running_mean, running_var, _, _) = _batch_norm_inputs(device, (3, 2, 5, 7))
+    weight, bias = (Parameter(to_device(a, device)) for a in arrays[3:])
+    flat_buffer = FlatBuffer([weight, bias])
+    upstream = np.random.default_rng(8).standard_normal(x.shape)
+    y = apply(BatchNorm, x, running_mean, running_var, weight, bias, training=True)
+    (y * engine.tensor(upstream, device=device)).sum().backward()
+    xhat = _np_batch_norm(arrays[0], None, None, training=True)
+    np.testing.assert_allclose(to_host(flat_buffer.grad),
+                               np.concatenate([(upstream * xhat).sum(axis=(0, 2, 3)),
+                                               upstream.sum(axis=(0, 2, 3))]), rtol=1e-10)
+
+
+def test_batch_norm_rejects_bad_arguments(device):
+    _, (x, running_mean, running_var, weight, bias) = _batch_norm_inputs(device, (3, 2, 5, 7))
+    with pytest.raises(ValueError, match=r"batch_norm: expects x \(N, C\) or \(N, C, H, W\), "
+                                         r"got shape \(6,\)"):
+        apply(BatchNorm, engine.zeros(6, dtype=np.float64, device=device), running_mean,
+              running_var)
+    with pytest.raises(ValueError, match=r"weight must have shape \(2,\) for x \(3, 2, 5, 7\), "
+                                         r"got \(3,\)"):
+        apply(BatchNorm, x, running_mean, running_var,
+              engine.zeros(3, dtype=np.float64, device=device))
+    with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\]"):
+        apply(BatchNorm, x, running_mean, running_var, training=True, momentum=None)
+    with pytest.raises(ValueError, match="eps must be > 0, got 0"):
+        apply(BatchNorm, x, running_mean, running_var, eps=0)
+    with pytest.raises(ValueError, match=r"more than one value per channel, got x \(1, 2\)"):
+        apply(BatchNorm, engine.zeros(1, 2, dtype=np.float64, device=device), running_mean,
+              running_var, training=True)
+    with pytest.raises(TypeError, match="batch_norm: inputs have different dtypes"):
+        apply(BatchNorm, x, running_mean, engine.ones(2, device=device))
+
+
+# ------------------------------------------------------------------ large shapes on a real GPU
+
+def _gpu_close(got, want, what):
+    """float32 on the GPU against float64 on the host, relative to the largest value."""
+    want = np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(), 1.0),
+                               err_msg=what)
+
+
+def _run_twice_on_the_gpu(fn, arrays, requires):
+    """``fn``'s output and input gradients from float32 CUDA tensors, twice (bit equal)."""
+    results = []
+    upstream = None
+    for _ in range(2):
+        tensors = [engine.tensor(a, dtype=np.float32, device="cuda", requires_grad=r)
+                   for a, r in zip(arrays, requires)]
+        y = fn(*tensors)
+        if upstream is None:
+            upstream = np.random.default_rng(1).standard_normal(y.shape)
+        (y * engine.tensor(upstream, device="cuda")).sum().backward()
+        results.append([y.numpy()] + [t.grad.numpy() for t, r in zip(tensors, requires) if r])
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+    return results[0], upstream
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("x_shape,w_shape,params", [
+    ((128, 1, 28, 28), (32, 1, 3, 3), dict(padding="same")),     # the network's first conv
+    ((128, 32, 14, 14), (64, 32, 3, 3), dict(padding="same")),   # and its second
+    ((5, 6, 33, 31), (8, 3, 5, 4), dict(stride=2, padding=2, dilation=2, groups=2)),
+])
+def test_conv2d_on_large_shapes_matches_torch_in_float64(x_shape, w_shape, params):
+    import torch
+    rng = np.random.default_rng(9)
+    arrays = [rng.standard_normal(x_shape).astype(np.float32),
+              (rng.standard_normal(w_shape) * 0.1).astype(np.float32),
+              rng.standard_normal(w_shape[0]).astype(np.float32)]
+    (y, *grads), upstream = _run_twice_on_the_gpu(
+        lambda *t: apply(Conv2D, *t, activation="tanh", **params), arrays, (True,) * 3)
+    tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
+    ty = torch.tanh(torch.nn.functional.conv2d(*tensors, **params))
+    ty.backward(torch.tensor(upstream))
+    _gpu_close(y, ty.detach().numpy(), "forward")
+    for what, got, t in zip(("dx", "dw", "db"), grads, tensors):
+        _gpu_close(got, t.grad.numpy(), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+@pytest.mark.parametrize("x_shape,params", [((128, 32, 28, 28), dict(kernel_size=2)),
+                                            ((5, 7, 33, 31), dict(kernel_size=(3, 2), stride=2,
+                                                                   padding=1))])
+def test_pooling_on_large_shapes_matches_torch_in_float64(cls, x_shape, params):
+    import torch
+    x = np.random.default_rng(10).standard_normal(x_shape).astype(np.float32)
+    (y, grad), upstream = _run_twice_on_the_gpu(lambda t: apply(cls, t, **params), [x],
+                                                (True,))
+    functional = torch.nn.functional
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ty = (functional.max_pool2d if cls is MaxPool2D else functional.avg_pool2d)(tx, **params)
+    ty.backward(torch.tensor(upstream))
+    _gpu_close(y, ty.detach().numpy(), "forward")
+    _gpu_close(grad, tx.grad.numpy(), "dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("x_shape", [(128, 64, 14, 14), (256, 100)])
+def test_batch_norm_on_large_shapes_matches_torch_in_float64(x_shape):
+    import torch
+    rng = np.random.default_rng(11)
+    channels = x_shape[1]
+    x = (rng.standard_normal(x_shape) * 3 + 2).astype(np.float32)
+    weight, bias = (rng.standard_normal(channels).astype(np.float32) for _ in range(2))
+    running = [engine.tensor(np.zeros(channels), dtype=np.float32, device="cuda"),
+               engine.tensor(np.ones(channels), dtype=np.float32, device="cuda")]
+    (y, *grads), upstream = _run_twice_on_the_gpu(
+        lambda t, w, b: apply(BatchNorm, t, *running, w, b, training=True),
+        [x, weight, bias], (True, True, True))
+    tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True)
+               for a in (x, weight, bias)]
+    torch_mean = torch.zeros(channels, dtype=torch.float64)
+    torch_var = torch.ones(channels, dtype=torch.float64)
+    for _ in range(2):   # the engine's two runs updated its running statistics twice
+        ty = torch.nn.functional.batch_norm(tensors[0], torch_mean, torch_var, *tensors[1:],
+                                            training=True)
+    ty.backward(torch.tensor(upstream))
+    _gpu_close(y, ty.detach().numpy(), "forward")
+    for what, got, t in zip(("dx", "dweight", "dbias"), grads, tensors):
+        _gpu_close(got, t.grad.numpy(), what)
+    _gpu_close(running[0].numpy(), torch_mean.numpy(), "running_mean")
+    _gpu_close(running[1].numpy(), torch_var.numpy(), "running_var")
+
+
+# ------------------------------------------------------------------ the benchmark script
+
+def test_bench_conv_ops_quick_smoke(tmp_path, capsys):
+    import json
+
+    from bench import conv_ops
+    path = tmp_path / "conv_ops.json"
+    conv_ops.main(["--quick", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [(row["op"], row["phase"]) for row in rows] == [
+        (name, phase) for name, _, _ in conv_ops.LAYERS for phase in ("forward", "backward")]
+    assert all(row["us_per_call"]["engine"] > 0 for row in rows)
+    assert "| conv2d relu | backward | 4x32x14x14 |" in capsys.readouterr().out
