@@ -1,12 +1,20 @@
 """The training loop (``fit``, ``evaluate``) and the training state it resumes from
 (checkpoints).
 
-``fit`` runs epochs of forward, loss, backward, optional gradient clipping and an optimizer
-step, and returns one record per epoch. Each batch's loss and correct predictions are added
-up on the batch's own device by one small kernel (``ops.metrics``) and read back once at the
-end of the epoch, so a GPU step never waits for the host; the progress bar reads one loss
-every ``PROGRESS_EVERY`` steps. Per-step losses, when asked for, are kept as the steps' own
-loss arrays and read once at the end of the epoch.
+``fit`` runs epochs of training steps and returns one record per epoch. A step is forward,
+loss, backward, the gradient all-reduce of a distributed run, optional gradient clipping
+and an optimizer step, in one function (``_train_step``) that ``fit`` captures
+(``engine.capture``): callbacks (``engine.callbacks``) run between steps, never inside one.
+Each batch's loss and correct predictions are added up on the batch's own device by one
+small kernel (``ops.metrics``) and read back once at the end of the epoch, so a GPU step
+never waits for the host; the progress bar reads one loss every ``PROGRESS_EVERY`` steps.
+Per-step losses, when asked for, are kept as the steps' own loss arrays and read once at the
+end of the epoch.
+
+With ``distributed=True`` every rank of ``engine.distributed`` runs ``fit`` on its shard of
+each global batch: the gradients are averaged after each backward, and the epoch's training
+loss, accuracy, seconds and samples/s are the whole world's (means over the ranks; samples/s
+their sum), so every rank holds the same records and every callback decides alike.
 
 A checkpoint is a ``model.save`` file (architecture and weights under their names) plus
 entries under ``nn.TRAINING_PREFIX``: the optimizer state, epoch, history, the run's
@@ -15,26 +23,30 @@ atomically. Reading one checks every value, so a damaged or crafted file is a ``
 saying what is wrong, never a crash later in training.
 """
 import json
+import math
 import time
 import weakref
 
 import numpy as np
-from tqdm import tqdm
 
 import optim
 from engine import archive, nn
+from engine import distributed as dist
 from engine.autograd import no_grad
+from engine.callbacks import (PROGRESS_EVERY, Callback, JsonLog,  # noqa: F401 (re-exported)
+                              PrintMetrics, ProgressBar, append_record, format_record,
+                              progress_bar, show_progress)
 from engine.random import generator
 from engine.step_capture import capture as engine_capture
 from engine.tensor import Tensor, tensor
 from ops.device import to_host
 from ops.metrics import RunningMetrics
 
-PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
-RECORD_KEYS = ("epoch", "loss", "train_acc", "test_acc", "seconds", "samples_per_s")
-# the bar without tqdm's batches/s and elapsed time: at 80 columns it keeps a bar of about
-# 15 characters and the postfix (loss, samples/s) whole, for "epoch 10/10" and 469/469 steps
-BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{remaining}]{postfix}"
+RECORD_KEYS = ("epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
+               "samples_per_s")
+# the records of checkpoints written before test_loss was recorded
+RECORD_KEYS_WITHOUT_TEST_LOSS = tuple(key for key in RECORD_KEYS if key != "test_loss")
+WORLD_MEANS = ("loss", "train_acc", "seconds", "samples_per_s")   # averaged over the ranks
 
 
 # ------------------------------------------------------------------ the loop
@@ -51,20 +63,11 @@ def _length(loader):
         return None
 
 
-def progress_bar(total, epoch, epochs, **options):
-    """The tqdm bar of one epoch (``total`` steps, None when unknown), on stderr unless
-    ``options`` say otherwise."""
-    return tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", leave=False,
-                dynamic_ncols=True, bar_format=BAR_FORMAT, **options)
-
-
-def show_progress(bar, loss, samples_per_s):
-    bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:.0f} samples/s", refresh=False)
-
-
-def evaluate(model, loader):
+def evaluate(model, loader, loss_fn=None):
     """Classification accuracy (a fraction) of ``model`` over ``loader``, in eval mode and
-    without recording; the model's train/eval mode is restored afterwards."""
+    without recording; with ``loss_fn``, ``(mean loss per sample, accuracy)``. The accuracy
+    is None when the labels are not class indices, both are None for an empty loader. The
+    model's train/eval mode is restored afterwards."""
     was_training = getattr(model, "training", True)
     model.eval()
     try:
@@ -72,9 +75,11 @@ def evaluate(model, loader):
         with no_grad():
             for inputs, labels in loader:
                 logits = model(inputs)
+                loss = None if loss_fn is None else loss_fn(logits, labels).data
                 metrics = metrics or RunningMetrics(logits.device)
-                metrics.add(None, logits.data, _storage(labels))
-        return metrics.read()[1] if metrics is not None else None
+                metrics.add(loss, logits.data, _storage(labels))
+        loss, accuracy, _ = metrics.read() if metrics is not None else (None, None, 0)
+        return accuracy if loss_fn is None else (loss, accuracy)
     finally:
         if was_training:
             model.train()
@@ -87,14 +92,18 @@ def _read_losses(arrays):
     return np.concatenate([np.ravel(to_host(array)) for array in arrays]).astype(np.float64)
 
 
-def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics):
+def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distributed):
     """The function of one training step that ``fit`` captures (``engine.capture``): on the
-    GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device."""
+    GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device.
+    With ``distributed`` the gradients are averaged over the ranks between backward and
+    clipping (``engine.distributed.all_reduce_gradients``)."""
     def train_step(inputs, labels):
         optimizer.zero_grad()
         logits = model(inputs)
         loss = loss_fn(logits, labels)
         loss.backward()
+        if distributed:
+            dist.all_reduce_gradients(model)
         if clip_norm:
             optim.clip_grad_norm_(parameters, clip_norm)
         optimizer.step()
@@ -106,26 +115,55 @@ def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics):
 _steps = weakref.WeakKeyDictionary()   # optimizer -> (what the step was made for, step, metrics)
 
 
-def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture):
+def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture, distributed):
     """The training step and its metrics; a captured one is kept for the next ``fit`` call of
-    the same model, optimizer, loss and clipping (its recordings then carry over: a loop of
-    one-epoch ``fit`` calls records once)."""
-    made_for = (id(model), loss_fn, float(clip_norm), capture, tuple(id(p) for p in parameters),
-                parameters[0].device if parameters else "cpu")
+    the same model, optimizer, loss, clipping and distribution (its recordings then carry
+    over: a loop of one-epoch ``fit`` calls records once)."""
+    made_for = (id(model), loss_fn, float(clip_norm), capture, distributed,
+                tuple(id(p) for p in parameters), parameters[0].device if parameters else "cpu")
     kept = _steps.get(optimizer)
     if kept is not None and kept[0] == made_for:
         return kept[1], kept[2]
     metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
-    step = _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics)
+    step = _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distributed)
     if capture:
         step = engine_capture(step)
         _steps[optimizer] = (made_for, step, metrics)
     return step, metrics
 
 
-def _train_epoch(loader, step, metrics, bar, step_losses):
+class Run:
+    """What callbacks see of the ``fit`` call that runs them (``callback.run``): ``model``,
+    ``optimizer``, ``epochs``, ``start_epoch``, ``steps`` (batches per epoch, or None),
+    ``history`` (the records so far, this run's appended after each epoch), ``evaluates``
+    (a test loader was given), ``record_keys``, and ``stop_training``: set it to end
+    training once the current epoch is over."""
+
+    record_keys = RECORD_KEYS
+
+    def __init__(self, model, optimizer, epochs, start_epoch, steps, history, evaluates):
+        self.model, self.optimizer = model, optimizer
+        self.epochs, self.start_epoch, self.steps = epochs, start_epoch, steps
+        self.history, self.evaluates = history, evaluates
+        self.stop_training = False
+
+    def save_checkpoint(self, path, config=None):
+        """Write the training checkpoint of the last finished epoch to ``path``
+        (``save_checkpoint``: the format of ``python -m engine.train --save``)."""
+        epoch = self.history[-1]["epoch"] if self.history else self.start_epoch
+        save_checkpoint(path, self.model, self.optimizer, epoch, self.history, config)
+
+
+def _overrides(callback, hook):
+    return getattr(type(callback), hook) is not getattr(Callback, hook)
+
+
+def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses):
+    """One epoch of steps, the callbacks' ``on_step_end`` after each; the record's training
+    part."""
     metrics.reset()
     losses = [] if step_losses is not None else None
+    watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
     start = time.perf_counter()
     for index, (inputs, labels) in enumerate(loader):
         if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
@@ -133,11 +171,11 @@ def _train_epoch(loader, step, metrics, bar, step_losses):
         loss = step(inputs, labels)
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
-        if bar is not None:
-            bar.update(1)
-            if index % PROGRESS_EVERY == 0:   # the one host sync every PROGRESS_EVERY steps
-                rate = (index + 1) * inputs.shape[0] / max(time.perf_counter() - start, 1e-9)
-                show_progress(bar, loss.item(), rate)
+        if watchers:
+            logs = {"epoch": epoch, "step": index, "steps": run.steps, "rows": inputs.shape[0],
+                    "loss": loss, "seconds": time.perf_counter() - start}
+            for callback in watchers:
+                callback.on_step_end(logs)
     loss, train_acc, rows = metrics.read()   # waits for the GPU
     seconds = time.perf_counter() - start
     if losses is not None:
@@ -146,43 +184,78 @@ def _train_epoch(loader, step, metrics, bar, step_losses):
             "samples_per_s": rows / seconds if seconds > 0 else None}
 
 
-def format_record(record, epochs):
-    """One metrics line, like
-    ``epoch 2/5  loss 0.0951  train 97.12%  test 97.40%  4.1 s  14630 samples/s``."""
-    def percent(value):
-        return "-" if value is None else f"{100 * value:.2f}%"
-    loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
-    rate = record["samples_per_s"] or 0
-    return (f"epoch {record['epoch']}/{epochs}  loss {loss}  train {percent(record['train_acc'])}  "
-            f"test {percent(record['test_acc'])}  {record['seconds']:.1f} s  {rate:.0f} samples/s")
+def _world_record(record):
+    """``record`` with the ranks' means of ``WORLD_MEANS`` (a value that is None on any rank
+    stays None) and samples/s summed over the ranks."""
+    values = [math.nan if record[key] is None else record[key] for key in WORLD_MEANS]
+    means = dict(zip(WORLD_MEANS, dist.mean_over_ranks(values)))
+    means["samples_per_s"] *= dist.world_size()
+    return {**record, **{key: None if math.isnan(value) else value
+                         for key, value in means.items()}}
 
 
-def append_record(path, record):
-    """Append ``record`` to ``path`` as one JSON line."""
-    with open(path, "a") as log:
-        log.write(json.dumps(record) + "\n")
+def _check_shard(loader):
+    shard, expected = getattr(loader, "shard", None), (dist.rank(), dist.world_size())
+    if shard is not None and shard != expected:
+        raise ValueError(f"fit(distributed=True): the loader's shard is {shard}, this rank's "
+                         f"is {expected}: give the DataLoader shard=(dist.rank(), "
+                         "dist.world_size())")
+
+
+def _agree_on_stopping(run, epoch, distributed):
+    """Whether to stop; in a distributed run every rank must decide alike (a rank that
+    stopped alone would leave the others waiting in the next all-reduce)."""
+    if distributed:
+        dist.check_agreement(f"stopping training after epoch {epoch}", run.stop_training)
+    return run.stop_training
+
+
+def _callbacks(callbacks, progress, verbose, log_json):
+    """The built-in callbacks that ``progress``, ``verbose`` and ``log_json`` ask for, then
+    ``callbacks`` (checked to be Callback objects)."""
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise TypeError(f"fit: callbacks must be engine.callbacks.Callback objects, got "
+                            f"{callback!r}; a plain function goes in on_epoch_end=")
+    built_in = [ProgressBar() if progress else None, PrintMetrics() if verbose else None,
+                JsonLog(log_json) if log_json else None]
+    return [callback for callback in built_in if callback is not None] + list(callbacks)
 
 
 def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
-        clip_norm=0.0, on_epoch_end=(), progress=True, verbose=True, log_json=None,
-        start_epoch=0, history=None, step_losses=None, capture=True):
+        clip_norm=0.0, callbacks=(), on_epoch_end=(), progress=True, verbose=True,
+        log_json=None, start_epoch=0, history=None, step_losses=None, capture=True,
+        distributed=False):
     """Train ``model`` for epochs ``start_epoch + 1 .. epochs``; returns the list of records.
 
-    Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, gradient
-    clipping to ``clip_norm`` (0: none), ``optimizer.step()``. After each epoch:
-    ``scheduler.step()``, test accuracy on ``test_loader``, then the record
-    ``{"epoch", "loss", "train_acc", "test_acc", "seconds", "samples_per_s"}`` (accuracies as
-    fractions, None when the labels are not class indices; ``seconds`` is training time
-    only) is appended to ``history`` (a list, extended in place; a new one by default),
-    printed (``verbose``), appended as one JSON line to ``log_json`` and passed to each of
-    ``on_epoch_end`` (a callable or a list of them). ``progress`` shows a tqdm bar per epoch
-    on stderr. ``step_losses``, a list, receives per epoch one float64 array of the batch
-    losses of its steps, read at the end of the epoch (no host sync per step).
+    Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, with
+    ``distributed`` the gradient all-reduce, gradient clipping to ``clip_norm`` (0: none),
+    ``optimizer.step()``. After each epoch: ``scheduler.step()``, the test loss and accuracy
+    on ``test_loader``, then the record ``{"epoch", "loss", "train_acc", "test_loss",
+    "test_acc", "seconds", "samples_per_s"}`` (accuracies as fractions, None when the labels
+    are not class indices; test values None without a ``test_loader``; ``seconds`` is
+    training time only) is appended to ``history`` (a list, extended in place; a new one by
+    default) and passed to the callbacks' ``on_epoch_end``, then to each of ``on_epoch_end``
+    (a plain callable or a list of them). ``step_losses``, a list, receives per epoch one
+    float64 array of the batch losses of its steps, read at the end of the epoch (no host
+    sync per step).
+
+    ``callbacks``: ``engine.callbacks.Callback`` objects (``EarlyStopping``,
+    ``ModelCheckpoint``, ...), run after the built-in ones: ``progress`` adds a
+    ``ProgressBar`` (a tqdm bar per epoch on stderr), ``verbose`` a ``PrintMetrics`` (the
+    epoch line on stdout), ``log_json`` a ``JsonLog`` (one JSON line per epoch). A callback
+    that sets ``run.stop_training`` ends training after the current epoch.
 
     ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
     batch shape runs eagerly, the second is recorded, the others replay it (one CUDA graph
     launch on the GPU); the results are the eager ones bit for bit. A step that cannot be
-    captured (Dropout, for one) runs eagerly; ``fit.last_eager_reason`` says why."""
+    captured (Dropout, for one) runs eagerly; ``fit.last_eager_reason`` says why.
+
+    ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (module
+    docstring), after ``init()``; every rank calls ``fit`` with the same model (after
+    ``broadcast_model``) and its shard of the data (``DataLoader(..., shard=(rank,
+    world_size))``), and evaluates the whole ``test_loader``. Print, log and save on one rank
+    only (``progress``, ``verbose``, ``log_json``, checkpoint callbacks)."""
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
     if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
@@ -190,31 +263,50 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
                          f"got {start_epoch!r}")
     if clip_norm < 0:
         raise ValueError(f"fit: clip_norm must be >= 0 (0 turns clipping off), got {clip_norm}")
-    callbacks = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
+    if distributed:
+        _check_shard(loader)
+    callbacks = _callbacks(callbacks, progress, verbose, log_json)
+    functions = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
     history = [] if history is None else history
     parameters = model.parameters()
-    step, metrics = _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture)
-    for epoch in range(start_epoch + 1, epochs + 1):
-        bar = progress_bar(_length(loader), epoch, epochs) if progress else None
-        model.train()
-        try:
-            record = _train_epoch(loader, step, metrics, bar, step_losses)
-        finally:
-            if bar is not None:
-                bar.close()
-        fit.last_eager_reason = getattr(step, "eager_reason", None)
-        if scheduler is not None:
-            scheduler.step()
-        record = {"epoch": epoch, **record,
-                  "test_acc": evaluate(model, test_loader) if test_loader is not None else None}
-        record = {key: record[key] for key in RECORD_KEYS}
-        history.append(record)
-        if verbose:
-            print(format_record(record, epochs), flush=True)
-        if log_json:
-            append_record(log_json, record)
+    step, metrics = _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture,
+                              distributed)
+    run = Run(model, optimizer, epochs, start_epoch, _length(loader), history,
+              test_loader is not None)
+    for callback in callbacks:
+        callback.run = run
+    error = None
+    try:
         for callback in callbacks:
-            callback(record)
+            callback.on_train_begin({"epochs": epochs, "start_epoch": start_epoch,
+                                     "steps": run.steps})
+        epoch = start_epoch
+        while epoch < epochs and not _agree_on_stopping(run, epoch, distributed):
+            epoch += 1
+            for callback in callbacks:
+                callback.on_epoch_begin({"epoch": epoch})
+            model.train()
+            record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses)
+            fit.last_eager_reason = getattr(step, "eager_reason", None)
+            if distributed:
+                record = _world_record(record)
+            if scheduler is not None:
+                scheduler.step()
+            test_loss, test_acc = (evaluate(model, test_loader, loss_fn)
+                                   if test_loader is not None else (None, None))
+            record.update(epoch=epoch, test_loss=test_loss, test_acc=test_acc)
+            record = {key: record[key] for key in RECORD_KEYS}
+            history.append(record)
+            for callback in callbacks:
+                callback.on_epoch_end(record)
+            for function in functions:
+                function(record)
+    except BaseException as failure:
+        error = failure
+        raise
+    finally:
+        for callback in callbacks:
+            callback.on_train_end({"history": history, "error": error})
     return history
 
 
@@ -248,8 +340,14 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _with_test_loss(record):
+    """An epoch record of an older checkpoint, with its unrecorded test loss None."""
+    return {key: record.get(key) for key in RECORD_KEYS}
+
+
 def _check_training_state(state):
-    """Raise ValueError naming the first value ``save_checkpoint`` cannot have written."""
+    """Raise ValueError naming the first value ``save_checkpoint`` cannot have written;
+    records of checkpoints from before ``test_loss`` was recorded get it, as None."""
     if not isinstance(state, dict):
         raise ValueError(f"the training state is a {type(state).__name__}, not a dict")
     missing = [key for key in ("optimizer", "epoch", "history", "config", "rng")
@@ -262,7 +360,9 @@ def _check_training_state(state):
     if not isinstance(history, list):
         raise ValueError(f"history must be a list of epoch records, got a "
                          f"{type(history).__name__}")
-    for record in history:
+    for index, record in enumerate(history):
+        if isinstance(record, dict) and tuple(record) == RECORD_KEYS_WITHOUT_TEST_LOSS:
+            history[index] = record = _with_test_loss(record)
         if not isinstance(record, dict) or tuple(record) != RECORD_KEYS:
             raise ValueError(f"a history record must have the keys {RECORD_KEYS}, got "
                              f"{record!r:.120}")

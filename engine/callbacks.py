@@ -1,0 +1,348 @@
+"""Callbacks: code that ``engine.fit.fit`` runs between training steps.
+
+    history = fit(model, loader, opt, loss_fn, epochs=50, test_loader=test_loader,
+                  callbacks=[EarlyStopping(monitor="test_loss", patience=3),
+                             ModelCheckpoint("best.npz", monitor="test_acc", mode="max",
+                                             save_best_only=True)])
+
+A callback subclasses ``Callback`` and overrides any of its hooks. Before the first hook
+``fit`` sets ``callback.run``, its ``engine.fit.Run``: the model, the optimizer, the number
+of epochs, the history so far, ``stop_training`` (set it to end training after the current
+epoch) and ``save_checkpoint(path, config)``. Each hook receives one dict of logs:
+
+- ``on_train_begin``: ``{"epochs", "start_epoch", "steps"}`` (``steps``: batches per epoch,
+  None for a loader without ``len``);
+- ``on_epoch_begin``: ``{"epoch"}`` (epochs count from 1, as in the records);
+- ``on_step_end``: ``{"epoch", "step", "steps", "rows", "loss", "seconds"}``: the step's
+  index from 0, the batch's samples, the step's loss **Tensor** (reading it, ``.item()``,
+  waits for the device: the progress bar does it every ``PROGRESS_EVERY`` steps) and the
+  seconds since the epoch began;
+- ``on_epoch_end``: the epoch's record (``engine.fit.RECORD_KEYS``), already in the history;
+- ``on_train_end``: ``{"history", "error"}``, however training ends: ``error`` is the
+  exception that ends it, or None.
+
+Callbacks run between steps, never inside one: the step (forward, loss, backward, the
+gradient all-reduce, clipping, the optimizer step) is one function that ``engine.capture``
+can record and replay. The progress bar (``ProgressBar``), the epoch line (``PrintMetrics``)
+and the JSON log (``JsonLog``) are callbacks too: ``fit(progress=False, verbose=False)``
+drops the built-in ones, so another bar or logger can take their place.
+"""
+import json
+import math
+import os
+
+from tqdm import tqdm
+
+from engine.archive import probe_writable
+
+PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
+# the bar without tqdm's batches/s and elapsed time: at 80 columns it keeps a bar of about
+# 15 characters and the postfix (loss, samples/s) whole, for "epoch 10/10" and 469/469 steps
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{remaining}]{postfix}"
+MODES = ("auto", "min", "max")
+
+
+class Callback:
+    """The hooks ``fit`` calls; each does nothing unless a subclass overrides it."""
+
+    run = None   # the engine.fit.Run of the fit call, set before on_train_begin
+
+    def on_train_begin(self, logs):
+        pass
+
+    def on_epoch_begin(self, logs):
+        pass
+
+    def on_step_end(self, logs):
+        pass
+
+    def on_epoch_end(self, logs):
+        pass
+
+    def on_train_end(self, logs):
+        pass
+
+
+# ------------------------------------------------------------------ watching a metric
+
+class _Monitor:
+    """Which value of the records to watch, and what counts as better."""
+
+    def __init__(self, owner, monitor, mode, min_delta=0.0):
+        if mode not in MODES:
+            raise ValueError(f"{owner}: mode must be one of {MODES}, got {mode!r}")
+        if not (isinstance(min_delta, (int, float)) and math.isfinite(min_delta)
+                and min_delta >= 0):
+            raise ValueError(f"{owner}: min_delta must be a finite number >= 0, got "
+                             f"{min_delta!r}")
+        self.owner, self.monitor, self.min_delta = owner, monitor, float(min_delta)
+        # "auto": accuracies grow, everything else (losses) shrinks, as in Keras
+        self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
+        self.best = None
+
+    def check_run(self, run):
+        """Raise ValueError at the start of training unless ``run`` records the monitor."""
+        if self.monitor not in run.record_keys:
+            raise ValueError(f"{self.owner}: monitor {self.monitor!r} is not in the epoch "
+                             f"records, which hold {', '.join(run.record_keys)}")
+        if self.monitor.startswith("test_") and not run.evaluates:
+            raise ValueError(f"{self.owner}: monitor {self.monitor!r} needs "
+                             "fit(..., test_loader=...)")
+
+    def value(self, record):
+        value = record[self.monitor]
+        if value is None:
+            raise ValueError(f"{self.owner}: the record of epoch {record['epoch']} has no "
+                             f"{self.monitor} (None); monitor another value")
+        return value
+
+    def improves(self, value):
+        """Whether ``value`` beats the best so far by more than ``min_delta`` (a NaN never
+        does); the first value always does."""
+        if self.best is None:
+            return not math.isnan(value)
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+
+class EarlyStopping(Callback):
+    """Stop training once ``monitor`` has not improved for ``patience`` epochs (at least one).
+
+    An epoch improves on the best so far when its value is lower (``mode="min"``) or higher
+    (``"max"``) by more than ``min_delta``; ``"auto"`` takes ``"max"`` for accuracies and
+    ``"min"`` otherwise. With ``restore_best_weights`` the model gets the weights of its best
+    epoch back when training ends without an error (a host copy of the weights is kept at
+    every improvement). A resumed run (``fit(..., history=...)``) reads the best value and
+    the epochs since from the history, so patience runs on from where the run stopped; the
+    weights of an epoch before the resume are not in memory, so those are not restored.
+    ``stopped_epoch``, ``best`` and ``best_epoch`` say what happened."""
+
+    def __init__(self, monitor="test_loss", patience=0, min_delta=0.0, mode="auto",
+                 restore_best_weights=False, verbose=True):
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+            raise ValueError(f"EarlyStopping: patience must be an integer >= 0, got "
+                             f"{patience!r}")
+        self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
+        self.monitor, self.patience = monitor, patience
+        self.restore_best_weights, self.verbose = bool(restore_best_weights), verbose
+
+    @property
+    def best(self):
+        return self._monitor.best
+
+    def on_train_begin(self, logs):
+        self._monitor.check_run(self.run)
+        self._monitor.best = self.best_epoch = self.stopped_epoch = None
+        self.best_weights, self.wait = None, 0
+        for record in self.run.history:   # a resumed run: the epochs trained before it
+            if record.get(self.monitor) is not None:   # (older records have no test_loss)
+                self._observe(record)
+        if self.wait >= max(self.patience, 1):
+            self._stop(self.run.history[-1]["epoch"])
+
+    def on_epoch_end(self, logs):
+        self._observe(logs)
+        if self.restore_best_weights and self.best_epoch == logs["epoch"]:
+            self.best_weights = self.run.model.state_dict()
+        if self.wait >= max(self.patience, 1):
+            self._stop(logs["epoch"])
+
+    def on_train_end(self, logs):
+        if (logs["error"] is None and self.best_weights is not None
+                and self.run.history and self.run.history[-1]["epoch"] != self.best_epoch):
+            self.run.model.load_state_dict(self.best_weights)
+            if self.verbose:
+                print(f"early stopping: restored the weights of epoch {self.best_epoch}",
+                      flush=True)
+
+    def _observe(self, record):
+        value = self._monitor.value(record)
+        if self._monitor.improves(value):
+            self._monitor.best, self.best_epoch, self.wait = value, record["epoch"], 0
+        else:
+            self.wait += 1
+
+    def _stop(self, epoch):
+        self.stopped_epoch = epoch
+        self.run.stop_training = True
+        if self.verbose:
+            best = "none" if self.best is None else f"{self.best:.4f}"
+            print(f"early stopping after epoch {epoch}: {self.monitor} has not improved for "
+                  f"{self.wait} epoch(s) (best {best} at epoch {self.best_epoch})", flush=True)
+
+
+class ModelCheckpoint(Callback):
+    """Write a training checkpoint to ``path`` after every epoch, or with ``save_best_only``
+    only after an epoch whose ``monitor`` beats every earlier one (``mode`` as for
+    ``EarlyStopping``). The file is the one ``python -m engine.train --save`` writes, through
+    ``engine.archive`` (atomically: a failed write leaves the previous file): ``nn.load``
+    reads its model, and with the command's ``config`` (``{"dataset", "hidden",
+    "optimizer", "schedule"}``) ``--resume`` continues it. The path is checked writable
+    when training begins. ``saved_epoch`` is the epoch last written, ``best`` its value."""
+
+    def __init__(self, path, monitor="test_loss", mode="auto", save_best_only=False,
+                 config=None, verbose=False):
+        self.path = os.fspath(path)
+        self._monitor = _Monitor("ModelCheckpoint", monitor, mode)
+        self.monitor, self.save_best_only = monitor, bool(save_best_only)
+        self.config, self.verbose = config, verbose
+        self.saved_epoch = None
+
+    @property
+    def best(self):
+        return self._monitor.best
+
+    def on_train_begin(self, logs):
+        if self.save_best_only:
+            self._monitor.check_run(self.run)
+        self._monitor.best, self.saved_epoch = None, None
+        try:
+            probe_writable(self.path)
+        except OSError as error:
+            raise OSError(error.errno, f"ModelCheckpoint: {self.path} cannot be written "
+                                       f"({error.strerror or error})") from None
+
+    def on_epoch_end(self, logs):
+        if self.save_best_only:
+            value = self._monitor.value(logs)
+            if not self._monitor.improves(value):
+                return
+            self._monitor.best = value
+        self.run.save_checkpoint(self.path, self.config)
+        self.saved_epoch = logs["epoch"]
+        if self.verbose:
+            print(f"checkpoint of epoch {logs['epoch']} written to {self.path}", flush=True)
+
+
+class LearningRateScheduler(Callback):
+    """Set the learning rate per epoch. ``schedule`` is either a scheduler of
+    ``optim.lr_scheduler`` (anything with ``step()``), stepped after every epoch as
+    ``fit(scheduler=...)`` steps it, or a function ``schedule(epoch, lr) -> lr`` (Keras's
+    form; ``epoch`` counts from 1, as the records do) whose value every parameter group of
+    the optimizer trains the epoch at."""
+
+    def __init__(self, schedule):
+        if not (hasattr(schedule, "step") or callable(schedule)):
+            raise TypeError("LearningRateScheduler: schedule must be an optim.lr_scheduler "
+                            f"scheduler or a function (epoch, lr) -> lr, got {schedule!r}")
+        self.schedule = schedule
+
+    def on_epoch_begin(self, logs):
+        if hasattr(self.schedule, "step"):
+            return
+        for group in self.run.optimizer.param_groups:
+            lr = self.schedule(logs["epoch"], group["lr"])
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+                raise ValueError(f"LearningRateScheduler: schedule({logs['epoch']}, "
+                                 f"{group['lr']}) returned {lr!r}, not a finite rate >= 0")
+            group["lr"] = float(lr)
+
+    def on_epoch_end(self, logs):
+        if hasattr(self.schedule, "step"):
+            self.schedule.step()
+
+
+class History(Callback):
+    """The records of the last fit call: ``records`` (a list, as ``fit`` returns) and
+    ``history`` (``{key: [value per epoch]}``, Keras's form), ``epochs`` (their numbers)."""
+
+    def on_train_begin(self, logs):
+        self.records = []
+
+    def on_epoch_end(self, logs):
+        self.records.append(dict(logs))
+
+    @property
+    def history(self):
+        keys = self.records[0].keys() if self.records else ()
+        return {key: [record[key] for record in self.records] for key in keys if key != "epoch"}
+
+    @property
+    def epochs(self):
+        return [record["epoch"] for record in self.records]
+
+
+# ------------------------------------------------------------------ progress and logs
+
+def progress_bar(total, epoch, epochs, **options):
+    """The tqdm bar of one epoch (``total`` steps, None when unknown), on stderr unless
+    ``options`` say otherwise."""
+    return tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", leave=False,
+                dynamic_ncols=True, bar_format=BAR_FORMAT, **options)
+
+
+def show_progress(bar, loss, samples_per_s):
+    bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:.0f} samples/s", refresh=False)
+
+
+class ProgressBar(Callback):
+    """A tqdm bar per epoch (stderr unless ``options`` say otherwise, e.g. ``file=``) with
+    the loss and samples/s, reading one loss every ``every`` steps (each read a sync)."""
+
+    def __init__(self, every=PROGRESS_EVERY, **options):
+        self.every, self.options = every, options
+        self.bar = None
+
+    def on_epoch_begin(self, logs):
+        self._close()
+        self.bar, self.rows = progress_bar(self.run.steps, logs["epoch"], self.run.epochs,
+                                           **self.options), 0
+
+    def on_step_end(self, logs):
+        self.bar.update(1)
+        self.rows += logs["rows"]
+        if logs["step"] % self.every == 0:
+            show_progress(self.bar, logs["loss"].item(), self.rows / max(logs["seconds"], 1e-9))
+
+    def on_epoch_end(self, logs):
+        self._close()
+
+    def on_train_end(self, logs):
+        self._close()
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def format_record(record, epochs):
+    """One metrics line, like ``epoch 2/5  train loss 0.0951 acc 97.12%  test loss 0.0832
+    acc 97.40%  4.1 s  14630 samples/s`` (the test part only when there is a test set)."""
+    def number(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    def percent(value):
+        return "-" if value is None else f"{100 * value:.2f}%"
+    parts = [f"epoch {record['epoch']}/{epochs}",
+             f"train loss {number(record['loss'])} acc {percent(record['train_acc'])}"]
+    test_loss, test_acc = record.get("test_loss"), record.get("test_acc")
+    if test_loss is not None or test_acc is not None:
+        parts.append(f"test loss {number(test_loss)} acc {percent(test_acc)}")
+    parts += [f"{record['seconds']:.1f} s", f"{record['samples_per_s'] or 0:.0f} samples/s"]
+    return "  ".join(parts)
+
+
+class PrintMetrics(Callback):
+    """Print ``format_record`` of every epoch on stdout."""
+
+    def on_epoch_end(self, logs):
+        print(format_record(logs, self.run.epochs), flush=True)
+
+
+def append_record(path, record):
+    """Append ``record`` to ``path`` as one JSON line (a log grows in place: each line is
+    written whole by one ``write``, and earlier lines are never rewritten)."""
+    with open(path, "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+class JsonLog(Callback):
+    """Append every epoch's record to ``path`` as one JSON line."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+
+    def on_epoch_end(self, logs):
+        append_record(self.path, logs)
