@@ -116,7 +116,8 @@ _apply_default_blas_threads()
 
 _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "losses": "engine.losses", "init": "engine.init", "train": "engine.train",
-                    "interop": "engine.interop"}
+                    "interop": "engine.interop", "callbacks": "engine.callbacks",
+                    "onnx": "engine.onnx", "distributed": "engine.distributed"}
 
 
 def __getattr__(name):

@@ -506,6 +506,12 @@ class Sequential:
         archive.write_npz(path, {CONFIG_KEY: np.array(json.dumps(self.get_config())),
                                  **self.state_dict()})
 
+    def export_onnx(self, path, opset=None, normalize=None):
+        """Write the model as ONNX to ``path``; returns the ``onnx.ModelProto``
+        (``engine.onnx.export``: the layers it exports, ``normalize``, the onnx extra)."""
+        from engine import onnx   # the onnx package is an optional extra, read on first use
+        return onnx.export(self, path, opset, normalize)
+
 
 def _human_bytes(nbytes):
     for unit in ("B", "KB", "MB", "GB"):

@@ -1,0 +1,171 @@
+"""``engine.onnx``: Sequential models as ONNX files, for onnxruntime and other ONNX engines.
+
+    model.export_onnx("mlp.onnx")              # or engine.onnx.export(model, "mlp.onnx")
+    session = onnxruntime.InferenceSession("mlp.onnx")
+    logits, = session.run(None, {"input": images})   # float32 [batch, 28, 28] -> [batch, 10]
+
+The graph has one input, ``input`` (``[batch, *model.input_shape]``, the batch dimension
+open), and one output, ``output``; each layer becomes the ONNX operators that compute what
+its forward pass computes in eval mode: ``Dense`` a ``Gemm`` (``x @ W + b``, ``W`` stored as
+the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu``,
+``Sigmoid``, ``Tanh``, ``Softmax`` over the last axis), ``Activation`` that operator,
+``Flatten`` a ``Flatten`` from axis 1, ``Dropout`` an ``Identity``. A layer without an
+exporter here (the convolutional layers, until they get one) is a ValueError naming it.
+The weights are the model's, in its dtype (float32 or float64), as initializers. With
+``normalize=(mean, std)`` the graph starts with ``(input - mean) / std``, the
+standardisation of ``data.DataLoader(normalize=...)``: a model trained on standardised
+images (``python -m engine.train`` trains so) then takes images as the loader does before
+it, scaled to [0, 1].
+
+The model is built with the ``onnx`` package's helpers (an optional extra: ``pip install
+'numba-engine[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
+through ``engine.archive.atomic_write``: a failed export leaves an older file as it was.
+"""
+import importlib
+import os
+
+import numpy as np
+
+import engine
+from engine import archive
+
+DEFAULT_OPSET = 17
+MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
+INPUT, OUTPUT = "input", "output"
+INSTALL_HINT = "pip install 'numba-engine[onnx]'"
+ACTIVATIONS = {"relu": "Relu", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid",
+               "tanh": "Tanh", "softmax": "Softmax"}
+
+
+def _onnx():
+    try:
+        return importlib.import_module("onnx")
+    except ImportError as error:
+        raise ImportError(f"engine.onnx needs the onnx package ({error}); {INSTALL_HINT}") \
+            from None
+
+
+class _Graph:
+    """The nodes and initializers of the graph being built; ``value`` names what the last
+    node computed."""
+
+    def __init__(self, onnx):
+        self.onnx, self.nodes, self.initializers = onnx, [], []
+        self.value = INPUT
+
+    def weight(self, name, array):
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def node(self, operator, name, extra_inputs=(), **attributes):
+        output = f"{name}/{operator}"
+        self.nodes.append(self.onnx.helper.make_node(
+            operator, [self.value, *extra_inputs], [output], name=output, **attributes))
+        self.value = output
+
+    def activation(self, layer):
+        if layer.activation is None:
+            return
+        attributes = ({"alpha": layer.alpha} if layer.activation == "leaky_relu"
+                      else {"axis": -1} if layer.activation == "softmax" else {})
+        self.node(ACTIVATIONS[layer.activation], layer.name, **attributes)
+
+
+def _dense(graph, layer):
+    weight = graph.weight(f"{layer.name}.weight", layer.weight.numpy())
+    bias = graph.weight(f"{layer.name}.bias", layer.bias.numpy())
+    graph.node("Gemm", layer.name, (weight, bias))
+    graph.activation(layer)
+
+
+def _flatten(graph, layer):
+    graph.node("Flatten", layer.name, axis=1)
+
+
+def _dropout(graph, layer):   # the identity in eval mode, which is what an export runs
+    graph.node("Identity", layer.name)
+
+
+EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
+             "Flatten": _flatten, "Dropout": _dropout}
+
+
+def _check_model(model):
+    """The model's dtype; ValueError unless ``model`` is a built Sequential whose every layer
+    has an exporter, and its parameters share one float dtype."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list) or not hasattr(model, "get_config"):
+        raise TypeError(f"engine.onnx.export takes an nn.Sequential model, got "
+                        f"{type(model).__name__}")
+    if not layers or model.input_shape is None or not all(layer.built for layer in layers):
+        raise ValueError("engine.onnx.export: the model is not built; give its first layer "
+                         "input_shape=... or call it on a batch first")
+    for index, layer in enumerate(layers):
+        if type(layer).__name__ not in EXPORTERS:
+            raise ValueError(f"engine.onnx.export: layer {index} '{layer.name}' "
+                             f"({type(layer).__name__}) has no ONNX export yet; exported "
+                             f"layers: {', '.join(EXPORTERS)}")
+    dtypes = {np.dtype(p.dtype) for p in model.parameters()} or {np.dtype(np.float32)}
+    if len(dtypes) > 1:
+        raise ValueError(f"engine.onnx.export: the parameters mix dtypes "
+                         f"{sorted(map(str, dtypes))}; convert the model with model.to(dtype)")
+    return dtypes.pop()
+
+
+def _standardise(graph, normalize, dtype, input_shape):
+    """Start the graph with ``(input - mean) / std``."""
+    try:
+        mean, std = (np.asarray(value, dtype) for value in normalize)
+        shape = np.broadcast_shapes(mean.shape, std.shape, input_shape)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"engine.onnx.export: normalize must be (mean, std), numbers or "
+                         f"arrays broadcasting against one sample {input_shape} ({error})") \
+            from None
+    if shape != tuple(input_shape) or not (np.isfinite(mean).all() and np.isfinite(std).all()
+                                           and (std > 0).all()):
+        raise ValueError(f"engine.onnx.export: normalize needs a finite mean and a positive "
+                         f"finite std broadcasting against one sample {input_shape}")
+    graph.node("Sub", "normalize", (graph.weight("normalize.mean", mean),))
+    graph.node("Div", "normalize", (graph.weight("normalize.std", std),))
+
+
+def to_onnx(model, opset=None, normalize=None):
+    """The ``onnx.ModelProto`` of ``model``, checked by ``onnx.checker`` (module docstring)."""
+    onnx = _onnx()
+    opset = DEFAULT_OPSET if opset is None else opset
+    newest = onnx.defs.onnx_opset_version()
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= newest:
+        raise ValueError(f"engine.onnx.export: opset must be an integer from {MIN_OPSET} to "
+                         f"{newest} (this onnx package's newest), got {opset!r}")
+    dtype = _check_model(model)
+    graph = _Graph(onnx)
+    if normalize is not None:
+        _standardise(graph, normalize, dtype, model.input_shape)
+    for layer in model.layers:
+        EXPORTERS[type(layer).__name__](graph, layer)
+    if graph.value == INPUT:   # a model of identities still computes its output by a node
+        graph.node("Identity", "output")
+    graph.nodes[-1].output[0] = OUTPUT
+    element = onnx.helper.np_dtype_to_tensor_dtype(dtype)
+    inputs = [onnx.helper.make_tensor_value_info(INPUT, element,
+                                                 ["batch", *model.input_shape])]
+    outputs = [onnx.helper.make_tensor_value_info(OUTPUT, element,
+                                                  ["batch", *model.output_shape])]
+    opsets = [onnx.helper.make_opsetid("", opset)]
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(graph.nodes, model.name, inputs, outputs, graph.initializers),
+        opset_imports=opsets, producer_name="numba-engine", producer_version=engine.__version__,
+        ir_version=onnx.helper.find_min_ir_version_for(opsets))
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def export(model, path, opset=None, normalize=None):
+    """Write ``model`` (a built ``nn.Sequential``) to ``path`` as ONNX with operator set
+    ``opset`` (default ``DEFAULT_OPSET``), standardising its input first with ``normalize``
+    (``(mean, std)``, or None); returns the ``onnx.ModelProto``. The file is written whole
+    or not at all (``engine.archive.atomic_write``)."""
+    proto = to_onnx(model, opset, normalize)
+    with archive.atomic_write(os.fspath(path)) as file:
+        file.write(proto.SerializeToString())
+    return proto
