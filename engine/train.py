@@ -1,10 +1,24 @@
 """The command ``python -m engine.train``: train an MLP on MNIST or Fashion-MNIST.
 
 It checks its arguments and every output path before any work, loads and standardises the
-data, builds the MLP, optimizer and schedule, calls ``engine.fit.fit`` and plots the curves.
-Bad input exits with status 2 and one line on stderr, never a traceback; a write that fails
-during training (a full disk, a folder gone read-only) exits with status 1 and one line
-that says which checkpoint is intact.
+data, builds the MLP, optimizer and schedule, calls ``engine.fit.fit`` (with early stopping
+on the test loss when asked), plots the curves and exports the model as ONNX. Bad input
+exits with status 2 and one line on stderr, never a traceback; a write that fails during
+training (a full disk, a folder gone read-only) exits with status 1 and one line that says
+which checkpoint is intact.
+
+``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
+(``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
+``1/N`` of it, so a run trains as one process with that batch would. Only rank 0 prints,
+shows progress, logs, plots, saves and exports; every rank reads a ``--resume`` checkpoint.
+The start is checked on every rank: the ranks first agree on the arguments, then each does
+its own checks and loading, then they count their failures (one all-reduce), so a bad input
+on any rank ends every rank at the same point, with one line: the first rank's when all
+failed, else the failing rank's, prefixed ``rank r:``. Then rank 0's model goes to all and
+the ranks must agree on the data and the checkpoint (else one line naming the mismatch). A
+write failing on rank 0 during training ends every rank (``engine.distributed.abort``;
+MPICH adds its own line saying so). Processes of ``mpiexec -n N`` without ``--distributed``
+are refused alike (each would train alone and write the same files).
 
 The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoint functions
 are re-exported here (``from engine.train import fit, evaluate`` is public API).
@@ -14,14 +28,18 @@ import importlib.util
 import math
 import os
 import sys
+import types
 
 import numpy as np
 
 import data
 import engine
 import optim
+from engine import distributed as dist
 from engine import nn
+from engine import onnx as onnx_export
 from engine.archive import atomic_write, probe_writable
+from engine.callbacks import EarlyStopping
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
                         read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy
@@ -35,7 +53,13 @@ PROG = "engine-train"
 
 
 class BadInput(Exception):
-    """A problem with the command's input; reported as one line, exit status 2."""
+    """A problem with the command's input; reported as one line, exit status 2. In a
+    distributed run ``shown`` says whether this rank prints it (every rank raises it, one
+    prints), ``rank`` the rank it is about when only some ranks failed (else None)."""
+
+    def __init__(self, message, shown=True, rank=None):
+        super().__init__(message)
+        self.shown, self.rank = shown, rank
 
 
 class OutputFailure(Exception):
@@ -44,7 +68,7 @@ class OutputFailure(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):   # one line, like every other bad input (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        raise BadInput(f"{message} (see --help)")
 
 
 def build_parser():
@@ -58,7 +82,8 @@ def build_parser():
     add("--device", default="auto", help="cpu, cuda, or auto: cuda when a GPU is usable "
         "(default auto)")
     add("--epochs", type=int, default=5, help="total epochs, counting resumed ones (default 5)")
-    add("--batch-size", type=int, default=128, help="training batch size (default 128)")
+    add("--batch-size", type=int, default=128, help="training batch size; with --distributed "
+        "the global batch, split evenly over the ranks (default 128)")
     add("--hidden", default="256,128", help="hidden layer widths, comma-separated, each "
         "followed by ReLU (default 256,128)")
     add("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
@@ -82,6 +107,16 @@ def build_parser():
         "(quick checks)")
     add("--threads", type=int, metavar="N", help="threads of the CPU matrix products (BLAS), "
         "set with engine.set_num_threads (default: the engine's, see engine.blas_threads)")
+    add("--early-stopping", type=int, metavar="PATIENCE", help="stop once the test loss has "
+        "not improved for PATIENCE epochs; the model keeps its best epoch's weights (what "
+        "--export-onnx writes; --save keeps the last epoch's state, to resume)")
+    add("--export-onnx", metavar="PATH", help="write the trained model as ONNX after training "
+        "(needs the onnx package: the onnx extra)")
+    add("--distributed", action="store_true", help="data-parallel over the ranks of mpiexec "
+        "-n N (MPI on the CPU, NCCL on GPUs; the distributed extra); only rank 0 prints and "
+        "writes")
+    add("--no-capture", action="store_true", help="run every training step eagerly instead of "
+        "replaying a captured one (engine.capture)")
     add("--no-progress", action="store_true", help="no progress bar, metrics lines only")
     return parser
 
@@ -138,8 +173,10 @@ def check_output(flag, path, appending=False):
         raise BadInput(f"{flag} {path}: cannot be written ({_describe(error)})") from None
 
 
-def check_arguments(args):
-    """Every argument check that needs no data; raises ``BadInput`` naming the problem."""
+def check_arguments(args, outputs=True):
+    """Every argument check that needs no data; raises ``BadInput`` naming the problem.
+    ``outputs=False`` (the ranks of a distributed run other than 0, which write nothing)
+    leaves out the output paths and the packages that write them."""
     if args.dataset not in DATASETS:
         raise BadInput(f"unknown dataset {args.dataset!r}: expected one of {', '.join(DATASETS)}")
     if args.optimizer not in OPTIMIZERS:
@@ -149,7 +186,8 @@ def check_arguments(args):
         raise BadInput(f"unknown schedule {args.schedule!r}: expected one of "
                        f"{', '.join(SCHEDULES)}")
     for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size),
-                        ("--limit", args.limit), ("--threads", args.threads)):
+                        ("--limit", args.limit), ("--threads", args.threads),
+                        ("--early-stopping", args.early_stopping)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} must be a positive integer, got {value}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -160,14 +198,28 @@ def check_arguments(args):
             raise BadInput(f"{flag} must be a finite number >= 0, got {value}")
     if args.resume and not os.path.isfile(args.resume):
         raise BadInput(f"--resume {args.resume}: no such file")
+    if outputs:
+        check_outputs(args)
+    args.hidden = parse_hidden(args.hidden)
+    try:
+        args.device = check_device(args.device)
+    except (ValueError, RuntimeError) as error:
+        raise BadInput(f"--device: {error}") from None
+
+
+def check_outputs(args):
+    """The output paths can be written and the packages that write them are installed."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BadInput("--plot needs matplotlib, an optional extra: "
                        "pip install 'numba-engine[plot]'")
     if args.plot and _plot_format(args.plot) not in _plot_formats():
         raise BadInput(f"--plot {args.plot}: matplotlib writes no {_plot_format(args.plot)!r} "
                        f"files (it writes {', '.join(sorted(_plot_formats()))})")
+    if args.export_onnx and importlib.util.find_spec("onnx") is None:
+        raise BadInput("--export-onnx needs the onnx package, an optional extra: "
+                       "pip install 'numba-engine[onnx]'")
     for flag, path in (("--save", args.save), ("--plot", args.plot),
-                       ("--log-json", args.log_json)):
+                       ("--log-json", args.log_json), ("--export-onnx", args.export_onnx)):
         if path:
             check_output(flag, path, appending=flag == "--log-json")
     if args.resume and not args.save:
@@ -176,11 +228,6 @@ def check_arguments(args):
         except BadInput as error:
             raise BadInput(f"{error}; a resumed run saves there unless --save names another "
                            "file") from None
-    args.hidden = parse_hidden(args.hidden)
-    try:
-        args.device = check_device(args.device)
-    except (ValueError, RuntimeError) as error:
-        raise BadInput(f"--device: {error}") from None
 
 
 def load_dataset(name, data_dir=None, limit=None):
@@ -279,8 +326,80 @@ def _intact(saved_epoch, saved_path, save_path):
     return "no checkpoint was written" + ("" if save_path else " (no --save)")
 
 
+# ------------------------------------------------------------------ the run
+
 def run(args):
-    check_arguments(args)
+    """Check, prepare and train as ``args`` say; returns the history."""
+    is_root = join_world(args) if args.distributed else True
+    setup = on_every_rank(lambda: prepare(args, is_root), args.distributed)
+    if args.distributed:
+        agree_on_the_start(setup, is_root)
+    return train(args, setup, is_root)
+
+
+def join_world(args):
+    """Start a distributed run: MPI, then the ranks' agreement on the arguments, then (with
+    ``--device cuda``) the NCCL communicator. Returns whether this process is rank 0."""
+    try:
+        dist.init(require_mpi=True)
+    except RuntimeError as error:
+        raise BadInput(f"--distributed: {error}") from None
+    is_root = dist.rank() == 0
+
+    def resolve_device():   # "auto" on every rank, before the ranks compare it
+        try:
+            args.device = check_device(args.device)
+        except (ValueError, RuntimeError) as error:
+            raise BadInput(f"--device: {error}") from None
+
+    on_every_rank(resolve_device, True)
+    try:
+        for name, value in sorted(vars(args).items()):
+            if name not in RANK_LOCAL_ARGUMENTS:
+                dist.check_agreement(f"--{name.replace('_', '-')}", value)
+        dist.init(device=args.device)
+    except dist.RankMismatch as mismatch:
+        raise BadInput(str(mismatch), shown=is_root) from None
+    except RuntimeError as error:   # NCCL's set-up: the same on the ranks of one machine
+        raise BadInput(f"--distributed --device {args.device}: {error}", shown=is_root) from None
+    return is_root
+
+
+# paths that may differ between machines (their contents are compared instead) and the
+# outputs, which only rank 0 writes
+RANK_LOCAL_ARGUMENTS = ("data_dir", "resume", "save", "plot", "log_json", "export_onnx")
+
+
+def on_every_rank(step, distributed):
+    """``step()``'s result. In a distributed run a ``BadInput`` on any rank ends every rank
+    here: the ranks count their failures in one all-reduce (``step`` itself must need no
+    other rank), so none waits in a later collective for one that gave up."""
+    failure = result = None
+    try:
+        result = step()
+    except BadInput as error:
+        if not distributed:
+            raise
+        failure = error
+    if distributed:
+        failed = dist.mean_over_ranks([failure is not None])[0]
+        if failure is None and failed:
+            raise BadInput("another rank failed", shown=False)
+        if failure is not None and failed == 1:   # every rank: rank 0 says it for all
+            raise BadInput(str(failure), shown=dist.rank() == 0) from None
+        if failure is not None:
+            raise BadInput(str(failure), rank=dist.rank()) from None
+    return result
+
+
+def prepare(args, is_root):
+    """Everything before training that needs no other rank: checks, the checkpoint, the
+    data, the model, optimizer, schedule and loaders."""
+    check_arguments(args, outputs=is_root)
+    rank, ranks = (dist.rank(), dist.world_size()) if args.distributed else (0, 1)
+    if args.batch_size % ranks:
+        raise BadInput(f"--batch-size {args.batch_size}: with --distributed it is the global "
+                       f"batch, split evenly over the ranks; give a multiple of {ranks}")
     if args.threads is not None:
         try:
             engine.set_num_threads(args.threads)
@@ -318,31 +437,60 @@ def run(args):
                  if args.schedule == "cosine" else None)
     # standardised with the training images' statistics; the loaders convert once
     normalize = pixel_statistics(x_train)
-    train_loader = data.DataLoader(x_train, y_train, batch_size=args.batch_size, shuffle=True,
-                                   seed=args.seed, device=args.device, normalize=normalize)
+    train_loader = data.DataLoader(x_train, y_train, batch_size=args.batch_size // ranks,
+                                   shuffle=True, seed=args.seed, device=args.device,
+                                   normalize=normalize, shard=(rank, ranks))
     train_loader.epoch = start_epoch   # shuffling is keyed by (seed, epoch): resumes exactly
     # a seed, though it never shuffles: without one a loader draws it from the engine's
     # generator, after restore_checkpoint set that, and a resumed run's dropout masks would
     # no longer be the uninterrupted run's
     test_loader = data.DataLoader(x_test, y_test, batch_size=1000, seed=args.seed,
                                   device=args.device, normalize=normalize)
+    return types.SimpleNamespace(
+        checkpoint=checkpoint, config=config, model=model, optimizer=optimizer,
+        scheduler=scheduler, start_epoch=start_epoch, history=history, ranks=ranks,
+        train_loader=train_loader, test_loader=test_loader, classes=classes, normalize=normalize,
+        data=(x_train.shape, str(x_train.dtype), y_train.shape, x_test.shape, y_test.shape,
+              classes, normalize))
 
-    widths = "-".join(str(w) for w in (int(np.prod(x_train.shape[1:])),) + args.hidden + (classes,))
-    n_parameters = sum(p.size for p in model.parameters())
-    print(f"{args.dataset}: {len(x_train)} train / {len(x_test)} test samples; MLP {widths} "
-          f"({n_parameters} parameters); {args.optimizer} lr {args.lr:g} {args.schedule}, "
-          f"batch {args.batch_size}, device {args.device}"
-          + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
+
+def agree_on_the_start(setup, is_root):
+    """Rank 0's model on every rank; the ranks must agree on the data and on the checkpoint
+    they resume (else every rank fails alike, rank 0 saying why)."""
+    try:
+        dist.broadcast_model(setup.model)
+        dist.check_agreement("the data (training images, their dtype and labels, test images "
+                             "and labels, classes, pixel mean and std)", setup.data)
+        dist.check_agreement("the checkpoint resumed (epoch, history)",
+                             (setup.start_epoch, setup.history))
+    except dist.RankMismatch as mismatch:
+        raise BadInput(str(mismatch), shown=is_root) from None
+
+
+def train(args, setup, is_root):
+    """Train ``setup``'s model as ``args`` say; rank 0 alone prints and writes."""
+    model, optimizer, start_epoch = setup.model, setup.optimizer, setup.start_epoch
+    history, x_shape = setup.history, setup.data[0]
+    if is_root:
+        widths = "-".join(str(w) for w in (int(np.prod(x_shape[1:])),) + args.hidden
+                          + (setup.classes,))
+        n_parameters = sum(p.size for p in model.parameters())
+        ranks = (f" ({args.batch_size // setup.ranks} per rank on {setup.ranks} ranks)"
+                 if args.distributed else "")
+        print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; MLP "
+              f"{widths} ({n_parameters} parameters); {args.optimizer} lr {args.lr:g} "
+              f"{args.schedule}, batch {args.batch_size}{ranks}, device {args.device}"
+              + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
 
     save_path = args.save or args.resume   # a resumed run goes on saving where it came from
-    saved = {"epoch": start_epoch, "path": args.resume} if checkpoint else {"epoch": None}
+    saved = {"epoch": start_epoch, "path": args.resume} if setup.checkpoint else {"epoch": None}
 
     def intact():
         return _intact(saved["epoch"], saved.get("path"), save_path)
 
     def save(record):
         try:
-            save_checkpoint(save_path, model, optimizer, record["epoch"], history, config)
+            save_checkpoint(save_path, model, optimizer, record["epoch"], history, setup.config)
         except OSError as error:
             raise OutputFailure(f"--save {save_path}: cannot write the checkpoint of epoch "
                                 f"{record['epoch']} ({_describe(error)}); {intact()}") from None
@@ -356,32 +504,94 @@ def run(args):
                                 f"epoch {record['epoch']} ({_describe(error)}); "
                                 f"{intact()}") from None
 
-    step_losses = [] if args.plot else None
-    history = fit(model, train_loader, optimizer, cross_entropy, args.epochs,
-                  test_loader=test_loader, scheduler=scheduler, clip_norm=args.clip_norm,
-                  on_epoch_end=[save] * bool(save_path) + [log] * bool(args.log_json),
-                  progress=not args.no_progress, start_epoch=start_epoch, history=history,
-                  step_losses=step_losses)
-    if args.plot:
+    stopping = ([EarlyStopping("test_loss", patience=args.early_stopping,
+                               restore_best_weights=True, verbose=is_root)]
+                if args.early_stopping else [])
+    writers = [save] * bool(save_path) + [log] * bool(args.log_json) if is_root else []
+    step_losses = [] if args.plot and is_root else None
+    fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
+        test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
+        callbacks=stopping, on_epoch_end=writers, progress=is_root and not args.no_progress,
+        verbose=is_root, start_epoch=start_epoch, history=history, step_losses=step_losses,
+        capture=not args.no_capture, distributed=args.distributed)
+    if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)
         except OSError as error:
             raise OutputFailure(f"--plot {args.plot}: cannot write the curves "
                                 f"({_describe(error)}); {intact()}") from None
         print(f"curves written to {args.plot}")
+    if args.export_onnx and is_root:
+        try:
+            onnx_export.export(model, args.export_onnx, normalize=setup.normalize)
+        except OSError as error:
+            raise OutputFailure(f"--export-onnx {args.export_onnx}: cannot write the model "
+                                f"({_describe(error)}); {intact()}") from None
+        best = stopping[0].best_epoch if stopping else None
+        restored = best is not None and best != history[-1]["epoch"]
+        print(f"ONNX model written to {args.export_onnx}"
+              + (f" (the weights of epoch {best}, the best test loss)" if restored else "")
+              + "; it takes images scaled to [0, 1] and standardises them itself")
     return history
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def _report(error):
+    if getattr(error, "shown", True):
+        rank = getattr(error, "rank", None)
+        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
+              file=sys.stderr, flush=True)
+
+
+def parse_arguments(argv):
+    """``argv`` parsed; a ``BadInput`` naming what does not parse. In a process started by
+    ``mpiexec -n N`` (N > 1) such an error, or a run without ``--distributed`` (every process
+    would train alone and write the same files), ends every rank together
+    (``fail_every_rank``)."""
     try:
-        run(args)
+        args = build_parser().parse_args(argv)
     except BadInput as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        if any(len(word) > 3 and "--distributed".startswith(word) for word in argv):
+            fail_every_rank(error)
+        raise
+    if not args.distributed and any(name in os.environ for name in dist.LAUNCHER_VARIABLES):
+        try:
+            dist.init()
+        except RuntimeError:   # no mpi4py: nothing to agree with, nor to join
+            return args
+        if dist.world_size() > 1:
+            fail_every_rank(BadInput(f"this is one of {dist.world_size()} processes started "
+                                     "by mpiexec: add --distributed to train data-parallel "
+                                     "(without it every process trains alone)"))
+    return args
+
+
+def fail_every_rank(error):
+    """Raise ``error`` on every rank: this rank joins the world and counts its failure with
+    the others, whose first collective is the same count (``on_every_rank``), so none is
+    left waiting for a rank that never joined. Without MPI, raise it here alone."""
+    try:
+        dist.init(require_mpi=True)
+    except RuntimeError:
+        raise error from None
+
+    def fail():
+        raise error
+    on_every_rank(fail, True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run(parse_arguments(argv))
+    except BadInput as error:   # raised on every rank of a distributed run alike
+        _report(error)
         sys.exit(2)
-    except OutputFailure as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+    except dist.RankMismatch as mismatch:   # diverged replicas: raised on every rank alike
+        _report(BadInput(str(mismatch), shown=dist.rank() == 0))
         sys.exit(1)
+    except OutputFailure as error:   # rank 0 alone writes: end the others too
+        _report(error)
+        dist.abort(1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         sys.exit(130)

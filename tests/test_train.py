@@ -358,6 +358,9 @@ BAD_INPUTS = [
     (["--resume", _with_state("rng", {"bit_generator": "PCG64"})], "rng is not a PCG64 state"),
     (["--resume", _with_state("optimizer", [1, 2])], "optimizer must be a dict"),
     (["--resume", _deeply_nested_state], "nested too deeply"),
+    (["--early-stopping", "0"], "--early-stopping must be a positive integer, got 0"),
+    (["--export-onnx", "/nonexistent/dir/m.onnx"], "--export-onnx /nonexistent/dir/m.onnx"),
+    (["--export-onnx", _a_directory], "is a directory"),
 ]
 
 
@@ -674,3 +677,71 @@ def test_a_bad_plot_path_is_found_before_training(tmp_path, capsys, target, mess
     code, captured = _run_main(TINY + ["--plot", target(tmp_path)], capsys)
     assert code == 2 and message in captured.err and len(captured.err.splitlines()) == 1
     assert "epoch 1/" not in captured.out
+
+
+# ------------------------------------------------------------------ early stopping and ONNX
+
+def _onnx_logits(path, images):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input": images})[0]
+
+
+def test_early_stopping_exports_the_best_epoch(tmp_path, capsys):
+    """Adam at 0.05 overshoots after epoch 1: the run stops after epoch 2 and exports epoch
+    1's weights, which a run of 1 epoch saves; the file takes images scaled to [0, 1]."""
+    pytest.importorskip("onnx")
+    run = TINY + ["--schedule", "constant", "--lr", "0.05"]
+    exported, last = tmp_path / "best.onnx", tmp_path / "last.npz"
+    main(run + ["--epochs", "6", "--early-stopping", "1", "--export-onnx", str(exported),
+                "--save", str(last), "--log-json", str(tmp_path / "log.jsonl")])
+    out = capsys.readouterr().out
+    assert "early stopping after epoch 2: test_loss has not improved for 1 epoch(s)" in out
+    assert f"ONNX model written to {exported} (the weights of epoch 1, the best test loss)" in out
+    assert read_checkpoint(str(last))["epoch"] == 2   # --save keeps the last epoch, to resume
+    first = tmp_path / "first.npz"
+    main(run + ["--epochs", "1", "--save", str(first)])
+    model = nn.load(str(first))
+    (x_train, _), (x_test, _) = data.mnist.load()
+    mean, std = pixel_statistics(x_train[:192])
+    images = x_test[:64].astype(np.float32) / 255
+    with engine.no_grad():
+        expected = model(((images - mean) / std).astype(np.float32)).numpy()
+    np.testing.assert_allclose(_onnx_logits(exported, images), expected, rtol=0, atol=1e-5)
+
+
+def test_export_onnx_without_the_onnx_package_is_one_line(monkeypatch, tmp_path, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "onnx" else find_spec(name, *rest))
+    code, captured = _run_main(TINY + ["--export-onnx", str(tmp_path / "m.onnx")], capsys)
+    assert code == 2 and captured.err.strip().splitlines() == [
+        "engine-train: error: --export-onnx needs the onnx package, an optional extra: "
+        "pip install 'numba-engine[onnx]'"]
+
+
+def test_a_checkpoint_from_before_the_test_loss_resumes(tmp_path, capsys):
+    path = str(tmp_path / "old.npz")
+    main(TINY + ["--save", path])
+    state = read_checkpoint(path)
+    model = build_mlp((28, 28), (16,), 10)
+    optimizer = optim.Adam(model.parameters())
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    old_records = [{key: value for key, value in record.items() if key != "test_loss"}
+                   for record in state["history"]]
+    save_checkpoint(path, model, optimizer, 1, old_records, state["config"])
+    assert read_checkpoint(path)["history"][0]["test_loss"] is None
+    main(TINY + ["--epochs", "2", "--resume", path])
+    history = read_checkpoint(path)["history"]
+    assert history[0]["test_loss"] is None and history[1]["test_loss"] > 0
+
+
+def test_no_capture_trains_as_the_captured_default(tmp_path, capsys):
+    logs = [tmp_path / "captured.jsonl", tmp_path / "eager.jsonl"]
+    main(TINY + ["--epochs", "2", "--log-json", str(logs[0])])
+    main(TINY + ["--epochs", "2", "--no-capture", "--log-json", str(logs[1])])
+    captured, eager = ([json.loads(line) for line in log.read_text().splitlines()]
+                       for log in logs)
+    assert [(r["loss"], r["test_loss"]) for r in captured] == \
+        [(r["loss"], r["test_loss"]) for r in eager]

@@ -1,0 +1,212 @@
+"""``mpiexec -n 2 python -m engine.train --distributed``: two CPU ranks train as one process
+with the same (global) --batch-size, rank 0 alone prints and writes, --resume works on every
+rank, and every failure at the start is one line on stderr, on every rank's exit, with no
+rank left waiting.
+
+Skipped without mpi4py or mpiexec (``pip install -e '.[distributed]'``)."""
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+from engine import distributed as dist
+from engine.fit import read_checkpoint
+from engine.train import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUN = ["--limit", "512", "--batch-size", "64", "--hidden", "16", "--no-progress",
+       "--device", "cpu"]
+MPI_TIMEOUT_S = 240   # a run that takes longer hangs: the test fails, never waits forever
+
+
+def _mpiexec():
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH, or None."""
+    beside = pathlib.Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+needs_mpi = pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
+    reason="needs mpi4py and mpiexec: pip install -e '.[distributed]'")
+
+
+def _command(*rank_arguments):
+    """An mpiexec command line: one rank per entry of ``rank_arguments`` (MPMD), or with a
+    single entry two ranks of the same arguments."""
+    train = [sys.executable, "-m", "engine.train", "--distributed"]
+    if len(rank_arguments) == 1:
+        return [_mpiexec(), "-n", "2", *train, *rank_arguments[0]]
+    command = [_mpiexec()]
+    for arguments in rank_arguments:
+        command += ["-n", "1", *train, *arguments, ":"]
+    return command[:-1]
+
+
+def _run_ranks(*rank_arguments):
+    return _run(_command(*rank_arguments))
+
+
+def _run(command):
+    """``(exit status, stdout, stderr)`` of ``command``'s ranks; past MPI_TIMEOUT_S every
+    rank is killed and the test fails: a distributed run must end, never hang."""
+    env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
+    env.pop(dist.CHECK_REPLICAS_VARIABLE, None)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=MPI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {MPI_TIMEOUT_S} s:\n{out}{err}")
+    return process.returncode, out, err
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_same_training(distributed, single):
+    """Records and weights of two runs that trained on the same global batches."""
+    records, reference = _records(distributed[0]), _records(single[0])
+    assert [r["epoch"] for r in records] == [r["epoch"] for r in reference]
+    for record, expected in zip(records, reference):
+        for key in ("loss", "train_acc", "test_loss", "test_acc"):
+            assert record[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    trained, expected = read_checkpoint(distributed[1]), read_checkpoint(single[1])
+    for name, value in expected["model"].items():
+        np.testing.assert_allclose(trained["model"][name], value, rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+
+
+@needs_mpi
+def test_two_ranks_train_as_one_process_and_only_rank_0_speaks_and_writes(tmp_path, capsys):
+    outputs = [tmp_path / name for name in ("run.jsonl", "run.npz", "run.onnx")]
+    status, out, err = _run_ranks(RUN + ["--epochs", "2", "--log-json", str(outputs[0]),
+                                         "--save", str(outputs[1]),
+                                         "--export-onnx", str(outputs[2])])
+    assert status == 0, out + err
+    lines = out.splitlines()
+    assert len(lines) == 4 and "(32 per rank on 2 ranks)" in lines[0], out
+    assert lines[1].startswith("epoch 1/2") and lines[2].startswith("epoch 2/2")
+    assert lines[3].startswith(f"ONNX model written to {outputs[2]}")
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl", "run.npz", "run.onnx"]
+    single = [tmp_path / "single.jsonl", tmp_path / "single.npz"]
+    main(RUN + ["--epochs", "2", "--log-json", str(single[0]), "--save", str(single[1])])
+    _assert_same_training(outputs[:2], single)
+
+
+@needs_mpi
+def test_every_rank_resumes_the_checkpoint(tmp_path, capsys):
+    log, checkpoint = tmp_path / "run.jsonl", tmp_path / "run.npz"
+    for epochs in ("1", "2"):
+        resume = ["--resume", str(checkpoint)] if epochs == "2" else ["--save", str(checkpoint)]
+        status, out, err = _run_ranks(RUN + ["--epochs", epochs, "--log-json", str(log)]
+                                      + resume)
+        assert status == 0, out + err
+    assert "resuming after epoch 1" in out and read_checkpoint(checkpoint)["epoch"] == 2
+    single = [tmp_path / "single.jsonl", tmp_path / "single.npz"]
+    main(RUN + ["--epochs", "2", "--log-json", str(single[0]), "--save", str(single[1])])
+    _assert_same_training((log, checkpoint), single)
+
+
+def _other_mnist(tmp_path):
+    """A data folder holding MNIST's first samples with inverted images: the same shapes as
+    --limit takes from the shipped set, other pixels."""
+    (x_train, y_train), (x_test, y_test) = data.mnist.load()
+    folder = tmp_path / "inverted-mnist"
+    folder.mkdir()
+    for prefix, images, labels in (("train", x_train[:600], y_train[:600]),
+                                   ("t10k", x_test[:600], y_test[:600])):
+        data.write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", 255 - images)
+        data.write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return str(folder)
+
+
+START_FAILURES = [
+    ("ranks that disagree on an argument", lambda tmp_path: (RUN, RUN + ["--hidden", "8"]),
+     "engine-train: error: rank 1 disagrees with rank 0 on --hidden: '8' on rank 1, '16' on "
+     "rank 0"),
+    ("a rank whose arguments do not parse", lambda tmp_path: (RUN, RUN + ["--epochs", "x"]),
+     "rank 1: engine-train: error: argument --epochs: invalid int value: 'x' (see --help)"),
+    ("ranks that load different data", lambda tmp_path: (RUN, RUN + ["--data-dir",
+                                                                      _other_mnist(tmp_path)]),
+     "engine-train: error: rank 1 disagrees with rank 0 on the data"),
+    ("a rank that cannot load its data", lambda tmp_path: (RUN, RUN + ["--data-dir",
+                                                                        "/nonexistent"]),
+     "rank 1: engine-train: error: cannot load mnist from /nonexistent"),
+    ("a bad input on every rank", lambda tmp_path: (RUN + ["--epochs", "0"],),
+     "engine-train: error: --epochs must be a positive integer, got 0"),
+    ("a global batch that does not split", lambda tmp_path: (RUN + ["--batch-size", "63"],),
+     "engine-train: error: --batch-size 63: with --distributed it is the global batch, split "
+     "evenly over the ranks; give a multiple of 2"),
+]
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank_arguments, message", [case[1:] for case in START_FAILURES],
+                         ids=[case[0] for case in START_FAILURES])
+def test_a_failed_start_is_one_line_from_one_rank(tmp_path, rank_arguments, message):
+    status, out, err = _run_ranks(*rank_arguments(tmp_path))
+    assert status == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), err
+    assert "epoch 1/" not in out
+
+
+@needs_mpi
+def test_mpiexec_without_distributed_is_one_line_not_two_lone_runs(tmp_path):
+    status, out, err = _run([_mpiexec(), "-n", "2", sys.executable, "-m", "engine.train", *RUN,
+                             "--save", str(tmp_path / "run.npz")])
+    assert status == 2 and err.strip().splitlines() == [
+        "engine-train: error: this is one of 2 processes started by mpiexec: add --distributed "
+        "to train data-parallel (without it every process trains alone)"], out + err
+    assert not os.listdir(tmp_path)
+
+
+@needs_mpi
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_failing_on_rank_0_ends_every_rank(tmp_path):
+    """rank 0's log write fails (a full device) while rank 1 goes on to the next all-reduce:
+    rank 0's line, then MPICH's report of the abort that ends rank 1."""
+    status, out, err = _run_ranks(RUN + ["--epochs", "3", "--log-json", "/dev/full"])
+    assert status == 1, out + err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("engine-train: error: --log-json /dev/full: cannot append the "
+                               "record of epoch 1 (No space left on device)"), err
+    assert "Traceback" not in err and "epoch 2/3" not in out
+
+
+def test_distributed_without_mpi4py_is_one_line(monkeypatch, capsys):
+    for name in dist.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "_world", None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "mpi4py" else find_spec(name, *rest))
+    with pytest.raises(SystemExit) as exit_info:
+        main(RUN + ["--epochs", "1", "--distributed"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip().splitlines() == [
+        "engine-train: error: --distributed: engine.distributed.init: a distributed run needs "
+        "mpi4py, which is not installed; pip install -e '.[distributed]'"]
+
+
+def test_distributed_without_mpiexec_is_a_world_of_one(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("mpi4py")
+    for name in dist.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "_world", None)
+    alone, plain = tmp_path / "alone.jsonl", tmp_path / "plain.jsonl"
+    main(RUN + ["--epochs", "1", "--distributed", "--log-json", str(alone)])
+    main(RUN + ["--epochs", "1", "--log-json", str(plain)])
+    assert [(r["loss"], r["test_loss"]) for r in _records(alone)] == \
+        [(r["loss"], r["test_loss"]) for r in _records(plain)]
