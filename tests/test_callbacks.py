@@ -18,11 +18,11 @@ A_RECORD = {"epoch": 1, "loss": 2.5, "train_acc": 0.1, "test_loss": 2.4, "test_a
             "seconds": 0.1, "samples_per_s": 1900.0}
 
 
-def _blobs(batch_size=8):
+def _blobs(batch_size=8, device="cpu"):
     x, y = data.blobs(48, centers=3, seed=0)
-    loader = data.DataLoader(x, y, batch_size=batch_size, shuffle=True, seed=0)
+    loader = data.DataLoader(x, y, batch_size=batch_size, shuffle=True, seed=0, device=device)
     model = nn.Sequential([nn.Dense(8, activation="relu", input_shape=(2,)), nn.Dense(3)])
-    return model, loader, x, y
+    return model.to(device), loader, x, y
 
 
 def _fit(model, loader, epochs, lr=0.05, **options):
@@ -70,6 +70,30 @@ def test_fit_calls_every_hook_in_order_with_its_logs():
     assert [logs for name, logs in recorder.calls if name == "epoch_end"] == history
     assert recorder.calls[-1][1] == {"history": history, "error": None}
     assert recorder.run.model is model and recorder.run.history is history
+
+
+def test_callbacks_between_captured_steps_leave_the_step_captured_and_exact(device):
+    """A bar that reads every step's loss, a recorder and early stopping with restored
+    weights run between the steps: the step is still replayed, and the records and weights
+    are those of eager steps, bit for bit."""
+    results = []
+    for capture in (True, False):
+        engine.manual_seed(0)
+        model, loader, _, _ = _blobs(device=device)
+        bar = callbacks.ProgressBar(every=1, file=io.StringIO())
+        stopping = callbacks.EarlyStopping(patience=1, restore_best_weights=True,
+                                           verbose=False)
+        history = _fit(model, loader, 4, lr=0.5, test_loader=loader, capture=capture,
+                       callbacks=[bar, Recorder(), stopping])
+        results.append((history, model.state_dict(), fit.last_eager_reason))
+    (captured, weights, reason), (eager, eager_weights, _) = results
+
+    def untimed(history):
+        return [{key: record[key] for key in RECORD_KEYS[:5]} for record in history]
+    assert reason is None and untimed(captured) == untimed(eager)
+    assert len(captured) == 3 and stopping.best_epoch == 2   # stopped, restored epoch 2
+    for name, value in eager_weights.items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
 
 
 def test_the_record_has_the_test_loss_of_evaluate():
