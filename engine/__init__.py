@@ -102,9 +102,11 @@ from engine.autograd import (AnomalyError, detect_anomaly, enable_grad,  # noqa:
                              is_grad_enabled, no_grad, set_grad_enabled)
 from engine.blas_threads import apply_default as _apply_default_blas_threads  # noqa: E402
 from engine.blas_threads import get_num_threads, set_num_threads  # noqa: F401, E402
-from engine.functional import (add, div, exp, flatten, leaky_relu, log,  # noqa: F401, E402
-                               log_softmax, matmul, max, mean, mul, neg, pow, relu, reshape,
-                               sigmoid, softmax, sqrt, sub, sum, tanh, transpose)
+from engine.functional import (abs, add, argmax, argmin, astype, cat,  # noqa: F401, E402
+                               clamp, clip, div, eq, exp, flatten, ge, gt, le, leaky_relu,
+                               log, log_softmax, lt, matmul, max, mean, min, mul, ne, neg,
+                               permute, pow, relu, reshape, sigmoid, softmax, sqrt, squeeze,
+                               stack, sub, sum, tanh, transpose, unsqueeze, view, where)
 from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401, E402
 from engine.random import manual_seed  # noqa: F401, E402
 from engine.step_capture import capture  # noqa: F401, E402

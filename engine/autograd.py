@@ -291,13 +291,28 @@ def apply(op_class, *inputs, **params):
     needs = tuple(isinstance(x, Value) and x.requires_grad for x in inputs)
     record = _state.grad_enabled and any(needs)
     op.needs_input_grad = needs if record else (False,) * len(inputs)
-    out = op(*arrays)   # the declared checks (ops.registry.Op), then forward
+    try:
+        out = op(*arrays)   # the declared checks (ops.registry.Op), then forward
+    except TypeError as error:
+        raise _with_cast_remedy(error, op, arrays) from None
     if _state.anomaly:
         _check_finite(out, op, "forward", arrays)
     result = maker._wrap(out, requires_grad=record)
     if record:
         result._node = _state.tape.record(op, inputs, out)
     return result
+
+
+def _with_cast_remedy(error, op, arrays):
+    """``error``, with the remedy added when it refused a bool or integer input (a comparison
+    result, labels) that the op does not take: arithmetic needs a cast first."""
+    refused = [np.dtype(a.dtype) for position, a in enumerate(arrays)
+               if hasattr(a, "dtype") and np.dtype(a.dtype).kind in "biu"
+               and position not in op.integer_inputs]
+    if not refused:
+        return error
+    return TypeError(f"{error} ({refused[0]} tensors take part in arithmetic only once cast, "
+                     "e.g. x.astype(np.float32))")
 
 
 # ------------------------------------------------------------------ backward

@@ -4,15 +4,29 @@ twins (``engine.relu(x)``, ``engine.softmax(x, axis=-1)``, ...). Each one runs a
 This module sits below ``engine.tensor``: it sees tensors as ``engine.autograd.Value``s, and a
 binary op's other operand (a number, list or array) becomes a tensor through the Tensor side's
 ``_operand``.
+
+Every function that takes ``axis=`` also takes PyTorch's ``dim=`` (and ``keepdim=`` beside
+``keepdims=``); giving both is a TypeError. Comparisons, argmax/argmin and casts to a
+non-float dtype run their op without recording it: their results are never differentiated.
 """
 import numbers
 
+import numpy as np
+
 from engine.autograd import Value, apply
+from ops import cast as ct
+from ops import compare as cmp
 from ops import elementwise as ew
+from ops import indexing as ix
+from ops import join as jn
 from ops import matmul as mm
 from ops import reduce as rd
 from ops import shape as sh
 from ops import softmax as sm
+from ops.fill import fill
+from ops.layout import normalize_axes
+from ops.memory import empty
+from ops.registry import FLOAT_DTYPES
 
 
 def _is_scalar(value):
@@ -30,6 +44,34 @@ def _tensor_pair(name, a, b):
     if not isinstance(b, Value):
         b = a._operand(b)
     return a, b
+
+
+def _axis(name, axis, dim):
+    """``axis``, or PyTorch's ``dim`` in its place; both given is a TypeError."""
+    if dim is None:
+        return axis
+    if axis is not None:
+        raise TypeError(f"{name}: got both axis={axis!r} and dim={dim!r}; give one (dim is "
+                        "PyTorch's name for axis)")
+    return dim
+
+
+def _keepdims(name, keepdims, keepdim):
+    """``keepdims``, or PyTorch's ``keepdim`` in its place; both given is a TypeError."""
+    if keepdim is None:
+        return keepdims
+    if keepdims:
+        raise TypeError(f"{name}: got both keepdims and keepdim; give one")
+    return bool(keepdim)
+
+
+def _untracked(op_class, *inputs, **params):
+    """Run an op whose result is never differentiated (bools, int64 positions, a cast to an
+    integer dtype): no node, whatever the inputs require."""
+    op = op_class(**params)
+    maker = next(x for x in inputs if isinstance(x, Value))
+    op.needs_input_grad = (False,) * len(inputs)
+    return maker._wrap(op(*[x.data if isinstance(x, Value) else x for x in inputs]))
 
 
 def _binary(name, op_class, scalar_op, reflected_scalar_op, a, b, scalar_map=lambda s: s):
@@ -53,7 +95,7 @@ def mul(a, b):
 
 
 def div(a, b):
-    return _binary("div", ew.Div, ew.MulScalar, ew.RDivScalar, a, b, scalar_map=lambda s: 1.0 / s)
+    return _binary("div", ew.Div, ew.DivScalar, ew.RDivScalar, a, b)
 
 
 def pow(x, exponent):
@@ -94,22 +136,139 @@ def tanh(x):
     return apply(ew.Tanh, x)
 
 
-def sum(x, axis=None, keepdims=False):
-    return apply(rd.Sum, x, axis=axis, keepdims=keepdims)
+def abs(x):
+    return apply(ew.Abs, x)
 
 
-def mean(x, axis=None, keepdims=False):
-    return apply(rd.Mean, x, axis=axis, keepdims=keepdims)
+def clip(x, low=None, high=None, *, min=None, max=None):
+    """``x`` limited to [low, high] (``min=``/``max=`` as torch.clamp and NumPy name them);
+    None leaves a side open. The gradient passes where low <= x <= high."""
+    for name, given, keyword in (("low", low, min), ("high", high, max)):
+        if given is not None and keyword is not None:
+            raise TypeError(f"clip: got the {name} bound twice ({given!r} and {keyword!r})")
+    return apply(ew.Clip, x, low=low if min is None else min, high=high if max is None else max)
 
 
-def max(x, axis=None, keepdims=False):
-    return apply(rd.Max, x, axis=axis, keepdims=keepdims)
+clamp = clip
 
 
-def reshape(x, *shape):
+def sum(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    return apply(rd.Sum, x, axis=_axis("sum", axis, dim),
+                 keepdims=_keepdims("sum", keepdims, keepdim))
+
+
+def mean(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    return apply(rd.Mean, x, axis=_axis("mean", axis, dim),
+                 keepdims=_keepdims("mean", keepdims, keepdim))
+
+
+def max(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    """The largest values (NumPy's max, torch's amax: not torch's (values, indices) pair;
+    the positions are ``argmax``)."""
+    return apply(rd.Max, x, axis=_axis("max", axis, dim),
+                 keepdims=_keepdims("max", keepdims, keepdim))
+
+
+def min(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    """The smallest values (NumPy's min, torch's amin; the positions are ``argmin``)."""
+    return apply(rd.Min, x, axis=_axis("min", axis, dim),
+                 keepdims=_keepdims("min", keepdims, keepdim))
+
+
+def argmax(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    """The int64 position of the first maximum over ``axis`` (None: of the flattened input)."""
+    return _untracked(rd.ArgMax, x, axis=_axis("argmax", axis, dim),
+                      keepdims=_keepdims("argmax", keepdims, keepdim))
+
+
+def argmin(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    return _untracked(rd.ArgMin, x, axis=_axis("argmin", axis, dim),
+                      keepdims=_keepdims("argmin", keepdims, keepdim))
+
+
+# ------------------------------------------------------------------ comparisons and where
+
+def _compare(name, op_class, a, b):
+    if _is_scalar(b):
+        return _untracked(op_class, a, p=b)
+    if not isinstance(b, Value):   # a list or array keeps its own dtype: 0.5 is no int
+        b = a._operand(b, dtype=_own_dtype(b))
+    return _untracked(op_class, a, b)
+
+
+def _own_dtype(value):
+    dtype = getattr(value, "dtype", None)
+    return np.asarray(value).dtype if dtype is None else dtype
+
+
+def lt(a, b):
+    return _compare("lt", cmp.Lt, a, b)
+
+
+def le(a, b):
+    return _compare("le", cmp.Le, a, b)
+
+
+def gt(a, b):
+    return _compare("gt", cmp.Gt, a, b)
+
+
+def ge(a, b):
+    return _compare("ge", cmp.Ge, a, b)
+
+
+def eq(a, b):
+    return _compare("eq", cmp.Eq, a, b)
+
+
+def ne(a, b):
+    return _compare("ne", cmp.Ne, a, b)
+
+
+def where(cond, a, b):
+    """``a`` where the bool ``cond`` holds, else ``b``, broadcast together; differentiable in
+    ``a`` and ``b``. Numbers take the dtype of the tensor among ``a`` and ``b`` (float32 when
+    neither is one); cond may be a bool array."""
+    maker = next((v for v in (cond, a, b) if isinstance(v, Value)), None)
+    if maker is None:
+        raise TypeError("where: none of cond, a and b is an engine Tensor")
+    floats = [v.data.dtype for v in (a, b) if isinstance(v, Value)]
+    dtype = floats[0] if floats else np.dtype(np.float32)
+    if not isinstance(cond, Value):
+        cond = maker._operand(cond, dtype=_own_dtype(cond))
+    return apply(cmp.Where, cond, _branch(a, maker, dtype), _branch(b, maker, dtype))
+
+
+def _branch(value, maker, dtype):
+    if isinstance(value, Value):
+        return value
+    if _is_scalar(value):   # filled on the device: no host-to-device copy
+        return maker._wrap(fill(empty((), dtype, maker.device), value))
+    return maker._operand(value, dtype=dtype)
+
+
+# ------------------------------------------------------------------ dtypes
+
+def astype(x, dtype):
+    """A copy of ``x`` as ``dtype`` on its device; differentiable between float32 and float64
+    (the gradient is cast back), never recorded towards integers or bool."""
+    dtype = np.dtype(dtype)
+    if dtype in FLOAT_DTYPES and x.data.dtype in FLOAT_DTYPES:
+        return apply(ct.Cast, x, dtype=dtype)
+    return _untracked(ct.Cast, x, dtype=dtype)
+
+
+# ------------------------------------------------------------------ shapes
+
+def reshape(x, *shape, op_name="reshape"):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    return apply(sh.Reshape, x, shape=shape)
+    return apply(sh.Reshape, x, shape=shape, op_name=op_name)
+
+
+def view(x, *shape):
+    """``reshape``: every tensor is C-contiguous, so a view always exists."""
+    return reshape(x, *shape, op_name="view")
 
 
 def flatten(x, start_dim=1):
@@ -118,17 +277,114 @@ def flatten(x, start_dim=1):
     return reshape(x, x.shape[:start_dim] + (-1,))
 
 
-def transpose(x):
-    return apply(sh.Transpose, x)
+def squeeze(x, axis=None, *, dim=None):
+    """``x`` without its size-1 axes (only those of ``axis``, an int or a tuple, when given;
+    the others of ``axis`` stay, as in torch). A view."""
+    axis = _axis("squeeze", axis, dim)
+    axes = normalize_axes(axis, x.ndim, "squeeze")
+    shape = tuple(size for i, size in enumerate(x.shape) if not (i in axes and size == 1))
+    return reshape(x, shape, op_name="squeeze")
+
+
+def unsqueeze(x, axis=None, *, dim=None):
+    """``x`` with new size-1 axes at ``axis`` (an int or a tuple, positions in the result,
+    as NumPy's expand_dims). A view."""
+    axis = _axis("unsqueeze", axis, dim)
+    if axis is None:
+        raise TypeError("unsqueeze: missing the axis (or dim) of the new size-1 axis")
+    count = 1 if isinstance(axis, (int, np.integer)) else len(tuple(axis))
+    new = normalize_axes(axis, x.ndim + count, "unsqueeze")
+    sizes = iter(x.shape)
+    shape = tuple(1 if i in new else next(sizes) for i in range(x.ndim + count))
+    return reshape(x, shape, op_name="unsqueeze")
+
+
+def permute(x, *axes):
+    """A copy of ``x`` with its axes in the order ``axes`` (ints or one tuple)."""
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    return apply(sh.Permute, x, axes=axes)
+
+
+def transpose(x, *axes):
+    """``x`` with its axes reversed (``x.T``); ``transpose(a, b)`` swaps two axes, as torch's
+    (for a 2-D tensor NumPy's ``transpose(1, 0)`` means the same); three or more axes, or one
+    tuple, are a permutation, as NumPy's."""
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        return permute(x, *axes)
+    if len(axes) == 2:
+        first, second = normalize_axes(axes[0], x.ndim, "transpose") + \
+            normalize_axes(axes[1], x.ndim, "transpose")
+        order = list(range(x.ndim))
+        order[first], order[second] = second, first
+    elif axes:
+        return permute(x, *axes)
+    else:
+        order = list(reversed(range(x.ndim)))
+    if order == list(range(x.ndim)):
+        return reshape(x, x.shape, op_name="transpose")   # nothing moves: a view
+    if x.ndim == 2:
+        return apply(sh.Transpose, x)
+    return permute(x, *order)
+
+
+def cat(tensors, axis=None, *, dim=None):
+    """The tensors joined along an existing ``axis`` (default 0); their other dims must
+    match."""
+    tensors = _tensor_list("cat", tensors)
+    axis = _axis("cat", axis, dim)
+    return apply(jn.Cat, *tensors, axis=0 if axis is None else axis)
+
+
+def stack(tensors, axis=None, *, dim=None):
+    """The tensors (all of one shape) joined along a new ``axis`` (default 0)."""
+    tensors = _tensor_list("stack", tensors)
+    axis = _axis("stack", axis, dim)
+    axis = 0 if axis is None else axis
+    shapes = {t.shape for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"stack: every tensor needs the same shape, got "
+                         f"{', '.join(str(t.shape) for t in tensors)}")
+    (axis,) = normalize_axes(axis, tensors[0].ndim + 1, "stack")
+    return cat([unsqueeze(t, axis) for t in tensors], axis)
+
+
+def _tensor_list(name, tensors):
+    if isinstance(tensors, Value) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name}: expects a list or tuple of Tensors, got "
+                        f"{type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{name}: expects at least one tensor")
+    for k, t in enumerate(tensors):
+        if not isinstance(t, Value):
+            raise TypeError(f"{name}: item {k} is a {type(t).__name__}, not an engine Tensor")
+    return list(tensors)
+
+
+# ------------------------------------------------------------------ indexing
+
+def index(x, key):
+    """``x[key]`` (see ``ops.indexing``): differentiable in ``x``."""
+    return apply(ix.Index, x, key=_storage_key(key))
+
+
+def _storage_key(key):
+    """The key with every Tensor replaced by its storage array."""
+    if isinstance(key, tuple):
+        return tuple(k.data if isinstance(k, Value) else k for k in key)
+    return key.data if isinstance(key, Value) else key
 
 
 def matmul(a, b):
     return apply(mm.MatMul, *_tensor_pair("matmul", a, b))
 
 
-def softmax(x, axis=-1):
-    return apply(sm.Softmax, x, axis=axis)
+def softmax(x, axis=None, *, dim=None):
+    """Softmax over ``axis`` (the last when neither axis nor dim is given)."""
+    axis = _axis("softmax", axis, dim)
+    return apply(sm.Softmax, x, axis=-1 if axis is None else axis)
 
 
-def log_softmax(x, axis=-1):
-    return apply(sm.LogSoftmax, x, axis=axis)
+def log_softmax(x, axis=None, *, dim=None):
+    axis = _axis("log_softmax", axis, dim)
+    return apply(sm.LogSoftmax, x, axis=-1 if axis is None else axis)

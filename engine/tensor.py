@@ -1,10 +1,15 @@
 """``Tensor``: an array on one device plus what autograd needs, and the creation functions.
 
 Storage is a C-contiguous NumPy array on the CPU or a Numba device array on CUDA. Floating
-tensors are float32 (the default) or float64; integer tensors exist for labels and never
-require grad. What autograd needs (``requires_grad``, ``grad``, ``backward``) is inherited from
-``engine.autograd.Value``; all math goes through ``engine.functional``, which runs registered
-ops. Both modules sit below this one: neither imports it.
+tensors are float32 (the default) or float64; integer tensors exist for labels and bool
+tensors for comparison results and masks; neither ever requires grad, and arithmetic refuses
+them until they are cast (``x.astype(np.float32)``). What autograd needs
+(``requires_grad``, ``grad``, ``backward``) is inherited from ``engine.autograd.Value``; all
+math goes through ``engine.functional``, which runs registered ops. Both modules sit below
+this one: neither imports it.
+
+Comparisons are elementwise (``x == y`` is a bool tensor), so ``__hash__`` is set back to
+identity, as torch does: tensors stay usable in sets and as dict keys.
 """
 import numbers
 
@@ -16,11 +21,14 @@ from engine.random import generator
 from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
                                dlpack_capsule)
 from ops.device import check_device, device_of, to_device, to_host
+from ops.cast import BOOL, BYTE, cast
 from ops.fill import fill
+from ops.indexing import assign
 from ops.memory import empty
 from ops.registry import FLOAT_DTYPES
 
 INT_DTYPES = tuple(np.dtype(t) for t in (np.int64, np.int32, np.uint8))
+COMPARABLE = (numbers.Number, np.ndarray, list, tuple)   # what ==, < and the others take
 
 
 def check_dtype(dtype, where="tensor"):
@@ -28,14 +36,16 @@ def check_dtype(dtype, where="tensor"):
         dtype = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{where}: {dtype!r} is not a dtype") from None
-    if dtype not in FLOAT_DTYPES + INT_DTYPES:
+    if dtype not in FLOAT_DTYPES + INT_DTYPES + (BOOL,):
         raise TypeError(f"{where}: dtype {dtype} is not supported; use float32 or float64 "
-                        "(int64, int32 or uint8 for labels, which never require grad)")
+                        "(int64, int32 or uint8 for labels, bool for masks; neither requires "
+                        "grad)")
     return dtype
 
 
 class Tensor(Value):
     __array_priority__ = 1000   # NumPy defers to our reflected operators
+    __hash__ = object.__hash__   # by identity, as torch: == is elementwise, tensors stay keys
 
     def __init__(self, data, requires_grad=False):
         """Wraps ``data`` (a host or device array) without copying; ``engine.tensor`` copies."""
@@ -47,8 +57,11 @@ class Tensor(Value):
         """A plain Tensor over ``data`` (also for a Parameter's results and gradients)."""
         return Tensor(data, requires_grad)
 
-    def _operand(self, value):
-        return as_tensor(value, self)
+    def _operand(self, value, dtype=None):
+        """``value`` as a tensor on this device, in ``dtype`` (default: this tensor's)."""
+        if isinstance(value, Tensor):
+            return value
+        return tensor(value, dtype=self.dtype if dtype is None else dtype, device=self.device)
 
     # ----------------------------------------------------------- attributes
     shape = property(lambda self: tuple(self.data.shape))
@@ -61,6 +74,36 @@ class Tensor(Value):
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
+
+    def __iter__(self):
+        """The sub-tensors along the first axis (``x[0]``, ``x[1]``, ...: views)."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    # ----------------------------------------------------------- indexing (ops.indexing)
+    def __getitem__(self, key):
+        """Basic and advanced indexing as torch's: ints, slices, None, ..., integer arrays or
+        tensors, bool masks. Differentiable; a result that is one contiguous block of this
+        tensor (``x[0]``, ``x[2:5]``) shares its memory, every other result is a copy."""
+        return F.index(self, key)
+
+    def __setitem__(self, key, value):
+        """Write ``value`` (a number or an array broadcasting to ``self[key]``, cast to this
+        dtype) into the selection, in place; only on a tensor that does not require grad."""
+        if self.requires_grad:
+            raise RuntimeError(
+                "setitem: this tensor requires grad, and an in-place write would change values "
+                "the tape may have saved for backward; build the new tensor with engine.where "
+                "or engine.cat, or write outside autograd through x.detach()[key] = value "
+                "(the same memory, e.g. to change a parameter between steps)")
+        if isinstance(value, Tensor):
+            if value.requires_grad:
+                raise RuntimeError("setitem: the value requires grad, and an assignment is not "
+                                   "recorded for autograd; assign value.detach(), or build "
+                                   "the result with engine.where or engine.cat")
+            value = value.data
+        assign(self.data, F._storage_key(key), value)
 
     def detach(self):
         return Tensor(self.data)
@@ -76,19 +119,50 @@ class Tensor(Value):
                              f"this one has shape {self.shape}")
         return to_host(self.data).reshape(()).item()
 
+    def __float__(self):
+        return float(self._python_number("float"))
+
+    def __int__(self):
+        return int(self._python_number("int"))
+
+    def __bool__(self):
+        if self.size != 1:
+            raise RuntimeError(f"bool(): the truth value of a tensor of shape {self.shape} "
+                               "is ambiguous, only one-element tensors have one; reduce it "
+                               "first, e.g. bool((x > 0).astype(np.float32).min())")
+        return bool(self.item())
+
+    def _python_number(self, name):
+        if self.size != 1:
+            raise ValueError(f"{name}(): only one-element tensors convert to a Python "
+                             f"number, this one has shape {self.shape}")
+        return self.item()
+
     def tolist(self):
         return self.numpy().tolist()
 
     def to(self, device=None, dtype=None):
-        """This tensor on ``device`` (and/or as ``dtype``); ``self`` when nothing changes."""
+        """This tensor on ``device`` (and/or as ``dtype``); ``self`` when nothing changes.
+        ``x.to(np.float64)`` changes the dtype only, as torch's ``x.to(torch.float64)``.
+
+        The dtype changes on this tensor's device, differentiably between float32 and
+        float64 (``astype``); a move to another device gives a new leaf."""
+        if device is not None and not isinstance(device, str):
+            if dtype is not None:
+                raise TypeError(f"to: got two dtypes ({device!r} and {dtype!r})")
+            device, dtype = None, device
         device = self.device if device is None else check_device(device)
         dtype = self.dtype if dtype is None else check_dtype(dtype, "to")
-        if device == self.device and dtype == self.dtype:
-            return self
-        data = self.data
-        if dtype != self.dtype:
-            data = to_host(data).astype(dtype)
-        return Tensor(to_device(data, device), requires_grad=self.requires_grad and self.is_leaf)
+        result = self if dtype == self.dtype else self.astype(dtype)
+        if device == self.device:
+            return result
+        return Tensor(to_device(result.data, device),
+                      requires_grad=result.requires_grad and result.is_leaf)
+
+    def astype(self, dtype):
+        """A copy as ``dtype`` on this device (NumPy's astype; differentiable between float32
+        and float64). Floats become integers by truncation toward zero."""
+        return F.astype(self, check_dtype(dtype, "astype"))
 
     def cpu(self):
         return self.to("cpu")
@@ -136,20 +210,56 @@ class Tensor(Value):
     def __neg__(self):
         return F.neg(self)
 
+    # comparisons are elementwise (bool tensors); anything else compares by identity
+    def __eq__(self, other):
+        return F.eq(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
+    def __ne__(self, other):
+        return F.ne(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
+    def __lt__(self, other):
+        return F.lt(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
+    def __le__(self, other):
+        return F.le(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
+    def __gt__(self, other):
+        return F.gt(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
+    def __ge__(self, other):
+        return F.ge(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+
     def __matmul__(self, other):
         return F.matmul(self, other)
 
     def __rmatmul__(self, other):
         return F.matmul(other, self)
 
-    def sum(self, axis=None, keepdims=False):
-        return F.sum(self, axis, keepdims)
+    def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.sum(self, axis, keepdims, dim=dim, keepdim=keepdim)
 
-    def mean(self, axis=None, keepdims=False):
-        return F.mean(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.mean(self, axis, keepdims, dim=dim, keepdim=keepdim)
 
-    def max(self, axis=None, keepdims=False):
-        return F.max(self, axis, keepdims)
+    def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.max(self, axis, keepdims, dim=dim, keepdim=keepdim)
+
+    def min(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.min(self, axis, keepdims, dim=dim, keepdim=keepdim)
+
+    def argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.argmax(self, axis, keepdims, dim=dim, keepdim=keepdim)
+
+    def argmin(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return F.argmin(self, axis, keepdims, dim=dim, keepdim=keepdim)
+
+    def abs(self):
+        return F.abs(self)
+
+    def clip(self, low=None, high=None, *, min=None, max=None):
+        return F.clip(self, low, high, min=min, max=max)
+
+    clamp = clip
 
     def exp(self):
         return F.exp(self)
@@ -172,22 +282,34 @@ class Tensor(Value):
     def tanh(self):
         return F.tanh(self)
 
-    def softmax(self, axis=-1):
-        return F.softmax(self, axis)
+    def softmax(self, axis=None, *, dim=None):
+        return F.softmax(self, axis, dim=dim)
 
-    def log_softmax(self, axis=-1):
-        return F.log_softmax(self, axis)
+    def log_softmax(self, axis=None, *, dim=None):
+        return F.log_softmax(self, axis, dim=dim)
 
     def reshape(self, *shape):
         return F.reshape(self, *shape)
 
+    def view(self, *shape):
+        return F.view(self, *shape)
+
     def flatten(self, start_dim=1):
         return F.flatten(self, start_dim)
 
-    def transpose(self):
-        return F.transpose(self)
+    def squeeze(self, axis=None, *, dim=None):
+        return F.squeeze(self, axis, dim=dim)
 
-    T = property(transpose)
+    def unsqueeze(self, axis=None, *, dim=None):
+        return F.unsqueeze(self, axis, dim=dim)
+
+    def transpose(self, *axes):
+        return F.transpose(self, *axes)
+
+    def permute(self, *axes):
+        return F.permute(self, *axes)
+
+    T = property(F.transpose)
 
     # ---------------------------------------------------------- exchange with other libraries
     # Other libraries read and write our storage in place through these protocols: no copy.
@@ -233,11 +355,13 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False):
     """A new tensor holding a copy of ``data`` (array, nested list, number or Tensor)."""
     device = check_device(device)
     if isinstance(data, Tensor):
-        host_or_device = data.data
         dtype = check_dtype(dtype or data.dtype)
-        if np.dtype(host_or_device.dtype) != dtype:
-            host_or_device = to_host(host_or_device).astype(dtype)
-        return Tensor(to_device(host_or_device, device), requires_grad)
+        if dtype == data.dtype:
+            return Tensor(to_device(data.data, device), requires_grad)
+        converted = cast(data.data, dtype)   # a new array, made on the source's device
+        if data.device != device:
+            converted = to_device(converted, device)
+        return Tensor(converted, requires_grad)
     if not isinstance(data, (np.ndarray, list, tuple, numbers.Number)) and (
             hasattr(data, "__dlpack__") or hasattr(data, "__cuda_array_interface__")):
         data = from_dlpack(data).data   # torch/CuPy/Numba: keep its dtype and device, then copy
@@ -284,6 +408,9 @@ def ones(*shape, dtype=np.float32, device="cpu", requires_grad=False):
 
 def full(shape, value, dtype=np.float32, device="cpu", requires_grad=False):
     dtype, device = check_dtype(dtype), check_device(device)
+    if dtype == BOOL:   # filled as bytes: see ops.cast
+        return Tensor(fill(empty(_shape((shape,)), BYTE, device), bool(value)).view(BOOL),
+                      requires_grad)
     return Tensor(fill(empty(_shape((shape,)), dtype, device), value), requires_grad)
 
 

@@ -1,11 +1,19 @@
-"""Elementwise ops: binary with NumPy broadcasting, and the unary functions of ``ops.pointwise``.
+"""Elementwise ops: binary with NumPy broadcasting, the unary functions of ``ops.pointwise``,
+and clip.
 
 Every op code gets its own pair of kernels, generated below from one template with the code
 as a constant: the compiler folds the dispatch away and vectorises the cheap ops, and a new
 elementwise function is one entry in ``ops.pointwise``, not new kernels. Broadcasting reads
 the inputs through the strides of ``ops.layout.broadcast_layout``, so no input is ever
 materialised at the output's shape.
+
+Clip has two parameters, so it is a kernel pair of its own rather than a table entry: the
+table's one parameter is also the signature of the fused Dense epilogues, which have no use
+for a second one.
 """
+import math
+import numbers
+
 from numba import njit
 
 from ops.cuda_backend import cuda
@@ -227,3 +235,82 @@ Relu, LeakyRelu, Sigmoid, Tanh = (UNARY_OPS[n] for n in ("relu", "leaky_relu", "
 AddScalar, MulScalar = UNARY_OPS["add_scalar"], UNARY_OPS["mul_scalar"]
 RSubScalar, RDivScalar, PowScalar = (UNARY_OPS[n] for n in ("rsub_scalar", "rdiv_scalar",
                                                             "pow_scalar"))
+Abs, DivScalar = UNARY_OPS["abs"], UNARY_OPS["div_scalar"]
+
+
+# ------------------------------------------------------------------ clip
+
+def _clipped(x, low, high):
+    """min(max(x, low), high), as torch.clamp: nan stays nan, low > high gives high."""
+    y = low if x < low else x
+    return high if y > high else y
+
+
+def _inside(x, low, high):
+    """Where clip passes its gradient: low <= x <= high, both ends included (torch's rule)."""
+    return low <= x <= high
+
+
+_clipped_cpu = njit(inline="always", error_model="numpy")(_clipped)
+_clipped_cuda = cuda.jit(device=True)(_clipped)
+_inside_cpu = njit(inline="always", error_model="numpy")(_inside)
+_inside_cuda = cuda.jit(device=True)(_inside)
+
+
+@njit(cache=True, error_model="numpy")
+def clip_cpu(x, out, low, high):
+    for i in range(out.size):
+        out[i] = _clipped_cpu(x[i], low, high)
+
+
+@cuda.jit(cache=True)
+def clip_cuda(x, out, low, high):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = _clipped_cuda(x[i], low, high)
+
+
+@njit(cache=True, error_model="numpy")
+def clip_grad_cpu(x, grad_out, grad_in, low, high):
+    for i in range(grad_in.size):
+        grad_in[i] = grad_out[i] if _inside_cpu(x[i], low, high) else 0.0
+
+
+@cuda.jit(cache=True)
+def clip_grad_cuda(x, grad_out, grad_in, low, high):
+    i = cuda.grid(1)
+    if i < grad_in.size:
+        grad_in[i] = grad_out[i] if _inside_cuda(x[i], low, high) else 0.0
+
+
+CLIP = Kernel("clip", clip_cpu, clip_cuda, elements(1))
+CLIP_GRAD = Kernel("clip_grad", clip_grad_cpu, clip_grad_cuda, elements(2))
+
+
+@register
+class Clip(Op):
+    """``x`` limited to [low, high]; ``low`` or ``high`` None leaves that side open."""
+    name = "clip"
+    kernels = (CLIP, CLIP_GRAD)
+
+    def check(self, x):
+        for side in ("low", "high"):
+            bound = self.params.get(side)
+            if bound is not None and not isinstance(bound, numbers.Real):
+                raise TypeError(f"clip: {side} must be a Python number or None, got "
+                                f"{type(bound).__name__}")
+            if bound is not None and bound != bound:
+                raise ValueError(f"clip: {side} is nan; give a number or None")
+        if self.params.get("low") is None and self.params.get("high") is None:
+            raise ValueError("clip: give low, high or both (x.clip(0, 1), x.clip(min=0))")
+
+    def forward(self, x):
+        low, high = self.params.get("low"), self.params.get("high")
+        self.x = x
+        self.low = x.dtype.type(-math.inf if low is None else low)   # float32 stays float32
+        self.high = x.dtype.type(math.inf if high is None else high)
+        return run(CLIP, flat(x), Out(x.shape, x.dtype), self.low, self.high)
+
+    def backward(self, grad_out, grad_dst):
+        return (run(CLIP_GRAD, flat(self.x), flat(grad_out), Out(self.x.shape, self.x.dtype),
+                    self.low, self.high),)

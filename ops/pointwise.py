@@ -13,7 +13,9 @@ leaky_relu when ``p >= 0``), so a caller that kept only ``y`` (the Dense backwar
 ``y`` for ``x``; ``Pointwise.reads_input`` says where the real ``x`` is needed.
 
 IEEE semantics as torch: relu(-inf) = 0, relu(nan) = nan, sigmoid(+-inf) = 1 and 0, and the
-derivative of ``x ** 0`` is 0 everywhere (also at x = 0).
+derivative of ``x ** 0`` is 0 everywhere (also at x = 0). ``x / p`` divides (``x / 0`` is
++-inf or nan, as NumPy's), never multiplies by ``1 / p``, which rounds differently (and
+raises ZeroDivisionError in Python for p = 0); the derivative of ``abs`` at 0 is 0, as torch's.
 """
 import math
 from typing import NamedTuple
@@ -23,7 +25,7 @@ from numba import njit
 from ops.cuda_backend import cuda
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
- ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR) = range(14)
+ ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR) = range(16)
 
 
 class Pointwise(NamedTuple):
@@ -47,6 +49,8 @@ TABLE = (
     Pointwise("rsub_scalar", RSUB_SCALAR, False),    # p - x
     Pointwise("rdiv_scalar", RDIV_SCALAR, True),     # p / x
     Pointwise("pow_scalar", POW_SCALAR, True),       # x ** p
+    Pointwise("abs", ABS, True),                     # |x|: the sign of x is not in y
+    Pointwise("div_scalar", DIV_SCALAR, False),      # x / p
 )
 
 # the activations a Dense layer fuses into its GEMM, by the names nn.Dense takes
@@ -85,6 +89,10 @@ def value(code, x, p):
         return p - x
     if code == RDIV_SCALAR:
         return p / x
+    if code == ABS:
+        return abs(x)
+    if code == DIV_SCALAR:
+        return x / p
     return x ** p   # POW_SCALAR
 
 
@@ -114,6 +122,10 @@ def derivative(code, x, y, p):
         return -y / x
     if code == POW_SCALAR:
         return zero if p == 0 else p * x ** (p - 1)
+    if code == ABS:   # 0 at x = 0 (torch's choice), nan at nan
+        return zero + 1 if x > 0 else (zero - 1 if x < 0 else x - x)
+    if code == DIV_SCALAR:   # not from ``zero``: p may be +-inf (x / inf), where p - p is nan
+        return 1.0 / p
     return zero + 1   # IDENTITY, ADD_SCALAR
 
 

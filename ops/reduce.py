@@ -1,4 +1,5 @@
-"""Reductions: sum, mean and max over no axis, one axis or several, with keepdims.
+"""Reductions: sum, mean, max and min over no axis, one axis or several, with keepdims; and
+argmax / argmin (int64 positions) over no axis or one.
 
 The input's dims are split into kept dims (one output element per combination) and reduced
 dims, described by ``ops.layout.reduction_layout``. Accumulation is in float64 on both
@@ -6,12 +7,18 @@ devices. On the GPU each output element is one block of ``REDUCE_THREADS`` threa
 reduces in a fixed order (strided per-thread folds, then ``block_reduce_cuda``), so results
 are reproducible run to run: no float atomics.
 
-Backward: sum and mean broadcast ``grad_out`` back over the reduced dims (``expand``, one
-thread per input element, scaled by 1/count for the mean); max routes ``grad_out`` to the
-maxima of each group, split evenly among ties.
+Min is the max of ``-x``, negated: the block reduction has one extremum, and negation is
+exact. Backward: sum and mean broadcast ``grad_out`` back over the reduced dims (``expand``,
+one thread per input element, scaled by 1/count for the mean); max and min route
+``grad_out`` to the extrema of each group, split evenly among ties.
+
+Argmax and argmin give the first position of the extremum, NaN counting as the extremum (as
+NumPy and torch). On the GPU each thread keeps the first extremum of its strided share; two
+passes of the block reduction then give the extremum and the smallest position holding it.
 """
 import math
 
+import numpy as np
 from numba import njit
 
 from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combine_cpu,
@@ -24,8 +31,14 @@ from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offse
                         reduction_layout)
 from ops.registry import Op, register
 
+MIN = 2   # beside ops.block_reduce's SUM and MAX: reduced as MAX of -x
+
+
 def _reduce_kernel(code, name):
-    """The twin kernels of a sum (``code`` SUM) or max over the reduced dims, times ``scale``."""
+    """The twin kernels of a sum (``code`` SUM), max or min over the reduced dims, times
+    ``scale``."""
+    fold = SUM if code == SUM else MAX
+    sign = -1.0 if code == MIN else 1.0
     start = 0.0 if code == SUM else -math.inf
 
     @njit(cache=True, error_model="numpy")
@@ -40,8 +53,8 @@ def _reduce_kernel(code, name):
             for r in range(n_reduced):
                 at = base + r if contiguous else base + offset_cpu(r, meta, reduced_first,
                                                                    reduced_dims)
-                acc = combine_cpu(code, acc, x[at])
-            out[o] = acc * scale
+                acc = combine_cpu(fold, acc, sign * x[at])
+            out[o] = sign * acc * scale
 
     @cuda.jit(cache=True)
     def reduce_cuda(x, out, meta, scale):
@@ -52,17 +65,18 @@ def _reduce_kernel(code, name):
         base = offset_cuda(o, meta, 3, kept_dims)
         acc = start
         for r in range(t, n_reduced, REDUCE_THREADS):
-            acc = combine_cuda(code, acc,
-                                x[base + offset_cuda(r, meta, reduced_first, reduced_dims)])
-        total = block_reduce_cuda(code, acc)
+            acc = combine_cuda(fold, acc,
+                               sign * x[base + offset_cuda(r, meta, reduced_first, reduced_dims)])
+        total = block_reduce_cuda(fold, acc)
         if t == 0:
-            out[o] = total * scale
+            out[o] = sign * total * scale
 
     return Kernel(name, reduce_cpu, reduce_cuda,
                   blocks_of(lambda x, out, meta, scale: out.size, REDUCE_THREADS))
 
 
-REDUCE = {SUM: _reduce_kernel(SUM, "sum"), MAX: _reduce_kernel(MAX, "max")}
+REDUCE = {SUM: _reduce_kernel(SUM, "sum"), MAX: _reduce_kernel(MAX, "max"),
+          MIN: _reduce_kernel(MIN, "min")}
 
 
 @njit(cache=True, error_model="numpy")
@@ -85,7 +99,8 @@ EXPAND = Kernel("expand", expand_cpu, expand_cuda, elements(1))
 
 @njit(cache=True, error_model="numpy")
 def max_backward_cpu(x, y, grad_out, grad_in, meta):
-    """grad_in = grad_out on the maxima of each reduced group (split evenly among ties), else 0."""
+    """grad_in = grad_out on the extrema ``y`` of each reduced group (split evenly among ties),
+    else 0: the backward of max and of min."""
     n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
     reduced_first = 3 + 2 * kept_dims
     for o in range(y.size):
@@ -119,6 +134,71 @@ def max_backward_cuda(x, y, grad_out, grad_in, meta):
 
 
 MAX_BACKWARD = Kernel("max_backward", max_backward_cpu, max_backward_cuda, elements(1))
+
+
+# ------------------------------------------------------------------ argmax, argmin
+
+ARGMAX, ARGMIN = 0, 1
+
+
+def _beats(code, value, best):
+    """True when ``value`` displaces ``best`` as the extremum seen so far: strictly larger
+    (smaller) values, and the first NaN, which nothing displaces."""
+    if value != value:
+        return best == best
+    return value > best if code == ARGMAX else value < best
+
+
+_beats_cpu = njit(inline="always", error_model="numpy")(_beats)
+_beats_cuda = cuda.jit(device=True)(_beats)
+
+
+def _arg_kernel(code, name):
+    """The twin kernels of argmax (``code`` ARGMAX) or argmin over the reduced dims."""
+    sign = 1.0 if code == ARGMAX else -1.0   # the block reduction looks for the largest
+
+    @njit(cache=True, error_model="numpy")
+    def arg_cpu(x, out, meta):
+        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
+        reduced_first = 3 + 2 * kept_dims
+        for o in range(out.size):
+            base = offset_cpu(o, meta, 3, kept_dims)
+            best = x[base + offset_cpu(0, meta, reduced_first, reduced_dims)]
+            best_at = 0
+            for r in range(1, n_reduced):
+                value = x[base + offset_cpu(r, meta, reduced_first, reduced_dims)]
+                if _beats_cpu(code, value, best):
+                    best = value
+                    best_at = r
+            out[o] = best_at
+
+    @cuda.jit(cache=True)
+    def arg_cuda(x, out, meta):
+        o = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
+        reduced_first = 3 + 2 * kept_dims
+        base = offset_cuda(o, meta, 3, kept_dims)
+        best = 0.0
+        best_at = -1   # this thread's share may be empty
+        for r in range(t, n_reduced, REDUCE_THREADS):
+            value = x[base + offset_cuda(r, meta, reduced_first, reduced_dims)]
+            if best_at < 0 or _beats_cuda(code, value, best):
+                best = value
+                best_at = r
+        mine = sign * best if best_at >= 0 else -math.inf
+        top = block_reduce_cuda(MAX, mine)   # NaN wins, as in _beats
+        holds_top = best_at >= 0 and (mine == top or (mine != mine and top != top))
+        # the smallest position holding the extremum, as the largest of -position
+        first = block_reduce_cuda(MAX, -float(best_at) if holds_top else -math.inf)
+        if t == 0:
+            out[o] = int(-first)
+
+    return Kernel(name, arg_cpu, arg_cuda,
+                  blocks_of(lambda x, out, meta: out.size, REDUCE_THREADS))
+
+
+ARG = {ARGMAX: _arg_kernel(ARGMAX, "argmax"), ARGMIN: _arg_kernel(ARGMIN, "argmin")}
 
 
 # ------------------------------------------------------------------ array-level functions
@@ -186,19 +266,18 @@ class Mean(_Reduce):
         return (expand(grad_out, self.x_shape, self.axes, scale=1.0 / self.count),)
 
 
-@register
-class Max(_Reduce):
-    name = "max"
-    kernels = (REDUCE[MAX], MAX_BACKWARD)
+class _Extremum(_Reduce):
+    """Max or min; the backward routes ``grad_out`` to the extrema either way."""
+    code = None
 
     def check(self, x):
         super().check(x)
         if any(x.shape[i] == 0 for i in self.axes):
-            raise ValueError(f"max: reducing an empty axis of shape {self.x_shape}")
+            raise ValueError(f"{self.name}: reducing an empty axis of shape {self.x_shape}")
 
     def forward(self, x):
         self.x = x
-        self.y = reduce(MAX, x, self.axes, self.keepdims)
+        self.y = reduce(self.code, x, self.axes, self.keepdims)
         return self.y
 
     def backward(self, grad_out, grad_dst):
@@ -206,3 +285,48 @@ class Max(_Reduce):
         meta = Meta(reduction_layout(self.x_shape, self.axes))
         return (run(MAX_BACKWARD, flat(x), flat(self.y), flat(grad_out), Out(x.shape, x.dtype),
                     meta),)
+
+
+@register
+class Max(_Extremum):
+    name, code = "max", MAX
+    kernels = (REDUCE[MAX], MAX_BACKWARD)
+
+
+@register
+class Min(_Extremum):
+    name, code = "min", MIN
+    kernels = (REDUCE[MIN], MAX_BACKWARD)
+
+
+class _ArgReduce(Op):
+    """The int64 position of the extremum over one axis, or over the flattened input for
+    ``axis=None`` (with keepdims: every axis kept at size 1). Never differentiated."""
+    code = None
+
+    def check(self, x):
+        axis = self.params.get("axis")
+        if axis is not None and not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"{self.name}: axis must be an int or None, got {axis!r} "
+                            "(NumPy and torch take one axis here)")
+        self.axes = normalize_axes(axis, x.ndim, self.name)
+        if any(x.shape[i] == 0 for i in self.axes) or x.size == 0:
+            raise ValueError(f"{self.name}: an empty axis of shape {tuple(x.shape)} has no "
+                             "extremum")
+
+    def forward(self, x):
+        shape = reduced_shape(x.shape, self.axes, self.params.get("keepdims", False))
+        return run(ARG[self.code], flat(x), Out(shape, np.int64),
+                   Meta(reduction_layout(tuple(x.shape), self.axes)))
+
+
+@register
+class ArgMax(_ArgReduce):
+    name, code = "argmax", ARGMAX
+    kernels = (ARG[ARGMAX],)
+
+
+@register
+class ArgMin(_ArgReduce):
+    name, code = "argmin", ARGMIN
+    kernels = (ARG[ARGMIN],)

@@ -1,12 +1,45 @@
-"""Shape ops: reshape (a view: every array the engine makes is C-contiguous) and 2-D transpose."""
+"""Shape ops: reshape (a view: every array the engine makes is C-contiguous), 2-D transpose,
+N-D permute, and ``Movement``, the base of every op that only moves elements.
+
+A movement op takes every storage dtype, since labels and masks are reshaped, indexed and
+joined like floats. Bool arrays reach its kernels as their uint8 bytes (the same memory):
+the kernels never see a bool array, and the outputs are allocated as uint8 (poison mode
+fills them with 255) and seen as bool again on the way out.
+"""
 import math
 
+import numpy as np
 from numba import njit
 
+from ops.cast import BOOL, as_bytes
 from ops.cuda_backend import cuda
-from ops.dispatch import Out, run
+from ops.device import device_of
+from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
+from ops.layout import coalesce, contiguous_strides, flat, offset_cpu, offset_cuda
 from ops.registry import Op, register
+
+
+class Movement(Op):
+    """An op that moves elements without arithmetic: any one dtype, on one device."""
+
+    def __call__(self, *inputs):
+        arrays = [x for x in inputs if hasattr(x, "shape")]
+        if len({device_of(x) for x in arrays}) > 1:
+            shapes = ", ".join(f"{device_of(x)} {tuple(x.shape)}" for x in arrays)
+            raise ValueError(f"{self.name}: inputs live on different devices ({shapes}); "
+                             "move them with .to(device)")
+        dtypes = {np.dtype(x.dtype) for x in arrays}
+        if len(dtypes) > 1:
+            names = ", ".join(str(np.dtype(x.dtype)) for x in arrays)
+            raise TypeError(f"{self.name}: inputs have different dtypes ({names}); cast them "
+                            "to one with .astype(dtype)")
+        if dtypes != {BOOL}:
+            self.check(*inputs)
+            return self.forward(*inputs)
+        inputs = tuple(as_bytes(x) if hasattr(x, "shape") else x for x in inputs)
+        self.check(*inputs)
+        return self.forward(*inputs).view(BOOL)
 
 
 def resolve_shape(shape, size, op_name="reshape"):
@@ -24,13 +57,14 @@ def resolve_shape(shape, size, op_name="reshape"):
 
 
 @register
-class Reshape(Op):
+class Reshape(Movement):
     """A view of the same memory: no kernel on either device."""
     name = "reshape"
     is_view = True
 
     def check(self, x):
-        self.shape = resolve_shape(self.params["shape"], x.size)
+        self.shape = resolve_shape(self.params["shape"], x.size,
+                                   self.params.get("op_name", "reshape"))
 
     def forward(self, x):
         self.x_shape = tuple(x.shape)
@@ -39,6 +73,8 @@ class Reshape(Op):
     def backward(self, grad_out, grad_dst):
         return (grad_out.reshape(self.x_shape),)
 
+
+# ------------------------------------------------------------------ 2-D transpose
 
 @njit(cache=True, error_model="numpy")
 def transpose_cpu(x, out):
@@ -66,7 +102,7 @@ def transpose(x):
 
 
 @register
-class Transpose(Op):
+class Transpose(Movement):
     name = "transpose"
     kernels = (TRANSPOSE,)
 
@@ -79,3 +115,60 @@ class Transpose(Op):
 
     def backward(self, grad_out, grad_dst):
         return (transpose(grad_out),)
+
+
+# ------------------------------------------------------------------ N-D permute
+
+@njit(cache=True, error_model="numpy")
+def permute_cpu(x, out, meta):
+    for i in range(out.size):
+        out[i] = x[offset_cpu(i, meta, 1, meta[0])]
+
+
+@cuda.jit(cache=True)
+def permute_cuda(x, out, meta):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[offset_cuda(i, meta, 1, meta[0])]
+
+
+PERMUTE = Kernel("permute", permute_cpu, permute_cuda, elements(1))
+
+
+def permute(x, axes):
+    """A copy of ``x`` with its axes in the order ``axes`` (a permutation of range(ndim)).
+
+    The metadata is ``[ndim, output shape, input strides in output order]``, coalesced, as
+    ``ops.layout.offset_cpu`` reads it: one thread per output element."""
+    out_shape = tuple(x.shape[a] for a in axes)
+    strides = contiguous_strides(tuple(x.shape))
+    shape, (in_strides,) = coalesce(out_shape, tuple(strides[a] for a in axes))
+    return run(PERMUTE, flat(x), Out(out_shape, x.dtype), Meta((len(shape),) + shape + in_strides))
+
+
+def normalize_permutation(axes, ndim, op_name):
+    """``axes`` (ints, negative from the end) as a permutation of range(ndim), or ValueError."""
+    if len(axes) != ndim or not all(isinstance(a, (int, np.integer)) for a in axes):
+        raise ValueError(f"{op_name}: axes {tuple(axes)} are not a permutation of the "
+                         f"{ndim} axes of the input")
+    normalized = tuple(int(a) % ndim if -ndim <= a < ndim else None for a in axes)
+    if None in normalized or sorted(normalized) != list(range(ndim)):
+        raise ValueError(f"{op_name}: axes {tuple(axes)} are not a permutation of the "
+                         f"{ndim} axes of the input")
+    return normalized
+
+
+@register
+class Permute(Movement):
+    name = "permute"
+    kernels = (PERMUTE,)
+
+    def check(self, x):
+        self.axes = normalize_permutation(self.params["axes"], x.ndim, self.name)
+
+    def forward(self, x):
+        return permute(x, self.axes)
+
+    def backward(self, grad_out, grad_dst):
+        inverse = tuple(sorted(range(len(self.axes)), key=self.axes.__getitem__))
+        return (permute(grad_out, inverse),)

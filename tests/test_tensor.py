@@ -17,12 +17,42 @@ def test_creation_copies_and_defaults_to_float32(device):
     assert engine.tensor([[1.0, 2.0]], dtype=np.float64, device=device).dtype == np.float64
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.complex64, np.bool_])
+@pytest.mark.parametrize("dtype", [np.float16, np.complex64, np.int16])
 def test_unsupported_dtype_is_a_type_error(dtype):
     with pytest.raises(TypeError, match=str(np.dtype(dtype))):
         engine.tensor(np.zeros(2, dtype=dtype))
     with pytest.raises(TypeError, match=str(np.dtype(dtype))):
         engine.zeros(2, dtype=dtype)
+
+
+def test_bool_tensors_hold_masks(device):
+    mask = engine.tensor([True, False], device=device)
+    assert mask.dtype == np.bool_ and mask.device == device
+    assert engine.tensor(np.array([[0, 1]]) > 0, device=device).dtype == np.bool_
+    assert engine.zeros(3, dtype=bool, device=device).numpy().tolist() == [False] * 3
+    assert engine.ones(2, dtype=np.bool_, device=device).numpy().tolist() == [True] * 2
+    assert "dtype=bool" in repr(mask)
+    assert engine.tensor(mask, dtype=np.float64, device=device).numpy().tolist() == [1, 0]
+    with pytest.raises(TypeError, match="bool"):
+        mask.requires_grad = True
+
+
+def test_tensor_of_a_tensor_converts_its_dtype_on_its_device(device):
+    x = engine.tensor([1.5, -2.5], device=device)
+    y = engine.tensor(x, dtype=np.int32, device=device)
+    assert y.dtype == np.int32 and y.device == device and y.numpy().tolist() == [1, -2]
+    z = engine.tensor(x, dtype=np.float64, device="cpu")
+    assert z.dtype == np.float64 and z.device == "cpu" and z.numpy().tolist() == [1.5, -2.5]
+
+
+def test_to_takes_a_dtype_as_its_first_argument(device):
+    x = engine.tensor([1.0, 2.0], device=device, requires_grad=True)
+    y = x.to(np.float64)
+    assert y.dtype == np.float64 and y.device == device and not y.is_leaf
+    moved = x.to("cpu", np.float64)
+    assert moved.dtype == np.float64 and moved.device == "cpu"
+    with pytest.raises(TypeError, match="two dtypes"):
+        x.to(np.float64, np.float32)
 
 
 def test_integer_tensors_never_require_grad():

@@ -1,0 +1,90 @@
+"""Dtype casts on the array's own device, and how bool storage meets the kernels.
+
+``cast`` converts elementwise as NumPy's ``astype`` does: floats to integers truncate toward
+zero (NaN and out-of-range values give an unspecified integer, as in NumPy and torch),
+integers wrap to a narrower width, and anything becomes bool as ``x != 0`` (NaN is True).
+Between float32 and float64 it is differentiable: the gradient is cast back.
+
+Bool tensors hold NumPy's one-byte bools. Kernels take them as uint8 (``as_bytes``: the same
+memory, 0 or 1), and bool results are written as uint8 and seen as bool: a kernel never
+needs a bool array type, and a bool output is allocated as uint8 (poison mode's fill has no
+bool value).
+"""
+import numpy as np
+from numba import njit
+
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import Kernel, elements
+from ops.layout import flat
+from ops.registry import Op, register
+
+BOOL = np.dtype(np.bool_)
+BYTE = np.dtype(np.uint8)
+
+
+def as_bytes(array):
+    """A bool array seen as its uint8 bytes (the same memory); other arrays as they are."""
+    return array.view(BYTE) if array.dtype == BOOL else array
+
+
+@njit(cache=True, error_model="numpy")
+def cast_cpu(x, out):
+    for i in range(out.size):
+        out[i] = x[i]
+
+
+@cuda.jit(cache=True)
+def cast_cuda(x, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = x[i]
+
+
+@njit(cache=True, error_model="numpy")
+def cast_to_bool_cpu(x, out):
+    for i in range(out.size):
+        out[i] = 1 if x[i] != 0 else 0
+
+
+@cuda.jit(cache=True)
+def cast_to_bool_cuda(x, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = 1 if x[i] != 0 else 0
+
+
+CAST = Kernel("cast", cast_cpu, cast_cuda, elements(1))
+CAST_TO_BOOL = Kernel("cast_to_bool", cast_to_bool_cpu, cast_to_bool_cuda, elements(1))
+
+
+def cast(x, dtype):
+    """A copy of ``x`` (any storage dtype) as ``dtype``, on its device."""
+    dtype = np.dtype(dtype)
+    source = flat(as_bytes(x))
+    if dtype == BOOL:
+        return run(CAST_TO_BOOL, source, Out(x.shape, BYTE)).view(BOOL)
+    return run(CAST, source, Out(x.shape, dtype))
+
+
+@register
+class Cast(Op):
+    """``x`` as ``params["dtype"]``; takes every storage dtype (labels and masks cast too).
+    Only float-to-float casts are recorded for autograd (``engine.functional.astype``)."""
+    name = "cast"
+    kernels = (CAST, CAST_TO_BOOL)
+
+    def __call__(self, x):
+        # the registry's checks refuse bool inputs, which a cast exists to convert
+        self.check(x)
+        return self.forward(x)
+
+    def check(self, x):
+        self.dtype = np.dtype(self.params["dtype"])
+
+    def forward(self, x):
+        self.x_dtype = np.dtype(x.dtype)
+        return cast(x, self.dtype)
+
+    def backward(self, grad_out, grad_dst):
+        return (cast(grad_out, self.x_dtype),)

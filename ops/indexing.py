@@ -1,0 +1,464 @@
+"""Indexing: ``x[key]`` (basic and advanced, bool masks; differentiable) and ``x[key] = value``.
+
+A key is read as PyTorch reads it: ints, slices (any step, negative ones as NumPy), ``None``
+and ``...`` are basic indices; integer arrays and bool masks (a mask of d dims stands for
+the d integer arrays of its ``nonzero()``) are advanced ones, broadcast together to one
+shape B. Ints drop their axis before the advanced indices are placed, so ``x[0, :, idx]``
+has shape ``(x.shape[1], len(idx))`` as in torch (NumPy moves B to the front there). B takes
+the place of the advanced indices when they are adjacent, else it goes first (both agree).
+
+Every index becomes one plan: the result is ``R`` dims (slices and new axes, each a size and
+a stride into ``x``) and the B dims, and element ``(r, b)`` of it reads
+
+    x[base + offset_R(r) + sum_j indices[j, b] * stride_j]
+
+with ``indices`` the (m, P) int64 table of the m advanced indices broadcast to B (P
+elements), range-checked and made non-negative by the ``pack`` kernel on the tensor's
+device. The gather is one thread per result element. The same plan drives the scatters: the
+backward (a zeroed gradient, then ``grad[x offset] += grad_out[...]``) and ``x[key] =
+value``. Their threads are the R combinations, each walking b = 0, 1, ... in order: two
+threads never reach one element of ``x`` (their R coordinates differ), and within a thread
+repeated indices accumulate (or the last assignment wins) in a fixed order. No atomics.
+
+Memory: a result that is one contiguous block of ``x`` is a view sharing its memory, as in
+NumPy and torch: ``x[i]``, ``x[i:j]``, ``x[i, j:k]``, ``x[..., :]`` and the like (leading ints,
+then at most one step-1 slice, then whole axes). Every other result is a copy.
+
+Bad indices. Ints and host index arrays are checked on the host: an IndexError names the
+index, the axis and the size before anything runs. Index tensors on the tensor's device are
+checked by ``pack``; a bad one is read as 0 and recorded in a small buffer. On the CPU the
+IndexError follows at once. On CUDA the buffer is mapped memory read without a sync at the
+start of the next indexing call (or this one's backward), as cross-entropy's label check.
+"""
+import math
+import numbers
+
+import numpy as np
+from numba import njit
+
+from ops.cast import BOOL, as_bytes, cast
+from ops.cuda_backend import SIMULATOR, cuda, is_device_array, mapped_pair
+from ops.device import device_of, to_device, to_host
+from ops.dispatch import Meta, Out, run
+from ops.fill import FILL, fill
+from ops.launch import Kernel, elements
+from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
+                        broadcast_strides, contiguous_strides, flat)
+from ops.memory import empty
+from ops.registry import register
+from ops.shape import Movement
+
+
+# ------------------------------------------------------------------ the plan
+
+class Plan:
+    """What a key selects from a tensor of ``x_shape`` (see the module docstring).
+
+    ``r_dims``: per R dim ``(size, x stride, result axis)``; ``b_shape`` and ``b_axis``: the
+    broadcast shape of the advanced indices and the result axis where it starts;
+    ``advanced``: per advanced index ``(array, axis, size, x stride)``; ``shape``: the
+    result's shape."""
+
+    def __init__(self, x_shape, base, r_dims, advanced, b_shape, b_axis):
+        self.x_shape, self.base, self.r_dims = x_shape, base, r_dims
+        self.advanced, self.b_shape, self.b_axis = advanced, b_shape, b_axis
+        sizes = [size for size, _, _ in r_dims]
+        self.shape = tuple(sizes[:b_axis]) + b_shape + tuple(sizes[b_axis:])
+        self.rows = math.prod(sizes)   # R combinations: the scatter threads
+
+    def contiguous_block(self):
+        """True when the result is one contiguous run of ``x``: a view can stand for it."""
+        if self.advanced:
+            return False
+        kept = [(size, stride) for size, stride, _ in self.r_dims if size != 1]
+        expected = contiguous_strides(tuple(size for size, _ in kept))
+        return all(stride == want for (_, stride), want in zip(kept, expected))
+
+    def meta(self, source_strides):
+        """The kernels' metadata: ``[base, m, nR, R sizes, R x strides, R source strides, nB,
+        B sizes, B source strides, advanced x strides]``; ``source_strides`` are those of
+        the result (gather, backward) or of the value broadcast to it (assignment)."""
+        r_sizes = tuple(size for size, _, _ in self.r_dims)
+        r_x = tuple(stride for _, stride, _ in self.r_dims)
+        r_source = tuple(source_strides[axis] for _, _, axis in self.r_dims)
+        b_source = tuple(source_strides[self.b_axis:self.b_axis + len(self.b_shape)])
+        adv_x = tuple(stride for _, _, _, stride in self.advanced)
+        return Meta((self.base, len(self.advanced), len(r_sizes)) + r_sizes + r_x + r_source
+                    + (len(self.b_shape),) + self.b_shape + b_source + adv_x)
+
+
+def plan(x_shape, key, device):
+    """The ``Plan`` of ``x[key]`` for an array of ``x_shape`` on ``device``; raises IndexError
+    (or TypeError for what is no index) naming the index, the axis and the size."""
+    items = _expand(x_shape, key if isinstance(key, tuple) else (key,), device)
+    base, axis = 0, 0
+    strides = contiguous_strides(x_shape)
+    r_dims, advanced, positions = [], [], []   # positions: of advanced items among R items
+    for kind, item in items:
+        if kind == "new":
+            r_dims.append((1, 0))
+            continue
+        size, stride = x_shape[axis], strides[axis]
+        if kind == "int":
+            if not -size <= item < size:
+                raise IndexError(f"index {item} is out of bounds for axis {axis} with size {size}")
+            base += (item % size) * stride
+        elif kind == "slice":
+            start, stop, step = item.indices(size)
+            count = len(range(start, stop, step))
+            r_dims.append((count, step * stride))
+            base += start * stride if count else 0
+        else:   # an integer array
+            positions.append(len(r_dims) + len(positions))
+            advanced.append((item, axis, size, stride))
+        axis += 1
+    b_shape, b_axis = (), len(r_dims)
+    if advanced:
+        shapes = [tuple(array.shape) for array, _, _, _ in advanced]
+        try:
+            b_shape = tuple(np.broadcast_shapes(*shapes))
+        except ValueError:
+            raise IndexError(f"index: the index arrays of shapes {', '.join(map(str, shapes))} "
+                             "cannot be broadcast together") from None
+        adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
+        b_axis = positions[0] if adjacent else 0
+    numbered = [(size, stride, axis if axis < b_axis else axis + len(b_shape))
+                for axis, (size, stride) in enumerate(r_dims)]
+    return Plan(tuple(x_shape), base, numbered, advanced, b_shape, b_axis)
+
+
+def _expand(x_shape, key, device):
+    """The key as ``(kind, item)`` pairs, one per input axis plus the new axes: kinds "int",
+    "slice", "new" and "array" (masks expanded to their nonzero() arrays, ``...`` to whole
+    slices, and whole slices appended for the axes the key leaves out)."""
+    ndim = len(x_shape)
+    classified = [(None, None) if item is Ellipsis else _classify(item, device) for item in key]
+    if sum(kind is None for kind, _ in classified) > 1:
+        raise IndexError("index: an index can only have a single ellipsis ('...')")
+    consumed = sum(item.ndim if kind == "mask" else 1 for kind, item in classified
+                   if kind not in (None, "new"))
+    if consumed > ndim:
+        raise IndexError(f"index: too many indices for a tensor of dimension {ndim} "
+                         f"({consumed} given)")
+    whole = [("slice", slice(None))] * (ndim - consumed)
+    at = next((k for k, (kind, _) in enumerate(classified) if kind is None), len(classified))
+    items, axis = [], 0
+    for kind, item in classified[:at] + whole + classified[at + 1:]:
+        if kind != "mask":
+            items.append((kind, item))
+            axis += kind != "new"
+            continue
+        indexed = tuple(x_shape[axis:axis + item.ndim])
+        if tuple(item.shape) != indexed:
+            raise IndexError(f"index: the bool mask of shape {tuple(item.shape)} does not match "
+                             f"the indexed axes {indexed} of a tensor of shape "
+                             f"{tuple(x_shape)} (from axis {axis})")
+        items += [("array", positions) for positions in np.nonzero(to_host(item))]
+        axis += item.ndim
+    return items
+
+
+def _classify(item, device):
+    if item is None:
+        return "new", None
+    if isinstance(item, slice):
+        for part in (item.start, item.stop, item.step):
+            if part is not None and not isinstance(part, numbers.Integral):
+                raise TypeError(f"index: slice bounds must be integers or None, got {item}")
+        if item.step == 0:
+            raise ValueError("index: slice step cannot be zero")
+        return "slice", item
+    if isinstance(item, (bool, np.bool_)):
+        raise IndexError("index: a bool scalar is not an index; index with a bool mask tensor")
+    if isinstance(item, numbers.Integral):
+        return "int", int(item)
+    if isinstance(item, list):
+        item = np.asarray(item)
+        if item.size == 0:   # x[[]]: no positions, whatever dtype NumPy guessed
+            item = item.astype(np.int64)
+    if not hasattr(item, "dtype") or not hasattr(item, "shape"):
+        raise TypeError(f"index: {type(item).__name__} is not an index (ints, slices, None, "
+                        "..., integer arrays or tensors, bool masks)")
+    if is_device_array(item) and device != "cuda":
+        raise ValueError(f"index: the index of shape {tuple(item.shape)} lives on cuda and the "
+                         "tensor on the cpu; move the index with .to('cpu')")
+    kind = np.dtype(item.dtype).kind
+    if kind == "b":
+        if item.ndim == 0:
+            raise IndexError("index: a 0-d bool mask is not an index; use a mask of the "
+                             "indexed axes' shape")
+        return "mask", item
+    if kind not in "iu":
+        raise IndexError(f"index: index arrays must be integers or bools, got {item.dtype}")
+    if not is_device_array(item) and item.ndim == 0:
+        return "int", int(item)
+    return "array", item
+
+
+# ------------------------------------------------------------------ bad indices
+
+class _BadIndex:
+    """``[flag, index, axis, size]`` written by ``pack``: on the CPU a plain array read after
+    each call; on CUDA mapped memory read without a sync (in the simulator, where kernels are
+    synchronous, after each call)."""
+
+    def __init__(self, device):
+        self.deferred = device == "cuda" and not SIMULATOR
+        if device == "cuda":
+            self.host, self.device = mapped_pair(4, np.int64)
+        else:
+            self.host = self.device = np.zeros(4, np.int64)
+
+    def raise_if_flagged(self):
+        values = to_host(self.device) if self.host is None else self.host.copy()
+        if values[0]:
+            if self.host is None:
+                self.device.copy_to_device(np.zeros(4, np.int64))
+            else:
+                self.host[:] = 0
+            when = " (an index tensor of a recent CUDA indexing call)" if self.deferred else ""
+            raise IndexError(f"index {values[1]} is out of bounds for axis {values[2]} with "
+                             f"size {values[3]}{when}")
+
+
+_bad_index_buffers = {}
+
+
+def _bad_indices(device):
+    if device not in _bad_index_buffers:
+        _bad_index_buffers[device] = _BadIndex(device)
+    return _bad_index_buffers[device]
+
+
+# ------------------------------------------------------------------ kernels
+
+def _pack_one(value, p, indices, row, size, axis, bad):
+    """indices[row, p] = ``value`` made non-negative; one outside [-size, size) is recorded in
+    ``bad`` and read as 0."""
+    index = value + size if value < 0 else value
+    if index < 0 or index >= size:
+        if bad[0] == 0:   # the first bad index (on CUDA: one of them)
+            bad[1] = value
+            bad[2] = axis
+            bad[3] = size
+            bad[0] = 1
+        index = 0
+    indices[row, p] = index
+
+
+_pack_one_cpu = njit(inline="always", error_model="numpy")(_pack_one)
+_pack_one_cuda = cuda.jit(device=True)(_pack_one)
+
+
+@njit(cache=True, error_model="numpy")
+def pack_cpu(source, indices, row, size, axis, meta, bad):
+    for p in range(indices.shape[1]):
+        at = p if meta[0] == 0 else broadcast_offsets_cpu(p, meta)[0]
+        _pack_one_cpu(source[at], p, indices, row, size, axis, bad)
+
+
+@cuda.jit(cache=True)
+def pack_cuda(source, indices, row, size, axis, meta, bad):
+    p = cuda.grid(1)
+    if p < indices.shape[1]:
+        at = p if meta[0] == 0 else broadcast_offsets_cuda(p, meta)[0]
+        _pack_one_cuda(source[at], p, indices, row, size, axis, bad)
+
+
+PACK = Kernel("index_pack", pack_cpu, pack_cuda,
+              lambda source, indices, *rest: indices.shape[1])
+
+
+def _r_offsets(r, meta):
+    """(x offset, source offset) of R combination ``r`` (``Plan.meta``'s layout)."""
+    n_r = meta[2]
+    at_x = meta[0]
+    at_source = 0
+    for k in range(n_r - 1, -1, -1):
+        size = meta[3 + k]
+        coord = r % size
+        r //= size
+        at_x += coord * meta[3 + n_r + k]
+        at_source += coord * meta[3 + 2 * n_r + k]
+    return at_x, at_source
+
+
+def _b_offsets(b, indices, meta):
+    """(x offset, source offset) of element ``b`` of the advanced indices' broadcast shape."""
+    first = 3 + 3 * meta[2]
+    n_b = meta[first]
+    at_source = 0
+    rest = b
+    for k in range(n_b - 1, -1, -1):
+        size = meta[first + 1 + k]
+        coord = rest % size
+        rest //= size
+        at_source += coord * meta[first + 1 + n_b + k]
+    at_x = 0
+    strides = first + 1 + 2 * n_b
+    for j in range(meta[1]):
+        at_x += indices[j, b] * meta[strides + j]
+    return at_x, at_source
+
+
+_r_offsets_cpu = njit(inline="always", error_model="numpy")(_r_offsets)
+_r_offsets_cuda = cuda.jit(device=True)(_r_offsets)
+_b_offsets_cpu = njit(inline="always", error_model="numpy")(_b_offsets)
+_b_offsets_cuda = cuda.jit(device=True)(_b_offsets)
+
+
+@njit(cache=True, error_model="numpy")
+def gather_cpu(x, indices, out, meta):
+    per_row = indices.shape[1]
+    for t in range(out.size):
+        r = t // per_row
+        b = t - r * per_row
+        x_r, out_r = _r_offsets_cpu(r, meta)
+        x_b, out_b = _b_offsets_cpu(b, indices, meta)
+        out[out_r + out_b] = x[x_r + x_b]
+
+
+@cuda.jit(cache=True)
+def gather_cuda(x, indices, out, meta):
+    t = cuda.grid(1)
+    if t < out.size:
+        per_row = indices.shape[1]
+        r = t // per_row
+        b = t - r * per_row
+        x_r, out_r = _r_offsets_cuda(r, meta)
+        x_b, out_b = _b_offsets_cuda(b, indices, meta)
+        out[out_r + out_b] = x[x_r + x_b]
+
+
+GATHER = Kernel("index_gather", gather_cpu, gather_cuda, elements(2))
+
+ADD, SET = 0, 1
+
+
+def _scatter_kernel(mode, name):
+    """The twin kernels of ``x[plan] += source`` (``mode`` ADD) or ``x[plan] = source``: one
+    thread per R combination, walking the advanced elements in order."""
+
+    @njit(cache=True, error_model="numpy")
+    def scatter_cpu(source, indices, x, meta, rows):
+        for r in range(rows):
+            x_r, source_r = _r_offsets_cpu(r, meta)
+            for b in range(indices.shape[1]):
+                x_b, source_b = _b_offsets_cpu(b, indices, meta)
+                if mode == ADD:
+                    x[x_r + x_b] += source[source_r + source_b]
+                else:
+                    x[x_r + x_b] = source[source_r + source_b]
+
+    @cuda.jit(cache=True)
+    def scatter_cuda(source, indices, x, meta, rows):
+        r = cuda.grid(1)
+        if r < rows:
+            x_r, source_r = _r_offsets_cuda(r, meta)
+            for b in range(indices.shape[1]):
+                x_b, source_b = _b_offsets_cuda(b, indices, meta)
+                if mode == ADD:
+                    x[x_r + x_b] += source[source_r + source_b]
+                else:
+                    x[x_r + x_b] = source[source_r + source_b]
+
+    return Kernel(name, scatter_cpu, scatter_cuda, lambda *args: args[4])
+
+
+SCATTER_ADD = _scatter_kernel(ADD, "index_scatter_add")
+SCATTER_SET = _scatter_kernel(SET, "index_scatter_set")
+
+
+# ------------------------------------------------------------------ running a plan
+
+def pack_indices(plan, device):
+    """The (m, P) int64 table of the plan's advanced indices on ``device`` (checked there)."""
+    count = math.prod(plan.b_shape)
+    indices = empty((len(plan.advanced), count if plan.advanced else 1), np.int64, device)
+    bad = _bad_indices(device)
+    if bad.deferred:
+        bad.raise_if_flagged()   # an earlier call's bad device index, read without a sync
+    for row, (array, axis, size, _) in enumerate(plan.advanced):
+        if not is_device_array(array):
+            array = np.ascontiguousarray(array)
+            _check_on_host(array, axis, size)
+            if device == "cuda":
+                array = to_device(array, device)
+        shape = tuple(array.shape)
+        run(PACK, flat(array), indices, row, size, axis,
+            Meta(broadcast_layout(plan.b_shape, shape, shape)), bad.device)
+    if plan.advanced and not bad.deferred:
+        bad.raise_if_flagged()
+    return indices
+
+
+def _check_on_host(array, axis, size):
+    bad = np.flatnonzero((array < -size) | (array >= size))
+    if bad.size:
+        raise IndexError(f"index {array.reshape(-1)[bad[0]]} is out of bounds for axis {axis} "
+                         f"with size {size}")
+
+
+def gather(x, plan, indices):
+    """``x[plan]`` as a new array (or a view of ``x`` where the result is a block of it)."""
+    if plan.contiguous_block():
+        size = math.prod(plan.shape)
+        return flat(x)[plan.base:plan.base + size].reshape(plan.shape)
+    meta = plan.meta(contiguous_strides(plan.shape))
+    return run(GATHER, flat(x), indices, Out(plan.shape, x.dtype), meta)
+
+
+@register
+class Index(Movement):
+    """``x[key]``: ``params["key"]`` holds ints, slices, None, ..., and host or device
+    integer and bool arrays (a Tensor's storage)."""
+    name = "index"
+    kernels = (PACK, GATHER, FILL, SCATTER_ADD)
+
+    def check(self, x):
+        self.device = device_of(x)
+        self.plan = plan(tuple(x.shape), self.params["key"], self.device)
+
+    def forward(self, x):
+        self.indices = pack_indices(self.plan, self.device)
+        return gather(x, self.plan, self.indices)
+
+    def backward(self, grad_out, grad_dst):
+        bad = _bad_indices(self.device)
+        if bad.deferred:
+            bad.raise_if_flagged()
+        grad = fill(empty(self.plan.x_shape, grad_out.dtype, self.device), 0)
+        run(SCATTER_ADD, flat(grad_out), self.indices, flat(grad), self.plan.meta(
+            contiguous_strides(self.plan.shape)), self.plan.rows)
+        return (grad,)
+
+
+def assign(x, key, value):
+    """``x[key] = value`` in place: ``value`` a Python number or an array (host or on x's
+    device) that broadcasts to the selection; it is cast to x's dtype, and copied first, so
+    a value overlapping ``x`` (a view of it) reads what ``x`` held before."""
+    device = device_of(x)
+    target = plan(tuple(x.shape), key, device)
+    indices = pack_indices(target, device)
+    dtype = np.dtype(x.dtype)
+    if isinstance(value, numbers.Number):
+        source = fill(empty((), np.uint8 if dtype == BOOL else dtype, device),
+                      bool(value) if dtype == BOOL else value)
+    else:
+        if is_device_array(value) and device != "cuda":
+            raise ValueError(f"setitem: the value of shape {tuple(value.shape)} lives on cuda "
+                             "and the tensor on the cpu; move it with .to('cpu')")
+        source = value if is_device_array(value) else np.asarray(value)
+        source = cast(to_device(source, device), dtype) if source.dtype != dtype else \
+            to_device(source, device)
+        source = as_bytes(source)
+    try:
+        np.broadcast_shapes(tuple(source.shape), target.shape)
+        fits = np.broadcast_shapes(tuple(source.shape), target.shape) == target.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"setitem: a value of shape {tuple(source.shape)} cannot be broadcast "
+                         f"to the selection's shape {target.shape}")
+    meta = target.meta(broadcast_strides(tuple(source.shape), target.shape))
+    run(SCATTER_SET, flat(source), indices, flat(as_bytes(x)), meta, target.rows)
