@@ -93,8 +93,9 @@ def test_the_readme_has_its_python_blocks():
                          ids=[f"line{line}-{heading}" for _, heading, line in BLOCKS])
 def test_readme_block_runs_as_written(index, block_failures):
     code, heading, line = BLOCKS[index]
-    if "import torch" in code and importlib.util.find_spec("torch") is None:
-        pytest.skip("needs PyTorch (pip install '.[torch]')")
+    for module, extra in (("torch", "torch"), ("onnxruntime", "test")):
+        if f"import {module}" in code and importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install '.[{extra}]')")
     assert block_failures[index] is None, (
         f"README.md line {line} ({heading}):\n{code}\n{block_failures[index]}")
 
