@@ -28,6 +28,8 @@ def poison_enabled():
 
 def _poison_value(dtype):
     dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return True
     return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
 
 
