@@ -17,8 +17,12 @@ are buffers: they get no gradient.
 
 One kernel forward (statistics, running-statistics update and normalisation) and one kernel
 backward (both sums and dx), each one block of ``REDUCE_THREADS`` threads per channel on
-CUDA (fixed-order sums: reproducible bit for bit) and a loop over channels on the CPU. The
-update happens on the device, from device scalars only: capture-ready.
+CUDA (fixed-order sums: reproducible bit for bit) and a parallel loop over channels on the
+CPU. The update happens on the device, from device scalars only: capture-ready. Measured
+on the 2-core CPU (128x64x14x14 float32): the two-pass statistics take 1.58 ms against 1.24
+for one pass of sums and sums of squares, kept for the cancellation the latter suffers at
+large means; ``prange`` over channels takes the forward from 1.9 to 1.0 ms and the backward
+from 1.9 to 1.1.
 """
 import math
 

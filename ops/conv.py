@@ -23,29 +23,47 @@ Every sum runs in a fixed order (no float atomics): results are reproducible bit
 CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLAS GEMM
 (``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
 activates in place. The backward computes G once per sample, then ``dx`` as
-``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ`` (accumulated sample by sample in
-order).
+``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ``. Samples run in parallel
+(``prange``); the backward splits the batch into ``BACKWARD_TASKS`` fixed slices, each
+summing its own partial dw and db, added in slice order: the same sums on any thread count.
+Measured on the 2-core CPU, the kernels alone, float32, batch 128, best of 25 rounds (thread
+CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
+- forward 8.7 ms serial: the GEMM 6.7 ms (137 GFLOP/s, OpenBLAS), im2col 1.5, bias and
+  relu 0.2; torch on one thread (oneDNN) 3.5 ms, backward 18.1 ms against torch's 7.2;
+- several samples per GEMM do not pay: 1568 and 6272 columns ran at 128 and 112 GFLOP/s;
+- direct loops lose even with one input channel: 6.0 ms against 0.93 (1->32 on 28x28);
+- im2col copies a row as one shifted run when stride is 1 and OW = W ("same"): 6.4 -> 1.5
+  ms; the bias/activation and act' loops are compiled per activation code (relu over 3.2M
+  float32: 2.5 ms with the code a runtime value, 0.43 ms);
+- ``prange`` on two idle cores: forward 8.7 -> 4.4 ms, backward 18.1 -> 9.0 (1->32: 1.34
+  -> 0.73 and 3.34 -> 1.77); 1-5 us more at tiny shapes. Beside other busy processes the
+  two threads wait on each other (1->32 forward + backward, mean: 5.3 ms serial, 18.6 ms
+  on two threads); ``numba.set_num_threads(1)`` gives back the serial time (5.4 ms).
 
-CUDA: direct kernels (a first version; the lead's H200 rows in ``bench/conv_ops.py`` decide
-what to tile): the forward one thread per output element with the bias and the activation
-in the same kernel; ``dx`` one thread per input element gathering its taps (no scatter, so
-no atomics); ``dw`` and ``db`` in one launch, one block of ``REDUCE_THREADS`` threads per
-weight or bias element folding N·OH·OW products in a fixed order. Shapes and flags travel as
-one cached metadata array and nothing is read back to the host: capture-ready.
+CUDA: direct kernels (a first version; the H200 rows of ``bench.conv_ops`` decide what to
+tile), built per activation with its code a constant: the forward one thread per output
+element with the bias and the activation in the same kernel; ``dx`` one thread per input
+element gathering its taps (no scatter, so no atomics); ``dw`` and ``db`` in one launch,
+one block of ``REDUCE_THREADS`` threads per weight or bias element folding its N·OH·OW
+products in a fixed order (a thread per output position, walking the batch), then
+``ops.block_reduce``. Shapes travel as one cached metadata array and nothing is read back
+to the host: capture-ready.
 """
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Meta, Out, run
-from ops.launch import THREADS_PER_BLOCK, Kernel, elements
+from ops.launch import THREADS_PER_BLOCK, Kernel
 from ops.layout import flat
 from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
                            derivative_cpu, derivative_cuda, value_cpu, value_cuda)
 from ops.registry import Op, register
 
-BACKWARD_TASKS = 8
+BACKWARD_TASKS = 8   # batch slices of the CPU backward: a few per thread, few partial sums
 
 # ------------------------------------------------------------------ geometry
 
@@ -84,7 +102,7 @@ def conv_padding(padding, kernel, dilation, stride, op_name):
     return (rows, rows), (columns, columns)
 
 
-# meta: (N, C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, ACT, HAS_BIAS),
+# meta: (N, C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, HAS_BIAS),
 # PT/PL the top/left padding (the bottom/right one only shapes OH/OW)
 def _geometry(meta):
     return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
@@ -93,7 +111,7 @@ def _geometry(meta):
 
 _geometry_cpu = njit(inline="always")(_geometry)
 _geometry_cuda = cuda.jit(device=True)(_geometry)
-ACT_AT, HAS_BIAS_AT = 16, 17
+HAS_BIAS_AT = 16
 
 
 # ------------------------------------------------------------------ CPU kernels
@@ -236,10 +254,10 @@ def _gradient(destination, grad_out, y, act, alpha):
 
 
 @njit(cache=True, parallel=True)
-def conv2d_forward_cpu(x, w, bias, out, meta, alpha):
+def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    act, has_bias = meta[ACT_AT], meta[HAS_BIAS_AT]
+    has_bias = meta[HAS_BIAS_AT]
     positions = oh_n * ow_n
     cg, og = c_in // groups, o_out // groups
     k = cg * kh * kw
@@ -257,13 +275,12 @@ def conv2d_forward_cpu(x, w, bias, out, meta, alpha):
 
 
 @njit(cache=True, parallel=True)
-def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, alpha, needs_x,
-                         needs_w, needs_b):
+def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
+                        needs_x, needs_w, needs_b):
     """The gradients the flags ask for; the buffer of one not asked for is a placeholder
     that is never written."""
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    act = meta[ACT_AT]
     positions = oh_n * ow_n
     cg, og = c_in // groups, o_out // groups
     k = cg * kh * kw
@@ -316,109 +333,113 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, alpha, 
 # ------------------------------------------------------------------ CUDA kernels
 
 
-@cuda.jit(cache=True)
-def conv2d_forward_cuda(x, w, bias, out, meta, alpha):
-    index = cuda.grid(1)
-    if index >= out.size:
-        return
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
-        _geometry_cuda(meta)
-    ow = index % ow_n
-    rest = index // ow_n
-    oh = rest % oh_n
-    rest //= oh_n
-    o = rest % o_out
-    n = rest // o_out
-    cg = c_in // groups
-    g = o // (o_out // groups)
-    total = bias[o] if meta[HAS_BIAS_AT] else alpha - alpha
-    for c in range(cg):
-        plane = (n * c_in + g * cg + c) * h * w_in
-        taps = (o * cg + c) * kh * kw
-        for i in range(kh):
-            ih = oh * sh - pt + i * dh
-            if ih < 0 or ih >= h:
-                continue
-            for j in range(kw):
-                iw = ow * sw - pl + j * dw
-                if 0 <= iw < w_in:
-                    total += x[plane + ih * w_in + iw] * w[taps + i * kw + j]
-    out[index] = value_cuda(meta[ACT_AT], total, alpha)
+@functools.cache
+def cuda_kernels(act):
+    """The forward, dx and dw/db kernels with the activation ``act`` a compile-time constant,
+    so its value and derivative fold into the kernels (as in the GEMM epilogue)."""
 
-
-@cuda.jit(cache=True)
-def conv2d_grad_input_cuda(w, y, grad_out, grad_x, meta, alpha):
-    index = cuda.grid(1)
-    if index >= grad_x.size:
-        return
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
-        _geometry_cuda(meta)
-    act = meta[ACT_AT]
-    iw = index % w_in
-    rest = index // w_in
-    ih = rest % h
-    rest //= h
-    c = rest % c_in
-    n = rest // c_in
-    cg, og = c_in // groups, o_out // groups
-    g, c_local = c // cg, c % cg
-    total = alpha - alpha
-    for o in range(g * og, (g + 1) * og):
-        plane = (n * o_out + o) * oh_n * ow_n
-        taps = (o * cg + c_local) * kh * kw
-        for i in range(kh):
-            th = ih + pt - i * dh
-            if th < 0 or th % sh != 0 or th // sh >= oh_n:
-                continue
-            for j in range(kw):
-                tw = iw + pl - j * dw
-                if tw < 0 or tw % sw != 0 or tw // sw >= ow_n:
-                    continue
-                at = plane + (th // sh) * ow_n + tw // sw
-                total += (grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
-                          * w[taps + i * kw + j])
-    grad_x[index] = total
-
-
-@cuda.jit(cache=True)
-def conv2d_grad_params_cuda(x, y, grad_out, grad_w, grad_b, meta, alpha, weight_blocks):
-    """Block b < weight_blocks (w.size, or 0 when dw is not asked for) computes dw's element
-    b, the next blocks db."""
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
-        _geometry_cuda(meta)
-    act = meta[ACT_AT]
-    element = cuda.blockIdx.x
-    t = cuda.threadIdx.x
-    positions = oh_n * ow_n
-    cg = c_in // groups
-    is_bias = element >= weight_blocks
-    o = element - weight_blocks
-    i = j = c = g = 0
-    if not is_bias:
-        j = element % kw
-        i = (element // kw) % kh
-        c = (element // (kw * kh)) % cg
-        o = element // (kw * kh * cg)
+    @cuda.jit(cache=True)
+    def conv2d_forward_cuda(x, w, bias, out, meta, alpha):
+        index = cuda.grid(1)
+        if index >= out.size:
+            return
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+            _geometry_cuda(meta)
+        ow = index % ow_n
+        rest = index // ow_n
+        oh = rest % oh_n
+        rest //= oh_n
+        o = rest % o_out
+        n = rest // o_out
+        cg = c_in // groups
         g = o // (o_out // groups)
-    total = 0.0
-    for r in range(t, nb * positions, REDUCE_THREADS):
-        n = r // positions
-        p = r % positions
-        at = (n * o_out + o) * positions + p
-        gradient = grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
-        if is_bias:
-            total += gradient
-            continue
-        ih = (p // ow_n) * sh - pt + i * dh
-        iw = (p % ow_n) * sw - pl + j * dw
-        if 0 <= ih < h and 0 <= iw < w_in:
-            total += gradient * x[((n * c_in + g * cg + c) * h + ih) * w_in + iw]
-    total = block_reduce_cuda(SUM, total)
-    if t == 0:
-        if is_bias:
-            grad_b[o] = total
-        else:
-            grad_w[element] = total
+        total = bias[o] if meta[HAS_BIAS_AT] else alpha - alpha
+        for c in range(cg):
+            plane = (n * c_in + g * cg + c) * h * w_in
+            taps = (o * cg + c) * kh * kw
+            for i in range(kh):
+                ih = oh * sh - pt + i * dh
+                if ih < 0 or ih >= h:
+                    continue
+                for j in range(kw):
+                    iw = ow * sw - pl + j * dw
+                    if 0 <= iw < w_in:
+                        total += x[plane + ih * w_in + iw] * w[taps + i * kw + j]
+        out[index] = value_cuda(act, total, alpha)
+
+    @cuda.jit(cache=True)
+    def conv2d_grad_input_cuda(w, y, grad_out, grad_x, meta, alpha):
+        index = cuda.grid(1)
+        if index >= grad_x.size:
+            return
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+            _geometry_cuda(meta)
+        iw = index % w_in
+        rest = index // w_in
+        ih = rest % h
+        rest //= h
+        c = rest % c_in
+        n = rest // c_in
+        cg, og = c_in // groups, o_out // groups
+        g, c_local = c // cg, c % cg
+        total = alpha - alpha
+        for o in range(g * og, (g + 1) * og):
+            plane = (n * o_out + o) * oh_n * ow_n
+            taps = (o * cg + c_local) * kh * kw
+            for i in range(kh):
+                th = ih + pt - i * dh
+                if th < 0 or th % sh != 0 or th // sh >= oh_n:
+                    continue
+                for j in range(kw):
+                    tw = iw + pl - j * dw
+                    if tw < 0 or tw % sw != 0 or tw // sw >= ow_n:
+                        continue
+                    at = plane + (th // sh) * ow_n + tw // sw
+                    total += (grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
+                              * w[taps + i * kw + j])
+        grad_x[index] = total
+
+    @cuda.jit(cache=True)
+    def conv2d_grad_params_cuda(x, y, grad_out, grad_w, grad_b, meta, alpha, weight_blocks):
+        """Block b < weight_blocks (w.size, or 0 when dw is not asked for) computes dw's element
+        b, the next blocks db."""
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = \
+            _geometry_cuda(meta)
+        element = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        positions = oh_n * ow_n
+        cg = c_in // groups
+        is_bias = element >= weight_blocks
+        o = element - weight_blocks
+        i = j = c = g = 0
+        if not is_bias:
+            j = element % kw
+            i = (element // kw) % kh
+            c = (element // (kw * kh)) % cg
+            o = element // (kw * kh * cg)
+            g = o // (o_out // groups)
+        total = 0.0
+        # each thread keeps its output positions and walks the batch for each: the position
+        # arithmetic (divisions) stays out of the inner loop
+        for p in range(t, positions, REDUCE_THREADS):
+            ih = (p // ow_n) * sh - pt + i * dh
+            iw = (p % ow_n) * sw - pl + j * dw
+            reads_x = not is_bias and 0 <= ih < h and 0 <= iw < w_in
+            if not is_bias and not reads_x:
+                continue   # a tap in the padding: no term
+            source = ((g * cg + c) * h + ih) * w_in + iw
+            for n in range(nb):
+                at = (n * o_out + o) * positions + p
+                gradient = grad_out[at] * derivative_cuda(act, y[at], y[at], alpha)
+                total += gradient * x[n * c_in * h * w_in + source] if reads_x else gradient
+        total = block_reduce_cuda(SUM, total)
+        if t == 0:
+            if is_bias:
+                grad_b[o] = total
+            else:
+                grad_w[element] = total
+
+    return conv2d_forward_cuda, conv2d_grad_input_cuda, conv2d_grad_params_cuda
 
 
 def _threads_for(count):
@@ -427,22 +448,30 @@ def _threads_for(count):
     return -(-count // threads), threads
 
 
+def _forward_plan(args):
+    x, w, bias, out, meta, act, alpha = args
+    blocks, threads = _threads_for(out.size)
+    return ((cuda_kernels(act)[0], blocks, threads, (x, w, bias, out, meta, alpha)),)
+
+
 def _backward_plan(args):
-    x, w, y, grad_out, grad_x, grad_w, grad_b, meta, alpha, needs_x, needs_w, needs_b = args
+    x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x, needs_w, needs_b = \
+        args
+    _, grad_input, grad_params = cuda_kernels(act)
     launches = []
     if needs_x:
         blocks, threads = _threads_for(grad_x.size)
-        launches.append((conv2d_grad_input_cuda, blocks, threads,
+        launches.append((grad_input, blocks, threads,
                          (w, y, grad_out, grad_x, meta, alpha)))
     if needs_w or needs_b:
         weight_blocks = w.size if needs_w else 0
-        launches.append((conv2d_grad_params_cuda,
-                         weight_blocks + (grad_b.size if needs_b else 0), REDUCE_THREADS,
+        blocks = weight_blocks + (grad_b.size if needs_b else 0)
+        launches.append((grad_params, blocks, REDUCE_THREADS,
                          (x, y, grad_out, grad_w, grad_b, meta, alpha, weight_blocks)))
     return launches
 
 
-CONV2D_FORWARD = Kernel("conv2d_forward", conv2d_forward_cpu, conv2d_forward_cuda, elements(3))
+CONV2D_FORWARD = Kernel("conv2d_forward", conv2d_forward_cpu, cuda_plan=_forward_plan)
 CONV2D_BACKWARD = Kernel("conv2d_backward", conv2d_backward_cpu, cuda_plan=_backward_plan)
 
 
@@ -497,14 +526,15 @@ class Conv2D(Op):
                              f"got {shapes}")
         self.out_shape = (nb, o_out, oh, ow)
         self.meta = Meta((nb, c_in, h, w_in, o_out, oh, ow, kh, kw) + stride + (pt, pl)
-                         + dilation + (groups, ACTIVATIONS[activation], b is not None))
+                         + dilation + (groups, b is not None))
+        self.act = ACTIVATIONS[activation]
         self.alpha = np.dtype(x.dtype).type(alpha)
 
     def forward(self, x, w, b=None):
         # an absent bias is never read: w fills its slot, so every call has one signature
         bias = flat(w) if b is None else b
         out = run(CONV2D_FORWARD, flat(x), flat(w), bias, Out(self.out_shape, x.dtype),
-                  self.meta, self.alpha)
+                  self.meta, self.act, self.alpha)
         self.x, self.w, self.y, self.has_bias = x, w, out, b is not None
         return out
 
@@ -519,7 +549,7 @@ class Conv2D(Op):
                  for needed, destination, shape, placeholder in zip(
                      needs, destinations, (x.shape, w.shape, (w.shape[0],)), placeholders)]
         run(CONV2D_BACKWARD, flat(x), flat(w), flat(self.y), flat(grad_out), *slots,
-            self.meta, self.alpha, *needs)
+            self.meta, self.act, self.alpha, *needs)
         grads = [None if not needed else slot.array if isinstance(slot, Out) else destination
                  for needed, slot, destination in zip(needs, slots, destinations)]
         return tuple(grads[:len(asked)])

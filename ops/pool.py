@@ -14,7 +14,11 @@ Backward: each input element sums the gradients of the windows that hold it (for
 whose argmax it is) in row-major window order. On CUDA one thread per input element gathers
 them, so overlapping windows need no atomics; on the CPU each plane is zeroed and every
 window scatters into it, in that same order. The CPU kernels walk planes and rows with no
-index division per element; the CUDA ones run one thread per element.
+index division per element, planes in parallel (``prange``); the CUDA ones run one thread
+per element. Measured on the 2-core CPU (128x32x28x28 float32, kernel 2, best of 30): max
+forward 5.6 -> 2.7 ms on two threads once the running maximum is a select (as a branch it
+mispredicts on random data and ran 14.7 ms on two threads), max backward 0.83 -> 0.45, avg
+forward 3.0 -> 1.5, avg backward 3.2 -> 1.6.
 """
 import numpy as np
 from numba import njit, prange

@@ -125,7 +125,6 @@ CONV_CASES = [
 ]
 
 
-
 def _pool_case(op, x_shape, **params):
     cls, average = {"max_pool2d": (MaxPool2D, False), "avg_pool2d": (AvgPool2D, True)}[op]
     return Case(op, (x_shape,), lambda x: apply(cls, x, **params),
@@ -206,6 +205,23 @@ def test_conv2d_backward_is_bit_reproducible(device):
         y = apply(Conv2D, x, w, b, stride=2, padding=1, groups=2, activation="relu")
         y.sum().backward()
         results.append([t.numpy() for t in (y, x.grad, w.grad, b.grad)])
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+
+
+def test_conv2d_cpu_gradients_do_not_depend_on_the_thread_count():
+    import numba
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(threads)
+            x, w, b = _conv_inputs("cpu", ((9, 4, 7, 9), (6, 4, 3, 2), (6,)),
+                                   dtype=np.float32)   # 9 samples over 8 batch slices
+            apply(Conv2D, x, w, b, padding=1).sum().backward()
+            results.append([t.grad.numpy() for t in (x, w, b)])
+    finally:
+        numba.set_num_threads(before)
     for first, second in zip(*results):
         np.testing.assert_array_equal(first, second)
 
