@@ -102,6 +102,7 @@ from engine.autograd import (AnomalyError, detect_anomaly, enable_grad,  # noqa:
                              is_grad_enabled, no_grad, set_grad_enabled)
 from engine.blas_threads import apply_default as _apply_default_blas_threads  # noqa: E402
 from engine.blas_threads import get_num_threads, set_num_threads  # noqa: F401, E402
+from engine.convolution import avg_pool2d, batch_norm, conv2d, max_pool2d  # noqa: F401, E402
 from engine.functional import (abs, add, argmax, argmin, astype, cat,  # noqa: F401, E402
                                clamp, clip, div, eq, exp, flatten, ge, gt, le, leaky_relu,
                                log, log_softmax, lt, matmul, max, mean, min, mul, ne, neg,

@@ -28,9 +28,13 @@ from engine.autograd import apply
 from engine.parameter import Parameter, ParameterStore
 from engine.random import generator
 from engine.tensor import Tensor, tensor
+from ops import batch_norm as batch_norm_op
+from ops import conv as conv_op
 from ops import dropout as dropout_op
-from ops.device import check_device, to_device
+from ops import pool as pool_op
+from ops.device import check_device, copy_into, to_device, to_host
 from ops.launch import note_unrecordable
+from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
 ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
 RELU_FAMILY = ("relu", "leaky_relu")
@@ -102,6 +106,11 @@ class Layer:
         return input_shape
 
     def named_parameters(self):
+        return []
+
+    def named_buffers(self):
+        """``[(name, Tensor)]``: state that is saved and moved with the model but gets no
+        gradient and no optimizer update (BatchNorm's running statistics)."""
         return []
 
     def forward(self, x):
@@ -240,7 +249,283 @@ class Dropout(Layer):
         return {"p": self.p, **super().get_config()}
 
 
-LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout)}
+def _compact(values):
+    """A pair as the config keeps it: one int when both are equal, else a list."""
+    return values[0] if values[0] == values[1] else list(values)
+
+
+def _image_shape(input_shape, where):
+    """``(channels, height, width)`` of a 3-D feature shape, else a ValueError saying what
+    to add in front."""
+    if len(input_shape) != 3:
+        raise ValueError(f"{where} takes inputs of shape (None, channels, height, width), got "
+                         f"{batch_shape(input_shape)}; add nn.Reshape((channels, height, "
+                         "width)) before it")
+    return input_shape
+
+
+def _run_op(layer, op_class, *inputs, **params):
+    """``apply(op_class, ...)`` with an op's refusal (shapes, dtypes) naming the layer."""
+    try:
+        return apply(op_class, *inputs, **params)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{layer.name} {layer!r}: {error}") from None
+
+
+class Conv2D(Layer):
+    """``activation(conv2d(x, W) + b)`` over NCHW inputs, one fused kernel per direction
+    (``ops.conv``); W has torch's layout ``(filters, channels / groups, KH, KW)``.
+
+    ``padding`` is "valid" (none), "same" (stride 1: the output as large as the input), an
+    int or a pair. The kernel defaults to He initialisation for the relu family and Xavier
+    otherwise, asked of the initialiser in Keras's layout ``(KH, KW, channels / groups,
+    filters)`` (so ``fan_in`` is ``KH·KW·channels / groups`` and ``fan_out`` the filters);
+    the bias starts at zero. Activations: those the kernel fuses (no softmax)."""
+
+    def __init__(self, filters, kernel_size, stride=1, padding="valid", activation=None,
+                 dilation=1, groups=1, use_bias=True, kernel_initializer=None, alpha=0.01,
+                 dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters <= 0:
+            raise ValueError(f"Conv2D: filters must be a positive int, got {filters!r}")
+        if activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"Conv2D: unknown activation {activation!r}; expected one of "
+                             f"{tuple(FUSED_ACTIVATIONS)}")
+        if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"Conv2D: groups must be a positive int, got {groups!r}")
+        if filters % groups:
+            raise ValueError(f"Conv2D: filters ({filters}) must divide by groups ({groups})")
+        self.filters, self.groups = int(filters), int(groups)
+        self.kernel_size = conv_op.pair(kernel_size, "kernel_size", "Conv2D", 1)
+        self.stride = conv_op.pair(stride, "stride", "Conv2D", 1)
+        self.dilation = conv_op.pair(dilation, "dilation", "Conv2D", 1)
+        self.paddings = conv_op.conv_padding(padding, self.kernel_size, self.dilation,
+                                             self.stride, "Conv2D")
+        self.padding = (padding if isinstance(padding, str)
+                        else _compact(conv_op.pair(padding, "padding", "Conv2D", 0)))
+        self.activation = activation
+        self.alpha = float(alpha)
+        if self.alpha < 0:   # the backward reads the derivative from the output
+            raise ValueError(f"Conv2D: leaky_relu alpha must be >= 0, got {alpha!r}")
+        self.use_bias = bool(use_bias)
+        self.dtype = np.dtype(dtype)
+        if kernel_initializer is None:
+            kernel_initializer = (init.he_normal if activation in RELU_FAMILY
+                                  else init.xavier_uniform)
+        self.kernel_initializer = init.get(kernel_initializer)
+        self.weight = self.bias = None
+
+    def compute_output_shape(self, input_shape):
+        channels, height, width = _image_shape(input_shape, "Conv2D")
+        if channels % self.groups:
+            raise ValueError(f"Conv2D: the {channels} input channels must divide by groups "
+                             f"({self.groups})")
+        (top, bottom), (left, right) = self.paddings
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        out_h = conv_op.window_output_size(height, kh, sh, dh, top, bottom)
+        out_w = conv_op.window_output_size(width, kw, sw, dw, left, right)
+        if out_h < 1 or out_w < 1:
+            raise ValueError(f"Conv2D: the padded input ({height + top + bottom}x"
+                             f"{width + left + right}) is smaller than the dilated kernel "
+                             f"({dh * (kh - 1) + 1}x{dw * (kw - 1) + 1})")
+        return (self.filters, out_h, out_w)
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        kh, kw = self.kernel_size
+        asked = (kh, kw, input_shape[0] // self.groups, self.filters)   # Keras's layout
+        weight = (self.kernel_initializer(asked, dtype=self.dtype) if initialize
+                  else np.zeros(asked, self.dtype))
+        if tuple(np.shape(weight)) != asked:
+            raise ValueError(f"Conv2D: the kernel initialiser returned shape "
+                             f"{np.shape(weight)} for {asked}")
+        weight = np.ascontiguousarray(np.transpose(weight, (3, 2, 0, 1)), self.dtype)
+        self.weight = Parameter(to_device(weight, device))
+        self.bias = (Parameter(to_device(init.zeros((self.filters,), self.dtype), device))
+                     if self.use_bias else None)
+        return output_shape
+
+    def named_parameters(self):
+        if not self.built:
+            return []
+        return [("weight", self.weight)] + ([("bias", self.bias)] if self.use_bias else [])
+
+    def forward(self, x):
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
+                            f"layer's {self.weight.dtype}")
+        inputs = (x, self.weight) + ((self.bias,) if self.use_bias else ())
+        return _run_op(self, conv_op.Conv2D, *inputs, stride=self.stride, padding=self.padding,
+                       dilation=self.dilation, groups=self.groups, activation=self.activation,
+                       alpha=self.alpha)
+
+    def get_config(self):
+        config = {"filters": self.filters, "kernel_size": _compact(self.kernel_size),
+                  "stride": _compact(self.stride), "padding": self.padding,
+                  "activation": self.activation}
+        if self.dilation != (1, 1):
+            config["dilation"] = _compact(self.dilation)
+        if self.groups != 1:
+            config["groups"] = self.groups
+        if not self.use_bias:
+            config["use_bias"] = False
+        if self.activation == "leaky_relu":
+            config["alpha"] = self.alpha
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        name = getattr(self.kernel_initializer, "__name__", None)
+        if init.INITIALIZERS.get(name) is self.kernel_initializer:
+            config["kernel_initializer"] = name
+        return {**config, **super().get_config()}
+
+
+class _Pool2D(Layer):
+    """A pooling window over each channel of NCHW inputs: ``pool_size``, ``stride`` (default
+    ``pool_size``) and ``padding`` (at most half the window), as torch's."""
+    op = None   # the ops.pool op class
+
+    def __init__(self, pool_size, stride=None, padding=0, input_shape=None):
+        super().__init__(input_shape)
+        where = type(self).__name__
+        self.pool_size = conv_op.pair(pool_size, "pool_size", where, 1)
+        self.stride = (self.pool_size if stride is None
+                       else conv_op.pair(stride, "stride", where, 1))
+        self.padding = conv_op.pair(padding, "padding", where, 0)
+        if any(2 * p > k for p, k in zip(self.padding, self.pool_size)):
+            raise ValueError(f"{where}: padding {_compact(self.padding)} must be at most half "
+                             f"of pool_size {_compact(self.pool_size)}")
+
+    def compute_output_shape(self, input_shape):
+        where = type(self).__name__
+        channels, height, width = _image_shape(input_shape, where)
+        sizes = [conv_op.window_output_size(size, kernel, stride, 1, pad, pad)
+                 for size, kernel, stride, pad in zip((height, width), self.pool_size,
+                                                      self.stride, self.padding)]
+        if min(sizes) < 1:
+            raise ValueError(f"{where}: pool_size {_compact(self.pool_size)} does not fit in "
+                             f"the padded input ({height + 2 * self.padding[0]}x"
+                             f"{width + 2 * self.padding[1]})")
+        return (channels, sizes[0], sizes[1])
+
+    def forward(self, x):
+        return _run_op(self, self.op, x, kernel_size=self.pool_size, stride=self.stride,
+                       padding=self.padding)
+
+    def get_config(self):
+        config = {"pool_size": _compact(self.pool_size)}
+        if self.stride != self.pool_size:
+            config["stride"] = _compact(self.stride)
+        if self.padding != (0, 0):
+            config["padding"] = _compact(self.padding)
+        return {**config, **super().get_config()}
+
+
+class MaxPool2D(_Pool2D):
+    """The maximum of each window (padding never wins; ties send the gradient to the first)."""
+    op = pool_op.MaxPool2D
+
+
+class AvgPool2D(_Pool2D):
+    """The mean of each window, padded zeros counted (torch's ``count_include_pad``)."""
+    op = pool_op.AvgPool2D
+
+
+class BatchNorm(Layer):
+    """Normalise each channel of (None, C, H, W) inputs, or each feature of (None, F) ones
+    (also (None, C, L)), as torch's BatchNorm2d/1d: in training with the batch's mean and
+    biased variance, updating the running statistics with torch's convention
+    (``running = (1 - momentum)·running + momentum·batch``, the variance unbiased); in
+    ``eval()`` with the running statistics. Then ``weight`` (ones) scales and ``bias``
+    (zeros) shifts. The running statistics are buffers: in ``state_dict``, saved and moved
+    with the model, never given a gradient or an optimizer update."""
+
+    def __init__(self, momentum=0.1, eps=1e-5, dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        if (not isinstance(momentum, (int, float)) or isinstance(momentum, bool)
+                or not 0 <= momentum <= 1):
+            raise ValueError(f"BatchNorm: momentum must be a number in [0, 1], got {momentum!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+            raise ValueError(f"BatchNorm: eps must be a number > 0, got {eps!r}")
+        self.momentum, self.eps = float(momentum), float(eps)
+        self.dtype = np.dtype(dtype)
+        self.weight = self.bias = self.running_mean = self.running_var = None
+
+    def compute_output_shape(self, input_shape):
+        if not 1 <= len(input_shape) <= 3:
+            raise ValueError(f"BatchNorm takes inputs of shape (None, features) or (None, "
+                             f"channels, height, width), got {batch_shape(input_shape)}")
+        return input_shape
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        channels = (input_shape[0],)
+        self.weight = Parameter(to_device(np.ones(channels, self.dtype), device))
+        self.bias = Parameter(to_device(init.zeros(channels, self.dtype), device))
+        self.running_mean = tensor(np.zeros(channels, self.dtype), device=device)
+        self.running_var = tensor(np.ones(channels, self.dtype), device=device)
+        return output_shape
+
+    def named_parameters(self):
+        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
+
+    def named_buffers(self):
+        if not self.built:
+            return []
+        return [("running_mean", self.running_mean), ("running_var", self.running_var)]
+
+    def forward(self, x):
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
+                            f"layer's {self.weight.dtype}")
+        return _run_op(self, batch_norm_op.BatchNorm, x, self.running_mean, self.running_var,
+                       self.weight, self.bias, training=self.training, momentum=self.momentum,
+                       eps=self.eps)
+
+    def get_config(self):
+        config = {"momentum": self.momentum, "eps": self.eps}
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        return {**config, **super().get_config()}
+
+
+class Reshape(Layer):
+    """``(None, ...) -> (None, *shape)``: a view, no kernel. One entry of ``shape`` may be
+    -1, inferred from the others."""
+
+    def __init__(self, shape, input_shape=None):
+        super().__init__(input_shape)
+        if isinstance(shape, (int, np.integer)):
+            shape = (shape,)
+        try:
+            shape = tuple(shape)
+        except TypeError:
+            raise TypeError(f"Reshape: shape must be a tuple of ints, got {shape!r}") from None
+        if (not shape or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+                                 and (s > 0 or s == -1) for s in shape)
+                or shape.count(-1) > 1):
+            raise ValueError(f"Reshape: shape must be positive ints without the batch "
+                             f"dimension (one of them may be -1), e.g. (1, 28, 28); got "
+                             f"{shape!r}")
+        self.shape = tuple(int(s) for s in shape)
+
+    def compute_output_shape(self, input_shape):
+        values = math.prod(input_shape)
+        known = math.prod(s for s in self.shape if s != -1)
+        shape = tuple(values // known if s == -1 else s for s in self.shape)
+        if math.prod(shape) != values:
+            raise ValueError(f"Reshape: cannot reshape {batch_shape(input_shape)} ({values} "
+                             f"values per sample) to {batch_shape(self.shape)}")
+        return shape
+
+    def forward(self, x):
+        return F.reshape(x, (x.shape[0],) + self.output_shape)
+
+    def get_config(self):
+        return {"shape": list(self.shape), **super().get_config()}
+
+
+LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout, Conv2D, MaxPool2D,
+                                        AvgPool2D, BatchNorm, Reshape)}
 
 
 # ------------------------------------------------------------------ the model
@@ -352,6 +637,12 @@ class Sequential:
         """The Parameters in a stable order (layer by layer, weight before bias)."""
         return [p for _, p in self.named_parameters()]
 
+    def named_buffers(self):
+        """``[(name, Tensor)]`` of the layers' buffers (``"batchnorm.running_mean"``, ...):
+        saved and moved with the model, not trained."""
+        return [(f"{layer.name}.{name}", b) for layer in self.layers
+                for name, b in layer.named_buffers()]
+
     def flat_buffers(self):
         """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
         return list(self._flat)
@@ -361,18 +652,23 @@ class Sequential:
         device = check_device(device)
         if self._flat:   # a model not built yet has no store: its layers build on self.device
             self._flat.to(device)
+        for _, buffer in self.named_buffers():
+            if buffer.device != device:
+                buffer.data = to_device(buffer.data, device)
         self.device = device
         return self
 
     def train(self, mode=True):
-        """Training mode (Dropout active); returns the model."""
+        """Training mode (Dropout active, BatchNorm on the batch's statistics); returns the
+        model."""
         self.training = bool(mode)
         for layer in self.layers:
             layer.training = self.training
         return self
 
     def eval(self):
-        """Inference mode (Dropout is the identity); returns the model."""
+        """Inference mode (Dropout is the identity, BatchNorm uses its running statistics);
+        returns the model."""
         return self.train(False)
 
     # ------------------------------------------------------------- running
@@ -403,7 +699,7 @@ class Sequential:
         self._require_built("summary")
         rows = [("Layer (type)", "Output Shape", "Param #")]
         for layer in self.layers:
-            count = sum(p.size for _, p in layer.named_parameters())
+            count = sum(t.size for _, t in layer.named_parameters() + layer.named_buffers())
             rows.append((f"{layer.name} ({type(layer).__name__})",
                          batch_shape(layer.output_shape), f"{count:,}"))
         widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
@@ -413,14 +709,15 @@ class Sequential:
             return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
                     + row[2].rjust(widths[2] - 4)).rstrip()
 
-        params = self.parameters()
-        total = sum(p.size for p in params)
-        nbytes = sum(p.size * p.dtype.itemsize for p in params)
+        params, buffers = self.parameters(), [b for _, b in self.named_buffers()]
+        trainable, frozen = sum(p.size for p in params), sum(b.size for b in buffers)
+        nbytes = sum(t.size * t.dtype.itemsize for t in params + buffers)
         text = "\n".join(
             [f'Model: "{self.name}" on {self.device}', "_" * width, line(rows[0]), "=" * width]
             + [line(row) for row in rows[1:]]
-            + ["=" * width, f"Total params: {total:,} ({_human_bytes(nbytes)})",
-               f"Trainable params: {total:,}", "Non-trainable params: 0", "_" * width])
+            + ["=" * width, f"Total params: {trainable + frozen:,} ({_human_bytes(nbytes)})",
+               f"Trainable params: {trainable:,}", f"Non-trainable params: {frozen:,}",
+               "_" * width])
         print(text)
         return text
 
@@ -430,18 +727,22 @@ class Sequential:
 
     # ------------------------------------------------------------- weights and files
     def state_dict(self):
-        """``{name: NumPy array}``: a host copy of every parameter (one copy per buffer)."""
+        """``{name: NumPy array}``: a host copy of every parameter (one copy per flat
+        buffer), then of every buffer (running statistics)."""
         self._require_built("state_dict")
-        values = self._flat.host_values()
-        return {name: values[id(p)] for name, p in self.named_parameters()}
+        values = self._flat.host_values() if self._flat else {}
+        return {**{name: values[id(p)] for name, p in self.named_parameters()},
+                **{name: to_host(b.data) for name, b in self.named_buffers()}}
 
     def load_state_dict(self, state):
-        """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters.
+        """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters
+        and buffers.
 
-        Every key must match a parameter and every shape its shape; nothing is written unless
-        all do. Each flat buffer is written in one copy."""
+        Every key must match a parameter or buffer and every shape its shape; nothing is
+        written unless all do. Each flat buffer is written in one copy; a layer's buffers
+        are written in place (a captured step keeps updating the same arrays)."""
         self._require_built("load_state_dict")
-        named = self.named_parameters()
+        named = self.named_parameters() + self.named_buffers()
         expected = [name for name, _ in named]
         missing = [name for name in expected if name not in state]
         unexpected = [key for key in state if key not in expected]
@@ -459,7 +760,9 @@ class Sequential:
                 raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
                                 "expected numbers")
             values[id(p)] = value
-        self._flat.load(values)
+        self._flat.load(values)   # reads the parameters' values, not the buffers'
+        for _, buffer in self.named_buffers():
+            copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
 
     def get_config(self):
         return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
