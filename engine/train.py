@@ -1,8 +1,9 @@
-"""The command ``python -m engine.train``: train an MLP on MNIST or Fashion-MNIST.
+"""The command ``python -m engine.train``: train an MLP or a CNN on MNIST or Fashion-MNIST.
 
 It checks its arguments and every output path before any work, loads and standardises the
-data, builds the MLP, optimizer and schedule, calls ``engine.fit.fit`` (with early stopping
-on the test loss when asked), plots the curves and exports the model as ONNX. Bad input
+data, builds the model (``--model mlp``, the default, or ``cnn``), optimizer and schedule,
+calls ``engine.fit.fit`` (with early stopping on the test loss when asked), plots the curves
+and exports the model as ONNX. Bad input
 exits with status 2 and one line on stderr, never a traceback; a write that fails during
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
 which checkpoint is intact.
@@ -47,6 +48,7 @@ from engine.random import manual_seed
 from ops.device import check_device
 
 DATASETS = ("mnist", "fashion-mnist")
+MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 PROG = "engine-train"
@@ -72,11 +74,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    parser = _Parser(prog=PROG, description="Train an MLP on MNIST or Fashion-MNIST with the "
-                     "Numba engine. Defaults: MNIST, 784-256-128-10 ReLU, Adam 2e-3 with a "
-                     "cosine schedule, batch 128, 5 epochs (98.25% test accuracy on the CPU).")
+    parser = _Parser(prog=PROG, description="Train an MLP or a CNN on MNIST or Fashion-MNIST "
+                     "with the Numba engine. Defaults: MNIST, MLP 784-256-128-10 ReLU, Adam "
+                     "2e-3 with a cosine schedule, batch 128, 5 epochs (98.25% test accuracy "
+                     "on the CPU).")
     add = parser.add_argument
     add("--dataset", default="mnist", help=f"{' or '.join(DATASETS)} (default mnist)")
+    add("--model", default="mlp", help="mlp (Flatten, a ReLU Dense layer per --hidden width, "
+        "Dense) or cnn (the network of engine/API.md: Conv2D 32 3x3 same relu, MaxPool2D 2, "
+        "Conv2D 64 3x3 same relu, BatchNorm, AvgPool2D 2, Dense 128 relu, Dense; images as "
+        "(1, height, width)) (default mlp)")
     add("--data-dir", metavar="DIR", help="folder of the four IDX files (mnist: default the "
         "copy shipped with the project; fashion-mnist: /usr/share/datasets/fashion-mnist)")
     add("--device", default="auto", help="cpu, cuda, or auto: cuda when a GPU is usable "
@@ -84,8 +91,8 @@ def build_parser():
     add("--epochs", type=int, default=5, help="total epochs, counting resumed ones (default 5)")
     add("--batch-size", type=int, default=128, help="training batch size; with --distributed "
         "the global batch, split evenly over the ranks (default 128)")
-    add("--hidden", default="256,128", help="hidden layer widths, comma-separated, each "
-        "followed by ReLU (default 256,128)")
+    add("--hidden", default="256,128", help="hidden layer widths of the mlp, comma-separated, "
+        "each followed by ReLU (default 256,128)")
     add("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
     add("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -179,6 +186,11 @@ def check_arguments(args, outputs=True):
     leaves out the output paths and the packages that write them."""
     if args.dataset not in DATASETS:
         raise BadInput(f"unknown dataset {args.dataset!r}: expected one of {', '.join(DATASETS)}")
+    if args.model not in MODELS:
+        raise BadInput(f"unknown model {args.model!r}: expected one of {', '.join(MODELS)}")
+    if args.model == "cnn" and args.export_onnx:
+        raise BadInput("--export-onnx exports the mlp only: engine.onnx has no exporter for "
+                       "the cnn's Conv2D, pooling and BatchNorm layers yet")
     if args.optimizer not in OPTIMIZERS:
         raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of "
                        f"{', '.join(OPTIMIZERS)}")
@@ -271,6 +283,35 @@ def build_mlp(input_shape, hidden, classes):
     layers += [nn.Dense(width, activation="relu") for width in hidden]
     layers.append(nn.Dense(classes))
     return nn.Sequential(layers)
+
+
+def build_cnn(input_shape, classes):
+    """The network of engine/API.md's "Convolutional networks" for images of
+    ``input_shape`` (height, width), as one channel."""
+    return nn.Sequential([
+        nn.Reshape((1,) + tuple(input_shape), input_shape=tuple(input_shape)),
+        nn.Conv2D(32, 3, padding="same", activation="relu"),
+        nn.MaxPool2D(2),
+        nn.Conv2D(64, 3, padding="same", activation="relu"),
+        nn.BatchNorm(),
+        nn.AvgPool2D(2),
+        nn.Flatten(),
+        nn.Dense(128, activation="relu"),
+        nn.Dense(classes),
+    ])
+
+
+CNN_DESCRIPTION = "conv32-maxpool-conv64-batchnorm-avgpool-128"
+
+
+def build_model(name, input_shape, hidden, classes):
+    """``build_mlp`` or ``build_cnn`` by ``--model`` name."""
+    if name == "cnn":
+        if len(input_shape) != 2:
+            raise BadInput(f"--model cnn takes images of (height, width), got samples of "
+                           f"shape {tuple(input_shape)}")
+        return build_cnn(input_shape, classes)
+    return build_mlp(input_shape, hidden, classes)
 
 
 def build_optimizer(name, parameters, lr, momentum, weight_decay):
@@ -411,17 +452,24 @@ def prepare(args, is_root):
             checkpoint = read_checkpoint(args.resume)
         except (OSError, ValueError) as error:
             raise BadInput(f"--resume {args.resume}: cannot read the checkpoint: {error}") from None
-    config = {"dataset": args.dataset, "hidden": list(args.hidden), "optimizer": args.optimizer,
+    config = {"dataset": args.dataset, "model": args.model, "optimizer": args.optimizer,
               "schedule": args.schedule}
-    if checkpoint is not None and checkpoint["config"] != config:
-        raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
-                       f"{checkpoint['config']}, "
-                       f"this run asks for {config}")
+    if args.model == "mlp":
+        config["hidden"] = list(args.hidden)
+    if checkpoint is not None:
+        # checkpoints from before --model hold an mlp and no "model" entry
+        trained = {"model": "mlp", **checkpoint["config"]}
+        if trained["model"] != args.model:
+            raise BadInput(f"--resume {args.resume}: the checkpoint holds a --model "
+                           f"{trained['model']} network, this run asks for --model {args.model}")
+        if trained != config:
+            raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
+                           f"{checkpoint['config']}, this run asks for {config}")
 
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir, args.limit)
     manual_seed(args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
-    model = build_mlp(x_train.shape[1:], args.hidden, classes).to(args.device)
+    model = build_model(args.model, x_train.shape[1:], args.hidden, classes).to(args.device)
     optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum,
                                 args.weight_decay)
     start_epoch, history = 0, []
@@ -472,13 +520,17 @@ def train(args, setup, is_root):
     model, optimizer, start_epoch = setup.model, setup.optimizer, setup.start_epoch
     history, x_shape = setup.history, setup.data[0]
     if is_root:
-        widths = "-".join(str(w) for w in (int(np.prod(x_shape[1:])),) + args.hidden
-                          + (setup.classes,))
+        if args.model == "cnn":
+            layers = "x".join(map(str, (1,) + tuple(x_shape[1:])))
+            description = f"CNN {layers}-{CNN_DESCRIPTION}-{setup.classes}"
+        else:
+            description = "MLP " + "-".join(str(w) for w in (int(np.prod(x_shape[1:])),)
+                                            + args.hidden + (setup.classes,))
         n_parameters = sum(p.size for p in model.parameters())
         ranks = (f" ({args.batch_size // setup.ranks} per rank on {setup.ranks} ranks)"
                  if args.distributed else "")
-        print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; MLP "
-              f"{widths} ({n_parameters} parameters); {args.optimizer} lr {args.lr:g} "
+        print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; "
+              f"{description} ({n_parameters} parameters); {args.optimizer} lr {args.lr:g} "
               f"{args.schedule}, batch {args.batch_size}{ranks}, device {args.device}"
               + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
 

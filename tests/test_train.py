@@ -317,6 +317,8 @@ def _under_a_file(tmp_path):
 
 BAD_INPUTS = [
     (["--dataset", "cifar"], "unknown dataset"),
+    (["--model", "resnet"], "unknown model 'resnet': expected one of mlp, cnn"),
+    (["--model", "cnn", "--export-onnx", "cnn.onnx"], "--export-onnx exports the mlp only"),
     (["--epochs", "0"], "--epochs"),
     (["--batch-size", "-3"], "--batch-size"),
     (["--limit", "0"], "--limit"),
@@ -745,3 +747,50 @@ def test_no_capture_trains_as_the_captured_default(tmp_path, capsys):
                        for log in logs)
     assert [(r["loss"], r["test_loss"]) for r in captured] == \
         [(r["loss"], r["test_loss"]) for r in eager]
+
+
+# ------------------------------------------------------------------ --model cnn
+
+CNN_TINY = ["--model", "cnn", "--limit", "256", "--epochs", "1", "--batch-size", "64",
+            "--no-progress"]
+
+
+def test_model_cnn_trains_and_saves_its_running_statistics(tmp_path, capsys):
+    path = str(tmp_path / "cnn.npz")
+    main(CNN_TINY + ["--save", path, "--log-json", str(tmp_path / "log.jsonl")])
+    output = capsys.readouterr().out
+    assert "CNN 1x28x28-conv32-maxpool-conv64-batchnorm-avgpool-128-10 (421770 parameters)" \
+        in output and "epoch 1/1" in output
+    record = json.loads((tmp_path / "log.jsonl").read_text())
+    assert record["test_acc"] > 0.3   # 256 images once: far above chance, far from trained
+    state = read_checkpoint(path)
+    assert state["config"]["model"] == "cnn" and "hidden" not in state["config"]
+    assert state["model"]["batchnorm.running_var"].shape == (64,)
+    assert not np.all(state["model"]["batchnorm.running_var"] == 1)   # it was trained
+    model = nn.load(path)
+    assert [type(layer).__name__ for layer in model.layers][:3] == ["Reshape", "Conv2D",
+                                                                   "MaxPool2D"]
+    main(CNN_TINY + ["--epochs", "2", "--resume", path])
+    assert "resuming after epoch 1" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_one_model_is_refused_for_the_other(tmp_path, capsys):
+    cnn, mlp = str(tmp_path / "cnn.npz"), str(tmp_path / "mlp.npz")
+    main(CNN_TINY + ["--save", cnn])
+    main(TINY + ["--save", mlp])
+    capsys.readouterr()
+    for arguments, message in (
+            (TINY + ["--epochs", "2", "--resume", cnn],
+             "the checkpoint holds a --model cnn network, this run asks for --model mlp"),
+            (CNN_TINY + ["--epochs", "2", "--resume", mlp],
+             "the checkpoint holds a --model mlp network, this run asks for --model cnn")):
+        code, captured = _run_main(arguments, capsys)
+        lines = captured.err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
+
+
+def test_help_names_the_model_and_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model MODEL mlp (Flatten" in text and "(default mlp)" in text
