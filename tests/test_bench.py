@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import engine
-from bench import mlp, ops as bench_ops
+from bench import cnn, mlp, ops as bench_ops
 from ops.launch import LaunchRecorder
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -38,6 +38,20 @@ def test_bench_mlp_smoke(tmp_path, capsys):
     output = capsys.readouterr().out
     assert "| engine, fit (captured step) |" in output
     assert "| engine, fit(capture=False) |" in output
+
+
+def test_bench_cnn_smoke(tmp_path, capsys):
+    path = tmp_path / "cnn.json"
+    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--json", str(path)])
+    result = json.loads(path.read_text())
+    rows = result["results"]
+    assert len(rows["engine"]["epoch_s"]) == 1 and rows["engine"]["s_per_epoch"] > 0
+    assert rows["engine"]["test_acc"] == rows["engine eager"]["test_acc"]   # one computation
+    assert ("torch" in rows) == HAS_TORCH
+    if HAS_TORCH:   # same network, initial weights and batches: the same predictions, nearly
+        assert abs(rows["torch"]["test_acc"] - rows["engine"]["test_acc"]) <= 2 / 128
+    output = capsys.readouterr().out
+    assert "| engine, fit (captured step) |" in output and "| framework | s/epoch |" in output
 
 
 def test_bench_ops_quick_smoke(tmp_path, capsys):
