@@ -22,7 +22,9 @@ CPU. The update happens on the device, from device scalars only: capture-ready. 
 on the 2-core CPU (128x64x14x14 float32): the two-pass statistics take 1.58 ms against 1.24
 for one pass of sums and sums of squares, kept for the cancellation the latter suffers at
 large means; ``prange`` over channels takes the forward from 1.9 to 1.0 ms and the backward
-from 1.9 to 1.1.
+from 1.9 to 1.1. A (N, C) input walks its rows, channels inner, instead of one strided
+channel at a time: 128x128 forward 83 -> 15 us, backward 88 -> 17 us (torch on one thread:
+14 and 27 us).
 """
 import math
 
@@ -44,11 +46,89 @@ from ops.registry import Op, register
 # ------------------------------------------------------------------ CPU kernels
 
 
+@njit(cache=True)
+def _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
+                     meta, momentum, eps):
+    """The (N, C) forward: rows outer and channels inner (contiguous), each channel's sums
+    still in row order."""
+    nb, channels, training, has_weight, has_bias = meta[0], meta[1], meta[3], meta[4], meta[5]
+    mean, var = np.zeros(channels), np.zeros(channels)
+    if training:
+        for n in range(nb):
+            row = x[n * channels:(n + 1) * channels]
+            for c in range(channels):
+                mean[c] += row[c]
+        for c in range(channels):
+            mean[c] /= nb
+        for n in range(nb):
+            row = x[n * channels:(n + 1) * channels]
+            for c in range(channels):
+                var[c] += (row[c] - mean[c]) ** 2
+        for c in range(channels):
+            var[c] /= nb
+            running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean[c]
+            running_var[c] = (1 - momentum) * running_var[c] + momentum * var[c] * nb / (nb - 1)
+    else:
+        for c in range(channels):
+            mean[c], var[c] = running_mean[c], running_var[c]
+    typed_mean, scale, shift = (np.empty(channels, y.dtype), np.empty(channels, y.dtype),
+                                np.empty(channels, y.dtype))
+    for c in range(channels):
+        invstd = 1 / math.sqrt(var[c] + eps)
+        saved_mean[c], saved_invstd[c] = mean[c], invstd
+        typed_mean[c] = mean[c]
+        scale[c] = invstd * weight[c] if has_weight else invstd
+        shift[c] = bias[c] if has_bias else 0.0
+    for n in range(nb):
+        first = n * channels
+        source, destination = x[first:first + channels], y[first:first + channels]
+        for c in range(channels):
+            destination[c] = (source[c] - typed_mean[c]) * scale[c] + shift[c]
+
+
+@njit(cache=True)
+def _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
+                              grad_b, meta):
+    """The (N, C) backward, rows outer and channels inner (see ``_batch_norm_rows``)."""
+    nb, channels, training, has_weight = meta[0], meta[1], meta[3], meta[4]
+    needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
+    sum_dy, sum_dy_xhat = np.zeros(channels), np.zeros(channels)
+    for n in range(nb):
+        first = n * channels
+        source, gradient = x[first:first + channels], grad_out[first:first + channels]
+        for c in range(channels):
+            sum_dy[c] += gradient[c]
+            sum_dy_xhat[c] += gradient[c] * (source[c] - saved_mean[c])
+    for c in range(channels):
+        sum_dy_xhat[c] *= saved_invstd[c]
+        if needs_b:
+            grad_b[c] = sum_dy[c]
+        if needs_w:
+            grad_w[c] = sum_dy_xhat[c]
+    if not needs_x:
+        return
+    scale, mean_dy, mean_dy_xhat = np.empty(channels), np.zeros(channels), np.zeros(channels)
+    for c in range(channels):
+        scale[c] = saved_invstd[c] * weight[c] if has_weight else saved_invstd[c]
+        if training:
+            mean_dy[c], mean_dy_xhat[c] = sum_dy[c] / nb, sum_dy_xhat[c] / nb
+    for n in range(nb):
+        first = n * channels
+        for c in range(channels):
+            xhat = (x[first + c] - saved_mean[c]) * saved_invstd[c]
+            grad_x[first + c] = scale[c] * (grad_out[first + c] - mean_dy[c]
+                                            - xhat * mean_dy_xhat[c])
+
+
 @njit(cache=True, parallel=True)
 def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
                    meta, momentum, eps):
     nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
                                                            meta[3], meta[4], meta[5])
+    if inner == 1:   # (N, C): a channel's values are strided, so walk the rows instead
+        _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean,
+                         saved_invstd, meta, momentum, eps)
+        return
     count = nb * inner
     for c in prange(channels):
         if training:
@@ -86,6 +166,10 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
                             grad_b, meta):
     nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
     needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
+    if inner == 1:
+        _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, grad_x,
+                                  grad_w, grad_b, meta)
+        return
     count = nb * inner
     for c in prange(channels):
         mean, invstd = saved_mean[c], saved_invstd[c]
@@ -104,9 +188,11 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
             grad_w[c] = sum_dy_xhat
         if not needs_x:
             continue
-        scale = invstd * weight[c] if has_weight else invstd
-        mean_dy = sum_dy / count if training else 0.0
-        mean_dy_xhat = sum_dy_xhat / count if training else 0.0
+        # the coefficients in x's dtype: the loop below then vectorises
+        dtype = grad_x.dtype.type
+        scale = dtype(invstd * weight[c] if has_weight else invstd)
+        mean_dy = dtype(sum_dy / count if training else 0.0)
+        mean_dy_xhat = dtype(sum_dy_xhat / count if training else 0.0)
         for n in range(nb):
             first = (n * channels + c) * inner
             source, gradient = x[first:first + inner], grad_out[first:first + inner]
