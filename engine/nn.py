@@ -32,7 +32,7 @@ from ops import batch_norm as batch_norm_op
 from ops import conv as conv_op
 from ops import dropout as dropout_op
 from ops import pool as pool_op
-from ops.device import check_device, copy_into, to_device, to_host
+from ops.device import check_device, copy_into, to_device
 from ops.launch import note_unrecordable
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
@@ -732,7 +732,7 @@ class Sequential:
         self._require_built("state_dict")
         values = self._flat.host_values() if self._flat else {}
         return {**{name: values[id(p)] for name, p in self.named_parameters()},
-                **{name: to_host(b.data) for name, b in self.named_buffers()}}
+                **{name: to_device(b.data, "cpu") for name, b in self.named_buffers()}}
 
     def load_state_dict(self, state):
         """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters

@@ -9,8 +9,13 @@ open), and one output, ``output``; each layer becomes the ONNX operators that co
 its forward pass computes in eval mode: ``Dense`` a ``Gemm`` (``x @ W + b``, ``W`` stored as
 the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu``,
 ``Sigmoid``, ``Tanh``, ``Softmax`` over the last axis), ``Activation`` that operator,
-``Flatten`` a ``Flatten`` from axis 1, ``Dropout`` an ``Identity``. A layer without an
-exporter here (the convolutional layers, until they get one) is a ValueError naming it.
+``Flatten`` a ``Flatten`` from axis 1, ``Dropout`` an ``Identity``; ``Conv2D`` a ``Conv``
+(the weight in the layout both share, ``(filters, in / groups, kh, kw)``, the padding as
+explicit ``pads``, so "same" with an even kernel keeps its extra row at the bottom) and its
+activation, ``MaxPool2D`` a ``MaxPool``, ``AvgPool2D`` an ``AveragePool`` counting the
+padded zeros, ``BatchNorm`` a ``BatchNormalization`` on its running statistics (eval
+mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension. A layer without an
+exporter here is a ValueError naming it.
 The weights are the model's, in its dtype (float32 or float64), as initializers. With
 ``normalize=(mean, std)`` the graph starts with ``(input - mean) / std``, the
 standardisation of ``data.DataLoader(normalize=...)``: a model trained on standardised
@@ -86,8 +91,43 @@ def _dropout(graph, layer):   # the identity in eval mode, which is what an expo
     graph.node("Identity", layer.name)
 
 
+def _conv2d(graph, layer):
+    (top, bottom), (left, right) = layer.paddings
+    weights = [graph.weight(f"{layer.name}.weight", layer.weight.numpy())]
+    if layer.use_bias:
+        weights.append(graph.weight(f"{layer.name}.bias", layer.bias.numpy()))
+    graph.node("Conv", layer.name, weights, kernel_shape=list(layer.kernel_size),
+               strides=list(layer.stride), dilations=list(layer.dilation), group=layer.groups,
+               pads=[top, left, bottom, right])
+    graph.activation(layer)
+
+
+def _pool(operator, **attributes):
+    def export(graph, layer):
+        rows, columns = layer.padding
+        graph.node(operator, layer.name, kernel_shape=list(layer.pool_size),
+                   strides=list(layer.stride), pads=[rows, columns, rows, columns],
+                   **attributes)
+    return export
+
+
+def _batch_norm(graph, layer):   # eval mode: the running statistics
+    arrays = [(entry, getattr(layer, entry).numpy())
+              for entry in ("weight", "bias", "running_mean", "running_var")]
+    graph.node("BatchNormalization", layer.name,
+               [graph.weight(f"{layer.name}.{entry}", array) for entry, array in arrays],
+               epsilon=layer.eps)
+
+
+def _reshape(graph, layer):   # 0 copies the input's (batch) dimension
+    shape = graph.weight(f"{layer.name}.shape", np.array((0,) + layer.output_shape, np.int64))
+    graph.node("Reshape", layer.name, (shape,))
+
+
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
-             "Flatten": _flatten, "Dropout": _dropout}
+             "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
+             "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
+             "BatchNorm": _batch_norm, "Reshape": _reshape}
 
 
 def _check_model(model):

@@ -188,9 +188,6 @@ def check_arguments(args, outputs=True):
         raise BadInput(f"unknown dataset {args.dataset!r}: expected one of {', '.join(DATASETS)}")
     if args.model not in MODELS:
         raise BadInput(f"unknown model {args.model!r}: expected one of {', '.join(MODELS)}")
-    if args.model == "cnn" and args.export_onnx:
-        raise BadInput("--export-onnx exports the mlp only: engine.onnx has no exporter for "
-                       "the cnn's Conv2D, pooling and BatchNorm layers yet")
     if args.optimizer not in OPTIMIZERS:
         raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of "
                        f"{', '.join(OPTIMIZERS)}")

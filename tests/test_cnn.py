@@ -144,6 +144,10 @@ def test_save_and_load_round_trip_the_running_statistics(tmp_path):
         np.testing.assert_array_equal(reloaded[name], value, err_msg=name)
     x = engine.randn(3, 8, 8, seed=9)
     np.testing.assert_array_equal(loaded.eval()(x).numpy(), model.eval()(x).numpy())
+    snapshot = state["batchnorm.running_mean"].copy()
+    model.train()(engine.randn(4, 8, 8, seed=5))   # a state_dict is a copy: training moves on
+    np.testing.assert_array_equal(state["batchnorm.running_mean"], snapshot)
+    assert not np.array_equal(model.state_dict()["batchnorm.running_mean"], snapshot)
 
 
 def test_load_state_dict_writes_buffers_in_place_and_checks_them():
@@ -244,13 +248,41 @@ def test_a_tiny_cnn_step_on_cuda_matches_the_cpu():
             nn.Conv2D(2, 3, padding="same", activation="relu"),
             nn.MaxPool2D(2), nn.BatchNorm(), nn.AvgPool2D(2), nn.Flatten(), nn.Dense(3),
         ]).to(device)
+        assert all(buffer.device == device for _, buffer in model.named_buffers())
         optimizer = optim.SGD(model.parameters(), lr=0.1)
         loss = cross_entropy(model(engine.tensor(images, device=device)),
                              engine.tensor(labels, device=device))
         loss.backward()
         optimizer.step()
         results[device] = (loss.item(), model.state_dict())
+        model.to("cpu")   # the running statistics move back with the weights
+        np.testing.assert_array_equal(model.layers[3].running_var.numpy(),
+                                      results[device][1]["batchnorm.running_var"])
     assert results["cuda"][0] == pytest.approx(results["cpu"][0], rel=1e-5)
     for name, value in results["cpu"][1].items():
         np.testing.assert_allclose(results["cuda"][1][name], value, rtol=1e-4, atol=1e-6,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("layers", [
+    [nn.Reshape((2, 7, 9), input_shape=(126,)),
+     nn.Conv2D(4, (3, 2), stride=2, padding=1, activation="tanh"), nn.BatchNorm(),
+     nn.MaxPool2D(2, padding=1), nn.Flatten(), nn.BatchNorm(), nn.Dense(3)],
+    [nn.Reshape((2, 7, 9), input_shape=(126,)),
+     nn.Conv2D(4, 2, padding="same", dilation=2, groups=2, use_bias=False,
+               activation="leaky_relu"),
+     nn.AvgPool2D(3, stride=2, padding=1), nn.Flatten()],
+], ids=["conv-batchnorm-maxpool", "same-even-kernel-groups-avgpool"])
+def test_the_layers_export_to_onnx_and_run_as_in_the_engine(tmp_path, layers):
+    pytest.importorskip("onnx", reason="needs onnx: pip install -e '.[onnx]'")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    model = nn.Sequential(layers)
+    for seed in range(3):   # running statistics away from zeros and ones
+        model(engine.randn(5, 126, seed=seed))
+    model.eval()
+    x = np.random.default_rng(0).normal(size=(5, 126)).astype(np.float32)
+    path = tmp_path / "cnn.onnx"
+    model.export_onnx(path)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (outputs,) = session.run(None, {"input": x})
+    np.testing.assert_allclose(outputs, model(engine.tensor(x)).numpy(), atol=1e-5)

@@ -318,7 +318,6 @@ def _under_a_file(tmp_path):
 BAD_INPUTS = [
     (["--dataset", "cifar"], "unknown dataset"),
     (["--model", "resnet"], "unknown model 'resnet': expected one of mlp, cnn"),
-    (["--model", "cnn", "--export-onnx", "cnn.onnx"], "--export-onnx exports the mlp only"),
     (["--epochs", "0"], "--epochs"),
     (["--batch-size", "-3"], "--batch-size"),
     (["--limit", "0"], "--limit"),
@@ -794,3 +793,13 @@ def test_help_names_the_model_and_its_default(capsys):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--model MODEL mlp (Flatten" in text and "(default mlp)" in text
+
+
+def test_model_cnn_exports_onnx(tmp_path, capsys):
+    pytest.importorskip("onnx", reason="needs onnx: pip install -e '.[onnx]'")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    path = tmp_path / "cnn.onnx"
+    main(CNN_TINY + ["--export-onnx", str(path)])
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"input": np.zeros((2, 28, 28), np.float32)})
+    assert logits.shape == (2, 10)
