@@ -135,7 +135,7 @@ def main(argv=None):
     if args.limit:
         x_train, y_train = x_train[:args.limit], y_train[:args.limit]
     x_train, x_test = as_batches(x_train), as_batches(x_test)
-    y_train, y_test = torch.from_numpy(y_train.astype(np.int64)), torch.from_numpy(y_test.astype(np.int64))
+    y_train, y_test = (torch.from_numpy(labels.astype(np.int64)) for labels in (y_train, y_test))
 
     model = build_model(args.seed)
     engine_model = build_engine_cnn(model)
