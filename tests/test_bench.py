@@ -54,6 +54,18 @@ def test_bench_cnn_smoke(tmp_path, capsys):
     assert "| engine, fit (captured step) |" in output and "| framework | s/epoch |" in output
 
 
+@pytest.mark.torch
+def test_bench_hybrid_mnist_engine_row_trains_as_the_hybrid(tmp_path):
+    from bench import hybrid_mnist
+    path = tmp_path / "hybrid.json"
+    hybrid_mnist.main(["--limit", "128", "--epochs", "1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    hybrid, alone = result["epochs"][0], result["engine_cnn_epochs"][0]
+    # the same network, initial weights and batches: only who convolves differs
+    assert alone["loss"] == pytest.approx(hybrid["loss"], rel=1e-4)
+    assert alone["test_acc"] == pytest.approx(hybrid["test_acc"], abs=0.002)
+
+
 def test_bench_ops_quick_smoke(tmp_path, capsys):
     path = tmp_path / "ops.json"
     bench_ops.main(["--quick", "--json", str(path)])
