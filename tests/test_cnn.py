@@ -286,3 +286,21 @@ def test_the_layers_export_to_onnx_and_run_as_in_the_engine(tmp_path, layers):
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (outputs,) = session.run(None, {"input": x})
     np.testing.assert_allclose(outputs, model(engine.tensor(x)).numpy(), atol=1e-5)
+
+
+def test_a_captured_cnn_step_equals_the_eager_one_bit_for_bit():
+    """BatchNorm updates its running statistics in place inside a replayed step, as eager."""
+    images, labels = stripes(96)
+    outcomes = []
+    for capture in (True, False):
+        engine.manual_seed(0)
+        model = tiny_cnn()
+        loader = data.DataLoader(images, labels, batch_size=32, shuffle=True, seed=0)
+        history = fit(model, loader, optim.Adam(model.parameters(), lr=0.01), cross_entropy,
+                      2, progress=False, verbose=False, capture=capture)
+        assert fit.last_eager_reason is None   # the captured steps were replayed
+        outcomes.append(([record["loss"] for record in history], model.state_dict()))
+    (captured_losses, captured), (eager_losses, eager) = outcomes
+    assert captured_losses == eager_losses
+    for name, value in eager.items():
+        np.testing.assert_array_equal(captured[name], value, err_msg=name)
