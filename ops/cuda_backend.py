@@ -84,8 +84,19 @@ def _empty_device_array(shape, dtype):
 
 
 def host_to_device(array):
-    """A new device array holding a copy of the C-contiguous host ``array``."""
-    return cuda.to_device(np.ascontiguousarray(array))
+    """A new device array holding a copy of the host ``array``, with C strides.
+
+    NumPy calls an array with a stride-0 axis of length 1 (``np.arange(3)[:, None]``)
+    contiguous, but the device array made from it keeps that stride and cannot be reshaped:
+    such an array is copied into canonical strides first."""
+    array = np.ascontiguousarray(array)
+    canonical, step = [], array.itemsize
+    for extent in reversed(array.shape):
+        canonical.append(step)
+        step *= extent
+    if array.strides != tuple(reversed(canonical)):
+        array = array.copy(order="C")
+    return cuda.to_device(array)
 
 
 def mapped_pair(size, dtype):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import engine
+import ops.cuda_backend
 from ops.cuda_backend import SIMULATOR
 from tests.op_check import Case, check_op
 
@@ -200,10 +201,18 @@ def test_out_of_range_indices_name_the_index_axis_and_size(device):
         x[0, -5]
     with pytest.raises(IndexError, match="index 7 is out of bounds for axis 1 with size 4"):
         x[:, [0, 7]]
+    # a device index tensor on a real GPU is checked on the device: the next call raises
+    deferred = device == "cuda" and not ops.cuda_backend.SIMULATOR
     with pytest.raises(IndexError, match="index -4 is out of bounds for axis 0 with size 3"):
         x[engine.tensor([1, -4], device=device)]
+        if deferred:
+            ops.cuda_backend.cuda.synchronize()
+            x[engine.tensor([0], device=device)]
     with pytest.raises(IndexError, match="index 4 is out of bounds for axis 1 with size 4"):
         x[engine.tensor([0], device=device), engine.tensor([[4]], device=device)] = 1.0
+        if deferred:
+            ops.cuda_backend.cuda.synchronize()
+            x[engine.tensor([0], device=device)]
     np.testing.assert_array_equal(x[engine.tensor([2], device=device)].numpy(), [[0] * 4])
 
 
