@@ -429,7 +429,7 @@ def _run_twice_on_the_gpu(fn, arrays, requires):
         y = fn(*tensors)
         if upstream is None:
             upstream = np.random.default_rng(1).standard_normal(y.shape)
-        (y * engine.tensor(upstream, device="cuda")).sum().backward()
+        (y * engine.tensor(upstream, dtype=np.float32, device="cuda")).sum().backward()
         results.append([y.numpy()] + [t.grad.numpy() for t, r in zip(tensors, requires) if r])
     for first, second in zip(*results):
         np.testing.assert_array_equal(first, second)
@@ -520,3 +520,23 @@ def test_bench_conv_ops_quick_smoke(tmp_path, capsys):
         (name, phase) for name, _, _ in conv_ops.LAYERS for phase in ("forward", "backward")]
     assert all(row["us_per_call"]["engine"] > 0 for row in rows)
     assert "| conv2d relu | backward | 4x32x14x14 |" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+def test_bench_conv_ops_runs_on_cuda(monkeypatch, tmp_path):
+    import json
+
+    from bench import conv_ops
+    tiny = [("conv2d relu", (1, 5, 5), dict(out=2, kernel=3, needs_x=False)),
+            ("max_pool2d", (2, 5, 5), dict(kernel_size=2)),
+            ("conv2d relu", (2, 4, 4), dict(out=3, kernel=3, needs_x=True)),
+            ("batch_norm", (3, 4, 4), {}),
+            ("avg_pool2d", (3, 4, 4), dict(kernel_size=2))]   # the simulator is slow
+    monkeypatch.setattr(conv_ops, "LAYERS", tiny)
+    monkeypatch.setattr(conv_ops, "QUICK_BATCH", 2)
+    monkeypatch.setattr(conv_ops, "ROUNDS", 1)
+    path = tmp_path / "conv_ops.json"
+    conv_ops.main(["--device", "cuda", "--quick", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["device"] == "cuda" and len(result["rows"]) == 2 * len(tiny)
+    assert all(row["us_per_call"]["engine"] > 0 for row in result["rows"])
