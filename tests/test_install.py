@@ -40,7 +40,7 @@ def _readme_setup_commands():
 def test_readme_starts_with_the_install_and_the_test_command_that_ci_runs():
     install, test = _readme_setup_commands()
     assert install.endswith('pip install -e . && .venv/bin/python -m engine.train')
-    assert '".[test,torch]"' in test and "NUMBA_ENABLE_CUDASIM=1" in test
+    assert '".[test,torch,distributed]"' in test and "NUMBA_ENABLE_CUDASIM=1" in test
     ci_lines = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
     assert test in ci_lines, "the last command of .ci/run must be the README's test command"
     assert ci_lines[-1] == test
