@@ -1,6 +1,6 @@
 """Per-op times of the CNN's layers: the engine's ops against PyTorch eager, forward and backward.
 
-    python -m bench.conv_ops [--device cpu|cuda] [--json PATH] [--quick]
+    python -m bench.conv_ops [--device cpu|cuda] [--threads N] [--json PATH] [--quick]
 
 The shapes are those of the network of API.md's "Convolutional networks" at batch 128:
 conv2d + relu 1->32 3x3 "same" on 28x28 (the first layer: its input needs no gradient),
@@ -16,6 +16,10 @@ The time per call is the best of several rounds, each long enough to be timed re
 with the device synchronised at the end of a round (the best round is the least disturbed
 one on a shared machine). GFLOP/s count the multiply-adds of the convolution (2 flops
 each): the forward's once, the backward's once per gradient among dx and dw.
+
+``--threads N`` runs the engine's parallel CPU loops (``numba.set_num_threads``) and torch's
+intra-op pool on N threads each; by default each library keeps its own (Numba: one thread
+per core). The engine's BLAS calls keep ``engine.blas_threads``' count inside each loop.
 """
 import argparse
 import importlib.util
@@ -151,12 +155,18 @@ def _flops(name, x_shape, params):
     return forward, forward * (2 if params["needs_x"] else 1)
 
 
-def run(device, quick=False):
+def run(device, quick=False, threads=None):
+    import numba
+
     import engine  # noqa: F401  (sets the BLAS threads of the engine's CPU GEMMs)
+    if threads is not None:
+        numba.set_num_threads(threads)
     has_torch = importlib.util.find_spec("torch") is not None
     torch_device, torch_threads = None, None
     if has_torch:
         import torch
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
         torch_threads = torch.get_num_threads()
         if device == "cuda" and torch_device != "cuda":
@@ -193,13 +203,17 @@ def run(device, quick=False):
                          "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
                          "gflops": None if flops is None else
                          {k: flops / v / 1e9 for k, v in seconds.items()}})
-    return {"device": device, "torch_threads": torch_threads, "rows": rows}
+    return {"device": device, "engine_threads": numba.get_num_threads(),
+            "torch_threads": torch_threads, "rows": rows}
 
 
 def format_table(result):
     frameworks = list(result["rows"][0]["us_per_call"])
-    threads = (f"; torch on {result['torch_threads']} CPU threads"
-               if result["torch_threads"] and result["device"] == "cpu" else "")
+    threads = ""
+    if result["device"] == "cpu":
+        threads = f"; CPU threads: engine loops {result['engine_threads']}"
+        if result["torch_threads"]:
+            threads += f", torch {result['torch_threads']}"
     lines = [f"bench.conv_ops on {result['device']}, float32{threads}", "",
              "| op | phase | x | " + " | ".join(f"{k} us" for k in frameworks)
              + " | engine / torch | engine GFLOP/s |",
@@ -218,13 +232,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.conv_ops",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of the engine's parallel loops and of torch "
+                             "(default: each library's own)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true",
                         help=f"batch {QUICK_BATCH}, short rounds (a smoke test, not a "
                              "measurement)")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
-    result = run(args.device, args.quick)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    result = run(args.device, args.quick, args.threads)
     return emit(result, format_table(result), args.json)
 
 
