@@ -37,10 +37,11 @@ import numpy as np
 from numba import njit
 
 from ops.cast import BOOL, as_bytes, cast
-from ops.cuda_backend import SIMULATOR, cuda, is_device_array, mapped_pair
+from ops.cuda_backend import cuda, is_device_array
 from ops.device import device_of, to_device, to_host
 from ops.dispatch import Meta, Out, run
 from ops.fill import FILL, fill
+from ops.flag_buffer import flag_buffer
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
                         broadcast_strides, contiguous_strides, flat)
@@ -197,37 +198,14 @@ def _classify(item, device):
 
 # ------------------------------------------------------------------ bad indices
 
-class _BadIndex:
-    """``[flag, index, axis, size]`` written by ``pack``: on the CPU a plain array read after
-    each call; on CUDA mapped memory read without a sync (in the simulator, where kernels are
-    synchronous, after each call)."""
-
-    def __init__(self, device):
-        self.deferred = device == "cuda" and not SIMULATOR
-        if device == "cuda":
-            self.host, self.device = mapped_pair(4, np.int64)
-        else:
-            self.host = self.device = np.zeros(4, np.int64)
-
-    def raise_if_flagged(self):
-        values = to_host(self.device) if self.host is None else self.host.copy()
-        if values[0]:
-            if self.host is None:
-                self.device.copy_to_device(np.zeros(4, np.int64))
-            else:
-                self.host[:] = 0
-            when = " (an index tensor of a recent CUDA indexing call)" if self.deferred else ""
-            raise IndexError(f"index {values[1]} is out of bounds for axis {values[2]} with "
-                             f"size {values[3]}{when}")
-
-
-_bad_index_buffers = {}
+def _bad_index_message(values, deferred):
+    when = " (an index tensor of a recent CUDA indexing call)" if deferred else ""
+    return (f"index {values[1]} is out of bounds for axis {values[2]} with "
+            f"size {values[3]}{when}")
 
 
 def _bad_indices(device):
-    if device not in _bad_index_buffers:
-        _bad_index_buffers[device] = _BadIndex(device)
-    return _bad_index_buffers[device]
+    return flag_buffer("index", device, _bad_index_message, IndexError)
 
 
 # ------------------------------------------------------------------ kernels

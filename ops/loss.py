@@ -25,9 +25,10 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
-from ops.cuda_backend import SIMULATOR, cuda, mapped_pair
+from ops.cuda_backend import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
+from ops.flag_buffer import flag_buffer
 from ops.launch import Kernel, blocks_of, elements, on_replay
 from ops.layout import flat
 from ops.registry import Op, register
@@ -121,39 +122,14 @@ CROSS_ENTROPY_GRAD = Kernel("cross_entropy_grad", cross_entropy_grad_cpu,
                             cross_entropy_grad_cuda, elements(0))
 
 
-class _BadLabelBuffer:
-    """[flag, label, row, classes], written by the kernels. On the CPU a plain array read
-    after every call; on CUDA mapped memory the host reads whenever it likes, without
-    stopping the device (in the simulator kernels are synchronous: read after every call)."""
-
-    def __init__(self, device):
-        self.deferred = device == "cuda" and not SIMULATOR
-        if device == "cuda":
-            self.host, self.device = mapped_pair(4, np.int64)
-        else:
-            self.host = self.device = np.zeros(4, np.int64)
-
-    def raise_if_flagged(self):
-        # the simulator's buffer is read directly, not through to_host: a check of the
-        # step's labels is not step data a captured replay would lose
-        values = self.device.copy_to_host() if self.host is None else self.host.copy()
-        if values[0]:
-            if self.host is None:
-                self.device.copy_to_device(np.zeros(4, np.int64))
-            else:
-                self.host[:] = 0
-            when = " (a recent CUDA batch)" if self.deferred else ""
-            raise ValueError(f"cross_entropy: label {values[1]} at row {values[2]} is outside "
-                             f"[0, {values[3]}){when}")
-
-
-_bad_label_buffers = {}
+def _bad_label_message(values, deferred):
+    when = " (a recent CUDA batch)" if deferred else ""
+    return (f"cross_entropy: label {values[1]} at row {values[2]} is outside "
+            f"[0, {values[3]}){when}")
 
 
 def _bad_labels(device):
-    if device not in _bad_label_buffers:
-        _bad_label_buffers[device] = _BadLabelBuffer(device)
-    return _bad_label_buffers[device]
+    return flag_buffer("cross_entropy", device, _bad_label_message, ValueError)
 
 
 def _check_labels_on_host(labels, classes):
