@@ -189,14 +189,21 @@ class Dense(Layer):
 
     def get_config(self):
         config = {"units": self.units, "activation": self.activation}
-        if self.activation == "leaky_relu":
-            config["alpha"] = self.alpha
-        if self.dtype != np.float32:
-            config["dtype"] = self.dtype.name
-        name = getattr(self.kernel_initializer, "__name__", None)
-        if init.INITIALIZERS.get(name) is self.kernel_initializer:
-            config["kernel_initializer"] = name
-        return {**config, **super().get_config()}
+        return {**config, **_weighted_config(self), **super().get_config()}
+
+
+def _weighted_config(layer):
+    """The config entries a layer with a kernel shares (Dense, Conv2D): alpha for leaky_relu,
+    a non-default dtype, a kernel initialiser known by name."""
+    config = {}
+    if layer.activation == "leaky_relu":
+        config["alpha"] = layer.alpha
+    if layer.dtype != np.float32:
+        config["dtype"] = layer.dtype.name
+    name = getattr(layer.kernel_initializer, "__name__", None)
+    if init.INITIALIZERS.get(name) is layer.kernel_initializer:
+        config["kernel_initializer"] = name
+    return config
 
 
 class Activation(Layer):
@@ -369,14 +376,7 @@ class Conv2D(Layer):
             config["groups"] = self.groups
         if not self.use_bias:
             config["use_bias"] = False
-        if self.activation == "leaky_relu":
-            config["alpha"] = self.alpha
-        if self.dtype != np.float32:
-            config["dtype"] = self.dtype.name
-        name = getattr(self.kernel_initializer, "__name__", None)
-        if init.INITIALIZERS.get(name) is self.kernel_initializer:
-            config["kernel_initializer"] = name
-        return {**config, **super().get_config()}
+        return {**config, **_weighted_config(self), **super().get_config()}
 
 
 class _Pool2D(Layer):
