@@ -32,7 +32,7 @@ from ops import batch_norm as batch_norm_op
 from ops import conv as conv_op
 from ops import dropout as dropout_op
 from ops import pool as pool_op
-from ops.device import check_device, copy_into, to_device
+from ops.device import check_device, copy_into, to_device, to_host
 from ops.launch import note_unrecordable
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
@@ -74,6 +74,20 @@ def _feature_shape(shape, where):
         raise ValueError(f"{where}: input_shape must be positive ints without the batch "
                          f"dimension, e.g. (28, 28); got {shape!r}")
     return tuple(int(s) for s in shape)
+
+
+def _float_dtype(target):
+    """The float dtype ``target`` names for ``Sequential.to``, or None when it names a device;
+    a non-float dtype is a TypeError."""
+    if isinstance(target, str) and target.lower().split(":")[0] in ("cpu", "cuda", "auto"):
+        return None
+    try:
+        dtype = np.dtype(target)
+    except TypeError:
+        return None
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"Sequential.to: a model converts to float32 or float64, not {dtype}")
+    return dtype
 
 
 def batch_shape(shape):
@@ -647,15 +661,32 @@ class Sequential:
         """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
         return list(self._flat)
 
-    def to(self, device):
-        """Move every flat buffer to ``device`` in one copy each; returns the model."""
-        device = check_device(device)
+    def to(self, target):
+        """Move every flat buffer to the device ``target`` ("cpu", "cuda") in one copy each,
+        or convert every parameter and buffer to the float dtype ``target`` (``np.float64``,
+        for float64 checks against references; made afresh, so build the optimizer after);
+        returns the model."""
+        dtype = _float_dtype(target)
+        if dtype is not None:
+            return self._to_dtype(dtype)
+        device = check_device(target)
         if self._flat:   # a model not built yet has no store: its layers build on self.device
             self._flat.to(device)
         for _, buffer in self.named_buffers():
             if buffer.device != device:
                 buffer.data = to_device(buffer.data, device)
         self.device = device
+        return self
+
+    def _to_dtype(self, dtype):
+        for layer in self.layers:
+            if hasattr(layer, "dtype"):
+                layer.dtype = dtype
+            for _, value in layer.named_parameters() + layer.named_buffers():
+                if value.dtype != dtype:
+                    value.data = to_device(to_host(value.data).astype(dtype), value.device)
+        if self.built:
+            self._pack()
         return self
 
     def train(self, mode=True):

@@ -517,3 +517,22 @@ def test_xor_network_learns_xor():
         optimizer.step()
     assert loss.item() < 0.02
     np.testing.assert_array_equal(model(x).numpy() > 0.5, y.numpy() > 0.5)
+
+
+def test_model_to_float64_converts_parameters_and_buffers(device):
+    """``model.to(np.float64)`` (API.md): the same model in float64, saved as such."""
+    engine.manual_seed(0)
+    model = nn.Sequential([nn.Dense(5, activation="relu", input_shape=(3,)), nn.BatchNorm(),
+                           nn.Dense(2)]).to(device).eval()
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    y32 = model(engine.tensor(x, dtype=np.float32, device=device)).numpy()
+    assert model.to(np.float64) is model
+    assert {p.dtype for p in model.parameters()} == {np.dtype(np.float64)}
+    assert {b.dtype for _, b in model.named_buffers()} == {np.dtype(np.float64)}
+    assert model.flat_buffers()[0].dtype == np.float64 and model.device == device
+    y64 = model(engine.tensor(x, dtype=np.float64, device=device)).numpy()
+    assert y64.dtype == np.float64
+    np.testing.assert_allclose(y64, y32, rtol=1e-5, atol=1e-6)
+    assert model.get_config()["layers"][0]["config"]["dtype"] == "float64"
+    with pytest.raises(TypeError, match="float32 or float64, not int64"):
+        model.to(np.int64)
