@@ -161,10 +161,7 @@ class Dense(Layer):
         self.activation = _check_activation(activation, "Dense")
         self.alpha = float(alpha)
         self.dtype = np.dtype(dtype)
-        if kernel_initializer is None:
-            kernel_initializer = (init.he_normal if activation in RELU_FAMILY
-                                  else init.xavier_uniform)
-        self.kernel_initializer = init.get(kernel_initializer)
+        self.kernel_initializer = _kernel_initializer(kernel_initializer, activation)
         self.weight = self.bias = None
 
     def compute_output_shape(self, input_shape):
@@ -204,6 +201,14 @@ class Dense(Layer):
     def get_config(self):
         config = {"units": self.units, "activation": self.activation}
         return {**config, **_weighted_config(self), **super().get_config()}
+
+
+def _kernel_initializer(chosen, activation):
+    """The initialiser a layer with a kernel uses: the one chosen, else He for the relu
+    family and Xavier otherwise."""
+    if chosen is None:
+        chosen = init.he_normal if activation in RELU_FAMILY else init.xavier_uniform
+    return init.get(chosen)
 
 
 def _weighted_config(layer):
@@ -330,10 +335,7 @@ class Conv2D(Layer):
             raise ValueError(f"Conv2D: leaky_relu alpha must be >= 0, got {alpha!r}")
         self.use_bias = bool(use_bias)
         self.dtype = np.dtype(dtype)
-        if kernel_initializer is None:
-            kernel_initializer = (init.he_normal if activation in RELU_FAMILY
-                                  else init.xavier_uniform)
-        self.kernel_initializer = init.get(kernel_initializer)
+        self.kernel_initializer = _kernel_initializer(kernel_initializer, activation)
         self.weight = self.bias = None
 
     def compute_output_shape(self, input_shape):
