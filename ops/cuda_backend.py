@@ -246,12 +246,6 @@ def launch_graph(graph):
     graph.launch(_default_stream())
 
 
-def specialize(kernel, args):
-    """``kernel`` specialised to the types of ``args`` (skips Numba's per-call typing), or the
-    kernel itself in the simulator."""
-    return kernel if SIMULATOR else kernel.specialize(*args)
-
-
 def _signature(args):
     """A hashable key of the argument types, or None when only Numba's path can take them."""
     key = []

@@ -255,23 +255,18 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
     return dense_grad_params_cuda
 
 
-_specialized = {}
-
-
 def gemm_launch(mode, m, n, dtype, trans_a, trans_b, act, args):
     """The launch of the ``mode`` kernel over an (m, n) output with the tiling that suits it.
 
-    Each kernel of the template only ever sees one argument signature (C-contiguous arrays
-    of its dtype and fixed ranks, a scalar of its dtype), so after the first call it runs as
-    a specialised dispatcher: that skips Numba's per-call typing of every argument, most of
-    a launch's cost at MLP sizes."""
+    The kernel is the cached ``@cuda.jit`` dispatcher itself, never a ``specialize()``d copy:
+    a specialised dispatcher is a new one without the disk cache, and recompiling the seven
+    GEMMs of an MLP step took 22 s of a warm start on the H200 (cProfile). After its first
+    launch a kernel runs through ``ops.cuda_backend``'s direct path, which skips Numba's
+    per-call typing anyway."""
     tiling = pick_tiling(m, n)
     kernel = _gemm_kernels(np.dtype(dtype), tiling, trans_a, trans_b, mode, act)
-    specialized = _specialized.get(kernel)
-    if specialized is None:
-        specialized = _specialized[kernel] = cuda_backend.specialize(kernel, args)
     blocks = (-(-n // tiling.BN), -(-m // tiling.BM))
-    return specialized, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), args
+    return kernel, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), args
 
 
 # ------------------------------------------------------------------ array-level GEMM
