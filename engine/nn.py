@@ -33,7 +33,6 @@ from ops import conv as conv_op
 from ops import dropout as dropout_op
 from ops import pool as pool_op
 from ops.device import check_device, copy_into, to_device, to_host
-from ops.launch import note_unrecordable
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
 ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
@@ -255,21 +254,43 @@ class Flatten(Layer):
 
 class Dropout(Layer):
     """Inverted dropout: in training, zero each element with probability ``p`` and scale the
-    rest by ``1 / (1 - p)``; the identity in ``eval()``. Each call draws a fresh mask seed
-    from the engine's generator, so ``engine.manual_seed`` makes the masks reproducible."""
+    rest by ``1 / (1 - p)``; the identity in ``eval()``.
+
+    Each training call draws a fresh mask on the device, from the layer's seed state: two
+    buffers on its device, ``seed`` (the base seed, drawn from the engine's generator when
+    the layer is built, like a weight: ``engine.manual_seed`` before building makes the
+    masks reproducible) and ``masks_drawn`` (how many masks it has drawn). One kernel per
+    call hashes the two into the call's seed and advances the count (``ops.dropout``), so
+    a captured step draws a new mask at every replay, the same masks as the eager step. The
+    state is saved, loaded and moved with the model, so a resumed checkpoint draws the masks
+    the uninterrupted run would have."""
 
     def __init__(self, p=0.5, input_shape=None):
         super().__init__(input_shape)
         if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout: p must be a probability in [0, 1), got {p!r}")
         self.p = float(p)
+        self.seed = self.masks_drawn = None
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        # a model read from a file (initialize=False) gets its seed state from the file and
+        # leaves the generator as it was
+        base_seed = int(generator().integers(0, dropout_op.SEED_LIMIT)) if initialize else 0
+        self.seed, self.masks_drawn = (
+            Tensor(array) for array in dropout_op.new_seed_state(base_seed, device))
+        return output_shape
+
+    def named_buffers(self):
+        if not self.built:
+            return []
+        return [("seed", self.seed), ("masks_drawn", self.masks_drawn)]
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        seed = int(generator().integers(0, dropout_op.SEED_LIMIT))
-        note_unrecordable("Dropout draws its mask seed on the host per call")
-        return apply(dropout_op.Dropout, x, p=self.p, seed=seed)
+        seed = dropout_op.next_mask_seed(self.seed.data, self.masks_drawn.data)
+        return _run_op(self, dropout_op.Dropout, x, seed, p=self.p)
 
     def get_config(self):
         return {"p": self.p, **super().get_config()}

@@ -39,7 +39,8 @@ SEED = 0x1234_5678_9ABC_DEF   # high and low halves both non-zero
 
 
 def _dropout_case(shape, p):
-    return Case("dropout", (shape,), lambda a: apply(dropout_op.Dropout, a, p=p, seed=SEED),
+    return Case("dropout", (shape,),
+                lambda a: apply(dropout_op.Dropout, a, dropout_op.seed_array(SEED, a.device), p=p),
                 lambda a: reference_dropout(a, p, SEED))
 
 
@@ -67,28 +68,33 @@ def test_dropout_statistics():
 
 def test_dropout_masks_differ_between_seeds_not_within_one():
     x = np.ones(10_000, np.float32)
-    a, b = dropout_op.dropout(x, 0.5, 1), dropout_op.dropout(x, 0.5, 2)
+    a, b = (dropout_op.dropout(x, 0.5, dropout_op.seed_array(seed, "cpu")) for seed in (1, 2))
     assert abs((a == b).mean() - 0.5) < 0.03
-    np.testing.assert_array_equal(dropout_op.dropout(x, 0.5, 1), a)
+    np.testing.assert_array_equal(dropout_op.dropout(x, 0.5, dropout_op.seed_array(1, "cpu")), a)
 
 
 def test_dropout_layer_is_seeded_by_manual_seed(device):
+    """The base seed is drawn when the layer is built (here: on its first call), like a
+    weight: the same seed before building, the same masks call after call."""
     x = engine.ones(7, 9, device=device)
-    layer = nn.Dropout(0.5)
     engine.manual_seed(3)
+    layer = nn.Dropout(0.5)
     first, second = layer(x).numpy(), layer(x).numpy()
     assert not np.array_equal(first, second)   # a fresh mask per call
+    assert layer.masks_drawn.numpy().tolist() == [2]
     engine.manual_seed(3)
-    np.testing.assert_array_equal(layer(x).numpy(), first)
-    np.testing.assert_array_equal(layer(x).numpy(), second)
+    again = nn.Dropout(0.5)
+    np.testing.assert_array_equal(again(x).numpy(), first)
+    np.testing.assert_array_equal(again(x).numpy(), second)
 
 
 @pytest.mark.cuda
 def test_dropout_masks_identical_on_cpu_and_cuda():
     x = np.random.default_rng(0).standard_normal((13, 11)).astype(np.float32)
     for seed in (0, 5, SEED, 2 ** 63 - 1):
-        cpu = dropout_op.dropout(x, 0.4, seed)
-        cuda = dropout_op.dropout(engine.tensor(x, device="cuda").data, 0.4, seed)
+        cpu = dropout_op.dropout(x, 0.4, dropout_op.seed_array(seed, "cpu"))
+        cuda = dropout_op.dropout(engine.tensor(x, device="cuda").data, 0.4,
+                                  dropout_op.seed_array(seed, "cuda"))
         np.testing.assert_array_equal(cuda.copy_to_host(), cpu)
     engine.manual_seed(9)
     on_cpu = nn.Dropout(0.4)(engine.tensor(x)).numpy()
@@ -99,8 +105,9 @@ def test_dropout_masks_identical_on_cpu_and_cuda():
 @pytest.mark.gpu
 def test_dropout_masks_identical_on_cpu_and_gpu_at_scale():
     x = np.random.default_rng(0).standard_normal((1000, 1001)).astype(np.float32)
-    cpu = dropout_op.dropout(x, 0.25, SEED)
-    gpu = dropout_op.dropout(engine.tensor(x, device="cuda").data, 0.25, SEED)
+    cpu = dropout_op.dropout(x, 0.25, dropout_op.seed_array(SEED, "cpu"))
+    gpu = dropout_op.dropout(engine.tensor(x, device="cuda").data, 0.25,
+                             dropout_op.seed_array(SEED, "cuda"))
     np.testing.assert_array_equal(gpu.copy_to_host(), cpu)
 
 
@@ -118,8 +125,17 @@ def test_dropout_is_identity_in_eval_mode(device):
 def test_dropout_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"Dropout: p must be a probability in \[0, 1\), got 1.0"):
         nn.Dropout(1.0)
-    with pytest.raises(ValueError, match="dropout: seed must be an integer in"):
-        apply(dropout_op.Dropout, engine.ones(3), p=0.5, seed=-1)
+    with pytest.raises(ValueError, match=r"dropout: seed must be an integer in \[0, 2\*\*63\), "
+                                         "got -1"):
+        dropout_op.seed_array(-1, "cpu")
+    with pytest.raises(ValueError, match=r"dropout: p must be in \[0, 1\], got 1.5"):
+        apply(dropout_op.Dropout, engine.ones(3), dropout_op.seed_array(1, "cpu"), p=1.5)
+    with pytest.raises(TypeError, match=r"dropout: the seed must be a one-element int64 array, "
+                                        r"got int64 \(2,\)"):
+        apply(dropout_op.Dropout, engine.ones(3), np.zeros(2, np.int64), p=0.5)
+    with pytest.raises(TypeError, match=r"dropout: the seed must be a one-element int64 array, "
+                                        r"got int32 \(1,\)"):
+        apply(dropout_op.Dropout, engine.ones(3), np.zeros(1, np.int32), p=0.5)
 
 
 # ------------------------------------------------------------------ building and shapes
@@ -146,11 +162,12 @@ def test_parameter_counts_and_summary(capsys):
     rows = [line.split() for line in lines[4:9]]
     assert rows == [["flatten", "(Flatten)", "(None,", "784)", "0"],
                     ["dense", "(Dense)", "(None,", "256)", "200,960"],
-                    ["dropout", "(Dropout)", "(None,", "256)", "0"],
+                    ["dropout", "(Dropout)", "(None,", "256)", "2"],   # its int64 seed state
                     ["dense_1", "(Dense)", "(None,", "128)", "32,896"],
                     ["dense_2", "(Dense)", "(None,", "10)", "1,290"]]
-    assert "Total params: 235,146 (918.54 KB)" in lines
+    assert "Total params: 235,148 (918.55 KB)" in lines
     assert "Trainable params: 235,146" in lines
+    assert "Non-trainable params: 2" in lines
 
 
 def test_add_infers_shapes_keras_style():
@@ -282,7 +299,8 @@ def test_state_dict_round_trip():
     model, other = mnist_mlp(), mnist_mlp()
     state = model.state_dict()
     assert list(state) == ["dense.weight", "dense.bias", "dense_1.weight", "dense_1.bias",
-                           "dense_2.weight", "dense_2.bias"]
+                           "dense_2.weight", "dense_2.bias", "dropout.seed",
+                           "dropout.masks_drawn"]
     assert not np.array_equal(other.state_dict()["dense.weight"], state["dense.weight"])
     other.load_state_dict(state)
     for name, value in other.state_dict().items():
