@@ -3,9 +3,16 @@ argmax / argmin (int64 positions) over no axis or one.
 
 The input's dims are split into kept dims (one output element per combination) and reduced
 dims, described by ``ops.layout.reduction_layout``. Accumulation is in float64 on both
-devices. On the GPU each output element is one block of ``REDUCE_THREADS`` threads that
-reduces in a fixed order (strided per-thread folds, then ``block_reduce_cuda``), so results
-are reproducible run to run: no float atomics.
+devices. A single reduced dim after coalescing (trailing axes, ``axis=None``, one column
+axis) is read as ``base + r * stride``, without per-element index arithmetic.
+
+On the GPU a block of ``REDUCE_THREADS`` threads reduces one output element in a fixed order
+(strided per-thread folds, then ``block_reduce_cuda``) where the outputs are many. Where they
+are few and their runs long (a whole-array sum is one output), each run is split into chunks
+(``chunking``): a first launch gives every (output, chunk) a block that writes one float64
+partial into a scratch buffer from the caching allocator, a second folds each output's
+partials in chunk order with one block per output. Every order is fixed by the shapes alone,
+so results are reproducible bit for bit run to run: no float atomics.
 
 Min is the max of ``-x``, negated: the block reduction has one extremum, and negation is
 exact. Backward: sum and mean broadcast ``grad_out`` back over the reduced dims (``expand``,
@@ -15,23 +22,56 @@ one thread per input element, scaled by 1/count for the mean); max and min route
 Argmax and argmin give the first position of the extremum, NaN counting as the extremum (as
 NumPy and torch). On the GPU each thread keeps the first extremum of its strided share; two
 passes of the block reduction then give the extremum and the smallest position holding it.
+Chunked, each chunk's block writes that extremum and position, and the fold keeps the first
+chunk holding the overall extremum.
 """
+import functools
 import math
 
 import numpy as np
 from numba import njit
 
+from ops import cuda_backend
 from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combine_cpu,
                                combine_cuda)
 from ops.cuda_backend import cuda
 from ops.dispatch import Meta, Out, run
-from ops.launch import Kernel, blocks_of, elements
-from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda, flat,
-                        normalize_axes, offset_cpu, offset_cuda, reduced_shape,
-                        reduction_layout)
+from ops.launch import Kernel, elements
+from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
+                        device_meta, flat, normalize_axes, offset_cpu, offset_cuda,
+                        reduced_shape, reduction_layout)
+from ops.memory import empty
 from ops.registry import Op, register
 
 MIN = 2   # beside ops.block_reduce's SUM and MAX: reduced as MAX of -x
+
+# Few outputs over long runs (a whole-array sum, a column of a tall matrix): a block per chunk
+# of each output's run, then a fold of the chunks' partials. A chunk gives each thread at
+# least 8 elements to fold (2048 on the GPU, 64 in the simulator, whose blocks have 8
+# threads); 4 blocks per multiprocessor keep the whole GPU reading. Both are the design's
+# first guess, not yet measured: bench.ops's 1024x1024 sum row is the measurement to take.
+CHUNK_MIN = 8 * REDUCE_THREADS
+BLOCKS_PER_MULTIPROCESSOR = 4
+_multiprocessors = functools.cache(cuda_backend.multiprocessor_count)
+
+
+def chunking(outputs, n_reduced):
+    """``(chunks, chunk_length)``: each output's run of ``n_reduced`` elements split into
+    ``chunks`` chunks of ``chunk_length`` (the last takes the rest, none is empty), enough
+    blocks to give every multiprocessor ``BLOCKS_PER_MULTIPROCESSOR`` of them, no chunk
+    shorter than ``CHUNK_MIN``. One chunk (a block per output, no second pass) where the
+    outputs alone fill the GPU or the runs are short."""
+    if outputs == 0 or n_reduced < 2 * CHUNK_MIN:
+        return 1, max(n_reduced, 1)
+    wanted = -(-BLOCKS_PER_MULTIPROCESSOR * _multiprocessors() // outputs)
+    chunks = max(1, min(wanted, n_reduced // CHUNK_MIN))
+    chunk_length = -(-n_reduced // chunks)
+    return -(-n_reduced // chunk_length), chunk_length
+
+
+def _run_shape(x, out):
+    """``(outputs, n_reduced)`` of a reduction of ``x`` into ``out``."""
+    return out.size, (x.size // out.size if out.size else 0)
 
 
 def _reduce_kernel(code, name):
@@ -45,34 +85,60 @@ def _reduce_kernel(code, name):
     def reduce_cpu(x, out, meta, scale):
         n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
         reduced_first = 3 + 2 * kept_dims
-        # one contiguous reduced run per output (trailing axes, axis=None): no index arithmetic
-        contiguous = reduced_dims == 1 and meta[reduced_first + 1] == 1
+        # one strided reduced run per output (contiguous for trailing axes and axis=None):
+        # no index arithmetic per element
+        stride = meta[reduced_first + 1] if reduced_dims == 1 else 0
         for o in range(out.size):
             base = offset_cpu(o, meta, 3, kept_dims)
             acc = start
             for r in range(n_reduced):
-                at = base + r if contiguous else base + offset_cpu(r, meta, reduced_first,
-                                                                   reduced_dims)
+                at = base + r * stride if reduced_dims == 1 else base + offset_cpu(
+                    r, meta, reduced_first, reduced_dims)
                 acc = combine_cpu(fold, acc, sign * x[at])
             out[o] = sign * acc * scale
 
     @cuda.jit(cache=True)
-    def reduce_cuda(x, out, meta, scale):
-        o = cuda.blockIdx.x
+    def reduce_cuda(x, out, meta, scale, chunk_length):
+        """Block b folds chunk ``b % chunks`` (``chunk_length`` reduced elements) of output
+        ``b // chunks`` into ``out[b]``: the outputs themselves when there is one chunk per
+        output, else the partials that a second launch of this kernel folds."""
+        b = cuda.blockIdx.x
         t = cuda.threadIdx.x
         n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
         reduced_first = 3 + 2 * kept_dims
+        chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
+        o = b // chunks
+        first = (b - o * chunks) * chunk_length
+        stop = min(first + chunk_length, n_reduced)
         base = offset_cuda(o, meta, 3, kept_dims)
         acc = start
-        for r in range(t, n_reduced, REDUCE_THREADS):
-            acc = combine_cuda(fold, acc,
-                               sign * x[base + offset_cuda(r, meta, reduced_first, reduced_dims)])
+        if reduced_dims == 1:   # one strided run: consecutive threads read consecutive elements
+            stride = meta[reduced_first + 1]
+            for r in range(first + t, stop, REDUCE_THREADS):
+                acc = combine_cuda(fold, acc, sign * x[base + r * stride])
+        else:
+            for r in range(first + t, stop, REDUCE_THREADS):
+                acc = combine_cuda(fold, acc, sign * x[base + offset_cuda(r, meta, reduced_first,
+                                                                          reduced_dims)])
         total = block_reduce_cuda(fold, acc)
         if t == 0:
-            out[o] = sign * total * scale
+            out[b] = sign * total * scale
 
-    return Kernel(name, reduce_cpu, reduce_cuda,
-                  blocks_of(lambda x, out, meta, scale: out.size, REDUCE_THREADS))
+    def cuda_plan(args):
+        x, out, meta, scale = args
+        outputs, n_reduced = _run_shape(x, out)
+        chunks, chunk_length = chunking(outputs, n_reduced)
+        if chunks == 1:
+            return ((reduce_cuda, outputs, REDUCE_THREADS, (x, out, meta, scale, chunk_length)),)
+        # the partials of max and min hold each chunk's extremum, so the second pass is the
+        # same reduction over them (min: the max of their negatives, negated)
+        partials = empty(outputs * chunks, np.float64, "cuda")
+        fold_meta = device_meta(reduction_layout((outputs, chunks), (1,)))
+        return ((reduce_cuda, outputs * chunks, REDUCE_THREADS,
+                 (x, partials, meta, 1.0, chunk_length)),
+                (reduce_cuda, outputs, REDUCE_THREADS, (partials, out, fold_meta, scale, chunks)))
+
+    return Kernel(name, reduce_cpu, cuda_plan=cuda_plan)
 
 
 REDUCE = {SUM: _reduce_kernel(SUM, "sum"), MAX: _reduce_kernel(MAX, "max"),
@@ -153,6 +219,37 @@ _beats_cpu = njit(inline="always", error_model="numpy")(_beats)
 _beats_cuda = cuda.jit(device=True)(_beats)
 
 
+@cuda.jit(device=True)
+def _first_holder_cuda(value, position):
+    """``(top, first)``: the largest ``value`` over the block's threads (NaN the largest) and
+    the smallest ``position`` among the threads holding it; a thread with ``position < 0``
+    holds nothing."""
+    mine = value if position >= 0 else -math.inf
+    top = block_reduce_cuda(MAX, mine)
+    holds_top = position >= 0 and (mine == top or (mine != mine and top != top))
+    # the smallest position holding the extremum, as the largest of -position
+    first = block_reduce_cuda(MAX, -float(position) if holds_top else -math.inf)
+    return top, int(-first)
+
+
+@cuda.jit(cache=True)
+def arg_fold_cuda(extrema, positions, out, chunks):
+    """Output o's position from the ``chunks`` partials of its chunks, in chunk order: the
+    first chunk holding the largest signed extremum (NaN the largest)."""
+    o = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    best = -math.inf
+    best_at = -1
+    for c in range(t, chunks, REDUCE_THREADS):   # ascending positions: a thread keeps its first
+        value = extrema[o * chunks + c]
+        if best_at < 0 or _beats_cuda(ARGMAX, value, best):
+            best = value
+            best_at = positions[o * chunks + c]
+    _, first = _first_holder_cuda(best, best_at)
+    if t == 0:
+        out[o] = first
+
+
 def _arg_kernel(code, name):
     """The twin kernels of argmax (``code`` ARGMAX) or argmin over the reduced dims."""
     sign = 1.0 if code == ARGMAX else -1.0   # the block reduction looks for the largest
@@ -173,29 +270,51 @@ def _arg_kernel(code, name):
             out[o] = best_at
 
     @cuda.jit(cache=True)
-    def arg_cuda(x, out, meta):
-        o = cuda.blockIdx.x
+    def arg_cuda(x, out, meta, chunk_length, extrema):
+        """Block b takes chunk ``b % chunks`` of output ``b // chunks`` (as ``reduce_cuda``):
+        ``out[b]`` gets the first position of the chunk's extremum and, when ``extrema`` is
+        not empty (partials for ``arg_fold_cuda``), ``extrema[b]`` that extremum, signed so
+        that the largest wins."""
+        b = cuda.blockIdx.x
         t = cuda.threadIdx.x
         n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
         reduced_first = 3 + 2 * kept_dims
+        chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
+        o = b // chunks
+        first = (b - o * chunks) * chunk_length
+        stop = min(first + chunk_length, n_reduced)
         base = offset_cuda(o, meta, 3, kept_dims)
+        stride = meta[reduced_first + 1] if reduced_dims == 1 else 0
         best = 0.0
         best_at = -1   # this thread's share may be empty
-        for r in range(t, n_reduced, REDUCE_THREADS):
-            value = x[base + offset_cuda(r, meta, reduced_first, reduced_dims)]
+        for r in range(first + t, stop, REDUCE_THREADS):
+            if reduced_dims == 1:   # one strided run: no index arithmetic per element
+                value = x[base + r * stride]
+            else:
+                value = x[base + offset_cuda(r, meta, reduced_first, reduced_dims)]
             if best_at < 0 or _beats_cuda(code, value, best):
                 best = value
                 best_at = r
-        mine = sign * best if best_at >= 0 else -math.inf
-        top = block_reduce_cuda(MAX, mine)   # NaN wins, as in _beats
-        holds_top = best_at >= 0 and (mine == top or (mine != mine and top != top))
-        # the smallest position holding the extremum, as the largest of -position
-        first = block_reduce_cuda(MAX, -float(best_at) if holds_top else -math.inf)
+        top, first_at = _first_holder_cuda(sign * best, best_at)
         if t == 0:
-            out[o] = int(-first)
+            out[b] = first_at
+            if extrema.size:
+                extrema[b] = top
 
-    return Kernel(name, arg_cpu, arg_cuda,
-                  blocks_of(lambda x, out, meta: out.size, REDUCE_THREADS))
+    def cuda_plan(args):
+        x, out, meta = args
+        outputs, n_reduced = _run_shape(x, out)
+        chunks, chunk_length = chunking(outputs, n_reduced)
+        if chunks == 1:
+            return ((arg_cuda, outputs, REDUCE_THREADS,
+                     (x, out, meta, chunk_length, empty(0, np.float64, "cuda"))),)
+        positions = empty(outputs * chunks, np.int64, "cuda")
+        extrema = empty(outputs * chunks, np.float64, "cuda")
+        return ((arg_cuda, outputs * chunks, REDUCE_THREADS,
+                 (x, positions, meta, chunk_length, extrema)),
+                (arg_fold_cuda, outputs, REDUCE_THREADS, (extrema, positions, out, chunks)))
+
+    return Kernel(name, arg_cpu, cuda_plan=cuda_plan)
 
 
 ARG = {ARGMAX: _arg_kernel(ARGMAX, "argmax"), ARGMIN: _arg_kernel(ARGMIN, "argmin")}
