@@ -3,7 +3,9 @@
 Every thread writes its value into a shared array of ``REDUCE_THREADS`` entries (a power of
 two), then pairs are combined in a tree that halves each round: the same order every run, so
 sums are reproducible bit for bit. Sum, mean, max, the losses, the training metrics and the
-gradient norm all reduce through it, with one block of ``REDUCE_THREADS`` threads per output.
+gradient norm all reduce through it, with one block of ``REDUCE_THREADS`` threads per output
+(or per chunk of one: ``ops.reduce``); ``group_reduce_cuda`` is the same tree within aligned
+groups of a block's threads (softmax: a group per row).
 """
 from numba import float64, njit
 
@@ -38,5 +40,27 @@ def block_reduce_cuda(code, value):
         cuda.syncthreads()
         step //= 2
     total = partial[0]
+    cuda.syncthreads()   # a second call in the same kernel may reuse the shared array
+    return total
+
+
+@cuda.jit(device=True)
+def group_reduce_cuda(code, value, group):
+    """``value`` combined over each aligned group of ``group`` consecutive threads (a power of
+    two dividing ``REDUCE_THREADS``), in the fixed tree order of ``block_reduce_cuda`` within
+    the group; every thread gets its group's result. Several short rows share one block this
+    way (softmax: a group per row). Every thread of the block must call it."""
+    partial = cuda.shared.array(REDUCE_THREADS, float64)
+    t = cuda.threadIdx.x
+    lane = t % group
+    partial[t] = value
+    cuda.syncthreads()
+    step = group // 2
+    while step > 0:
+        if lane < step:
+            partial[t] = combine_cuda(code, partial[t], partial[t + step])
+        cuda.syncthreads()
+        step //= 2
+    total = partial[t - lane]
     cuda.syncthreads()   # a second call in the same kernel may reuse the shared array
     return total
