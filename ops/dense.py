@@ -1,4 +1,5 @@
-"""Fused Dense: ``act(x @ W + b)`` forward in one kernel, backward in at most two.
+"""Fused Dense: ``act(x @ W + b)`` forward in one kernel, backward in at most two (on CUDA a
+split-K GEMM adds its sum kernel to each).
 
 Forward: on CUDA the GEMM template of ``ops.matmul`` adds the bias and applies the
 activation in its epilogue; on the CPU BLAS writes ``x @ W`` into the output and one loop
@@ -20,7 +21,7 @@ from numba import njit
 
 from ops.dispatch import Out, run
 from ops.launch import Kernel
-from ops.matmul import FORWARD, GRAD_A, GRAD_B, gemm_launch
+from ops.matmul import FORWARD, GRAD_A, GRAD_B, gemm_plan
 from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
 from ops.registry import Op, register
 
@@ -59,18 +60,18 @@ def _dense_kernels(act):
 
     def forward_plan(args):
         x, w, bias, out, alpha = args
-        return (gemm_launch(FORWARD, out.shape[0], out.shape[1], out.dtype, False, False, act,
-                            args),)
+        return gemm_plan(FORWARD, x.shape[0], w.shape[1], x.shape[1], out.dtype, False, False,
+                         act, args)
 
-    def backward_plan(args):
+    def backward_plan(args):   # each GEMM one launch, or two under split-K
         x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x, needs_params = args
         launches = []
-        if needs_x:
-            launches.append(gemm_launch(GRAD_A, x.shape[0], x.shape[1], x.dtype, False, True,
-                                        act, (grad_out, y, w, grad_x, alpha)))
-        if needs_params:
-            launches.append(gemm_launch(GRAD_B, w.shape[0] + 1, w.shape[1], x.dtype, True,
-                                        False, act, (x, grad_out, y, grad_w, grad_b, alpha)))
+        if needs_x:   # dX (batch, in) = G (batch, out) @ Wᵀ
+            launches += gemm_plan(GRAD_A, x.shape[0], x.shape[1], w.shape[1], x.dtype, False,
+                                  True, act, (grad_out, y, w, grad_x, alpha))
+        if needs_params:   # dW (in, out) = xᵀ @ G, K = batch; the bias row is the kernel's own
+            launches += gemm_plan(GRAD_B, w.shape[0], w.shape[1], x.shape[0], x.dtype, True,
+                                  False, act, (x, grad_out, y, grad_w, grad_b, alpha))
         return launches
 
     name = next(key for key, code in ACTIVATIONS.items() if code == act) or "linear"

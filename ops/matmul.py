@@ -8,12 +8,19 @@ Each block computes a ``BM x BN`` tile of the output; each of its 256 threads ke
 ``TM x TN`` sub-tile in registers (register blocking), walking K in steps of ``BK`` through
 two shared-memory buffers: while the block multiplies one buffer, every thread already holds
 the next K-slice in registers and stores it into the other buffer (double buffering, one
-barrier per step). Three tilings serve three regimes:
+barrier per step). The tilings:
 
 - ``LARGE`` (128x128, 8x8 per thread) when it alone gives every multiprocessor a block;
 - ``MEDIUM`` (64x64, 4x4 per thread) for mid-sized outputs such as 1024x1024;
 - ``SMALL`` (16x16, one element per thread, BK=32) for MLP shapes such as 128x784x256:
-  as many blocks as the output allows.
+  as many blocks as the output allows;
+- ``COMPACT`` (32x32, 2x2 per thread) a candidate between SMALL and MEDIUM.
+
+A product with too few output tiles to fill the GPU also splits K (split-K): its blocks write
+partial tiles of their K slices into a scratch buffer, and a second kernel sums them in a
+fixed order and applies the epilogue. Which tiling and split count a shape gets is
+``pick_config``'s: the measured choice of ``GEMM_CHOICES`` (set from ``python -m bench.gemm
+--device cuda --sweep``), else a size rule.
 
 Transposed operands (A·Bᵀ, Aᵀ·B) only change how a tile is fetched from global memory, so
 a backward pass never materialises a transpose. The same template carries the fused Dense
@@ -33,6 +40,7 @@ from ops import cuda_backend
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Out, run
 from ops.launch import Kernel
+from ops.memory import empty
 from ops.pointwise import IDENTITY, derivative_cuda, value_cuda
 from ops.registry import Op, register
 
@@ -52,7 +60,7 @@ def gemm_cpu(a, b, out, trans_a, trans_b):
         np.dot(a, b, out)
 
 
-# ------------------------------------------------------------------ CUDA kernel template
+# ------------------------------------------------------------------ CUDA tilings
 
 # vec: a thread owns runs of 4 adjacent rows/columns (16-byte aligned shared reads that the
 # compiler can merge into vector loads) instead of rows/columns strided by the thread count.
@@ -65,6 +73,8 @@ Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers", defaults=(Fals
 LARGE = Tiling(128, 128, 8, 8, 8, True, 128)
 MEDIUM = Tiling(64, 64, 16, 4, 4, True)
 SMALL = Tiling(16, 16, 32, 1, 1)
+# 2x2 per thread: half SMALL's shared-memory reads per multiply-add, a quarter of its blocks
+COMPACT = Tiling(32, 32, 16, 2, 2)
 SIMULATED = Tiling(4, 4, 4, 2, 2)   # the simulator starts one OS thread per CUDA thread
 MEDIUM_MIN_BLOCKS = 48   # below this many MEDIUM blocks, SMALL's many blocks win
 
@@ -88,15 +98,73 @@ def pick_tiling(m, n):
     return SMALL
 
 
+# ------------------------------------------------------------------ split-K and the choice table
+
+# Split-K: a product whose output tiles are too few to keep the GPU busy (128x784x256 makes
+# 128 SMALL blocks, each walking K=784 alone) splits K into slices, one block per tile and
+# slice; each block writes its partial tile into a scratch buffer (slices, M, N), and a second
+# kernel sums each output element's partials in slice order and applies the epilogue. No float
+# atomics: every sum runs in a fixed order, so results are reproducible run to run.
+GemmConfig = namedtuple("GemmConfig", "tiling split")
+
+# The measured choices: (M, N, K, trans_a, trans_b) of op(A) (M, K) @ op(B) (K, N) -> the
+# config that won `python -m bench.gemm --device cuda --sweep` at that shape (GPU time on the
+# H200; put the measurement in a comment beside each entry). M counts the product's rows only,
+# not Dense's bias row. Shapes not listed take pick_config's rule.
+GEMM_CHOICES = {}
+
+# The rule for shapes the table does not list, a guess until the sweep has measured it: split
+# K when the tiles alone leave multiprocessors idle, into slices of at least SPLIT_MIN_K, up to
+# SPLIT_BLOCKS_PER_SM blocks per multiprocessor.
+SPLIT_MIN_K = 128
+SPLIT_BLOCKS_PER_SM = 2
+
+
+def pick_config(m, n, k, trans_a, trans_b, extra_rows=0):
+    """The tiling and split count for op(A) (m, k) @ op(B) (k, n): the table's measured choice,
+    else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row)."""
+    key = (m, n, k, bool(trans_a), bool(trans_b))
+    choice = GEMM_CHOICES.get(key)
+    if choice is not None:
+        if choice.split < 1:
+            raise ValueError(f"matmul: GEMM_CHOICES[{key}] asks for split {choice.split}; a "
+                             f"split is at least 1")
+        return choice
+    tiling = pick_tiling(m + extra_rows, n)
+    tiles = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN)
+    split = 1
+    if tiles < _multiprocessors():   # never in the simulator: it counts one multiprocessor
+        split = max(1, min(k // SPLIT_MIN_K, -(-SPLIT_BLOCKS_PER_SM * _multiprocessors() // tiles)))
+    return GemmConfig(tiling, split)
+
+
+def k_slices(k, split, bk):
+    """How many K slices a split into ``split`` makes: each slice is ceil(steps / split) whole
+    BK steps (the kernel derives the same from its grid), so asking for more slices than K has
+    steps makes fewer slices, never an empty one."""
+    steps = -(-k // bk)
+    if steps == 0:
+        return 1
+    per_slice = -(-steps // split)
+    return -(-steps // per_slice)
+
+
+# ------------------------------------------------------------------ CUDA kernel template
+
 @functools.lru_cache(maxsize=None)
-def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
-    """The kernels for one dtype/tiling/layout/mode: a device function ``tile`` holding the
-    whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
-    arguments (each kernel argument costs launch time)."""
+def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
+    """The kernels for one dtype/tiling/layout/mode: a device function ``tile_product`` holding
+    the whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
+    arguments (each kernel argument costs launch time).
+
+    The grid's z extent is the number of K slices, the block's z index its slice. ``partial``:
+    the kernel of a split-K product, writing its raw slice sums (the bias row's too) into
+    ``partials[slice]`` for ``_split_sum_kernel`` to finish; its FORWARD is PLAIN (the
+    epilogue moves to the sum)."""
     BM, BN, BK, TM, TN = tiling[:5]
     # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
-    # differ per dtype, tiling, layout, mode and activation (max_registers is not part of the
-    # key, and no two tilings share a closure)
+    # differ per dtype, tiling, layout, mode, activation and partial (max_registers is not
+    # part of the key, and no two tilings share a closure)
     entry = (cuda.jit(cache=True, max_registers=tiling.max_registers) if tiling.max_registers
              else cuda.jit(cache=True))
     TY, TX = BM // TM, BN // TN
@@ -105,6 +173,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
     numba_type = from_dtype(np.dtype(dtype))
     ZERO, ONE = np.dtype(dtype).type(0), np.dtype(dtype).type(1)
     ONES_ROW = mode == GRAD_B   # A gets a virtual last row of ones: that output row is db
+    EXTRA_ROWS = 1 if ONES_ROW else 0
+    PARTIAL = partial
     A_TILE, B_TILE = (2, BK, BM + PAD), (2, BK, BN + PAD)   # constant shapes for the arrays
     ACC = (TM, TN)
     VEC = tiling.vec
@@ -118,7 +188,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
         return t + i * count
 
     @cuda.jit(device=True)
-    def fetch_a(a, aux, regs, k0, row0, m_data, k_size, tid, alpha):
+    def fetch_a(a, aux, regs, k0, row0, m_data, k_end, tid, alpha):
         for load in range(A_LOADS):
             e = tid + load * THREADS
             if trans_a:   # consecutive threads read consecutive m of a (K, M) array
@@ -127,7 +197,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
                 r, kk = e // BK, e % BK
             m, k = row0 + r, k0 + kk
             value = ZERO
-            if k < k_size:
+            if k < k_end:
                 if m < m_data:
                     value = a[k, m] if trans_a else a[m, k]
                     if mode == GRAD_A:   # G = grad_out * act'(y), y standing for x
@@ -148,7 +218,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
             tile[buf, kk, r] = regs[load]
 
     @cuda.jit(device=True)
-    def fetch_b(b, aux, regs, k0, col0, n_size, k_size, tid, alpha):
+    def fetch_b(b, aux, regs, k0, col0, n_size, k_end, tid, alpha):
         for load in range(B_LOADS):
             e = tid + load * THREADS
             if trans_b:   # b is (N, K): consecutive threads read consecutive k
@@ -157,7 +227,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
                 kk, c = e // BN, e % BN
             n, k = col0 + c, k0 + kk
             value = ZERO
-            if k < k_size and n < n_size:
+            if k < k_end and n < n_size:
                 value = b[n, k] if trans_b else b[k, n]
                 if mode == GRAD_B:
                     y = aux[k, n]
@@ -190,22 +260,27 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
             k_size, m_data = a.shape[0], a.shape[1]
         else:
             m_data, k_size = a.shape[0], a.shape[1]
-        n_size = out.shape[1]
+        n_size = b.shape[0] if trans_b else b.shape[1]
+        # this block's K slice: whole BK steps, the rule of k_slices
+        per_slice = ((k_size + BK - 1) // BK + cuda.gridDim.z - 1) // cuda.gridDim.z
+        k_begin = cuda.blockIdx.z * per_slice * BK
+        k_end = min(k_begin + per_slice * BK, k_size)
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = ZERO
-        fetch_a(a, aux, a_regs, 0, row0, m_data, k_size, tid, alpha)
-        fetch_b(b, aux, b_regs, 0, col0, n_size, k_size, tid, alpha)
+        fetch_a(a, aux, a_regs, k_begin, row0, m_data, k_end, tid, alpha)
+        fetch_b(b, aux, b_regs, k_begin, col0, n_size, k_end, tid, alpha)
         stash_a(a_tile, 0, a_regs, tid)
         stash_b(b_tile, 0, b_regs, tid)
         cuda.syncthreads()
-        steps = (k_size + BK - 1) // BK
+        steps = (k_end - k_begin + BK - 1) // BK
         for step in range(steps):
             cur = step % 2
             more = step + 1 < steps
             if more:   # global loads of the next slice overlap the math on this one
-                fetch_a(a, aux, a_regs, (step + 1) * BK, row0, m_data, k_size, tid, alpha)
-                fetch_b(b, aux, b_regs, (step + 1) * BK, col0, n_size, k_size, tid, alpha)
+                k_next = k_begin + (step + 1) * BK
+                fetch_a(a, aux, a_regs, k_next, row0, m_data, k_end, tid, alpha)
+                fetch_b(b, aux, b_regs, k_next, col0, n_size, k_end, tid, alpha)
             for kk in range(BK):
                 # without vec, thread (ty, tx) owns rows ty + i*TY and columns tx + j*TX:
                 # a warp reads consecutive shared words (no bank conflicts), stores coalesce
@@ -225,7 +300,10 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
             for j in range(TN):
                 n = col0 + owned(tx, j, TX)
                 if n < n_size:
-                    if m < m_data:
+                    if PARTIAL:
+                        if m < m_data + EXTRA_ROWS:
+                            out[cuda.blockIdx.z, m, n] = acc[i, j]
+                    elif m < m_data:
                         value = acc[i, j]
                         if mode == FORWARD:
                             value = value_cuda(act, value + bias[n], alpha)
@@ -233,6 +311,22 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
                     elif ONES_ROW and m == m_data:
                         side[n] = acc[i, j]
 
+    if PARTIAL:
+        if mode == PLAIN:
+            @entry
+            def gemm_partial_cuda(a, b, partials):
+                tile_product(a, b, partials, a, partials[0, 0], partials[0, 0], ZERO)
+            return gemm_partial_cuda
+        if mode == GRAD_A:
+            @entry
+            def dense_grad_input_partial_cuda(g, y, w, partials, alpha):
+                tile_product(g, w, partials, y, partials[0, 0], partials[0, 0], alpha)
+            return dense_grad_input_partial_cuda
+
+        @entry
+        def dense_grad_params_partial_cuda(x, g, y, partials, alpha):
+            tile_product(x, g, partials, y, partials[0, 0], partials[0, 0], alpha)
+        return dense_grad_params_partial_cuda
     if mode == PLAIN:
         @entry
         def gemm_cuda(a, b, out):
@@ -255,18 +349,97 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act):
     return dense_grad_params_cuda
 
 
-def gemm_launch(mode, m, n, dtype, trans_a, trans_b, act, args):
-    """The launch of the ``mode`` kernel over an (m, n) output with the tiling that suits it.
+SUM_THREADS = 256
 
-    The kernel is the cached ``@cuda.jit`` dispatcher itself, never a ``specialize()``d copy:
-    a specialised dispatcher is a new one without the disk cache, and recompiling the seven
-    GEMMs of an MLP step took 22 s of a warm start on the H200 (cProfile). After its first
-    launch a kernel runs through ``ops.cuda_backend``'s direct path, which skips Numba's
+
+@cuda.jit(device=True)
+def _slice_sum(partials, m, n):
+    """Σ over slices of partials[:, m, n], in slice order (the fixed order of every run)."""
+    total = partials[0, m, n]
+    for s in range(1, partials.shape[0]):
+        total += partials[s, m, n]
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _split_sum_kernel(mode, act):
+    """The second launch of a split-K GEMM, one thread per output element: the sum of its
+    partials, then ``mode``'s epilogue (bias and activation for FORWARD; for GRAD_B the bias
+    row's sums are the bias gradient). GRAD_A's sum is PLAIN's."""
+    if mode == FORWARD:
+        @cuda.jit(cache=True)
+        def dense_forward_sum_cuda(partials, bias, out, alpha):
+            e = cuda.grid(1)
+            cols = out.shape[1]
+            if e < out.shape[0] * cols:
+                m, n = e // cols, e % cols
+                out[m, n] = value_cuda(act, _slice_sum(partials, m, n) + bias[n], alpha)
+        return dense_forward_sum_cuda
+    if mode == GRAD_B:
+        @cuda.jit(cache=True)
+        def dense_grad_params_sum_cuda(partials, grad_w, grad_b):
+            e = cuda.grid(1)
+            rows, cols = grad_w.shape
+            if e < (rows + 1) * cols:
+                m, n = e // cols, e % cols
+                if m < rows:
+                    grad_w[m, n] = _slice_sum(partials, m, n)
+                else:
+                    grad_b[n] = _slice_sum(partials, m, n)
+        return dense_grad_params_sum_cuda
+
+    @cuda.jit(cache=True)
+    def gemm_sum_cuda(partials, out):
+        e = cuda.grid(1)
+        cols = out.shape[1]
+        if e < out.shape[0] * cols:
+            out[e // cols, e % cols] = _slice_sum(partials, e // cols, e % cols)
+    return gemm_sum_cuda
+
+
+def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
+    """The launches of the ``mode`` GEMM op(A) (m, k) @ op(B) (k, n), ``args`` those of the
+    ``mode`` entry point: one kernel, or under split-K the partial products and their sum.
+
+    The kernels are the cached ``@cuda.jit`` dispatchers themselves, never ``specialize()``d
+    copies: a specialised dispatcher is a new one without the disk cache, and recompiling the
+    seven GEMMs of an MLP step took 22 s of a warm start on the H200 (cProfile). After its
+    first launch a kernel runs through ``ops.cuda_backend``'s direct path, which skips Numba's
     per-call typing anyway."""
-    tiling = pick_tiling(m, n)
-    kernel = _gemm_kernels(np.dtype(dtype), tiling, trans_a, trans_b, mode, act)
-    blocks = (-(-n // tiling.BN), -(-m // tiling.BM))
-    return kernel, blocks, (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN), args
+    dtype = np.dtype(dtype)
+    extra_rows = 1 if mode == GRAD_B else 0
+    rows = m + extra_rows
+    tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows)
+    blocks = (-(-n // tiling.BN), -(-rows // tiling.BM))
+    threads = (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN)
+    slices = k_slices(k, split, tiling.BK)
+    if slices == 1:
+        kernel = _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, False)
+        return [(kernel, blocks, threads, args)]
+    partials = empty((slices, rows, n), dtype, "cuda")
+    if mode == PLAIN:
+        a, b, out = args
+        partial_args, sum_args = (a, b, partials), (partials, out)
+    elif mode == FORWARD:
+        x, w, bias, out, alpha = args
+        partial_args, sum_args = (x, w, partials), (partials, bias, out, alpha)
+    elif mode == GRAD_A:
+        g, y, w, grad_x, alpha = args
+        partial_args, sum_args = (g, y, w, partials, alpha), (partials, grad_x)
+    else:
+        x, g, y, grad_w, grad_b, alpha = args
+        partial_args, sum_args = (x, g, y, partials, alpha), (partials, grad_w, grad_b)
+    # FORWARD's partials are PLAIN's; the activation matters to the prologues only
+    partial_kernel = (_gemm_kernels(dtype, tiling, trans_a, trans_b, PLAIN, IDENTITY, True)
+                      if mode in (PLAIN, FORWARD) else
+                      _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, True))
+    sum_kernel = (_split_sum_kernel(mode, act) if mode == FORWARD else
+                  _split_sum_kernel(GRAD_B if mode == GRAD_B else PLAIN, IDENTITY))
+    elements = rows * n
+    # the simulator runs one OS thread per CUDA thread: start no idle ones
+    sum_threads = max(1, min(SUM_THREADS, elements)) if SIMULATOR else SUM_THREADS
+    return [(partial_kernel, blocks + (slices,), threads, partial_args),
+            (sum_kernel, -(-elements // sum_threads), sum_threads, sum_args)]
 
 
 # ------------------------------------------------------------------ array-level GEMM
@@ -274,7 +447,8 @@ def gemm_launch(mode, m, n, dtype, trans_a, trans_b, act, args):
 def _gemm_plan(args):
     a, b, out, trans_a, trans_b = args
     m, n = out.shape
-    return (gemm_launch(PLAIN, m, n, a.dtype, trans_a, trans_b, IDENTITY, (a, b, out)),)
+    k = a.shape[0] if trans_a else a.shape[1]
+    return gemm_plan(PLAIN, m, n, k, a.dtype, trans_a, trans_b, IDENTITY, (a, b, out))
 
 
 GEMM = Kernel("gemm", gemm_cpu, cuda_plan=_gemm_plan)

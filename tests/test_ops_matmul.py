@@ -14,6 +14,7 @@ from engine.parameter import FlatBuffer, Parameter
 from ops import matmul as mm
 from ops.dense import Dense
 from ops.device import to_device, to_host
+from ops.launch import LaunchRecorder
 from ops.memory import empty
 from tests.op_check import Case, check_op
 
@@ -314,3 +315,110 @@ def test_gpu_softmax_cross_entropy_large():
     np.testing.assert_allclose(engine.softmax(t, axis=0).numpy(),
                                np.exp(_np_log_softmax(logits.astype(np.float64), axis=0)),
                                rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------ split-K
+
+# the simulator's tiling: 4x4 tiles, K steps of 4; the shapes below straddle tiles and steps
+SPLIT_TILING = mm.SIMULATED
+
+
+def _forcing(monkeypatch, key, split, tiling=SPLIT_TILING):
+    monkeypatch.setitem(mm.GEMM_CHOICES, key, mm.GemmConfig(tiling, split))
+
+
+def _cuda_kernels_launched(recorder):
+    """The CUDA kernels a recorder saw, poison mode's fills left out."""
+    return [name for name in recorder.cuda_kernel_names() if name != "fill_cuda"]
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 11, 31, 128, 784])
+@pytest.mark.parametrize("split", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("bk", [4, 16, 32])
+def test_k_slices_cover_k_in_whole_steps_without_an_empty_slice(k, split, bk):
+    slices = mm.k_slices(k, split, bk)
+    assert 1 <= slices <= max(split, 1)
+    steps = -(-k // bk)
+    per_slice = -(-steps // slices) * bk if steps else 0   # the kernel's rule from its grid
+    assert slices * per_slice >= k                           # every k is in a slice
+    assert (slices - 1) * per_slice < k or k == 0            # the last slice is not empty
+
+
+@pytest.mark.parametrize("trans_a,trans_b,split", [(False, False, 2), (False, False, 3),
+                                                   (False, True, 3), (True, False, 3),
+                                                   (True, True, 3)])
+def test_split_k_gemm_against_float64(device, monkeypatch, trans_a, trans_b, split):
+    m, k, n = 7, 11, 6   # K = 11: 3 steps of 4 in slices of 8 + 3 (split 2) or 4 + 4 + 3
+    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split)
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    stored_a = np.ascontiguousarray(a.T) if trans_a else a
+    stored_b = np.ascontiguousarray(b.T) if trans_b else b
+    with engine.debug.poison(), LaunchRecorder() as recorder:
+        out = mm.gemm(to_device(stored_a, device), to_device(stored_b, device), trans_a, trans_b)
+    np.testing.assert_allclose(to_host(out), a @ b, rtol=1e-12, atol=1e-12)
+    if device == "cuda":
+        assert _cuda_kernels_launched(recorder) == ["gemm_partial_cuda", "gemm_sum_cuda"]
+
+
+def _dense_reference(activation, x, w, b, upstream, alpha):
+    y = _np_activation(activation, x @ w + b, alpha)
+    dz = upstream * {None: 1.0, "relu": (y > 0) * 1.0, "leaky_relu": np.where(y > 0, 1, alpha),
+                     "sigmoid": y * (1 - y), "tanh": 1 - y ** 2}[activation]
+    return y, dz @ w.T, x.T @ dz, dz.sum(axis=0)
+
+
+def _dense_step(device, x, w, b, upstream, activation, alpha):
+    """Dense forward and backward (all three gradients) on ``device``: the results on the host
+    and the CUDA kernels that ran."""
+    op = Dense(activation=activation, alpha=alpha)
+    op.needs_input_grad = (True, True, True)
+    with LaunchRecorder() as recorder:
+        y = op(*[to_device(v, device) for v in (x, w, b)])
+        grads = op.backward(to_device(upstream, device), (None, None, None))
+    return [to_host(v) for v in (y, *grads)], _cuda_kernels_launched(recorder)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_split_k_dense_every_mode_against_float64(device, monkeypatch, activation):
+    batch, fan_in, fan_out, alpha = 9, 10, 6, 0.2
+    # forward K = 10 in slices 4+4+2; dX K = 6 in 4+2; dW K = 9 in 4+4+1, 11 rows with db's
+    for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
+                (fan_in, fan_out, batch, True, False)]:
+        _forcing(monkeypatch, key, 3)
+    rng = np.random.default_rng(7)
+    x, w, b = (rng.standard_normal(s) for s in ((batch, fan_in), (fan_in, fan_out), (fan_out,)))
+    upstream = rng.standard_normal((batch, fan_out))
+    with engine.debug.poison():
+        got, kernels = _dense_step(device, x, w, b, upstream, activation, alpha)
+    for what, value, want in zip(["y", "dx", "dW", "db"], got,
+                                 _dense_reference(activation, x, w, b, upstream, alpha)):
+        np.testing.assert_allclose(value, want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"split-K dense {activation} {what} on {device}")
+    if device == "cuda":
+        assert kernels == ["gemm_partial_cuda", "dense_forward_sum_cuda",
+                           "dense_grad_input_partial_cuda", "gemm_sum_cuda",
+                           "dense_grad_params_partial_cuda", "dense_grad_params_sum_cuda"]
+
+
+def test_split_k_is_bit_reproducible(device, monkeypatch):
+    batch, fan_in, fan_out = 9, 10, 6
+    for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
+                (fan_in, fan_out, batch, True, False)]:
+        _forcing(monkeypatch, key, 3)
+    rng = np.random.default_rng(8)
+    arrays = [rng.standard_normal(s).astype(np.float32)
+              for s in ((batch, fan_in), (fan_in, fan_out), (fan_out,), (batch, fan_out))]
+    first, _ = _dense_step(device, *arrays, "tanh", 0.01)
+    second, _ = _dense_step(device, *arrays, "tanh", 0.01)
+    for one, other in zip(first, second):
+        np.testing.assert_array_equal(one.view(np.uint32), other.view(np.uint32))
+
+
+@pytest.mark.cuda
+def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
+    _forcing(monkeypatch, (3, 2, 5, False, False), 0)
+    a, b = to_device(np.ones((3, 5)), "cuda"), to_device(np.ones((5, 2)), "cuda")
+    with pytest.raises(ValueError, match=r"GEMM_CHOICES\[\(3, 2, 5, False, False\)\] asks "
+                                         r"for split 0"):
+        mm.gemm(a, b)
