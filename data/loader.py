@@ -29,8 +29,9 @@ import numpy as np
 
 from engine.random import generator
 from engine.tensor import Tensor
-from ops.device import check_device, to_device
+from ops.device import check_device, copy_into, to_device
 from ops.gather import gather_rows
+from ops.step_counter import advance, new_counter, set_counter
 
 
 class DataLoader:
@@ -86,6 +87,7 @@ class DataLoader:
         self._x = _resident(_features(x, normalize), x, self.device)
         self._y = _resident(_targets(y), y, self.device)
         self._in_order = None   # the unshuffled order on the device, made once
+        self._cursor = None
 
     def __len__(self):
         return len(self._spans())
@@ -139,12 +141,71 @@ class DataLoader:
                 xb = self.transform(xb)
             yield xb, yb
 
+    def epoch_cursor(self):
+        """This loader's ``EpochCursor`` (one per loader, kept: a recorded step that fetches
+        its batches through it stays valid for later epochs)."""
+        if self._cursor is None:
+            self._cursor = EpochCursor(self)
+        return self._cursor
+
     def __repr__(self):
         shard = f", shard={self.shard}" if self.shard != (0, 1) else ""
         return (f"DataLoader({self.num_samples} samples of shape {self.sample_shape}, "
                 f"batch_size={self.batch_size}, shuffle={self.shuffle}, "
                 f"drop_last={self.drop_last}, device='{self.device}'{shard}, "
                 f"batches={len(self)})")
+
+
+class EpochCursor:
+    """A loader's batches fetched by position on the device, for a captured training step
+    that fetches its own batch (``engine.fit``'s default)::
+
+        cursor = loader.epoch_cursor()
+        spans = cursor.start_epoch()    # the loader's next epoch: [(start, count)] of its batches
+        xb, yb = cursor.next_batch(count)   # inside the step: the batch at the cursor
+
+    ``start_epoch`` writes the epoch's order into one device buffer (same address every
+    epoch) and sets the device cursor to the first batch; ``next_batch`` gathers ``count``
+    rows at the cursor and advances it by one step of batches (every rank's), so replays of
+    the step walk the epoch with no Python between them. The batches are exactly those of
+    iterating the loader (same order, same shards); ``seek`` moves the cursor to a batch
+    whose start does not follow the one before (a sharded last batch). A loader with a
+    ``transform`` has no cursor: the transform is Python run per batch."""
+
+    def __init__(self, loader):
+        if loader.transform is not None:
+            raise ValueError("DataLoader.epoch_cursor: a loader with a transform fetches its "
+                             "batches by iteration, not on the device")
+        self.loader = loader
+        self.order = None
+        self.cursor = new_counter(loader.device, 0)
+        self.stride = loader.batch_size * loader.shard[1]
+
+    def start_epoch(self):
+        """Start the loader's next epoch (``loader.epoch`` moves on, as ``iter()`` does);
+        returns its batches as ``[(start, count)]``."""
+        loader = self.loader
+        epoch, loader.epoch = loader.epoch, loader.epoch + 1
+        order = loader._padded(loader.order(epoch))
+        if self.order is None:
+            self.order = to_device(order, loader.device)
+        else:   # into the buffer a recorded step reads
+            copy_into(self.order, order)
+        spans = loader._spans()
+        if spans:
+            set_counter(self.cursor, spans[0][0])
+        return spans
+
+    def seek(self, start):
+        set_counter(self.cursor, start)
+
+    def next_batch(self, count):
+        """The ``count`` samples at the cursor as ``(xb, yb)``; the cursor moves one step on."""
+        loader = self.loader
+        x_rows, y_rows = gather_rows(loader._x, loader._y, self.order, 0, count, self.cursor)
+        advance(self.cursor, self.stride)
+        return (Tensor(x_rows.reshape((count,) + loader.sample_shape)),
+                Tensor(y_rows.reshape((count,) + loader.target_shape)))
 
 
 def _checked_shard(shard):

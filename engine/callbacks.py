@@ -13,10 +13,14 @@ epoch) and ``save_checkpoint(path, config)``. Each hook receives one dict of log
 - ``on_train_begin``: ``{"epochs", "start_epoch", "steps"}`` (``steps``: batches per epoch,
   None for a loader without ``len``);
 - ``on_epoch_begin``: ``{"epoch"}`` (epochs count from 1, as in the records);
-- ``on_step_end``: ``{"epoch", "step", "steps", "rows", "loss", "seconds"}``: the step's
-  index from 0, the batch's samples, the step's loss **Tensor** (reading it, ``.item()``,
-  waits for the device: the progress bar does it every ``PROGRESS_EVERY`` steps) and the
-  seconds since the epoch began;
+- ``on_step_end``: ``{"epoch", "step", "steps", "rows", "loss", "seconds", "steps_run"}``:
+  the step's index from 0, the batch's samples, the step's loss **Tensor** (reading it,
+  ``.item()``, waits for the device: the progress bar does it every ``PROGRESS_EVERY``
+  steps), the seconds since the epoch began, and how many steps this call covers. A
+  callback that needs to see only every n-th step says so with ``step_interval = n``: when
+  every watching callback allows it, ``fit`` replays up to n steps at once (one CUDA graph
+  launch) and calls ``on_step_end`` once for them, with ``step`` the last one's index,
+  ``rows`` all their samples and ``loss`` the last one's loss;
 - ``on_epoch_end``: the epoch's record (``engine.fit.RECORD_KEYS``), already in the history;
 - ``on_train_end``: ``{"history", "error"}``, however training ends: ``error`` is the
   exception that ends it, or None.
@@ -46,6 +50,7 @@ class Callback:
     """The hooks ``fit`` calls; each does nothing unless a subclass overrides it."""
 
     run = None   # the engine.fit.Run of the fit call, set before on_train_begin
+    step_interval = 1   # on_step_end needs to see every step (see the module docstring)
 
     def on_train_begin(self, logs):
         pass
@@ -282,6 +287,7 @@ class ProgressBar(Callback):
 
     def __init__(self, every=PROGRESS_EVERY, **options):
         self.every, self.options = every, options
+        self.step_interval = every   # so fit may replay that many steps per graph launch
         self.bar = None
 
     def on_epoch_begin(self, logs):
@@ -290,9 +296,10 @@ class ProgressBar(Callback):
                                            **self.options), 0
 
     def on_step_end(self, logs):
-        self.bar.update(1)
+        runs = logs.get("steps_run", 1)
+        self.bar.update(runs)
         self.rows += logs["rows"]
-        if logs["step"] % self.every == 0:
+        if runs > 1 or logs["step"] % self.every == 0:
             show_progress(self.bar, logs["loss"].item(), self.rows / max(logs["seconds"], 1e-9))
 
     def on_epoch_end(self, logs):

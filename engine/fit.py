@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 import optim
+from data.loader import DataLoader
 from engine import archive, nn
 from engine import distributed as dist
 from engine.autograd import no_grad
@@ -47,6 +48,9 @@ RECORD_KEYS = ("epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
 # the records of checkpoints written before test_loss was recorded
 RECORD_KEYS_WITHOUT_TEST_LOSS = tuple(key for key in RECORD_KEYS if key != "test_loss")
 WORLD_MEANS = ("loss", "train_acc", "seconds", "samples_per_s")   # averaged over the ranks
+# the most steps one replay runs when no callback watches steps (one CUDA graph of that many
+# copies of the step; the graph's instantiation grows with it)
+MAX_STEPS_PER_REPLAY = 50
 
 
 # ------------------------------------------------------------------ the loop
@@ -112,24 +116,45 @@ def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distr
     return train_step
 
 
+def _cursor_step(cursor, train_step):
+    """``train_step`` on the batch of ``count`` samples at the loader's device cursor
+    (``data.loader.EpochCursor``): the step fetches its own batch, so a replay of several
+    steps in one graph launch walks the epoch by itself."""
+    def train_step_at_cursor(count):
+        return train_step(*cursor.next_batch(count))
+    return train_step_at_cursor
+
+
 _steps = weakref.WeakKeyDictionary()   # optimizer -> (what the step was made for, step, metrics)
 
 
-def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture, distributed):
+def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture, distributed,
+              cursor):
     """The training step and its metrics; a captured one is kept for the next ``fit`` call of
-    the same model, optimizer, loss, clipping and distribution (its recordings then carry
-    over: a loop of one-epoch ``fit`` calls records once)."""
+    the same model, optimizer, loss, clipping, distribution and loader cursor (its
+    recordings then carry over: a loop of one-epoch ``fit`` calls records once)."""
     made_for = (id(model), loss_fn, float(clip_norm), capture, distributed,
-                tuple(id(p) for p in parameters), parameters[0].device if parameters else "cpu")
+                tuple(id(p) for p in parameters), parameters[0].device if parameters else "cpu",
+                id(cursor))
     kept = _steps.get(optimizer)
     if kept is not None and kept[0] == made_for:
         return kept[1], kept[2]
     metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
     step = _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distributed)
+    if cursor is not None:
+        step = _cursor_step(cursor, step)
     if capture:
         step = engine_capture(step)
         _steps[optimizer] = (made_for, step, metrics)
     return step, metrics
+
+
+def _epoch_cursor(loader, capture):
+    """The loader's device cursor when the captured step can fetch its own batches (a
+    ``DataLoader`` without a transform), else None: the loop iterates the loader."""
+    if capture and isinstance(loader, DataLoader) and loader.transform is None:
+        return loader.epoch_cursor()
+    return None
 
 
 class Run:
@@ -158,22 +183,22 @@ def _overrides(callback, hook):
     return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
-def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses):
+def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor):
     """One epoch of steps, the callbacks' ``on_step_end`` after each; the record's training
-    part."""
+    part. With a ``cursor`` the step fetches its own batches, and up to the callbacks'
+    ``step_interval`` steps run as one replay (one graph launch on CUDA)."""
     metrics.reset()
     losses = [] if step_losses is not None else None
     watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
     start = time.perf_counter()
-    for index, (inputs, labels) in enumerate(loader):
-        if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
-            labels = tensor(labels, device=inputs.device)
-        loss = step(inputs, labels)
+    batches = (_loader_steps(loader) if cursor is None else
+               _cursor_steps(cursor, step, _steps_per_replay(watchers, losses)))
+    for index, runs, rows, loss in batches(step):
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
         if watchers:
-            logs = {"epoch": epoch, "step": index, "steps": run.steps, "rows": inputs.shape[0],
-                    "loss": loss, "seconds": time.perf_counter() - start}
+            logs = {"epoch": epoch, "step": index, "steps": run.steps, "rows": rows,
+                    "loss": loss, "seconds": time.perf_counter() - start, "steps_run": runs}
             for callback in watchers:
                 callback.on_step_end(logs)
     loss, train_acc, rows = metrics.read()   # waits for the GPU
@@ -182,6 +207,47 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses):
         step_losses.append(_read_losses(losses))
     return {"loss": loss, "train_acc": train_acc, "seconds": seconds,
             "samples_per_s": rows / seconds if seconds > 0 else None}
+
+
+def _loader_steps(loader):
+    """The epoch's steps over the loader's batches: ``(index, 1, rows, loss)`` per step."""
+    def steps(step):
+        for index, (inputs, labels) in enumerate(loader):
+            if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
+                labels = tensor(labels, device=inputs.device)
+            yield index, 1, inputs.shape[0], step(inputs, labels)
+    return steps
+
+
+def _cursor_steps(cursor, step, per_replay):
+    """The epoch's steps at the device cursor, up to ``per_replay`` full batches per replay:
+    ``(index of the last step, steps run, their rows, the last loss)`` per replay."""
+    def steps(_):
+        spans = cursor.start_epoch()
+        index = 0
+        while index < len(spans):
+            first, count = spans[index]
+            if count == cursor.loader.batch_size:
+                runs = 1
+                while (runs < per_replay - index % per_replay and index + runs < len(spans)
+                       and spans[index + runs][1] == count):
+                    runs += 1
+            else:   # the last, partial batch: its own recording, and its own start
+                cursor.seek(first)
+                runs = 1
+            loss = step.repeat(runs, count) if hasattr(step, "repeat") else step(count)
+            index += runs
+            yield index - 1, runs, runs * count, loss
+    return steps
+
+
+def _steps_per_replay(watchers, losses):
+    """How many steps may run between two ``on_step_end`` calls: every step when the losses
+    of all steps are kept, else the smallest ``step_interval`` of the callbacks watching."""
+    if losses is not None:
+        return 1
+    return min([getattr(callback, "step_interval", 1) for callback in watchers],
+               default=MAX_STEPS_PER_REPLAY)
 
 
 def _world_record(record):
@@ -269,8 +335,9 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     functions = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
     history = [] if history is None else history
     parameters = model.parameters()
+    cursor = _epoch_cursor(loader, capture)
     step, metrics = _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture,
-                              distributed)
+                              distributed, cursor)
     run = Run(model, optimizer, epochs, start_epoch, _length(loader), history,
               test_loader is not None)
     for callback in callbacks:
@@ -286,7 +353,8 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
             for callback in callbacks:
                 callback.on_epoch_begin({"epoch": epoch})
             model.train()
-            record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses)
+            record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses,
+                                  cursor)
             fit.last_eager_reason = getattr(step, "eager_reason", None)
             if distributed:
                 record = _world_record(record)

@@ -54,44 +54,51 @@ class _Recording:
         self.outputs = outputs
         self.output_kind = output_kind
         self.device = next((run.device for run in self.runs), "cpu")
-        self.graph = self.nodes = None
+        self.graphs = {}   # steps -> _Graph of that many chained copies of the runs
+        self.functions = None
         if self.device == "cuda" and not cuda_backend.SIMULATOR:   # the simulator has no graphs:
-            self._build_graph()                                    # its replay relaunches each run
+            self.functions = self._direct_functions()              # its replay relaunches runs
+            self.graphs[1] = _Graph(self, 1)
 
-    def _build_graph(self):
-        launches = []
+    def _direct_functions(self):
+        functions = []
         for run in self.runs:
             function = cuda_backend.direct_function(run.function, run.args)
             if not function:
                 raise _NotCapturable(f"kernel {run.kernel.name} ran through Numba's own launch "
                                      "path (its first launch, or arguments only Numba passes)")
-            launches.append((function, run.grid, run.block, run.args))
-        self.functions = [launch[0] for launch in launches]
-        self.graph, self.nodes = cuda_backend.build_graph(launches)
+            functions.append(function)
+        return functions
 
-    def replay(self, arrays):
+    def replay(self, arrays, steps=1):
+        """Run the recorded step ``steps`` times on ``arrays`` (one graph launch on CUDA)."""
         for check in self.checks:
             check()
         for destination, source in zip(self.inputs, arrays):
             # a copy kernel: numba's copy_to_device costs ~200 us of Python per call on the H200
             copy_array(destination, source)
-        refreshed = {index: refresh() for index, refresh in self.refreshers.items()}
-        if self.graph is not None:
-            for index, args in refreshed.items():
-                _, grid, block, cuda_args = self.runs[index].kernel._launch(args)
-                cuda_backend.update_graph_node(self.graph, self.nodes[index],
-                                               self.functions[index], grid, block, cuda_args)
-            cuda_backend.launch_graph(self.graph)
+        for index, refresh in self.refreshers.items():
+            args = refresh(steps)   # None: the run's arguments are those of the last replay
+            if args is not None:
+                run = self.runs[index]
+                function, grid, block, cuda_args = (run.kernel._launch(args)
+                                                    if run.device == "cuda"
+                                                    else (run.function, None, None, args))
+                self.runs[index] = run._replace(function=function, grid=grid, block=block,
+                                                args=cuda_args)
+        if self.functions is not None:
+            graph = self.graphs.get(steps)
+            if graph is None:
+                graph = self.graphs[steps] = _Graph(self, steps)
+            graph.launch(self)
         elif self.device == "cuda":
-            for index, run in enumerate(self.runs):
-                if index in refreshed:
-                    function, grid, block, args = run.kernel._launch(refreshed[index])
-                else:
-                    function, grid, block, args = run.function, run.grid, run.block, run.args
-                cuda_backend.launch(function, grid, block, args)
+            for _ in range(steps):
+                for run in self.runs:
+                    cuda_backend.launch(run.function, run.grid, run.block, run.args)
         else:
-            for index, run in enumerate(self.runs):
-                run.function(*refreshed.get(index, run.args))
+            for _ in range(steps):
+                for run in self.runs:
+                    run.function(*run.args)
         return self.results()
 
     def results(self):
@@ -100,6 +107,31 @@ class _Recording:
         if self.output_kind == "none":
             return None
         return copies[0] if self.output_kind == "tensor" else copies
+
+
+class _Graph:
+    """One executable CUDA graph: ``copies`` chained copies of a recording's runs, each run
+    after the one before. A run whose arguments a refresher changed gets them in every copy
+    before the next launch."""
+
+    def __init__(self, recording, copies):
+        runs = recording.runs
+        launches = [(function, run.grid, run.block, run.args)
+                    for function, run in zip(recording.functions, runs)] * copies
+        self.graph, self.nodes = cuda_backend.build_graph(launches)
+        self.copies = copies
+        self.applied = [run.args for run in runs]   # the arguments in this graph's nodes
+
+    def launch(self, recording):
+        count = len(recording.runs)
+        for index, run in enumerate(recording.runs):
+            if run.args is not self.applied[index]:
+                for copy in range(self.copies):
+                    cuda_backend.update_graph_node(self.graph, self.nodes[copy * count + index],
+                                                   recording.functions[index], run.grid,
+                                                   run.block, run.args)
+                self.applied[index] = run.args
+        cuda_backend.launch_graph(self.graph)
 
 
 class _NotCapturable(Exception):
@@ -118,18 +150,37 @@ class CapturedStep:
         self._recordings = OrderedDict()
 
     def __call__(self, *args):
-        if self.eager_reason is not None:
-            return self.fn(*args)
-        key = _signature(args)
-        recording = self._recordings.get(key)
-        if recording is not None:
+        return self.repeat(1, *args)
+
+    def repeat(self, steps, *args):
+        """Call the step ``steps`` times on the same arguments, as that many calls would, and
+        return the last call's result. Once recorded, the calls replay together: on CUDA one
+        graph launch of ``steps`` chained copies of the step. Worth it for a step that moves
+        its own state on the device (the loader's batch cursor, the optimizer's step count),
+        so Python is out of the loop between those steps."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"engine.capture: repeat needs a step count >= 1, got {steps!r}")
+        result = None
+        while steps:
+            if self.eager_reason is not None:
+                result = self.fn(*args)
+                steps -= 1
+                continue
+            key = _signature(args)
+            recording = self._recordings.get(key)
+            if recording is None:
+                result = self._eager_or_record(key, args)
+                steps -= 1
+                continue
             self._recordings.move_to_end(key)
             try:
-                return recording.replay([a.data for a in args if isinstance(a, Tensor)])
+                return recording.replay([a.data for a in args if isinstance(a, Tensor)], steps)
             except StaleRecording:   # raised before the replay ran anything: record anew
                 del self._recordings[key]
                 self._calls[key] = self.warmup
-                return self._record(key, args)
+        return result
+
+    def _eager_or_record(self, key, args):
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
         if calls < self.warmup:

@@ -124,9 +124,13 @@ def recording():
 
 
 def claim_last_run(refresh):
-    """Mark the run just made as one whose arguments ``refresh()`` gives anew for each replay
-    (every active recorder of this thread; nothing when none is active). A kernel that
-    made several launches (a cuda_plan) cannot be claimed."""
+    """Mark the run just made as one a replay asks about first (every active recorder of this
+    thread; nothing when none is active): ``refresh(steps)``, called before each replay of
+    ``steps`` steps, moves on the host state those steps advance and returns the run's new
+    arguments when they changed (a scheduler's learning rate), else None. Per-step values
+    belong on the device (``ops.step_counter``), not in the arguments: a replay of several
+    steps runs them all with one set. A kernel that made several launches (a cuda_plan)
+    cannot be claimed."""
     for recorder in getattr(_thread, "recorders", None) or ():
         recorder.refreshers[len(recorder.runs) - 1] = refresh
 
@@ -162,9 +166,9 @@ class LaunchRecorder:
             train_step()
         recorder.cuda_launches()   # how many CUDA launches the step made
 
-    Code whose kernel arguments change from one step to the next (an optimizer's step count
-    and learning rate) claims its run with ``claim_last_run(refresh)``: a replay of the
-    recording calls ``refresh()`` for the run's arguments of that step."""
+    Code whose kernel arguments may change between steps (an optimizer's learning rate)
+    claims its run with ``claim_last_run(refresh)``: a replay of the recording calls
+    ``refresh(steps)`` first."""
 
     def __init__(self):
         self.runs = []

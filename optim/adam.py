@@ -25,29 +25,44 @@ def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, o
     param[i] = p - step_size * m / (math.sqrt(v) / bias_correction2_sqrt + eps)
 
 
+def _bias_corrections(step_counter, lr, beta1, beta2):
+    """``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` in float64, t read from the device
+    counter: a replayed step computes its own (the power of a float t, so both devices call
+    pow, not an integer power loop)."""
+    t = float(step_counter[0])
+    return lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t)
+
+
 _adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
 _adam_element_cuda = cuda.jit(device=True)(_adam_element)
+_bias_corrections_cpu = njit(inline="always")(_bias_corrections)
+_bias_corrections_cuda = cuda.jit(device=True)(_bias_corrections)
 
 
 # error_model="numpy": IEEE division (0/0 is NaN, as on the GPU and in torch, not an
 # exception) without a zero check per division, which kept the loop 3.5x slower
 @njit(cache=True, error_model="numpy")
-def adam_cpu(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, eps,
-             l2, param_decay, step_size, bias_correction2_sqrt, first_step):
+def adam_cpu(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, eps, l2,
+             param_decay, first_step):
+    step_size, correction2 = _bias_corrections_cpu(step_counter, lr, beta1, beta2)
+    cast = param.dtype.type
+    one_minus_beta1, one_minus_beta2 = cast(1.0 - beta1), cast(1.0 - beta2)
     for i in range(param.size):
-        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2,
-                          one_minus_beta2, eps, l2, param_decay, step_size,
-                          bias_correction2_sqrt, first_step)
+        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, cast(beta2),
+                          one_minus_beta2, cast(eps), cast(l2), cast(param_decay),
+                          cast(step_size), cast(correction2), first_step)
 
 
 @cuda.jit(cache=True)
-def adam_cuda(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, eps,
-              l2, param_decay, step_size, bias_correction2_sqrt, first_step):
+def adam_cuda(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, eps, l2,
+              param_decay, first_step):
     i = cuda.grid(1)
     if i < param.size:
-        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2,
-                           one_minus_beta2, eps, l2, param_decay, step_size,
-                           bias_correction2_sqrt, first_step)
+        step_size, correction2 = _bias_corrections_cuda(step_counter, lr, beta1, beta2)
+        cast = param.dtype.type
+        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
+                           cast(1.0 - beta2), cast(eps), cast(l2), cast(param_decay),
+                           cast(step_size), cast(correction2), first_step)
 
 
 ADAM_UPDATE = Kernel("adam", adam_cpu, adam_cuda, elements(0))
@@ -64,8 +79,10 @@ class Adam(Optimizer):
         v = beta2 * v + (1 - beta2) * g * g
         p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-    The bias corrections are computed on the host in float64; the kernel's arithmetic is in
-    the parameter's dtype, as in torch. ``lr`` is a kernel argument (no recompile).
+    The kernel reads t from a one-element device counter that one small kernel advances each
+    step (so a captured step replays with its own t) and computes the bias corrections in
+    float64; the update's arithmetic is in the parameter's dtype, as in torch. ``lr`` is a
+    kernel argument (no recompile).
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -104,21 +121,18 @@ class Adam(Optimizer):
 
     update_kernel = ADAM_UPDATE
 
-    def _update_args(self, group, param, grad, buffers, step):
+    counts_steps_on_device = True   # the bias corrections need t
+
+    def _update_args(self, group, param, grad, buffers, step_counter):
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         beta1, beta2 = (float(b) for b in group["betas"])
         if self.decoupled_weight_decay:
             l2, param_decay = 0.0, 1.0 - lr * weight_decay
         else:
             l2, param_decay = weight_decay, 1.0
-        step_size = lr / (1.0 - beta1 ** step)
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
         exp_avg, exp_avg_sq = buffers
-        cast = param.dtype.type   # float32 parameters: float32 arithmetic in the kernel
-        args = (param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
-                cast(1.0 - beta2), cast(group["eps"]), cast(l2), cast(param_decay),
-                cast(step_size), cast(bias_correction2_sqrt), step == 1)
-        return args
+        return (param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2,
+                float(group["eps"]), l2, param_decay, bool(buffers.fresh[0]))
 
 
 class AdamW(Adam):

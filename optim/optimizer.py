@@ -40,6 +40,7 @@ from ops.device import copy_into, device_of, to_device, to_host
 from ops.launch import StaleRecording, claim_last_run, recording
 from ops.layout import flat
 from ops.memory import empty
+from ops.step_counter import advance, new_counter, set_counter
 
 
 class Optimizer:
@@ -51,6 +52,9 @@ class Optimizer:
         self.skipped_steps = 0
         self._flat_state = weakref.WeakKeyDictionary()   # FlatBuffer -> {state name: flat array}
         self._unwritten = {}   # parameter -> names of its state buffers that hold no history
+        # id of a FlatBuffer or parameter -> (weak reference to it, its device step counter,
+        # the step the host knows the counter holds); by id: a Tensor's == is elementwise
+        self._counters = {}
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
                             "got a single Tensor (wrap it in a list)")
@@ -111,9 +115,10 @@ class Optimizer:
 
     update_kernel = None   # the rule's ops.launch.Kernel (subclasses)
 
-    def _update_args(self, group, param, grad, buffers, step):
+    def _update_args(self, group, param, grad, buffers, step_counter):
         """The arguments of ``update_kernel`` for 1-D arrays; ``buffers`` are ``StateBuffers``
-        in ``_state_names`` order; ``step`` counts from 1 (subclasses)."""
+        in ``_state_names`` order; ``step_counter`` is the one-element device array holding
+        the step t (from 1) when ``counts_steps_on_device``, else None (subclasses)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- stepping
@@ -158,7 +163,7 @@ class Optimizer:
                         self.state[p]["step"] += 1
                         self._unwritten[p].difference_update(names)
                     self._run_update(group, buffer.data, buffer.grad,
-                                     StateBuffers(flat_state, fresh.pop()), params)
+                                     StateBuffers(flat_state, fresh.pop()), params, buffer)
                     return
         for p in params:
             grad = p.grad
@@ -179,28 +184,86 @@ class Optimizer:
             state["step"] += 1
             buffers = StateBuffers((flat(state[name]) for name in names), self._fresh(p, names))
             self._unwritten[p].difference_update(names)
-            self._run_update(group, flat(p.data), flat(grad.data), buffers, [p])
+            self._run_update(group, flat(p.data), flat(grad.data), buffers, [p], p)
 
-    def _run_update(self, group, param, grad, buffers, params):
+    counts_steps_on_device = False   # True: the rule's kernel reads its step t (Adam)
+
+    def _run_update(self, group, param, grad, buffers, params, unit):
         """Launch the rule's kernel on the 1-D arrays of ``params`` (their steps just
-        advanced). Inside a recorded step (``engine.capture``) the run is claimed: each replay
-        advances their steps as this call did and gives the kernel that step's scalars (the
-        learning rate as the group holds it then, the bias corrections)."""
-        self.update_kernel(*self._update_args(group, param, grad, buffers,
-                                              self.state[params[0]]["step"]))
+        advanced; ``unit`` is their FlatBuffer, or the one parameter). A rule that reads its
+        step t gets it as a device counter (``_step_counter``), advanced by a kernel, so a
+        replayed step (``engine.capture``) reads its own t. Inside a recorded step the update
+        run is claimed: each replay moves the host's step counts on as this call did and
+        gives the kernel new scalars when the learning rate in the group changed."""
+        step = self.state[params[0]]["step"]
+        counter = (self._step_counter(unit, param, step) if self.counts_steps_on_device
+                   else None)
+        args = self._update_args(group, param, grad, buffers, counter)
+        self.update_kernel(*args)
         if recording():
-            names = self._state_names(group)
+            claim_last_run(self._replay_refresher(group, params, unit, param, grad, buffers,
+                                                  counter, args))
 
-            def next_step_arguments():
-                if self._state_names(group) != names:
-                    raise StaleRecording(f"{self._name}: the state buffers changed since the "
-                                         "step was recorded")
-                for p in params:
-                    self.state[p]["step"] += 1
-                return self._update_args(group, param, grad,
-                                         StateBuffers(buffers, self._fresh(params[0], names)),
-                                         self.state[params[0]]["step"])
-            claim_last_run(next_step_arguments)
+    def _replay_refresher(self, group, params, unit, param, grad, buffers, counter, args):
+        """``refresh(steps)`` for a recorded update: advance the host's step counts by
+        ``steps`` (the device counter advances itself), and return the kernel's arguments
+        when a scalar changed since the last replay (a scheduler's lr), else None. A
+        recording whose buffers or counter the optimizer no longer uses (a loaded state, a
+        re-packed model, momentum switched on) is stale: it must be recorded again."""
+        names = self._state_names(group)
+        states = [self.state[p] for p in params]
+        arrays = [[state[name] for name in names] for state in states]
+        last = [args]
+
+        def refresh(steps):
+            if (self._state_names(group) != names
+                    or any(self.state.get(p) is not state for p, state in zip(params, states))
+                    or any(state[name] is not array for state, row in zip(states, arrays)
+                           for name, array in zip(names, row))
+                    or (counter is not None
+                        and not self._counter_holds(unit, counter, states[0]["step"]))):
+                raise StaleRecording(f"{self._name}: the state changed since the step was "
+                                     "recorded")
+            for state in states:
+                state["step"] += steps
+            if counter is not None:
+                self._keep_counter(unit, counter, states[0]["step"])
+            fresh = StateBuffers(buffers, self._fresh(params[0], names))
+            new = self._update_args(group, param, grad, fresh, counter)
+            if _same_arguments(new, last[0]):
+                return None
+            last[0] = new
+            return new
+        return refresh
+
+    def _step_counter(self, unit, param, step):
+        """The one-element device counter of ``unit`` holding ``step`` (t, from 1) after the
+        advance kernel this launches. A counter whose value the host does not know (a new
+        one, a loaded state, a parameter moved to another device) is written first."""
+        device = device_of(param)
+        kept = self._counter_of(unit)
+        if kept is None or device_of(kept[0]) != device:
+            kept = (new_counter(device, step - 1), step - 1)
+        counter, value = kept
+        if value != step - 1:
+            set_counter(counter, step - 1)
+        advance(counter)
+        self._keep_counter(unit, counter, step)
+        return counter
+
+    def _counter_of(self, unit):
+        """``(counter, step it holds)`` of ``unit``, or None."""
+        kept = self._counters.get(id(unit))
+        if kept is None or kept[0]() is not unit:
+            return None
+        return kept[1], kept[2]
+
+    def _counter_holds(self, unit, counter, step):
+        kept = self._counter_of(unit)
+        return kept is not None and kept[0] is counter and kept[1] == step
+
+    def _keep_counter(self, unit, counter, step):
+        self._counters[id(unit)] = (weakref.ref(unit), counter, step)
 
     def _fresh(self, p, names):
         return tuple(name in self._unwritten[p] for name in names)
@@ -344,6 +407,12 @@ class Optimizer:
                 self._unwritten[p].discard(name)
             else:
                 state[name] = to_device(values, p.device)
+
+
+def _same_arguments(new, old):
+    """True when two argument tuples of one kernel name the same arrays and equal scalars."""
+    return all(a is b if hasattr(a, "shape") else (type(a) is type(b) and a == b)
+               for a, b in zip(new, old))
 
 
 class StateBuffers(tuple):

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+import data
 import engine
 import optim
 from engine import nn
@@ -111,17 +112,66 @@ def test_a_step_that_reads_the_device_runs_eagerly_and_says_why(device):
     assert all(isinstance(v, float) for v in values)
 
 
-def test_dropout_is_not_captured_yet_and_says_so(device):
+def test_repeat_runs_the_steps_a_loop_of_calls_runs(device):
+    """``repeat(n)`` of a step that fetches its own batch at the loader's device cursor is n
+    calls: same losses and weights, the cursor and the optimizer's step count moved on."""
+    results = []
+    for repeated in (False, True):
+        engine.manual_seed(0)
+        x, y = data.blobs(40, centers=3, seed=0)
+        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=0, device=device)
+        model = nn.Sequential([nn.Dense(4, input_shape=(2,)), nn.Dense(3)]).to(device)
+        opt = optim.Adam(model.parameters(), lr=1e-2)
+        cursor = loader.epoch_cursor()
+
+        @engine.capture
+        def step(count):
+            opt.zero_grad()
+            xb, yb = cursor.next_batch(count)
+            loss = cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            return loss
+
+        losses = []
+        for _ in range(2):
+            assert cursor.start_epoch() == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+            cursor.seek(0)
+            if repeated:   # eager, recorded, then 3 replays as one (the 2nd epoch: 5)
+                losses.append(step.repeat(5, 4).item())
+            else:
+                losses.append([step(4) for _ in range(5)][-1].item())
+        results.append((losses, model.state_dict(), opt.state_dict()))
+    (losses, weights, state), (repeated_losses, repeated_weights, repeated_state) = results
+    assert repeated_losses == losses
+    for name in weights:
+        np.testing.assert_array_equal(repeated_weights[name], weights[name], err_msg=name)
+    assert [s["step"] for s in repeated_state["state"].values()] == [10] * 4
+
+
+def test_a_loaded_optimizer_state_is_recorded_anew_not_replayed_stale(device):
     engine.manual_seed(0)
-    model = nn.Sequential([nn.Dense(4, input_shape=(5,)), nn.Dropout(0.5)]).to(device)
+    model = nn.Sequential([nn.Dense(4, input_shape=(5,))]).to(device)
+    opt = optim.Adam(model.parameters(), lr=1e-2)
 
     @engine.capture
-    def forward(x):
-        return model(x)
+    def step(x, y):
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
 
-    for x, _ in _batches(device)[:3]:
-        forward(x)
-    assert "Dropout" in forward.eager_reason
+    x, y = _batches(device)[0]
+    for _ in range(3):
+        step(x, y)
+    saved = opt.state_dict()
+    weights = model.state_dict()
+    expected = [step(x, y).item() for _ in range(2)]
+    model.load_state_dict(weights)
+    opt.load_state_dict(saved)   # new state buffers: the recording's are stale
+    assert [step(x, y).item() for _ in range(2)] == expected
+    assert [s["step"] for s in opt.state_dict()["state"].values()] == [5, 5]
 
 
 def test_capture_rejects_bad_arguments():

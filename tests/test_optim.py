@@ -264,14 +264,19 @@ def launches():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
-def test_flat_group_step_is_one_launch_on_cuda(kind, launches):
+def test_flat_group_step_is_one_update_launch_on_cuda(kind, launches):
     params = make_params("cuda", np.float32)
     opt = OPTIMIZERS[kind](params, lr=0.01, **({"momentum": 0.9} if kind == "sgd" else {}))
-    for grads in grad_steps(2, np.float32):
+    update = f"{kind.replace('adamw', 'adam')}_cuda"
+    # Adam's step count lives on the device: made (a fill) at the first step, then
+    # advanced by one single-thread kernel before each update
+    expected = ([["fill_cuda", "advance_cuda", update], ["advance_cuda", update]]
+                if kind != "sgd" else [[update], [update]])
+    for grads, names in zip(grad_steps(2, np.float32), expected):
         set_grads(params, grads)
         launches.clear()
         opt.step()
-        assert launches.cuda_kernel_names() == [f"{kind.replace('adamw', 'adam')}_cuda"]
+        assert launches.cuda_kernel_names() == names
 
 
 @pytest.mark.cuda
@@ -281,7 +286,7 @@ def test_per_tensor_step_is_one_launch_per_parameter(launches):
     set_grads(params, grad_steps(1, np.float32)[0])
     launches.clear()
     opt.step()
-    assert launches.cuda_kernel_names() == ["adam_cuda"] * len(params)
+    assert launches.cuda_kernel_names() == ["fill_cuda", "advance_cuda", "adam_cuda"] * len(params)
 
 
 @pytest.mark.cuda
@@ -681,7 +686,8 @@ def test_state_follows_a_model_moved_to_cuda(launches):
 @pytest.mark.cuda
 def test_mlp_training_step_launches_on_cuda(launches):
     """engine.nn packs a model's parameters in one FlatBuffer: clipping is two launches and
-    the optimizer step one, whatever the number of layers."""
+    the optimizer step two (its step count's advance and the update), whatever the number
+    of layers."""
     from engine import nn
     model = nn.Sequential([nn.Dense(7, activation="relu", input_shape=(5,)), nn.Dense(6),
                            nn.Dense(3)]).to("cuda")
@@ -689,7 +695,7 @@ def test_mlp_training_step_launches_on_cuda(launches):
     x = engine.randn(4, 5, device="cuda")
     target = engine.randn(4, 3, device="cuda")
     losses = []
-    for _ in range(3):
+    for step in range(3):
         opt.zero_grad()
         loss = ((model(x) - target) ** 2).mean()
         loss.backward()
@@ -697,8 +703,9 @@ def test_mlp_training_step_launches_on_cuda(launches):
         launches.clear()
         optim.clip_grad_norm_(model.parameters(), max_norm=1.0)
         opt.step()
+        made = ["fill_cuda"] if step == 0 else []   # the device step counter, once
         assert launches.cuda_kernel_names() == ["norm_partials_cuda", "scale_by_norm_cuda",
-                                                "adam_cuda"]
+                                                *made, "advance_cuda", "adam_cuda"]
     assert losses[-1] < losses[0]
 
 

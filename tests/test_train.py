@@ -630,6 +630,63 @@ def test_fit_captures_its_step_and_equals_eager_fit_bit_for_bit(device):
         np.testing.assert_array_equal(captured_weights[name], weights[name], err_msg=name)
 
 
+class _EveryThirdStep(engine.callbacks.Callback):
+    """Watches steps three at a time, as the progress bar watches them twenty at a time."""
+    step_interval = 3
+
+    def __init__(self):
+        self.calls = []
+
+    def on_step_end(self, logs):
+        self.calls.append((logs["epoch"], logs["step"], logs["steps_run"], logs["rows"],
+                           logs["loss"].item()))
+
+
+@pytest.mark.parametrize("watch", ["none", "every third step"])
+def test_fit_replays_several_steps_at_once_and_equals_eager_fit(device, watch):
+    """Without per-step losses the captured fit replays several steps per launch (the step
+    fetching its own batches at the loader's device cursor): the records and weights are
+    still the eager ones, bit for bit, with a partial last batch, a schedule and a manual lr
+    change between epochs."""
+    results = []
+    for capture in (True, False):
+        engine.manual_seed(0)
+        x, y = data.blobs(45, centers=3, seed=0)   # 5 batches of 8, then one of 5
+        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=0, device=device)
+        model = nn.Sequential([nn.Dense(8, activation="relu", input_shape=(2,)),
+                               nn.Dense(3)]).to(device)
+        optimizer = optim.Adam(model.parameters(), lr=0.01)
+        scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        watcher = _EveryThirdStep()
+
+        def triple_the_lr_once(record):
+            if record["epoch"] == 1:
+                optimizer.param_groups[0]["lr"] *= 3
+
+        history = fit(model, loader, optimizer, cross_entropy, 3, scheduler=scheduler,
+                      progress=False, verbose=False, capture=capture,
+                      callbacks=[watcher] if watch != "none" else [],
+                      on_epoch_end=triple_the_lr_once)
+        results.append((history, model.state_dict(), optimizer.state_dict(), watcher.calls,
+                        fit.last_eager_reason))
+    (captured, weights, state, calls, reason), (eager, eager_weights, eager_state,
+                                                eager_calls, _) = results
+    assert reason is None
+    assert [(r["loss"], r["train_acc"]) for r in captured] == \
+        [(r["loss"], r["train_acc"]) for r in eager]
+    for name in eager_weights:
+        np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
+    assert [s["step"] for s in state["state"].values()] == [18] * 4
+    assert [s["step"] for s in eager_state["state"].values()] == [18] * 4
+    if watch != "none":
+        # eagerly every step is seen; captured, groups of up to three, never past a
+        # multiple of three, the partial batch alone, and the same last losses
+        assert [c[1] for c in eager_calls] == list(range(6)) * 3
+        assert [(c[1], c[2], c[3]) for c in calls] == [(2, 3, 24), (4, 2, 16), (5, 1, 5)] * 3
+        eager_at = {(c[0], c[1]): c[4] for c in eager_calls}
+        assert [c[4] for c in calls] == [eager_at[(c[0], c[1])] for c in calls]
+
+
 def test_the_progress_bar_keeps_samples_per_second_at_80_columns():
     screen = io.StringIO()
     bar = progress_bar(469, 10, 10, file=screen, ncols=80, mininterval=0)
