@@ -296,6 +296,13 @@ class Dropout(Layer):
         return {"p": self.p, **super().get_config()}
 
 
+def _statistics(named_buffers):
+    """The float buffers (running statistics) of ``named_buffers``: the integer ones are a
+    random stream's state (Dropout), never converted to another dtype nor counted as
+    parameters."""
+    return [(name, b) for name, b in named_buffers if b.dtype.kind == "f"]
+
+
 def _compact(values):
     """A pair as the config keeps it: one int when both are equal, else a list."""
     return values[0] if values[0] == values[1] else list(values)
@@ -705,7 +712,7 @@ class Sequential:
         for layer in self.layers:
             if hasattr(layer, "dtype"):
                 layer.dtype = dtype
-            for _, value in layer.named_parameters() + layer.named_buffers():
+            for _, value in layer.named_parameters() + _statistics(layer.named_buffers()):
                 if value.dtype != dtype:
                     value.data = to_device(to_host(value.data).astype(dtype), value.device)
         if self.built:
@@ -753,7 +760,8 @@ class Sequential:
         self._require_built("summary")
         rows = [("Layer (type)", "Output Shape", "Param #")]
         for layer in self.layers:
-            count = sum(t.size for _, t in layer.named_parameters() + layer.named_buffers())
+            count = sum(t.size for _, t in layer.named_parameters()
+                        + _statistics(layer.named_buffers()))
             rows.append((f"{layer.name} ({type(layer).__name__})",
                          batch_shape(layer.output_shape), f"{count:,}"))
         widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
@@ -763,7 +771,7 @@ class Sequential:
             return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
                     + row[2].rjust(widths[2] - 4)).rstrip()
 
-        params, buffers = self.parameters(), [b for _, b in self.named_buffers()]
+        params, buffers = self.parameters(), [b for _, b in _statistics(self.named_buffers())]
         trainable, frozen = sum(p.size for p in params), sum(b.size for b in buffers)
         nbytes = sum(t.size * t.dtype.itemsize for t in params + buffers)
         text = "\n".join(
@@ -794,11 +802,15 @@ class Sequential:
 
         Every key must match a parameter or buffer and every shape its shape; nothing is
         written unless all do. Each flat buffer is written in one copy; a layer's buffers
-        are written in place (a captured step keeps updating the same arrays)."""
+        are written in place (a captured step keeps updating the same arrays). An integer
+        buffer (Dropout's seed state) missing from ``state`` keeps its value: files written
+        before Dropout had one still load."""
         self._require_built("load_state_dict")
-        named = self.named_parameters() + self.named_buffers()
-        expected = [name for name, _ in named]
-        missing = [name for name in expected if name not in state]
+        buffers = [(name, b) for name, b in self.named_buffers()
+                   if name in state or b.dtype.kind == "f"]
+        named = self.named_parameters() + buffers
+        expected = [name for name, _ in self.named_parameters() + self.named_buffers()]
+        missing = [name for name, _ in named if name not in state]
         unexpected = [key for key in state if key not in expected]
         if missing or unexpected:
             raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
@@ -815,7 +827,7 @@ class Sequential:
                                 "expected numbers")
             values[id(p)] = value
         self._flat.load(values)   # reads the parameters' values, not the buffers'
-        for _, buffer in self.named_buffers():
+        for _, buffer in buffers:
             copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
 
     def get_config(self):

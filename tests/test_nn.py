@@ -162,12 +162,12 @@ def test_parameter_counts_and_summary(capsys):
     rows = [line.split() for line in lines[4:9]]
     assert rows == [["flatten", "(Flatten)", "(None,", "784)", "0"],
                     ["dense", "(Dense)", "(None,", "256)", "200,960"],
-                    ["dropout", "(Dropout)", "(None,", "256)", "2"],   # its int64 seed state
+                    ["dropout", "(Dropout)", "(None,", "256)", "0"],   # seed state: no params
                     ["dense_1", "(Dense)", "(None,", "128)", "32,896"],
                     ["dense_2", "(Dense)", "(None,", "10)", "1,290"]]
-    assert "Total params: 235,148 (918.55 KB)" in lines
+    assert "Total params: 235,146 (918.54 KB)" in lines
     assert "Trainable params: 235,146" in lines
-    assert "Non-trainable params: 2" in lines
+    assert "Non-trainable params: 0" in lines
 
 
 def test_add_infers_shapes_keras_style():
@@ -554,3 +554,29 @@ def test_model_to_float64_converts_parameters_and_buffers(device):
     assert model.get_config()["layers"][0]["config"]["dtype"] == "float64"
     with pytest.raises(TypeError, match="float32 or float64, not int64"):
         model.to(np.int64)
+
+
+def test_a_model_file_from_before_dropout_had_seed_state_still_loads(tmp_path):
+    model = nn.Sequential([nn.Dense(4, input_shape=(3,)), nn.Dropout(0.5), nn.Dense(2)])
+    model(np.ones((2, 3), np.float32))
+    state = {name: value for name, value in model.state_dict().items()
+             if not name.startswith("dropout.")}   # what an older engine wrote
+    fresh = nn.Sequential([nn.Dense(4, input_shape=(3,)), nn.Dropout(0.5), nn.Dense(2)])
+    fresh(np.ones((2, 3), np.float32))
+    seed_state = {name: value for name, value in fresh.state_dict().items()
+                  if name.startswith("dropout.")}
+    fresh.load_state_dict(state)
+    for name, value in fresh.state_dict().items():
+        expected = seed_state[name] if name.startswith("dropout.") else state[name]
+        np.testing.assert_array_equal(value, expected, err_msg=name)
+    with pytest.raises(KeyError, match="missing key"):   # a float value is still required
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "dense.bias"})
+
+
+def test_float64_conversion_keeps_dropout_seed_state_integer():
+    model = nn.Sequential([nn.Dense(4, input_shape=(3,)), nn.Dropout(0.5)])
+    model(np.ones((2, 3), np.float32))
+    model.to(np.float64)
+    out = model(np.ones((2, 3)))
+    assert out.dtype == np.float64
+    assert {b.dtype for _, b in model.named_buffers()} == {np.dtype(np.int64)}
