@@ -313,9 +313,13 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     that sets ``run.stop_training`` ends training after the current epoch.
 
     ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
-    batch shape runs eagerly, the second is recorded, the others replay it (one CUDA graph
-    launch on the GPU); the results are the eager ones bit for bit. A step that cannot be
-    captured (Dropout, for one) runs eagerly; ``fit.last_eager_reason`` says why.
+    batch shape runs eagerly, the second is recorded, the others replay it; the results are
+    the eager ones bit for bit. With a ``data.DataLoader`` (without a transform) the step
+    fetches its own batch at the loader's device cursor, so up to ``MAX_STEPS_PER_REPLAY``
+    steps (or the smallest ``step_interval`` of the callbacks that watch steps; every step
+    when ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for
+    them. A step that cannot be captured (a host read in the loss, a distributed run's
+    all-reduce) runs eagerly; ``fit.last_eager_reason`` says why.
 
     ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (module
     docstring), after ``init()``; every rank calls ``fit`` with the same model (after

@@ -17,19 +17,28 @@ dispatcher or any op's Python. A call of another signature (a last partial batch
 recording of its own (``MAX_RECORDINGS`` kept).
 
 What a replay does each call: it copies the tensor arguments into the recorded input
-buffers, asks the code that claimed a run (``ops.launch.claim_last_run``: the optimizers,
-whose step count and learning rate change every step) for that run's arguments of this step,
+buffers, asks the code that claimed a run (``ops.launch.claim_last_run``: the optimizers)
+whether that run's arguments changed (a learning rate written by a scheduler or by hand),
 runs the kernels, and returns copies of the recorded outputs (so a returned tensor stays
 valid after later calls; they are detached from the tape). The recording keeps every buffer
 its kernels use alive, so the caching allocator never hands them to other tensors.
 
+State that changes every step lives on the device (``ops.step_counter``) and is moved on by
+kernels of the step itself: Adam's step count (its bias corrections are computed in the
+kernel), Dropout's mask seeds, the loader's batch cursor (``data.loader.EpochCursor``). So
+``repeat(n, *args)`` replays n steps at once, on CUDA as one graph of n chained copies of
+the step: ``fit`` runs an epoch that way, its step fetching its own batch at the cursor.
+
 What a replay freezes: everything the step's Python decided while it was recorded. So a step
 may not branch on values that change (Python counters, data), must return the same kinds of
 results every call, and must not read device values on the host (``.item()``,
-``.numpy()``): a recording that reads the device, runs Dropout (its mask seed is drawn on the
-host per call), or launches a kernel through Numba's slow path is not replayed; the step runs
-eagerly from then on and ``train_step.eager_reason`` says why. Eager and replayed steps run
-the same kernels on the same arguments, so their losses and weights are bit for bit equal.
+``.numpy()``): a recording that reads the device, copies between host and device, or
+launches a kernel through Numba's slow path is not replayed; the step runs eagerly from then
+on and ``train_step.eager_reason`` says why. Eager and replayed steps run the same kernels
+on the same arguments, so their losses and weights are bit for bit equal.
+
+The graphs are built explicitly (``cuda.core``'s ``GraphDefinition``), not by stream
+capture, and launched on the stream the engine's kernels use, after them in order.
 """
 import functools
 from collections import OrderedDict
