@@ -1,6 +1,7 @@
 """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay."""
 import math
 
+import numpy as np
 from numba import njit
 
 from ops.cuda_backend import cuda
@@ -9,7 +10,7 @@ from optim.optimizer import Optimizer, check_non_negative
 
 
 def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weight_decay,
-                 nesterov, first_step):
+                 nesterov, first_step, tiny):
     # float64 arithmetic whatever the storage dtype; one rounding per stored value
     d_p = float(grad[i]) + weight_decay * float(param[i])
     if momentum != 0.0:
@@ -17,6 +18,8 @@ def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weigh
             buf = d_p
         else:
             buf = momentum * float(momentum_buffer[i]) + (1.0 - dampening) * d_p
+        if abs(buf) < tiny:   # a subnormal buffer (a gradient stuck at 0): see optim.adam
+            buf = 0.0
         momentum_buffer[i] = buf
         buf = float(momentum_buffer[i])   # continue from the stored (rounded) buffer, as torch
         if nesterov:
@@ -32,19 +35,19 @@ _sgd_element_cuda = cuda.jit(device=True)(_sgd_element)
 
 @njit(cache=True, error_model="numpy")
 def sgd_cpu(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
-            first_step):
+            first_step, tiny):
     for i in range(param.size):
         _sgd_element_cpu(i, param, grad, momentum_buffer, lr, momentum, dampening,
-                         weight_decay, nesterov, first_step)
+                         weight_decay, nesterov, first_step, tiny)
 
 
 @cuda.jit(cache=True)
 def sgd_cuda(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
-             first_step):
+             first_step, tiny):
     i = cuda.grid(1)
     if i < param.size:
         _sgd_element_cuda(i, param, grad, momentum_buffer, lr, momentum, dampening,
-                          weight_decay, nesterov, first_step)
+                          weight_decay, nesterov, first_step, tiny)
 
 
 SGD_UPDATE = Kernel("sgd", sgd_cpu, sgd_cuda, elements(0))
@@ -66,7 +69,8 @@ class SGD(Optimizer):
     The momentum buffer ``b`` is made when a step first runs with ``momentum != 0`` (also
     when momentum is turned on through ``param_groups`` after earlier steps) and kept when
     momentum is set back to 0, as in torch; a saved state with or without it loads either
-    way. Arithmetic is float64 inside the kernel, stored in the parameter's dtype. ``lr`` is
+    way. Arithmetic is float64 inside the kernel, stored in the parameter's dtype; a buffer
+    value below the dtype's smallest normal number is stored as 0 (see ``optim.adam``). ``lr`` is
     a kernel argument: a scheduler changing it costs no recompilation.
 
     Args:
@@ -109,5 +113,6 @@ class SGD(Optimizer):
         buffer_is_new = bool(buffers) and buffers.fresh[0]   # made this step: start it from g
         args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
                 float(group["dampening"]), float(group["weight_decay"]),
-                bool(group["nesterov"]), buffer_is_new)
+                bool(group["nesterov"]), buffer_is_new,
+                float(np.finfo(momentum_buffer.dtype).tiny))
         return args
