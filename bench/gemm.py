@@ -4,11 +4,17 @@ their backward products.
 
     python -m bench.gemm                 # every device found; CUDA part skipped without a GPU
     python -m bench.gemm --device cpu    # CPU only (no GPU, no torch needed)
+    python -m bench.gemm --device cuda --sweep   # every candidate GEMM config per MLP shape
 
 Times are wall-clock per call, launch and Python wrapper included: ``iters`` calls back to
 back, then one synchronisation, best of ``repeats``. GFLOP/s counts 2*M*N*K per call. On
 CUDA a second column gives the GPU time alone: CUDA events around calls queued behind a long
 product, so launch overhead is hidden (a call's wall time is roughly the larger of the two).
+
+``--sweep`` times, at each MLP product, the fused Dense kernel an MLP step runs there
+(forward x·W: bias + relu epilogue; dX = G·Wᵀ: relu' prologue; dW = xᵀ·G with the bias row)
+under every candidate config of ``ops.matmul`` (tiling x split-K count), with cuBLAS's plain
+product beside, and prints the ``GEMM_CHOICES`` entries of the winners.
 """
 import argparse
 import importlib.util
@@ -112,14 +118,7 @@ def bench_cuda(shapes):
     from ops.device import to_device
     from ops.matmul import gemm
 
-    torch = None
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-        if torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        else:
-            torch = None
+    torch = _torch_or_none()
     name = getattr(cuda.get_current_device(), "name", "the CUDA simulator")
     name = name.decode() if isinstance(name, bytes) else name
     versus = "torch.matmul (cuBLAS, TF32 off)" if torch else "nothing (torch not installed)"
@@ -166,6 +165,169 @@ def bench_cuda(shapes):
               flush=True)
 
 
+# The sweep's candidates: tiling name -> split counts. A split that makes the same K slices as
+# a smaller one at some shape is timed once there; splits add no compile (the partial kernel
+# takes its slice count from the grid), each tiling costs its kernels' compiles.
+SWEEP_CANDIDATES = {"SMALL": (1, 2, 4, 8), "COMPACT": (1, 2, 4, 8), "MEDIUM": (1, 4)}
+SWEEP_ALPHA = 0.01
+
+
+def _candidates(k):
+    """(tiling name, config) of every candidate at inner dimension k, each slicing once."""
+    import ops.matmul as mm
+    seen, configs = set(), []
+    for name, splits in SWEEP_CANDIDATES.items():
+        tiling = getattr(mm, name)
+        for split in splits:
+            slices = mm.k_slices(k, split, tiling.BK)
+            if (name, slices) not in seen:
+                seen.add((name, slices))
+                configs.append((name, mm.GemmConfig(tiling, slices)))
+    return configs
+
+
+def _dense_product(m, k, n, trans_a, trans_b, rng):
+    """The fused Dense call that computes this MLP product in a step (relu), its output arrays
+    and their float64 references: x·W (forward), G·Wᵀ (dX), xᵀ·G (dW and db)."""
+    from ops.cuda_backend import cuda
+    from ops.dense import DENSE
+    from ops.device import to_device
+    from ops.pointwise import RELU
+
+    forward, backward = DENSE[RELU]
+    alpha = np.float32(SWEEP_ALPHA)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def dev(array):
+        return to_device(array, "cuda")
+
+    none_2d, none_1d = cuda.device_array((0, 0), np.float32), cuda.device_array((0,), np.float32)
+    if not trans_a and not trans_b:   # forward: batch m, fan-in k, fan-out n
+        x, w, b = normal(m, k), normal(k, n), normal(n)
+        out = cuda.device_array((m, n), np.float32)
+        args = (dev(x), dev(w), dev(b), out, alpha)
+        z = x.astype(np.float64) @ w + b
+        return lambda: forward(*args), [(out, np.maximum(z, 0))]
+    if trans_b:   # dX = G·Wᵀ: batch m, fan-out k, fan-in n
+        x, w, grad_out = normal(m, n), normal(n, k), normal(m, k)
+        y = np.maximum(normal(m, k), 0)
+        grad_x = cuda.device_array((m, n), np.float32)
+        args = (dev(x), dev(w), dev(y), dev(grad_out), grad_x, none_2d, none_1d, alpha, True,
+                False)
+        g = grad_out.astype(np.float64) * (y > 0)
+        return lambda: backward(*args), [(grad_x, g @ w.T)]
+    # dW = xᵀ·G: fan-in m, batch k, fan-out n
+    x, w, grad_out = normal(k, m), normal(m, n), normal(k, n)
+    y = np.maximum(normal(k, n), 0)
+    grad_w, grad_b = cuda.device_array((m, n), np.float32), cuda.device_array((n,), np.float32)
+    args = (dev(x), dev(w), dev(y), dev(grad_out), none_2d, grad_w, grad_b, alpha, False, True)
+    g = grad_out.astype(np.float64) * (y > 0)
+    return lambda: backward(*args), [(grad_w, x.T @ g), (grad_b, g.sum(axis=0))]
+
+
+def _relative_error(outputs):
+    return max(np.abs(out.copy_to_host() - want).max() / max(np.abs(want).max(), 1e-30)
+               for out, want in outputs)
+
+
+def sweep_cuda(shapes):
+    """Per MLP product: GPU and wall time of the Dense kernel under every candidate config,
+    cuBLAS's plain product beside; the winners as ``GEMM_CHOICES`` entries to paste."""
+    import ops.matmul as mm
+    from ops.cuda_backend import cuda
+    from ops.device import to_device
+    from ops.matmul import gemm
+
+    started = time.perf_counter()
+    torch = _torch_or_none()
+    name = getattr(cuda.get_current_device(), "name", "the CUDA simulator")
+    name = name.decode() if isinstance(name, bytes) else name
+    print(f"\n## GEMM config sweep on {name}: the fused Dense kernel of each MLP product "
+          f"(relu), GPU time per call; cuBLAS: torch.matmul's plain product, TF32 off\n")
+    rng = np.random.default_rng(0)
+    big = [to_device(rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32), "cuda")
+           for _ in range(2)]
+    big_out = cuda.device_array((BUSY_SIZE, BUSY_SIZE), np.float32)
+    busy = lambda: gemm(big[0], big[1], out=big_out)   # noqa: E731
+    events = (_NumbaEvent(), _NumbaEvent(), lambda end: end.event.synchronize())
+    winners = []
+    for label, m, k, n, trans_a, trans_b in shapes:
+        key = (m, n, k, trans_a, trans_b)
+        call, outputs = _dense_product(m, k, n, trans_a, trans_b, rng)
+        extra_rows = 1 if trans_a else 0   # dW's kernel adds the bias row
+        default = mm.pick_config(m, n, k, trans_a, trans_b, extra_rows)
+        default_slices = mm.GemmConfig(default.tiling,
+                                       mm.k_slices(k, default.split, default.tiling.BK))
+        reference = _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng)
+        print(f"### {label}: {m}x{k}x{n}" + (" Aᵀ" if trans_a else "") + (" Bᵀ" if trans_b
+              else "") + f", cuBLAS {_us(reference)} us GPU\n")
+        print("| tiling   | slices | blocks | gpu us | wall us | vs cuBLAS | max err  |")
+        print("|----------|-------:|-------:|-------:|--------:|----------:|---------:|")
+        results = []
+        for tiling_name, config in _candidates(k):
+            previous = mm.GEMM_CHOICES.get(key)
+            mm.GEMM_CHOICES[key] = config
+            try:
+                gpu = _gpu_time(call, busy, events)
+                wall = _time(call, cuda.synchronize, 100)
+                error = _relative_error(outputs)
+            finally:
+                if previous is None:
+                    del mm.GEMM_CHOICES[key]
+                else:
+                    mm.GEMM_CHOICES[key] = previous
+            tiling = config.tiling
+            blocks = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN) * config.split
+            mark = "*" if config == default_slices else " "
+            ratio = f"{gpu / reference:9.2f}x" if reference else "        -"
+            print(f"| {mark}{tiling_name:<7} | {config.split:6} | {blocks:6} | "
+                  f"{gpu * 1e6:6.1f} | {wall * 1e6:7.1f} | {ratio} | {error:8.1e} |", flush=True)
+            results.append((gpu, tiling_name, config))
+        gpu, tiling_name, config = min(results, key=lambda result: result[0])
+        versus = f", {gpu / reference:.2f}x cuBLAS" if reference else ""
+        print(f"\nwinner: {tiling_name} split {config.split}, {gpu * 1e6:.1f} us GPU{versus} "
+              f"(* marks the config the table/rule picks now)\n")
+        winners.append((key, tiling_name, config.split, gpu, reference, label))
+    print("## GEMM_CHOICES entries of the winners (paste into ops/matmul.py)\n")
+    for key, tiling_name, split, gpu, reference, label in winners:
+        print(f"    {key}: GemmConfig({tiling_name}, {split}),   # {label}: {gpu * 1e6:.1f} us "
+              f"GPU, cuBLAS {_us(reference)} (H200 sweep)")
+    print(f"\n(sweep took {time.perf_counter() - started:.0f} s, compiles included)")
+
+
+def _us(seconds):
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _torch_or_none():
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+def _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng):
+    """GPU seconds of torch.matmul's plain product at this shape and layout (None without
+    torch)."""
+    if torch is None:
+        return None
+    a, b = _operands(m, k, n, trans_a, trans_b, rng)
+    ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+    ta, tb = (ta.t() if trans_a else ta), (tb.t() if trans_b else tb)
+    tc = torch.empty((m, n), device="cuda")
+    big = torch.randn((BUSY_SIZE, BUSY_SIZE), device="cuda")
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+              lambda end: end.synchronize())
+    return _gpu_time(lambda: torch.matmul(ta, tb, out=tc), lambda: torch.matmul(big, big),
+                     events)
+
+
 def bench_cpu(shapes):
     from ops.matmul import gemm
 
@@ -189,7 +351,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["all", "cpu", "cuda"], default="all")
     parser.add_argument("--no-4096", action="store_true", help="skip the 4096³ product")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every candidate GEMM config at the MLP shapes (CUDA only)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        from ops.device import SIMULATOR, cuda_available
+        if not cuda_available() or SIMULATOR:
+            raise SystemExit("bench.gemm --sweep: needs a CUDA GPU")
+        sweep_cuda(MLP)
+        return
     shapes = [s for s in SQUARE if not (args.no_4096 and s[1] == 4096)] + MLP
     if args.device in ("all", "cuda"):
         from ops.device import SIMULATOR, cuda_available
