@@ -1,14 +1,16 @@
 """matmul, fused Dense, softmax / log_softmax and the losses on every backend.
 
 Simulator shapes are tiny and odd so they straddle the simulated 4x4 tiles and the K steps;
-the ``gpu`` tests run the real tilings (SMALL, MEDIUM, LARGE) on large odd shapes against
-NumPy in float64.
+the ``gpu`` tests run the real tilings (SMALL, COMPACT, MEDIUM, LARGE) on large odd shapes
+against NumPy in float64. Split-K is forced at a shape through an entry of
+``ops.matmul.GEMM_CHOICES`` that the test's monkeypatch removes again.
 """
 import numpy as np
 import pytest
 
 import engine
-from engine import losses
+import optim
+from engine import losses, nn
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
 from ops import matmul as mm
@@ -361,10 +363,14 @@ def test_split_k_gemm_against_float64(device, monkeypatch, trans_a, trans_b, spl
         assert _cuda_kernels_launched(recorder) == ["gemm_partial_cuda", "gemm_sum_cuda"]
 
 
-def _dense_reference(activation, x, w, b, upstream, alpha):
+def _dense_reference(activation, x, w, b, upstream, alpha, y_seen=None):
+    """y, dx, dW, db; the derivative read from ``y_seen`` when given (the y the kernels saw:
+    in float32 a relu input within rounding of 0 may land on either side)."""
     y = _np_activation(activation, x @ w + b, alpha)
-    dz = upstream * {None: 1.0, "relu": (y > 0) * 1.0, "leaky_relu": np.where(y > 0, 1, alpha),
-                     "sigmoid": y * (1 - y), "tanh": 1 - y ** 2}[activation]
+    y_seen = y if y_seen is None else y_seen
+    dz = upstream * {None: 1.0, "relu": (y_seen > 0) * 1.0,
+                     "leaky_relu": np.where(y_seen > 0, 1, alpha),
+                     "sigmoid": y_seen * (1 - y_seen), "tanh": 1 - y_seen ** 2}[activation]
     return y, dz @ w.T, x.T @ dz, dz.sum(axis=0)
 
 
@@ -422,3 +428,88 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
     with pytest.raises(ValueError, match=r"GEMM_CHOICES\[\(3, 2, 5, False, False\)\] asks "
                                          r"for split 0"):
         mm.gemm(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", ["SMALL", "COMPACT", "MEDIUM", "LARGE"])
+@pytest.mark.parametrize("split", [2, 7])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, trans_b):
+    m, k, n = 131, 1001, 67   # K: a ragged last step and a ragged last slice for every tiling
+    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split, getattr(mm, tiling))
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    stored_a = np.ascontiguousarray(a.T) if trans_a else a
+    stored_b = np.ascontiguousarray(b.T) if trans_b else b
+    with LaunchRecorder() as recorder:
+        out = mm.gemm(to_device(stored_a, "cuda"), to_device(stored_b, "cuda"), trans_a, trans_b)
+    assert recorder.cuda_kernel_names() == ["gemm_partial_cuda", "gemm_sum_cuda"]
+    np.testing.assert_allclose(out.copy_to_host(), a.astype(np.float64) @ b.astype(np.float64),
+                               **_gpu_tolerance(k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", ["SMALL", "COMPACT", "MEDIUM"])
+@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split, activation):
+    batch, fan_in, fan_out, alpha = 130, 785, 257, 0.1   # the MLP's first layer, made odd
+    for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
+                (fan_in, fan_out, batch, True, False)]:
+        _forcing(monkeypatch, key, split, getattr(mm, tiling))
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((batch, fan_in)).astype(np.float32)
+    w = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
+    b = rng.standard_normal(fan_out).astype(np.float32)
+    upstream = rng.standard_normal((batch, fan_out)).astype(np.float32)
+    got, kernels = _dense_step("cuda", x, w, b, upstream, activation, alpha)
+    assert len(kernels) == (3 if split == 1 else 6)
+    want = _dense_reference(activation, *(v.astype(np.float64) for v in (x, w, b, upstream)),
+                            alpha, got[0].astype(np.float64))
+    for what, value, expected, k in zip(["y", "dx", "dW", "db"], got, want,
+                                        [fan_in, fan_out, batch, batch]):
+        np.testing.assert_allclose(value, expected, **_gpu_tolerance(k),
+                                   err_msg=f"{tiling} split {split} {activation} {what}")
+    again, _ = _dense_step("cuda", x, w, b, upstream, activation, alpha)
+    for one, other in zip(got, again):   # reproducible to the bit on the real GPU too
+        np.testing.assert_array_equal(one.view(np.uint32), other.view(np.uint32))
+
+
+def test_split_k_dense_in_a_captured_step_equals_eager(device, monkeypatch):
+    batch, fan_in, fan_out = 6, 9, 5   # forward K = 9 in slices 8 + 1, dW K = 6 in 4 + 2
+    for key in [(batch, fan_out, fan_in, False, False), (fan_in, fan_out, batch, True, False)]:
+        _forcing(monkeypatch, key, 2)
+    rng = np.random.default_rng(11)
+    batches = [(engine.tensor(rng.standard_normal((batch, fan_in)), dtype=np.float32,
+                              device=device),
+                engine.tensor(rng.integers(0, fan_out, batch), device=device)) for _ in range(3)]
+
+    def train(captured):
+        engine.manual_seed(0)
+        model = nn.Sequential([nn.Dense(fan_out, activation="tanh", input_shape=(fan_in,))])
+        model = model.to(device)
+        opt = optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = losses.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = engine.capture(step) if captured else step
+        with engine.debug.poison(False), LaunchRecorder() as recorder:
+            losses = [step(x, y).item() for x, y in batches]
+        return losses, model.state_dict(), _cuda_kernels_launched(recorder), step
+
+    eager_losses, eager_weights, kernels, _ = train(False)
+    losses, weights, _, step = train(True)
+    if device == "cuda":
+        assert {"gemm_partial_cuda", "dense_forward_sum_cuda", "dense_grad_params_partial_cuda",
+                "dense_grad_params_sum_cuda"} <= set(kernels)
+    assert step.eager_reason is None
+    assert losses == eager_losses
+    for name in eager_weights:
+        np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
