@@ -501,15 +501,15 @@ def test_split_k_dense_in_a_captured_step_equals_eager(device, monkeypatch):
 
         step = engine.capture(step) if captured else step
         with engine.debug.poison(False), LaunchRecorder() as recorder:
-            losses = [step(x, y).item() for x, y in batches]
-        return losses, model.state_dict(), _cuda_kernels_launched(recorder), step
+            values = [step(x, y).item() for x, y in batches]
+        return values, model.state_dict(), _cuda_kernels_launched(recorder), step
 
     eager_losses, eager_weights, kernels, _ = train(False)
-    losses, weights, _, step = train(True)
+    values, weights, _, step = train(True)
     if device == "cuda":
         assert {"gemm_partial_cuda", "dense_forward_sum_cuda", "dense_grad_params_partial_cuda",
                 "dense_grad_params_sum_cuda"} <= set(kernels)
     assert step.eager_reason is None
-    assert losses == eager_losses
+    assert values == eager_losses
     for name in eager_weights:
         np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
