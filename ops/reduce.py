@@ -64,7 +64,7 @@ def chunking(outputs, n_reduced):
     if outputs == 0 or n_reduced < 2 * CHUNK_MIN:
         return 1, max(n_reduced, 1)
     wanted = -(-BLOCKS_PER_MULTIPROCESSOR * _multiprocessors() // outputs)
-    chunks = max(1, min(wanted, n_reduced // CHUNK_MIN))
+    chunks = min(wanted, n_reduced // CHUNK_MIN)
     chunk_length = -(-n_reduced // chunks)
     return -(-n_reduced // chunk_length), chunk_length
 
@@ -112,14 +112,16 @@ def _reduce_kernel(code, name):
         stop = min(first + chunk_length, n_reduced)
         base = offset_cuda(o, meta, 3, kept_dims)
         acc = start
+        # float(): the simulator would otherwise add float32 elements in float32 (NumPy's
+        # scalar rules), where the compiled kernel adds in float64
         if reduced_dims == 1:   # one strided run: consecutive threads read consecutive elements
             stride = meta[reduced_first + 1]
             for r in range(first + t, stop, REDUCE_THREADS):
-                acc = combine_cuda(fold, acc, sign * x[base + r * stride])
+                acc = combine_cuda(fold, acc, sign * float(x[base + r * stride]))
         else:
             for r in range(first + t, stop, REDUCE_THREADS):
-                acc = combine_cuda(fold, acc, sign * x[base + offset_cuda(r, meta, reduced_first,
-                                                                          reduced_dims)])
+                at = base + offset_cuda(r, meta, reduced_first, reduced_dims)
+                acc = combine_cuda(fold, acc, sign * float(x[at]))
         total = block_reduce_cuda(fold, acc)
         if t == 0:
             out[b] = sign * total * scale

@@ -117,7 +117,7 @@ def _softmax_cuda(log, dtype):
         total = 0.0
         for k in range(lane, count, group):   # each exp once: kept in out for softmax
             e = math.exp(x[base + k * inner] - top)
-            total += e
+            total += float(e)   # float64 in the simulator too (NumPy's scalar rules)
             if not log:
                 out[base + k * inner] = e
         total = group_reduce_cuda(SUM, total, group)
@@ -147,9 +147,9 @@ def _softmax_grad_cuda(log):
         total = 0.0
         for k in range(lane, count, group):
             if log:
-                total += g[base + k * inner]
+                total += float(g[base + k * inner])
             else:
-                total += g[base + k * inner] * y[base + k * inner]
+                total += float(g[base + k * inner] * y[base + k * inner])
         total = group_reduce_cuda(SUM, total, group)
         for k in range(lane, count, group):
             at = base + k * inner
