@@ -22,7 +22,7 @@ from collections import OrderedDict
 import numpy as np
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda_backend import cuda, device_reshape
 from ops.device import to_device
 
 _DEVICE_META_CACHE_SIZE = 4096
@@ -31,7 +31,11 @@ _device_meta = OrderedDict()
 
 def flat(array):
     """A 1-D view of a C-contiguous host or device array (0-d arrays included)."""
-    return array.reshape(array.size) if array.ndim != 1 else array
+    if array.ndim == 1:
+        return array
+    if type(array) is np.ndarray:
+        return array.reshape(array.size)
+    return device_reshape(array, (array.size,))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -76,11 +76,12 @@ def test_bench_ops_quick_smoke(tmp_path, capsys):
 
 
 @pytest.mark.cuda
-def test_a_training_step_launches_at_most_15_kernels_and_leaves_the_tape_empty():
+def test_a_training_step_launches_at_most_16_kernels_and_leaves_the_tape_empty():
     """The GPU target of the reference MLP (3 Dense layers, fused cross-entropy, Adam): at
-    most 15 launches per eager step, the loader's batch gather and gradient clipping included;
-    a captured step's replay launches its graph and 4 kernels (the gather, copies of the batch
-    into the recording's inputs and of the loss out)."""
+    most 16 launches per eager step, the loader's batch gather, gradient clipping and the
+    advance of Adam's device step count included; a captured fit replays several steps per
+    graph launch, so fewer than one kernel per step runs from Python (the copy of the loss
+    out of each replay)."""
     import data
     import optim
     from engine.losses import cross_entropy
@@ -91,7 +92,7 @@ def test_a_training_step_launches_at_most_15_kernels_and_leaves_the_tape_empty()
     optimizer = optim.Adam(model.parameters())
     loader = data.DataLoader(images, np.arange(32) % 10, batch_size=16, shuffle=True, seed=0,
                              device="cuda", normalize=(0.5, 0.3))
-    for capture, most in ((False, 15), (True, 4)):
+    for capture, most in ((False, 16), (True, 1)):
         # the first fit warms up (and, captured, records); the second is counted
         fit(model, loader, optimizer, cross_entropy, 1, clip_norm=1.0, progress=False,
             verbose=False, capture=capture)
