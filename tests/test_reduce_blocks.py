@@ -259,4 +259,6 @@ def test_gpu_softmax_rows_match_torch(shape):
         ty = torch.log_softmax(t, dim=-1) if log else torch.softmax(t, dim=-1)
         ty.backward(torch.from_numpy(g).cuda())
         np.testing.assert_allclose(y.numpy(), ty.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(x.grad.numpy(), t.grad.cpu().numpy(), rtol=1e-4, atol=1e-6)
+        # dx = y * (g - sum(g * y)) cancels: float32 roundings of two different orders differ
+        # by a few ulp of the O(1) terms (2.6e-6 at one of 4M elements on the H200)
+        np.testing.assert_allclose(x.grad.numpy(), t.grad.cpu().numpy(), rtol=1e-4, atol=1e-5)
