@@ -6,11 +6,13 @@ from numba import njit
 
 from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
+from ops.subnormals import flush_begin, flush_end
 from optim.optimizer import Optimizer, check_non_negative
 
 
 def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2,
-                  eps, l2, param_decay, step_size, bias_correction2_sqrt, first_step, tiny):
+                  eps, l2, param_decay, step_size, bias_correction2_sqrt, first_step, tiny,
+                  m_floor):
     # arithmetic in the parameters' dtype (every scalar arrives cast to it), as torch.optim
     # does: float32 math vectorises twice as wide and its sqrt and division are ~3x cheaper
     p = param[i] * param_decay                   # AdamW: p * (1 - lr * weight_decay)
@@ -24,9 +26,11 @@ def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, o
     # A weight whose gradient stays 0 (an MNIST border pixel's) has m decay by beta1 a step
     # into subnormal numbers, which x86 computes ~20x slower: after ~800 MNIST steps 134k of
     # the MLP's 235k m values were subnormal and the CPU update took 2581 us instead of 125.
-    # Flushed to 0 on both devices alike (the update they would make is below 1e-30).
-    if abs(m) < tiny:
-        m = tiny - tiny
+    # Flushed to 0 on both devices alike (the update they would make is below 1e-30). m's
+    # floor is tiny / (1 - beta1): below it the decrement (1 - beta1) * m is subnormal, which
+    # the CPU kernel's flush-to-zero mode (ops.subnormals) drops, and m would stop decaying.
+    if abs(m) < m_floor:
+        m = m_floor - m_floor
     if v < tiny:
         v = tiny - tiny
     exp_avg[i] = m
@@ -53,13 +57,16 @@ _bias_corrections_cuda = cuda.jit(device=True)(_bias_corrections)
 @njit(cache=True, error_model="numpy")
 def adam_cpu(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, eps, l2,
              param_decay, first_step, tiny):
+    mode = flush_begin()   # subnormal intermediates (g * g of a tiny g): ops.subnormals
     step_size, correction2 = _bias_corrections_cpu(step_counter, lr, beta1, beta2)
     cast = param.dtype.type
     one_minus_beta1, one_minus_beta2 = cast(1.0 - beta1), cast(1.0 - beta2)
     for i in range(param.size):
         _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, cast(beta2),
                           one_minus_beta2, cast(eps), cast(l2), cast(param_decay),
-                          cast(step_size), cast(correction2), first_step, cast(tiny))
+                          cast(step_size), cast(correction2), first_step, cast(tiny),
+                          cast(tiny / (1.0 - beta1)))
+    flush_end(mode)
 
 
 @cuda.jit(cache=True)
@@ -71,7 +78,8 @@ def adam_cuda(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, 
         cast = param.dtype.type
         _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
                            cast(1.0 - beta2), cast(eps), cast(l2), cast(param_decay),
-                           cast(step_size), cast(correction2), first_step, cast(tiny))
+                           cast(step_size), cast(correction2), first_step, cast(tiny),
+                           cast(tiny / (1.0 - beta1)))
 
 
 ADAM_UPDATE = Kernel("adam", adam_cpu, adam_cuda, elements(0))
@@ -88,11 +96,13 @@ class Adam(Optimizer):
         v = beta2 * v + (1 - beta2) * g * g
         p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-    m and v values below the dtype's smallest normal number are stored as 0 (subnormal
-    arithmetic is ~20x slower on x86; torch keeps them). The kernel reads t from a one-element device counter that one small kernel advances each
-    step (so a captured step replays with its own t) and computes the bias corrections in
-    float64; the update's arithmetic is in the parameter's dtype, as in torch. ``lr`` is a
-    kernel argument (no recompile).
+    v below the dtype's smallest normal number, and m below that over ``1 - beta1``, are
+    stored as 0 (subnormal arithmetic is ~20x slower on x86; torch keeps them), and the CPU
+    kernel runs with subnormal results flushed to zero (``ops.subnormals``). The kernel reads
+    t from a one-element device counter that one small kernel advances each step (so a
+    captured step replays with its own t) and computes the bias corrections in float64; the
+    update's arithmetic is in the parameter's dtype, as in torch. ``lr`` is a kernel argument
+    (no recompile).
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.

@@ -988,3 +988,13 @@ def test_state_that_decays_below_the_smallest_normal_number_is_stored_as_zero(de
         assert not np.any((values > 0) & (values < tiny)), f"subnormal {name} at step {step}"
         seen_normal |= bool(np.all(values >= tiny))
     assert seen_normal and np.all(values == 0)   # it was normal, decayed, then became 0
+
+
+def test_the_cpu_update_leaves_the_callers_floating_point_mode_alone():
+    """Adam's CPU kernel flushes subnormals only while it runs (ops.subnormals)."""
+    params = make_params("cpu", np.float32)
+    opt = optim.Adam(params, lr=1e-3)
+    set_grads(params, grad_steps(1, np.float32)[0])
+    opt.step()
+    half_of_tiny = np.float32(np.finfo(np.float32).tiny) * np.float32(0.5)
+    assert half_of_tiny > 0   # a subnormal result, not flushed to 0 after the kernel
