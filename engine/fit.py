@@ -191,9 +191,9 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
     losses = [] if step_losses is not None else None
     watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
     start = time.perf_counter()
-    batches = (_loader_steps(loader) if cursor is None else
-               _cursor_steps(cursor, step, _steps_per_replay(watchers, losses)))
-    for index, runs, rows, loss in batches(step):
+    steps = (_loader_steps(loader, step) if cursor is None else
+             _cursor_steps(cursor, step, _steps_per_replay(watchers, losses)))
+    for index, runs, rows, loss in steps:
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
         if watchers:
@@ -209,36 +209,32 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
             "samples_per_s": rows / seconds if seconds > 0 else None}
 
 
-def _loader_steps(loader):
+def _loader_steps(loader, step):
     """The epoch's steps over the loader's batches: ``(index, 1, rows, loss)`` per step."""
-    def steps(step):
-        for index, (inputs, labels) in enumerate(loader):
-            if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
-                labels = tensor(labels, device=inputs.device)
-            yield index, 1, inputs.shape[0], step(inputs, labels)
-    return steps
+    for index, (inputs, labels) in enumerate(loader):
+        if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
+            labels = tensor(labels, device=inputs.device)
+        yield index, 1, inputs.shape[0], step(inputs, labels)
 
 
 def _cursor_steps(cursor, step, per_replay):
-    """The epoch's steps at the device cursor, up to ``per_replay`` full batches per replay:
-    ``(index of the last step, steps run, their rows, the last loss)`` per replay."""
-    def steps(_):
-        spans = cursor.start_epoch()
-        index = 0
-        while index < len(spans):
-            first, count = spans[index]
-            if count == cursor.loader.batch_size:
-                runs = 1
-                while (runs < per_replay - index % per_replay and index + runs < len(spans)
-                       and spans[index + runs][1] == count):
-                    runs += 1
-            else:   # the last, partial batch: its own recording, and its own start
-                cursor.seek(first)
-                runs = 1
-            loss = step.repeat(runs, count) if hasattr(step, "repeat") else step(count)
-            index += runs
-            yield index - 1, runs, runs * count, loss
-    return steps
+    """The epoch's steps at the device cursor, up to ``per_replay`` full batches per replay
+    of the captured ``step``, never past a multiple of ``per_replay``: ``(index of the last
+    step, steps run, their rows, the last loss)`` per replay."""
+    spans = cursor.start_epoch()
+    index = 0
+    while index < len(spans):
+        first, count = spans[index]
+        runs = 1
+        if count == cursor.loader.batch_size:
+            while (runs < per_replay - index % per_replay and index + runs < len(spans)
+                   and spans[index + runs][1] == count):
+                runs += 1
+        else:   # the last, partial batch: its own recording, and its own start
+            cursor.seek(first)
+        loss = step.repeat(runs, count)
+        index += runs
+        yield index - 1, runs, runs * count, loss
 
 
 def _steps_per_replay(watchers, losses):
