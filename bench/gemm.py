@@ -165,19 +165,36 @@ def bench_cuda(shapes):
               flush=True)
 
 
-# The sweep's candidates: tiling name -> split counts. A split that makes the same K slices as
-# a smaller one at some shape is timed once there; splits add no compile (the partial kernel
-# takes its slice count from the grid), each tiling costs its kernels' compiles.
-SWEEP_CANDIDATES = {"SMALL": (1, 2, 4, 8), "COMPACT": (1, 2, 4, 8), "MEDIUM": (1, 4)}
+# The sweep's candidates: tiling name -> split counts, per Dense kernel (its layout: forward
+# x·W, dX = G·Wᵀ, dW = xᵀ·G). A split that makes the same K slices as a smaller one at some
+# shape is timed once there; splits add no compile (the partial kernel takes its slice count
+# from the grid), but each tiling costs two compiles (its kernel and its partial kernel) per
+# layout it is swept in, about 1 s each on the H200 host: the 3 tilings of the first sweep
+# in 3 layouts compiled 18 kernels, 35 s in all; these 23 tilings-by-layout compile 46. The
+# candidates for latency (ops.matmul) go mostly to forward and dW, where the two big products
+# fwd L1 and dW1 are (dX's are small); the 64x64 ones only to dW, as MEDIUM lost fwd L1 to
+# COMPACT (25.6 vs 16.9 us) but won dW1.
+BASE_CANDIDATES = {"SMALL": (1, 2, 4, 8), "COMPACT": (1, 2, 4, 8), "MEDIUM": (1, 4)}
+LATENCY_SPLITS = (1, 2, 4, 8, 16)
+SMALL_TILE_CANDIDATES = {name: LATENCY_SPLITS for name in
+                         ("COMPACT_K32", "COMPACT_K64", "COMPACT_128", "WIDE", "TALL")}
+SWEEP_CANDIDATES = {   # (trans_a, trans_b) of the MLP product -> its candidates
+    (False, False): {**BASE_CANDIDATES, **SMALL_TILE_CANDIDATES},
+    (False, True): {**BASE_CANDIDATES, "COMPACT_K32": LATENCY_SPLITS,
+                    "COMPACT_128": LATENCY_SPLITS},
+    (True, False): {**BASE_CANDIDATES, **SMALL_TILE_CANDIDATES, "MEDIUM_K32": LATENCY_SPLITS,
+                    "MEDIUM_128": LATENCY_SPLITS},
+}
 SWEEP_ALPHA = 0.01
 
 
-def _candidates(k):
-    """(tiling name, config) of every candidate at inner dimension k, each slicing once."""
+def _candidates(k, trans_a, trans_b):
+    """(tiling name, config) of every candidate for this layout at inner dimension k, each
+    slicing once."""
     import ops.matmul as mm
     seen, configs = set(), []
-    for name, splits in SWEEP_CANDIDATES.items():
-        tiling = getattr(mm, name)
+    for name, splits in SWEEP_CANDIDATES[trans_a, trans_b].items():
+        tiling = mm.TILINGS[name]
         for split in splits:
             slices = mm.k_slices(k, split, tiling.BK)
             if (name, slices) not in seen:
@@ -263,10 +280,12 @@ def sweep_cuda(shapes):
         reference = _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng)
         print(f"### {label}: {m}x{k}x{n}" + (" Aᵀ" if trans_a else "") + (" Bᵀ" if trans_b
               else "") + f", cuBLAS {_us(reference)} us GPU\n")
-        print("| tiling   | slices | blocks | gpu us | wall us | vs cuBLAS | max err  |")
-        print("|----------|-------:|-------:|-------:|--------:|----------:|---------:|")
+        print("| tiling           | threads | slices | blocks | gpu us | wall us | vs cuBLAS "
+              "| max err  |")
+        print("|------------------|--------:|-------:|-------:|-------:|--------:|----------:"
+              "|---------:|")
         results = []
-        for tiling_name, config in _candidates(k):
+        for tiling_name, config in _candidates(k, trans_a, trans_b):
             previous = mm.GEMM_CHOICES.get(key)
             mm.GEMM_CHOICES[key] = config
             try:
@@ -282,7 +301,8 @@ def sweep_cuda(shapes):
             blocks = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN) * config.split
             mark = "*" if config == default_slices else " "
             ratio = f"{gpu / reference:9.2f}x" if reference else "        -"
-            print(f"| {mark}{tiling_name:<7} | {config.split:6} | {blocks:6} | "
+            print(f"| {mark}{tiling_name:<15} | {mm.threads_of(tiling):7} | {config.split:6} | "
+                  f"{blocks:6} | "
                   f"{gpu * 1e6:6.1f} | {wall * 1e6:7.1f} | {ratio} | {error:8.1e} |", flush=True)
             results.append((gpu, tiling_name, config))
         gpu, tiling_name, config = min(results, key=lambda result: result[0])

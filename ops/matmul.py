@@ -4,17 +4,19 @@ CPU: ``np.dot`` inside ``@njit`` writes straight into the preallocated output (S
 measured equal to NumPy's ``@``); a transposed operand is passed as ``a.T``, a free view.
 
 CUDA: one kernel template (``_gemm_kernels``) built per dtype, tiling and operand layout.
-Each block computes a ``BM x BN`` tile of the output; each of its 256 threads keeps a
-``TM x TN`` sub-tile in registers (register blocking), walking K in steps of ``BK`` through
-two shared-memory buffers: while the block multiplies one buffer, every thread already holds
-the next K-slice in registers and stores it into the other buffer (double buffering, one
-barrier per step). The tilings:
+Each block computes a ``BM x BN`` tile of the output; each of its threads (256 in the
+tilings below, 128 in some sweep candidates) keeps a ``TM x TN`` sub-tile in registers
+(register blocking), walking K in steps of ``BK`` through two shared-memory buffers: while
+the block multiplies one buffer, every thread already holds the next K-slice in registers
+and stores it into the other buffer (double buffering, one barrier per step). The tilings:
 
 - ``LARGE`` (128x128, 8x8 per thread) when it alone gives every multiprocessor a block;
 - ``MEDIUM`` (64x64, 4x4 per thread) for mid-sized outputs such as 1024x1024;
 - ``SMALL`` (16x16, one element per thread, BK=32) for MLP shapes such as 128x784x256:
   as many blocks as the output allows;
-- ``COMPACT`` (32x32, 2x2 per thread) a candidate between SMALL and MEDIUM.
+- ``COMPACT`` (32x32, 2x2 per thread) a candidate between SMALL and MEDIUM;
+- candidates for the sweep at latency-bound MLP shapes (BK=32/64, 32x64, 64x32, 128 threads),
+  picked only where ``GEMM_CHOICES`` names one.
 
 A product with too few output tiles to fill the GPU also splits K (split-K): its blocks write
 partial tiles of their K slices into a scratch buffer, and a second kernel sums them in a
@@ -63,7 +65,9 @@ def gemm_cpu(a, b, out, trans_a, trans_b):
 # ------------------------------------------------------------------ CUDA tilings
 
 # vec: a thread owns runs of 4 adjacent rows/columns (16-byte aligned shared reads that the
-# compiler can merge into vector loads) instead of rows/columns strided by the thread count.
+# compiler can merge into vector loads; runs of 2 when its sub-tile is 2 wide) instead of
+# rows/columns strided by the thread count. In the PTX (sm_90) MEDIUM's runs of 4 become pairs
+# of ld.shared.v2 loads; runs of 2 stay scalar loads, so a 2x2 sub-tile gains nothing by vec.
 # Measured on the H200 (bench/gemm.py): vec took 4096³ from 16.0 to 22.0 TFLOP/s and 1024³
 # from 13.4 to 14.9; for the one-element-per-thread SMALL tiling BK=32 beat 64 and 128
 # (32.6 vs 43.1 and 40.8 us of GPU time at 128x784x256). Capping LARGE at 128 registers
@@ -76,6 +80,25 @@ SMALL = Tiling(16, 16, 32, 1, 1)
 # 2x2 per thread: half SMALL's shared-memory reads per multiply-add, a quarter of its blocks
 COMPACT = Tiling(32, 32, 16, 2, 2)
 SIMULATED = Tiling(4, 4, 4, 2, 2)   # the simulator starts one OS thread per CUDA thread
+
+# Candidates for the latency-bound MLP products, for the sweep to measure (not yet measured:
+# none is picked unless GEMM_CHOICES names it). On the H200 MEDIUM took 21.8 us of GPU time for
+# dW1's 8 K steps of 16 in 52 blocks: each step waits on its global loads and a barrier, so
+# these take more K per step (more loads in flight per thread, fewer barriers), other tile
+# shapes, or fewer threads doing more each.
+COMPACT_K32 = Tiling(32, 32, 32, 2, 2)
+COMPACT_K64 = Tiling(32, 32, 64, 2, 2)
+COMPACT_128 = Tiling(32, 32, 32, 4, 2)   # 128 threads, 4x2 per thread
+WIDE = Tiling(32, 64, 32, 2, 4, True)    # 32x64 for 256 threads
+TALL = Tiling(64, 32, 32, 4, 2, True)    # 64x32 for 256 threads
+MEDIUM_K32 = Tiling(64, 64, 32, 4, 4, True)
+MEDIUM_128 = Tiling(64, 64, 16, 8, 4, True)   # 128 threads, 8x4 per thread
+
+# every tiling by the name the sweep and GEMM_CHOICES use
+TILINGS = {name: tiling for name, tiling in globals().items() if isinstance(tiling, Tiling)}
+
+MAX_THREADS = 1024
+STATIC_SHARED_BYTES = 48 * 1024   # the most static shared memory a block may hold
 MEDIUM_MIN_BLOCKS = 48   # below this many MEDIUM blocks, SMALL's many blocks win
 
 # what the template computes besides the plain product
@@ -84,6 +107,47 @@ PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct 
 
 
 _multiprocessors = functools.cache(cuda_backend.multiprocessor_count)
+
+
+def threads_of(tiling):
+    """A block's thread count: one thread per TM x TN sub-tile."""
+    return (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN)
+
+
+def shared_bytes(tiling, dtype):
+    """Static shared memory of a block: A's and B's tiles, double-buffered and padded."""
+    return 2 * tiling.BK * (tiling.BM + tiling.BN + 2 * PAD) * np.dtype(dtype).itemsize
+
+
+def vec_run(per_thread, vec):
+    """Under vec a thread owns runs of this many adjacent rows (columns): 4, or fewer when its
+    sub-tile is narrower (a run must divide it); 1 is the strided layout."""
+    return math.gcd(4, per_thread) if vec else 1
+
+
+def check_tiling(tiling, dtype=np.float32):
+    """Raise ValueError unless the template can run ``tiling`` for ``dtype``: whole sub-tiles,
+    a block size CUDA allows, tile loads that share out evenly over the threads, and shared
+    memory within the static limit."""
+    BM, BN, BK, TM, TN = tiling[:5]
+    if min(tiling[:5]) < 1:
+        raise ValueError(f"matmul: {tiling}: every extent must be at least 1")
+    if BM % TM or BN % TN:
+        raise ValueError(f"matmul: {tiling}: the {BM}x{BN} tile is not a whole number of "
+                         f"{TM}x{TN} sub-tiles")
+    threads = threads_of(tiling)
+    if threads > MAX_THREADS:
+        raise ValueError(f"matmul: {tiling}: {threads} threads, more than a block's "
+                         f"{MAX_THREADS}")
+    if (BM * BK) % threads or (BK * BN) % threads:
+        raise ValueError(f"matmul: {tiling}: the A tile ({BM}x{BK}) and the B tile ({BK}x{BN}) "
+                         f"must each be a whole number of loads per thread for {threads} "
+                         f"threads")
+    needed = shared_bytes(tiling, dtype)
+    if needed > STATIC_SHARED_BYTES:
+        raise ValueError(f"matmul: {tiling}: {needed} bytes of shared memory for "
+                         f"{np.dtype(dtype).name}, more than the {STATIC_SHARED_BYTES} a block "
+                         f"may hold statically")
 
 
 def pick_tiling(m, n):
@@ -172,6 +236,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     the kernel of a split-K product, writing its raw slice sums (the bias row's too) into
     ``partials[slice]`` for ``_split_sum_kernel`` to finish; its FORWARD is PLAIN (the
     epilogue moves to the sum)."""
+    check_tiling(tiling, dtype)
     BM, BN, BK, TM, TN = tiling[:5]
     # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
     # differ per dtype, tiling, layout, mode, activation and partial (max_registers is not
@@ -188,15 +253,14 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     PARTIAL = partial
     A_TILE, B_TILE = (2, BK, BM + PAD), (2, BK, BN + PAD)   # constant shapes for the arrays
     ACC = (TM, TN)
-    VEC = tiling.vec
+    RUN_M, RUN_N = vec_run(TM, tiling.vec), vec_run(TN, tiling.vec)
     ALIGN = None if SIMULATOR else 16   # bytes; the simulator takes no alignment
 
     @cuda.jit(device=True)
-    def owned(t, i, count):
-        """The i-th row (column) of the tile owned by the thread at position t of count."""
-        if VEC:
-            return (i // 4) * (count * 4) + t * 4 + i % 4
-        return t + i * count
+    def owned(t, i, count, run):
+        """The i-th row (column) of the tile owned by the thread at position t of count, in
+        runs of ``run`` adjacent ones."""
+        return (i // run) * (count * run) + t * run + i % run
 
     @cuda.jit(device=True)
     def fetch_a(a, aux, regs, k0, row0, m_data, k_end, tid, alpha):
@@ -296,9 +360,9 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
                 # without vec, thread (ty, tx) owns rows ty + i*TY and columns tx + j*TX:
                 # a warp reads consecutive shared words (no bank conflicts), stores coalesce
                 for i in range(TM):
-                    a_frag[i] = a_tile[cur, kk, owned(ty, i, TY)]
+                    a_frag[i] = a_tile[cur, kk, owned(ty, i, TY, RUN_M)]
                 for j in range(TN):
-                    b_frag[j] = b_tile[cur, kk, owned(tx, j, TX)]
+                    b_frag[j] = b_tile[cur, kk, owned(tx, j, TX, RUN_N)]
                 for i in range(TM):
                     for j in range(TN):
                         acc[i, j] += a_frag[i] * b_frag[j]
@@ -307,9 +371,9 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
                 stash_b(b_tile, 1 - cur, b_regs, tid)
             cuda.syncthreads()
         for i in range(TM):
-            m = row0 + owned(ty, i, TY)
+            m = row0 + owned(ty, i, TY, RUN_M)
             for j in range(TN):
-                n = col0 + owned(tx, j, TX)
+                n = col0 + owned(tx, j, TX, RUN_N)
                 if n < n_size:
                     if PARTIAL:
                         if m < m_data + EXTRA_ROWS:
@@ -421,8 +485,12 @@ def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
     extra_rows = 1 if mode == GRAD_B else 0
     rows = m + extra_rows
     tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows)
+    if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:
+        # GEMM_CHOICES holds float32 measurements; a wider dtype whose tiles would not fit in
+        # shared memory (float64 under WIDE, say) takes the rule's tiling at that shape
+        tiling = pick_tiling(rows, n)
     blocks = (-(-n // tiling.BN), -(-rows // tiling.BM))
-    threads = (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN)
+    threads = threads_of(tiling)
     slices = k_slices(k, split, tiling.BK)
     if slices == 1:
         kernel = _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, False)

@@ -1,8 +1,10 @@
 """matmul, fused Dense, softmax / log_softmax and the losses on every backend.
 
 Simulator shapes are tiny and odd so they straddle the simulated 4x4 tiles and the K steps;
-the ``gpu`` tests run the real tilings (SMALL, COMPACT, MEDIUM, LARGE) on large odd shapes
-against NumPy in float64. Split-K is forced at a shape through an entry of
+small forced tilings (``STRUCTURE_TILINGS``) carry the template's other structures (vec runs
+of 2, rectangular tiles and sub-tiles, 8 threads) through the simulator; the ``gpu`` tests
+run every real tiling of ``ops.matmul.TILINGS`` on large odd shapes against NumPy in
+float64. A tiling and split-K are forced at a shape through an entry of
 ``ops.matmul.GEMM_CHOICES`` that the test's monkeypatch removes again.
 """
 import numpy as np
@@ -430,14 +432,17 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
         mm.gemm(a, b)
 
 
+REAL_TILINGS = [name for name in mm.TILINGS if name != "SIMULATED"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["SMALL", "COMPACT", "MEDIUM", "LARGE"])
-@pytest.mark.parametrize("split", [2, 7])
+@pytest.mark.parametrize("tiling", REAL_TILINGS)
+@pytest.mark.parametrize("split", [1, 2, 7])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
                                              (True, True)])
 def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, trans_b):
     m, k, n = 131, 1001, 67   # K: a ragged last step and a ragged last slice for every tiling
-    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split, getattr(mm, tiling))
+    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split, mm.TILINGS[tiling])
     rng = np.random.default_rng(9)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
@@ -445,20 +450,21 @@ def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, t
     stored_b = np.ascontiguousarray(b.T) if trans_b else b
     with LaunchRecorder() as recorder:
         out = mm.gemm(to_device(stored_a, "cuda"), to_device(stored_b, "cuda"), trans_a, trans_b)
-    assert recorder.cuda_kernel_names() == ["gemm_partial_cuda", "gemm_sum_cuda"]
+    assert recorder.cuda_kernel_names() == (["gemm_cuda"] if split == 1 else
+                                            ["gemm_partial_cuda", "gemm_sum_cuda"])
     np.testing.assert_allclose(out.copy_to_host(), a.astype(np.float64) @ b.astype(np.float64),
                                **_gpu_tolerance(k))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["SMALL", "COMPACT", "MEDIUM"])
+@pytest.mark.parametrize("tiling", [name for name in REAL_TILINGS if name != "LARGE"])
 @pytest.mark.parametrize("split", [1, 3, 8])
 @pytest.mark.parametrize("activation", ["relu", "tanh"])
 def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split, activation):
     batch, fan_in, fan_out, alpha = 130, 785, 257, 0.1   # the MLP's first layer, made odd
     for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
                 (fan_in, fan_out, batch, True, False)]:
-        _forcing(monkeypatch, key, split, getattr(mm, tiling))
+        _forcing(monkeypatch, key, split, mm.TILINGS[tiling])
     rng = np.random.default_rng(10)
     x = rng.standard_normal((batch, fan_in)).astype(np.float32)
     w = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
@@ -475,6 +481,93 @@ def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split
     again, _ = _dense_step("cuda", x, w, b, upstream, activation, alpha)
     for one, other in zip(got, again):   # reproducible to the bit on the real GPU too
         np.testing.assert_array_equal(one.view(np.uint32), other.view(np.uint32))
+
+
+# ------------------------------------------------------------------ tilings
+
+# small tilings the simulator runs quickly (4 or 8 threads a block) that carry the structures
+# of the sweep's candidates: vec runs of 4 beside runs of 2 and tall tiles (TALL), wide
+# strided sub-tiles (WIDE without vec), TY != TX and a K step wider than the tile
+# (COMPACT_128 and COMPACT_K64); on a real GPU they run as they are
+STRUCTURE_TILINGS = {
+    "tall, vec runs of 4 and 2": mm.Tiling(8, 4, 2, 4, 2, True),
+    "wide, strided": mm.Tiling(2, 8, 4, 1, 4),
+    "8 threads, BK wider than the tile": mm.Tiling(4, 8, 8, 2, 2, True),
+}
+
+
+@pytest.mark.parametrize("tiling", STRUCTURE_TILINGS)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+def test_gemm_tilings_every_layout_against_float64(device, monkeypatch, tiling, trans_a,
+                                                   trans_b):
+    m, k, n = 9, 19, 10   # straddles every tiling's rows, columns and K steps (3 slices)
+    # split-K: the partial kernel and the sum; the dense test below runs the single kernels
+    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), 3, STRUCTURE_TILINGS[tiling])
+    rng = np.random.default_rng(12)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    stored_a = np.ascontiguousarray(a.T) if trans_a else a
+    stored_b = np.ascontiguousarray(b.T) if trans_b else b
+    with engine.debug.poison():
+        out = mm.gemm(to_device(stored_a, device), to_device(stored_b, device), trans_a, trans_b)
+    np.testing.assert_allclose(to_host(out), a @ b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tiling", STRUCTURE_TILINGS)
+@pytest.mark.parametrize("split", [1, 3])
+def test_dense_tilings_every_mode_against_float64(device, monkeypatch, tiling, split):
+    batch, fan_in, fan_out, alpha = 9, 10, 11, 0.2   # K of 9 to 11: split 3 splits at BK <= 8
+    for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
+                (fan_in, fan_out, batch, True, False)]:
+        _forcing(monkeypatch, key, split, STRUCTURE_TILINGS[tiling])
+    rng = np.random.default_rng(13)
+    x, w, b = (rng.standard_normal(s) for s in ((batch, fan_in), (fan_in, fan_out), (fan_out,)))
+    upstream = rng.standard_normal((batch, fan_out))
+    with engine.debug.poison():
+        got, kernels = _dense_step(device, x, w, b, upstream, "tanh", alpha)
+    for what, value, want in zip(["y", "dx", "dW", "db"], got,
+                                 _dense_reference("tanh", x, w, b, upstream, alpha)):
+        np.testing.assert_allclose(value, want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"{tiling} split {split} {what} on {device}")
+    if device == "cuda":
+        assert len(kernels) == (3 if split == 1 else 6)
+
+
+@pytest.mark.parametrize("name", list(mm.TILINGS))
+def test_every_named_tiling_is_valid_for_float32(name):
+    mm.check_tiling(mm.TILINGS[name], np.float32)
+
+
+@pytest.mark.parametrize("tiling,message", [
+    (mm.Tiling(32, 32, 16, 3, 2), r"not a whole number of 3x2 sub-tiles"),
+    (mm.Tiling(64, 64, 8, 1, 2), r"2048 threads, more than a block's 1024"),
+    (mm.Tiling(32, 32, 6, 2, 2), r"whole number of loads per thread for 256 threads"),
+    (mm.Tiling(128, 128, 32, 8, 8), r"67584 bytes of shared memory for float32"),
+    (mm.Tiling(4, 4, 0, 2, 2), r"every extent must be at least 1"),
+])
+def test_check_tiling_names_what_is_wrong(tiling, message):
+    with pytest.raises(ValueError, match=message):
+        mm.check_tiling(tiling)
+
+
+@pytest.mark.cuda
+def test_gemm_rejects_an_invalid_tiling_in_the_table(monkeypatch):
+    _forcing(monkeypatch, (3, 2, 5, False, False), 1, mm.Tiling(4, 4, 3, 2, 1))
+    a, b = to_device(np.ones((3, 5)), "cuda"), to_device(np.ones((5, 2)), "cuda")
+    with pytest.raises(ValueError, match=r"loads per thread for 8 threads"):
+        mm.gemm(a, b)
+
+
+@pytest.mark.cuda
+def test_float64_takes_the_rule_tiling_where_the_table_tiling_overflows_shared_memory(
+        monkeypatch):
+    m, k, n = 7, 11, 6
+    assert mm.shared_bytes(mm.WIDE, np.float64) > mm.STATIC_SHARED_BYTES
+    _forcing(monkeypatch, (m, n, k, False, False), 2, mm.WIDE)
+    rng = np.random.default_rng(14)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    out = mm.gemm(to_device(a, "cuda"), to_device(b, "cuda"))
+    np.testing.assert_allclose(to_host(out), a @ b, rtol=1e-12, atol=1e-12)
 
 
 def test_split_k_dense_in_a_captured_step_equals_eager(device, monkeypatch):
