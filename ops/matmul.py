@@ -175,17 +175,18 @@ GemmConfig = namedtuple("GemmConfig", "tiling split")
 # config that won `python -m bench.gemm --device cuda --sweep` at that shape (GPU time on the
 # H200; put the measurement in a comment beside each entry). M counts the product's rows only,
 # not Dense's bias row. Shapes not listed take pick_config's rule.
-# Measured on the H200 (132 multiprocessors) on 2026-12-01; another GPU takes these too (they
+# Measured on the H200 (132 multiprocessors) on 2026-12-01, the second sweep (with the K32,
+# 128-thread and rectangular tilings); another GPU takes these too (they
 # are correct anywhere), but its best choice may differ: run the sweep there.
 GEMM_CHOICES = {
-    (128, 256, 784, False, False): GemmConfig(COMPACT, 7),   # fwd L1 x·W1: 16.9 us GPU, cuBLAS 9.1 (H200 sweep)
-    (128, 128, 256, False, False): GemmConfig(COMPACT, 8),   # fwd L2 x·W2: 8.1 us GPU, cuBLAS 7.4 (H200 sweep)
-    (128, 10, 128, False, False): GemmConfig(SMALL, 4),   # fwd L3 x·W3: 6.2 us GPU, cuBLAS 7.3 (H200 sweep)
-    (784, 256, 128, True, False): GemmConfig(MEDIUM, 4),   # dW1 = xᵀ·G: 15.8 us GPU, cuBLAS 5.8 (H200 sweep)
-    (128, 256, 128, False, True): GemmConfig(COMPACT, 8),   # dX2 = G·W2ᵀ: 8.4 us GPU, cuBLAS 5.2 (H200 sweep)
-    (256, 128, 128, True, False): GemmConfig(COMPACT, 8),   # dW2 = xᵀ·G: 9.1 us GPU, cuBLAS 5.2 (H200 sweep)
-    (128, 128, 10, False, True): GemmConfig(COMPACT, 1),   # dX3 = G·W3ᵀ: 3.8 us GPU, cuBLAS 8.7 (H200 sweep)
-    (128, 10, 128, True, False): GemmConfig(COMPACT, 8),   # dW3 = xᵀ·G: 6.5 us GPU, cuBLAS 5.1 (H200 sweep)
+    (128, 256, 784, False, False): GemmConfig(TALL, 13),   # fwd L1 x·W1: 15.5 us GPU, cuBLAS 9.3 (H200 sweep)
+    (128, 128, 256, False, False): GemmConfig(COMPACT, 8),   # fwd L2 x·W2: 8.3 us GPU, cuBLAS 7.7 (H200 sweep)
+    (128, 10, 128, False, False): GemmConfig(SMALL, 4),   # fwd L3 x·W3: 6.4 us GPU, cuBLAS 7.5 (H200 sweep)
+    (784, 256, 128, True, False): GemmConfig(TALL, 1),   # dW1 = xᵀ·G: 15.2 us GPU, cuBLAS 5.9 (H200 sweep)
+    (128, 256, 128, False, True): GemmConfig(COMPACT, 4),   # dX2 = G·W2ᵀ: 8.6 us GPU, cuBLAS 5.3 (H200 sweep)
+    (256, 128, 128, True, False): GemmConfig(TALL, 4),   # dW2 = xᵀ·G: 9.3 us GPU, cuBLAS 5.4 (H200 sweep)
+    (128, 128, 10, False, True): GemmConfig(COMPACT, 1),   # dX3 = G·W3ᵀ: 3.9 us GPU, cuBLAS 9.0 (H200 sweep)
+    (128, 10, 128, True, False): GemmConfig(SMALL, 4),   # dW3 = xᵀ·G: 6.8 us GPU, cuBLAS 5.2 (H200 sweep)
 }
 
 # The rule for shapes the table does not list, a guess until the sweep has measured it: split
