@@ -18,6 +18,7 @@ import importlib
 import json
 import math
 import os
+import zlib
 
 import numpy as np
 
@@ -275,8 +276,10 @@ class Dropout(Layer):
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
         # a model read from a file (initialize=False) gets its seed state from the file and
-        # leaves the generator as it was
-        base_seed = int(generator().integers(0, dropout_op.SEED_LIMIT)) if initialize else 0
+        # leaves the generator as it was; a file written before Dropout had seed state keeps
+        # this one, from the layer's unique name, so its Dropout layers draw different masks
+        base_seed = (int(generator().integers(0, dropout_op.SEED_LIMIT)) if initialize
+                     else zlib.crc32(self.name.encode()))
         self.seed, self.masks_drawn = (
             Tensor(array) for array in dropout_op.new_seed_state(base_seed, device))
         return output_shape

@@ -580,3 +580,18 @@ def test_float64_conversion_keeps_dropout_seed_state_integer():
     out = model(np.ones((2, 3)))
     assert out.dtype == np.float64
     assert {b.dtype for _, b in model.named_buffers()} == {np.dtype(np.int64)}
+
+
+def test_dropout_layers_of_a_file_without_seed_state_draw_different_masks():
+    """Read back from a file written before Dropout had seed state, each Dropout layer gets a
+    base seed of its own (from its unique name), not one shared by all."""
+    model = nn.Sequential([nn.Dense(6, input_shape=(3,)), nn.Dropout(0.5), nn.Dropout(0.5)])
+    model(np.ones((2, 3), np.float32))
+    state = {name: value for name, value in model.state_dict().items()
+             if not name.startswith("dropout")}
+    loaded = nn.Sequential.from_config(model.get_config())
+    loaded(np.ones((2, 3), np.float32))
+    loaded.load_state_dict(state)
+    seeds = [int(value[0]) for name, value in loaded.state_dict().items()
+             if name.endswith(".seed")]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
