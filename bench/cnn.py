@@ -21,41 +21,20 @@ import time
 
 import numpy as np
 
-from bench.mlp import _torch_usable, machine_description
+from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, engine_training,
+                       machine_description)
 from bench.report import emit, require_device
-
-BATCH_SIZE = 128
-LEARNING_RATE = 1e-3
 
 
 def _engine_run(x_train, y_train, x_test, y_test, normalize, device, capture=True):
-    import data
     import engine
-    import optim
-    from engine.losses import cross_entropy
-    from engine.train import build_cnn, evaluate, fit
+    from engine.train import build_cnn
 
     engine.manual_seed(0)
     model = build_cnn(x_train.shape[1:], 10).to(device)
     initial_state = model.state_dict()
-    optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
-                             device=device, normalize=normalize)
-    test_loader = data.DataLoader(x_test, y_test, batch_size=1000, device=device,
-                                  normalize=normalize)
-    epochs_done = 0
-
-    def train_epoch():
-        nonlocal epochs_done
-        record = fit(model, loader, optimizer, cross_entropy, epochs_done + 1,
-                     start_epoch=epochs_done, progress=False, verbose=False,
-                     capture=capture)[-1]
-        epochs_done += 1
-        return record["seconds"]
-
-    def test_accuracy():
-        return evaluate(model, test_loader)
-
+    _, loader, train_epoch, test_accuracy = engine_training(
+        model, x_train, y_train, x_test, y_test, normalize, device, capture)
     return train_epoch, test_accuracy, loader, initial_state
 
 

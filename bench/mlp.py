@@ -37,15 +37,16 @@ LEARNING_RATE = 1e-3
 
 # ------------------------------------------------------------------ the engine side
 
-def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, capture=True):
-    import engine
+def engine_training(model, x_train, y_train, x_test, y_test, normalize, device, capture):
+    """The engine's side of a benchmark, as users run it: Adam on ``model`` through
+    ``engine.train.fit``, one epoch per call of ``train_epoch()`` (its training seconds),
+    over shuffled batches of ``BATCH_SIZE``. Returns ``(optimizer, loader, train_epoch,
+    test_accuracy)``."""
     import data
     import optim
     from engine.losses import cross_entropy
-    from engine.train import build_mlp, evaluate, fit
+    from engine.train import evaluate, fit
 
-    engine.manual_seed(0)
-    model = build_mlp(x_train.shape[1:], hidden, 10).to(device)
     optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device=device, normalize=normalize)
@@ -60,6 +61,22 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, cap
                      capture=capture)[-1]
         epochs_done += 1
         return record["seconds"]
+
+    def test_accuracy():
+        return evaluate(model, test_loader)
+
+    return optimizer, loader, train_epoch, test_accuracy
+
+
+def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, capture=True):
+    import engine
+    from engine.losses import cross_entropy
+    from engine.train import build_mlp
+
+    engine.manual_seed(0)
+    model = build_mlp(x_train.shape[1:], hidden, 10).to(device)
+    optimizer, loader, train_epoch, test_accuracy = engine_training(
+        model, x_train, y_train, x_test, y_test, normalize, device, capture)
 
     def instrumented_epoch():
         """One epoch of plain steps, counting launches, driver allocations and tape nodes.
@@ -90,9 +107,6 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, cap
                 "driver_allocations_steady_steps": int(sum(steady)) if device == "cuda" else None,
                 "steady_steps": len(steady),
                 "tape_nodes_between_steps_max": max(tape_sizes)}
-
-    def test_accuracy():
-        return evaluate(model, test_loader)
 
     return train_epoch, instrumented_epoch, test_accuracy, loader
 
