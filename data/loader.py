@@ -134,12 +134,17 @@ class DataLoader:
 
     def _batches(self, order):
         for start, count in self._spans():
-            x_rows, y_rows = gather_rows(self._x, self._y, order, start, count)
-            xb = Tensor(x_rows.reshape((count,) + self.sample_shape))
-            yb = Tensor(y_rows.reshape((count,) + self.target_shape))
+            xb, yb = self._gathered(order, start, count)
             if self.transform is not None:
                 xb = self.transform(xb)
             yield xb, yb
+
+    def _gathered(self, order, start, count, cursor=None):
+        """The ``count`` samples at ``order[start:]`` (after ``cursor[0]`` when given) as
+        ``(xb, yb)`` Tensors in the samples' and targets' shapes."""
+        x_rows, y_rows = gather_rows(self._x, self._y, order, start, count, cursor)
+        return (Tensor(x_rows.reshape((count,) + self.sample_shape)),
+                Tensor(y_rows.reshape((count,) + self.target_shape)))
 
     def epoch_cursor(self):
         """This loader's ``EpochCursor`` (one per loader, kept: a recorded step that fetches
@@ -201,11 +206,9 @@ class EpochCursor:
 
     def next_batch(self, count):
         """The ``count`` samples at the cursor as ``(xb, yb)``; the cursor moves one step on."""
-        loader = self.loader
-        x_rows, y_rows = gather_rows(loader._x, loader._y, self.order, 0, count, self.cursor)
+        batch = self.loader._gathered(self.order, 0, count, self.cursor)
         advance(self.cursor, self.stride)
-        return (Tensor(x_rows.reshape((count,) + loader.sample_shape)),
-                Tensor(y_rows.reshape((count,) + loader.target_shape)))
+        return batch
 
 
 def _checked_shard(shard):

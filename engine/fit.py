@@ -242,7 +242,7 @@ def _steps_per_replay(watchers, losses):
     of all steps are kept, else the smallest ``step_interval`` of the callbacks watching."""
     if losses is not None:
         return 1
-    return min([getattr(callback, "step_interval", 1) for callback in watchers],
+    return min([callback.step_interval for callback in watchers],
                default=MAX_STEPS_PER_REPLAY)
 
 
