@@ -4,8 +4,9 @@ Every thread writes its value into a shared array of ``REDUCE_THREADS`` entries 
 two), then pairs are combined in a tree that halves each round: the same order every run, so
 sums are reproducible bit for bit. Sum, mean, max, the losses, the training metrics and the
 gradient norm all reduce through it, with one block of ``REDUCE_THREADS`` threads per output
-(or per chunk of one: ``ops.reduce``); ``group_reduce_cuda`` is the same tree within aligned
-groups of a block's threads (softmax: a group per row).
+(or per chunk of one: ``ops.reduce``). The tree is written once, in ``group_reduce_cuda``,
+within aligned groups of a block's threads (softmax: a group per row); ``block_reduce_cuda`` is
+its group of the whole block.
 """
 from numba import float64, njit
 
@@ -27,29 +28,11 @@ combine_cuda = cuda.jit(device=True)(combine)
 
 
 @cuda.jit(device=True)
-def block_reduce_cuda(code, value):
-    """``value`` combined over the block's threads in a fixed order; every thread gets it."""
-    partial = cuda.shared.array(REDUCE_THREADS, float64)
-    t = cuda.threadIdx.x
-    partial[t] = value
-    cuda.syncthreads()
-    step = REDUCE_THREADS // 2
-    while step > 0:
-        if t < step:
-            partial[t] = combine_cuda(code, partial[t], partial[t + step])
-        cuda.syncthreads()
-        step //= 2
-    total = partial[0]
-    cuda.syncthreads()   # a second call in the same kernel may reuse the shared array
-    return total
-
-
-@cuda.jit(device=True)
 def group_reduce_cuda(code, value, group):
     """``value`` combined over each aligned group of ``group`` consecutive threads (a power of
-    two dividing ``REDUCE_THREADS``), in the fixed tree order of ``block_reduce_cuda`` within
-    the group; every thread gets its group's result. Several short rows share one block this
-    way (softmax: a group per row). Every thread of the block must call it."""
+    two dividing ``REDUCE_THREADS``) in the fixed halving tree; every thread gets its group's
+    result. Several short rows share one block this way (softmax: a group per row). Every
+    thread of the block must call it."""
     partial = cuda.shared.array(REDUCE_THREADS, float64)
     t = cuda.threadIdx.x
     lane = t % group
@@ -64,3 +47,9 @@ def group_reduce_cuda(code, value, group):
     total = partial[t - lane]
     cuda.syncthreads()   # a second call in the same kernel may reuse the shared array
     return total
+
+
+@cuda.jit(device=True)
+def block_reduce_cuda(code, value):
+    """``value`` combined over the block's threads in a fixed order; every thread gets it."""
+    return group_reduce_cuda(code, value, REDUCE_THREADS)
