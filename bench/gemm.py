@@ -9,7 +9,8 @@ their backward products.
 Times are wall-clock per call, launch and Python wrapper included: ``iters`` calls back to
 back, then one synchronisation, best of ``repeats``. GFLOP/s counts 2*M*N*K per call. On
 CUDA a second column gives the GPU time alone: CUDA events around calls queued behind a long
-product, so launch overhead is hidden (a call's wall time is roughly the larger of the two).
+product, so launch overhead is hidden (``bench.gpu_time``; a call's wall time is roughly the
+larger of the two).
 
 ``--sweep`` times, at each MLP product, the fused Dense kernel an MLP step runs there
 (forward x·W: bias + relu epilogue; dX = G·Wᵀ: relu' prologue; dW = xᵀ·G with the bias row)
@@ -21,6 +22,8 @@ import importlib.util
 import time
 
 import numpy as np
+
+from bench.gpu_time import engine_timer, torch_timer
 
 # (label, M, K, N, trans_a, trans_b): out (M, N) = op(A) (M, K) @ op(B) (K, N)
 SQUARE = [("256³", 256, 256, 256, False, False),
@@ -34,9 +37,6 @@ MLP = [("fwd L1 x·W1", 128, 784, 256, False, False),
        ("dW2 = xᵀ·G", 256, 128, 128, True, False),
        ("dX3 = G·W3ᵀ", 128, 10, 128, False, True),
        ("dW3 = xᵀ·G", 128, 128, 10, True, False)]
-
-
-BUSY_SIZE = 4096   # the product that keeps the GPU busy while timed calls queue behind it
 
 
 def _operands(m, k, n, trans_a, trans_b, rng):
@@ -67,19 +67,6 @@ def _time(call, sync, iters, repeats=3):
     return best
 
 
-def _gpu_time(call, busy, events, n=20):
-    """GPU seconds per call: ``n`` calls queued behind ``busy`` work, timed by events."""
-    start, end, wait = events
-    call()
-    busy()
-    start.record()
-    for _ in range(n):
-        call()
-    end.record()
-    wait(end)
-    return start.elapsed_time(end) / 1e3 / n
-
-
 def _cell(seconds, flops):
     if seconds is None:
         return "         - |         -"
@@ -100,18 +87,6 @@ def _header(*names):
             f"|---------------|------------------|{rule}|---------:|")
 
 
-class _NumbaEvent:
-    def __init__(self):
-        from ops.cuda_backend import cuda
-        self.event = cuda.event()
-
-    def record(self):
-        self.event.record()
-
-    def elapsed_time(self, other):   # milliseconds, as torch.cuda.Event
-        return self.event.elapsed_time(other.event)
-
-
 def bench_cuda(shapes):
     from ops.cuda_backend import cuda
 
@@ -126,17 +101,8 @@ def bench_cuda(shapes):
     print("wall = per call, launch included; gpu = kernel time alone\n")
     print(_header("ours wall", "ours gpu", "cuBLAS wall", "cuBLAS gpu"))
     rng = np.random.default_rng(0)
-    big = [to_device(rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32), "cuda")
-           for _ in range(2)]
-    big_out = cuda.device_array((BUSY_SIZE, BUSY_SIZE), np.float32)
-    numba_events = (_NumbaEvent(), _NumbaEvent(), lambda end: end.event.synchronize())
-    busy = lambda: gemm(big[0], big[1], out=big_out)   # noqa: E731
-    if torch is not None:
-        torch_big = [torch.from_numpy(big_operand).cuda() for big_operand in
-                     (rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32),) * 2]
-        torch_busy = lambda: torch.matmul(torch_big[0], torch_big[1])   # noqa: E731
-        torch_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-                        lambda end: end.synchronize())
+    ours_timer = engine_timer()
+    cublas_timer = torch_timer() if torch is not None else None
     for label, m, k, n, trans_a, trans_b in shapes:
         a, b = _operands(m, k, n, trans_a, trans_b, rng)
         da, db = to_device(a, "cuda"), to_device(b, "cuda")
@@ -147,7 +113,7 @@ def bench_cuda(shapes):
             gemm(da, db, trans_a, trans_b, out=out)
 
         ours = _time(ours_call, cuda.synchronize, iters)
-        ours_gpu = _gpu_time(ours_call, busy, numba_events, min(iters, 20))
+        ours_gpu = ours_timer.seconds_per_call(ours_call, min(iters, 20))
         expected = _reference(a, b, trans_a, trans_b)
         error = np.abs(out.copy_to_host() - expected).max() / max(np.abs(expected).max(), 1e-30)
         ref = ref_gpu = None
@@ -160,7 +126,7 @@ def bench_cuda(shapes):
                 torch.matmul(ta, tb, out=tc)
 
             ref = _time(torch_call, torch.cuda.synchronize, iters)
-            ref_gpu = _gpu_time(torch_call, torch_busy, torch_events, min(iters, 20))
+            ref_gpu = cublas_timer.seconds_per_call(torch_call, min(iters, 20))
         print(_row(label, m, k, n, trans_a, trans_b, error, ours, ours_gpu, ref, ref_gpu),
               flush=True)
 
@@ -254,8 +220,6 @@ def sweep_cuda(shapes):
     cuBLAS's plain product beside; the winners as ``GEMM_CHOICES`` entries to paste."""
     import ops.matmul as mm
     from ops.cuda_backend import cuda
-    from ops.device import to_device
-    from ops.matmul import gemm
 
     started = time.perf_counter()
     torch = _torch_or_none()
@@ -264,11 +228,8 @@ def sweep_cuda(shapes):
     print(f"\n## GEMM config sweep on {name}: the fused Dense kernel of each MLP product "
           f"(relu), GPU time per call; cuBLAS: torch.matmul's plain product, TF32 off\n")
     rng = np.random.default_rng(0)
-    big = [to_device(rng.standard_normal((BUSY_SIZE, BUSY_SIZE)).astype(np.float32), "cuda")
-           for _ in range(2)]
-    big_out = cuda.device_array((BUSY_SIZE, BUSY_SIZE), np.float32)
-    busy = lambda: gemm(big[0], big[1], out=big_out)   # noqa: E731
-    events = (_NumbaEvent(), _NumbaEvent(), lambda end: end.event.synchronize())
+    timer = engine_timer()
+    cublas_timer = torch_timer() if torch is not None else None
     winners = []
     for label, m, k, n, trans_a, trans_b in shapes:
         key = (m, n, k, trans_a, trans_b)
@@ -277,7 +238,7 @@ def sweep_cuda(shapes):
         default = mm.pick_config(m, n, k, trans_a, trans_b, extra_rows)
         default_slices = mm.GemmConfig(default.tiling,
                                        mm.k_slices(k, default.split, default.tiling.BK))
-        reference = _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng)
+        reference = _cublas_gpu_time(torch, cublas_timer, m, k, n, trans_a, trans_b, rng)
         print(f"### {label}: {m}x{k}x{n}" + (" Aᵀ" if trans_a else "") + (" Bᵀ" if trans_b
               else "") + f", cuBLAS {_us(reference)} us GPU\n")
         print("| tiling           | threads | slices | blocks | gpu us | wall us | vs cuBLAS "
@@ -289,7 +250,7 @@ def sweep_cuda(shapes):
             previous = mm.GEMM_CHOICES.get(key)
             mm.GEMM_CHOICES[key] = config
             try:
-                gpu = _gpu_time(call, busy, events)
+                gpu = timer.seconds_per_call(call)
                 wall = _time(call, cuda.synchronize, 100)
                 error = _relative_error(outputs)
             finally:
@@ -332,7 +293,7 @@ def _torch_or_none():
     return torch
 
 
-def _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng):
+def _cublas_gpu_time(torch, timer, m, k, n, trans_a, trans_b, rng):
     """GPU seconds of torch.matmul's plain product at this shape and layout (None without
     torch)."""
     if torch is None:
@@ -341,11 +302,7 @@ def _cublas_gpu_time(torch, m, k, n, trans_a, trans_b, rng):
     ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
     ta, tb = (ta.t() if trans_a else ta), (tb.t() if trans_b else tb)
     tc = torch.empty((m, n), device="cuda")
-    big = torch.randn((BUSY_SIZE, BUSY_SIZE), device="cuda")
-    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-              lambda end: end.synchronize())
-    return _gpu_time(lambda: torch.matmul(ta, tb, out=tc), lambda: torch.matmul(big, big),
-                     events)
+    return timer.seconds_per_call(lambda: torch.matmul(ta, tb, out=tc))
 
 
 def bench_cpu(shapes):
