@@ -3,13 +3,20 @@
     python -m bench.ops [--device cpu|cuda] [--json PATH]
 
 Each op runs at the reference MLP's size (batch 128, where per-call overhead dominates) and
-at a large size (where memory bandwidth or FLOPs dominate). The engine calls are the public
-ones (``a + b``, ``x.relu()``, ``x.sum()``, ``x.softmax()``, ``a @ b``, an ``nn.Dense`` layer)
-under ``engine.no_grad()``; the time per call is the best of several rounds, each long
-enough to be timed reliably, with the device synchronised at the end of a round.
-Throughput is GB/s of compulsory traffic (inputs read once, outputs written once) for the
-memory-bound ops and GFLOP/s for matmul and dense. On ``--device cuda`` NumPy still runs on
-the host: it is the CPU baseline.
+at a large size (where memory bandwidth or FLOPs dominate; the large sum is 1024x1024, 2^20
+elements). The engine calls are the public ones (``a + b``, ``x.relu()``, ``x.sum()``,
+``x.softmax()``, ``a @ b``, an ``nn.Dense`` layer) under ``engine.no_grad()``; the wall time
+per call is the best of several rounds, each long enough to be timed reliably, with the
+device synchronised at the end of a round. Throughput, from the wall time, is GB/s of
+compulsory traffic (inputs read once, outputs written once) for the memory-bound ops and
+GFLOP/s for matmul and dense. On ``--device cuda`` NumPy still runs on the host: it is the
+CPU baseline.
+
+On ``--device cuda`` the wall time of a small op is mostly Python's launch, so a second
+column per GPU framework (the engine, and torch when it has CUDA; ``gpu_us_per_call`` in the
+JSON, None on the CPU) gives its GPU time per call: CUDA events around 20 calls queued
+behind a long product, which hides the launches (``bench.gpu_time``), best of ``ROUNDS``.
+The large sum's two GPU columns are the engine's 1M-element sum against torch's.
 """
 import argparse
 import importlib.util
@@ -17,6 +24,7 @@ import time
 
 import numpy as np
 
+from bench.gpu_time import BUSY_SIZE, CALLS, engine_timer, torch_timer
 from bench.report import emit, require_device
 
 ROUND_SECONDS = 0.2
@@ -138,6 +146,12 @@ def run(device, quick=False):
             import torch
             torch.cuda.synchronize()
 
+    gpu_timers = {}
+    if device == "cuda":
+        gpu_timers["engine"] = engine_timer()
+        if has_torch:
+            gpu_timers["torch"] = torch_timer()
+
     rng = np.random.default_rng(0)
     rows = []
     cases = [(name, sizes[name]) for name in MLP_SIZE
@@ -146,33 +160,44 @@ def run(device, quick=False):
         arrays = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
         unit, amount = _work(name, shapes)
         round_seconds = QUICK_ROUND_SECONDS if quick else ROUND_SECONDS
-        with engine.no_grad():
-            seconds = {"engine": _seconds_per_call(_engine_calls(name, arrays, device), engine_sync,
-                                                 round_seconds),
-                       "numpy": _seconds_per_call(_numpy_calls(name, arrays), lambda: None,
-                                                round_seconds)}
+        calls = {"engine": _engine_calls(name, arrays, device),
+                 "numpy": _numpy_calls(name, arrays)}
+        synchronize = {"engine": engine_sync, "numpy": lambda: None}
         if has_torch:
-            seconds["torch"] = _seconds_per_call(_torch_calls(name, arrays, torch_device),
-                                                 torch_sync, round_seconds)
+            calls["torch"] = _torch_calls(name, arrays, torch_device)
+            synchronize["torch"] = torch_sync
+        with engine.no_grad():
+            seconds = {k: _seconds_per_call(call, synchronize[k], round_seconds)
+                       for k, call in calls.items()}
+            gpu_seconds = {k: min(timer.seconds_per_call(calls[k]) for _ in range(ROUNDS))
+                           for k, timer in gpu_timers.items()}
         rows.append({"op": name, "shapes": [list(s) for s in shapes], "unit": f"{unit}/s",
                      "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
+                     "gpu_us_per_call": ({k: 1e6 * v for k, v in gpu_seconds.items()}
+                                         if gpu_timers else None),
                      "throughput": {k: amount / v / 1e9 for k, v in seconds.items()}})
     return {"device": device, "rows": rows}
 
 
 def format_table(result):
     frameworks = list(result["rows"][0]["us_per_call"])
-    header = " | ".join(f"{name} us" for name in frameworks)
+    gpu_frameworks = list(result["rows"][0]["gpu_us_per_call"] or ())
+    header = " | ".join([f"{name} us" for name in frameworks]
+                        + [f"{name} gpu us" for name in gpu_frameworks])
     rates = " | ".join(f"{name}" for name in frameworks)
     lines = [f"bench.ops on {result['device']} (NumPy on the host); throughput in GB/s "
-             "(memory-bound ops) or GFLOP/s (matmul, dense)", "",
-             f"| op | shape | {header} | unit | {rates} |",
-             "|---|---|" + "---:|" * (2 * len(frameworks) + 1)]
+             "(memory-bound ops) or GFLOP/s (matmul, dense)"]
+    if gpu_frameworks:
+        lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone ({CALLS} "
+                     f"calls queued behind a {BUSY_SIZE}³ product, timed by CUDA events)")
+    lines += ["", f"| op | shape | {header} | unit | {rates} |",
+              "|---|---|" + "---:|" * (2 * len(frameworks) + len(gpu_frameworks) + 1)]
     for row in result["rows"]:
         shapes = " @ ".join("x".join(map(str, shape)) for shape in row["shapes"])
         if row["op"] not in ("matmul", "dense relu"):
             shapes = "x".join(map(str, row["shapes"][0]))
-        times = " | ".join(f"{row['us_per_call'][k]:.1f}" for k in frameworks)
+        times = " | ".join([f"{row['us_per_call'][k]:.1f}" for k in frameworks]
+                           + [f"{row['gpu_us_per_call'][k]:.1f}" for k in gpu_frameworks])
         throughput = " | ".join(f"{row['throughput'][k]:.2f}" for k in frameworks)
         lines.append(f"| {row['op']} | {shapes} | {times} | {row['unit']} | {throughput} |")
     return "\n".join(lines)

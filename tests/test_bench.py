@@ -72,7 +72,22 @@ def test_bench_ops_quick_smoke(tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     assert [row["op"] for row in rows] == list(bench_ops.MLP_SIZE)
     assert all(row["us_per_call"]["engine"] > 0 and row["throughput"]["numpy"] > 0 for row in rows)
+    assert all(row["gpu_us_per_call"] is None for row in rows)   # GPU time: on CUDA only
     assert "| dense relu | 128x784 @ 784x256 |" in capsys.readouterr().out
+
+
+def test_bench_ops_table_on_cuda_puts_gpu_times_beside_the_wall_times():
+    row = {"op": "sum", "shapes": [[1024, 1024]], "unit": "GB/s",
+           "us_per_call": {"engine": 30.0, "numpy": 200.0, "torch": 10.0},
+           "gpu_us_per_call": {"engine": 8.5, "torch": 4.3},
+           "throughput": {"engine": 140.0, "numpy": 21.0, "torch": 419.0}}
+    lines = bench_ops.format_table({"device": "cuda", "rows": [row]}).splitlines()
+    header, rule, sum_row = lines[-3:]
+    assert header == ("| op | shape | engine us | numpy us | torch us | engine gpu us | "
+                      "torch gpu us | unit | engine | numpy | torch |")
+    assert sum_row == ("| sum | 1024x1024 | 30.0 | 200.0 | 10.0 | 8.5 | 4.3 | GB/s | 140.00 | "
+                       "21.00 | 419.00 |")
+    assert rule.count("|") == header.count("|")
 
 
 @pytest.mark.cuda
