@@ -278,13 +278,26 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     # 10.4 us of H200 time, the same kernel without the prologue 7.7); the fetches now only
     # issue loads, which are in flight while the block multiplies the other buffer.
     @cuda.jit(device=True)
+    def a_slot(tid, load):
+        """(k, row) in A's tile of the thread's ``load``-th element: consecutive threads take
+        consecutive m when a is stored (K, M), consecutive k when (M, K), so reads coalesce."""
+        e = tid + U(load * THREADS)
+        if trans_a:
+            return e // U(BM), e % U(BM)
+        return e % U(BK), e // U(BK)
+
+    @cuda.jit(device=True)
+    def b_slot(tid, load):
+        """(k, column) in B's tile of the thread's ``load``-th element, coalesced as a_slot."""
+        e = tid + U(load * THREADS)
+        if trans_b:   # b is (N, K): consecutive threads read consecutive k
+            return e % U(BK), e // U(BK)
+        return e // U(BN), e % U(BN)
+
+    @cuda.jit(device=True)
     def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid):
         for load in range(A_LOADS):
-            e = tid + U(load * THREADS)
-            if trans_a:   # consecutive threads read consecutive m of a (K, M) array
-                kk, r = e // U(BM), e % U(BM)
-            else:
-                r, kk = e // U(BK), e % U(BK)
+            kk, r = a_slot(tid, load)
             m, k = row0 + r, k0 + kk
             value = y = ZERO
             if k < k_end:
@@ -300,11 +313,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     @cuda.jit(device=True)
     def stash_a(tile, buffer, regs, aux_regs, tid, alpha):
         for load in range(A_LOADS):
-            e = tid + U(load * THREADS)
-            if trans_a:
-                kk, r = e // U(BM), e % U(BM)
-            else:
-                r, kk = e // U(BK), e % U(BK)
+            kk, r = a_slot(tid, load)
             value = regs[load]
             if mode == GRAD_A:   # a zero fetched outside a keeps zero: act' is finite at 0
                 y = aux_regs[load]
@@ -314,11 +323,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     @cuda.jit(device=True)
     def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid):
         for load in range(B_LOADS):
-            e = tid + U(load * THREADS)
-            if trans_b:   # b is (N, K): consecutive threads read consecutive k
-                c, kk = e // U(BK), e % U(BK)
-            else:
-                kk, c = e // U(BN), e % U(BN)
+            kk, c = b_slot(tid, load)
             n, k = col0 + c, k0 + kk
             value = y = ZERO
             if k < k_end and n < n_size:
@@ -331,11 +336,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     @cuda.jit(device=True)
     def stash_b(tile, buffer, regs, aux_regs, tid, alpha):
         for load in range(B_LOADS):
-            e = tid + U(load * THREADS)
-            if trans_b:
-                c, kk = e // U(BK), e % U(BK)
-            else:
-                kk, c = e // U(BN), e % U(BN)
+            kk, c = b_slot(tid, load)
             value = regs[load]
             if mode == GRAD_B:
                 y = aux_regs[load]
