@@ -8,6 +8,7 @@ import optim
 from engine import nn
 from engine.losses import cross_entropy
 from ops.cuda_backend import SIMULATOR
+from tests.training_step import cross_entropy_step
 
 OPTIMIZERS = {
     "adam": lambda params: optim.Adam(params, lr=1e-2),
@@ -154,14 +155,7 @@ def test_a_loaded_optimizer_state_is_recorded_anew_not_replayed_stale(device):
     model = nn.Sequential([nn.Dense(4, input_shape=(5,))]).to(device)
     opt = optim.Adam(model.parameters(), lr=1e-2)
 
-    @engine.capture
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = engine.capture(cross_entropy_step(model, opt))
     x, y = _batches(device)[0]
     for _ in range(3):
         step(x, y)

@@ -13,6 +13,7 @@ from engine.losses import cross_entropy
 from ops import dropout as dropout_op
 from ops.device import to_device, to_host
 from ops.step_counter import set_counter
+from tests.training_step import cross_entropy_step
 
 STEPS = 6
 
@@ -36,13 +37,7 @@ def _train(device, captured):
     model = _mlp(device)
     opt = optim.Adam(model.parameters(), lr=1e-2)
 
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = cross_entropy_step(model, opt)
     if captured:
         step = engine.capture(step)
     losses = [step(x, y).item() for x, y in _batches(device)]

@@ -21,6 +21,7 @@ from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from ops.memory import empty
 from tests.op_check import Case, check_op
+from tests.training_step import cross_entropy_step
 
 ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
 
@@ -584,14 +585,7 @@ def test_split_k_dense_in_a_captured_step_equals_eager(device, monkeypatch):
         model = nn.Sequential([nn.Dense(fan_out, activation="tanh", input_shape=(fan_in,))])
         model = model.to(device)
         opt = optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            opt.zero_grad()
-            loss = losses.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = cross_entropy_step(model, opt)
         step = engine.capture(step) if captured else step
         with engine.debug.poison(False), LaunchRecorder() as recorder:
             values = [step(x, y).item() for x, y in batches]
