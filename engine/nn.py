@@ -34,6 +34,7 @@ from ops import conv as conv_op
 from ops import dropout as dropout_op
 from ops import pool as pool_op
 from ops.device import check_device, copy_into, to_device, to_host
+from ops.launch import note_participant
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
 ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
@@ -97,6 +98,11 @@ def batch_shape(shape):
 
 # ------------------------------------------------------------------ layers
 
+def _arrays_key(named):
+    """The identity of each named tensor's storage and whether it requires grad."""
+    return tuple((name, id(value.data), value.requires_grad) for name, value in named)
+
+
 class Layer:
     """A layer: ``build`` maps an input feature shape to its output shape (making parameters),
     ``forward`` maps a batch Tensor to a batch Tensor."""
@@ -133,7 +139,15 @@ class Layer:
     def __call__(self, x):
         if not self.built:   # a layer used on its own is built from its first input
             self.build(x.shape[1:], x.device)
+        note_participant(self)
         return self.forward(x)
+
+    def capture_key(self):
+        """What the host decides about this layer's kernels: its mode, its parameters and
+        buffers and whether each requires grad (``engine.capture`` replays only while this
+        is unchanged)."""
+        return (self.training, _arrays_key(self.named_parameters()),
+                _arrays_key(self.named_buffers()))
 
     def get_config(self):
         """Constructor arguments as JSON-able values: ``type(self)(**config)`` rebuilds it."""
@@ -753,9 +767,14 @@ class Sequential:
         if x.device != self.device:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
+        note_participant(self)
         for layer in self.layers:
             x = layer.forward(x)
         return x
+
+    def capture_key(self):
+        """Every layer's ``capture_key`` (``engine.capture`` replays only while it holds)."""
+        return (self.device,) + tuple(layer.capture_key() for layer in self.layers)
 
     # ------------------------------------------------------------- summary
     def summary(self):

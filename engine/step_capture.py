@@ -10,32 +10,41 @@
 
 The first call of each argument signature (the shapes, dtypes and devices of its tensor
 arguments, and the values of the others) runs eagerly: kernels compile, the caching
-allocator fills. The second runs eagerly too, inside an ``ops.launch.LaunchRecorder``. Later
-calls replay that recording: on CUDA every kernel of the step in one CUDA graph launch, on
-the CPU the recorded kernel calls with their arguments bound, without the tape, the
-dispatcher or any op's Python. A call of another signature (a last partial batch) gets a
-recording of its own (``MAX_RECORDINGS`` kept).
+allocator fills, the optimizer makes its state. The second runs eagerly too, inside an
+``ops.launch.LaunchRecorder``. Later calls replay that recording: on CUDA every kernel of
+the step in one CUDA graph launch, on the CPU the recorded kernel calls with their
+arguments bound, without the tape, the dispatcher or any op's Python. A call of another
+signature (a last partial batch) gets a recording of its own (``MAX_RECORDINGS`` kept).
 
-What a replay does each call: it copies the tensor arguments into the recorded input
-buffers, asks the code that claimed a run (``ops.launch.claim_last_run``: the optimizers)
-whether that run's arguments changed (a learning rate written by a scheduler or by hand),
-runs the kernels, and returns copies of the recorded outputs (so a returned tensor stays
-valid after later calls; they are detached from the tape). The recording keeps every buffer
-its kernels use alive, so the caching allocator never hands them to other tensors.
+One source of truth: everything a replay reads that changes between calls is device memory
+that the eager step reads too, so eager and replayed steps run the same kernels on the same
+arrays and a recording's kernel arguments never change (``ops.step_counter``): the
+optimizer's step counts and hyper-parameters (synced from ``param_groups`` before each
+step, by the eager step and by each replay alike), Dropout's mask seeds, the loader's batch
+cursor (``data.loader.EpochCursor``). So ``repeat(n, *args)`` replays n steps at once, on
+CUDA as one graph of n chained copies of the step: ``fit`` runs an epoch that way, its step
+fetching its own batch at the cursor.
 
-State that changes every step lives on the device (``ops.step_counter``) and is moved on by
-kernels of the step itself: Adam's step count (its bias corrections are computed in the
-kernel), Dropout's mask seeds, the loader's batch cursor (``data.loader.EpochCursor``). So
-``repeat(n, *args)`` replays n steps at once, on CUDA as one graph of n chained copies of
-the step: ``fit`` runs an epoch that way, its step fetching its own batch at the cursor.
+What the host decides is part of what a recording was made for: the objects that took part
+in the recorded call (the optimizers that stepped, the models and layers that ran:
+``ops.launch.note_participant``) give a ``capture_key()`` (which parameters require grad,
+each layer's train/eval mode, the parameter set, the optimizer's groups and state layout),
+and a call replays only a recording whose participants' keys are what they were. A call
+where they differ (a frozen layer, ``model.eval()``) warms up and records again, and
+switching back finds the first recording.
 
-What a replay freezes: everything the step's Python decided while it was recorded. So a step
-may not branch on values that change (Python counters, data), must return the same kinds of
-results every call, and must not read device values on the host (``.item()``,
-``.numpy()``): a recording that reads the device, copies between host and device, or
-launches a kernel through Numba's slow path is not replayed; the step runs eagerly from then
-on and ``train_step.eager_reason`` says why. Eager and replayed steps run the same kernels
-on the same arguments, so their losses and weights are bit for bit equal.
+What a replay freezes: the step's Python. So a step may not branch on values that change
+(Python counters, data), and must return the same kinds of results every call. A step that
+reads device values on the host (``.item()``, ``float(loss)``, ``bool(...)``, ``.numpy()``,
+``np.asarray(t)``, ``.tolist()``), copies between host and device, or does work no kernel
+holds (an MPI all-reduce) is not replayed, on the CPU as on CUDA: it runs eagerly from then
+on and ``train_step.eager_reason`` says why. A call that raises while warming up or
+recording leaves no recording behind: the next call starts the warm-up again.
+
+A bad input in a replayed call (a label outside the classes) changes nothing: the checking
+kernel records it in its device's fault words (``ops.flag_buffer``), the optimizers' step
+advance reads them and their update kernels skip, and the host raises: on the CPU at that
+call, on CUDA at the next call or the next host read of device data (naming the call).
 
 The graphs are built explicitly (``cuda.core``'s ``GraphDefinition``), not by stream
 capture, and launched on the stream the engine's kernels use, after them in order.
@@ -47,59 +56,61 @@ from engine.tensor import Tensor
 from ops import cuda_backend
 from ops.array_copy import copy_array
 from ops.device import device_of, to_device
-from ops.launch import LaunchRecorder, StaleRecording
+from ops.flag_buffer import note_launcher, raise_pending
+from ops.launch import LaunchRecorder
 
 MAX_RECORDINGS = 8
 
 
 class _Recording:
-    """The kernel runs of one recorded call, its input buffers and its outputs."""
+    """The kernel runs of one recorded call, its input buffers, its outputs, and the
+    participants whose host decisions (``key``) the runs were made for."""
 
-    def __init__(self, recorder, inputs, outputs, output_kind):
+    def __init__(self, recorder, inputs, outputs, output_kind, key):
         self.runs = list(recorder.runs)   # holds every buffer the kernels touch
-        self.refreshers = dict(recorder.refreshers)
-        self.checks = list(recorder.replay_checks)
+        self.participants = tuple(recorder.participants)
+        self.key = key
         self.inputs = inputs
         self.outputs = outputs
         self.output_kind = output_kind
         self.device = next((run.device for run in self.runs), "cpu")
-        self.graphs = {}   # steps -> _Graph of that many chained copies of the runs
+        self.syncs = [p.sync_device for p in self.participants if hasattr(p, "sync_device")]
+        self.graphs = {}   # steps -> executable graph of that many chained copies of the runs
         self.functions = None
         if self.device == "cuda" and not cuda_backend.SIMULATOR:   # the simulator has no graphs:
             self.functions = self._direct_functions()              # its replay relaunches runs
-            self.graphs[1] = _Graph(self, 1)
+            self.graphs[1] = self._graph(1)
 
     def _direct_functions(self):
         functions = []
         for run in self.runs:
             function = cuda_backend.direct_function(run.function, run.args)
             if not function:
-                raise _NotCapturable(f"kernel {run.kernel.name} ran through Numba's own launch "
-                                     "path (its first launch, or arguments only Numba passes)")
+                raise _NotReady(f"kernel {run.kernel.name} ran through Numba's own launch "
+                                "path (its first launch, or arguments only Numba passes)")
             functions.append(function)
         return functions
 
-    def replay(self, arrays, steps=1):
+    def _graph(self, copies):
+        """One executable CUDA graph: ``copies`` chained copies of the runs, each run after
+        the one before."""
+        launches = [(function, run.grid, run.block, run.args)
+                    for function, run in zip(self.functions, self.runs)] * copies
+        return cuda_backend.build_graph(launches)
+
+    def replay(self, arrays, steps, call):
         """Run the recorded step ``steps`` times on ``arrays`` (one graph launch on CUDA)."""
-        for check in self.checks:
-            check()
+        for sync in self.syncs:   # host-written values (param_groups) to the device arrays
+            sync()
         for destination, source in zip(self.inputs, arrays):
             # a copy kernel: numba's copy_to_device costs ~200 us of Python per call on the H200
             copy_array(destination, source)
-        for index, refresh in self.refreshers.items():
-            args = refresh(steps)   # None: the run's arguments are those of the last replay
-            if args is not None:
-                run = self.runs[index]
-                function, grid, block, cuda_args = (run.kernel._launch(args)
-                                                    if run.device == "cuda"
-                                                    else (run.function, None, None, args))
-                self.runs[index] = run._replace(function=function, grid=grid, block=block,
-                                                args=cuda_args)
         if self.functions is not None:
+            note_launcher("cuda", _at_call(call, steps))
             graph = self.graphs.get(steps)
             if graph is None:
-                graph = self.graphs[steps] = _Graph(self, steps)
-            graph.launch(self)
+                graph = self.graphs[steps] = self._graph(steps)
+            cuda_backend.launch_graph(graph)
         elif self.device == "cuda":
             for _ in range(steps):
                 for run in self.runs:
@@ -108,6 +119,8 @@ class _Recording:
             for _ in range(steps):
                 for run in self.runs:
                     run.function(*run.args)
+        if self.functions is None:   # kernels ran synchronously: a fault is known now
+            raise_pending(self.device, _at_call(call, steps))
         return self.results()
 
     def results(self):
@@ -118,29 +131,15 @@ class _Recording:
         return copies[0] if self.output_kind == "tensor" else copies
 
 
-class _Graph:
-    """One executable CUDA graph: ``copies`` chained copies of a recording's runs, each run
-    after the one before. A run whose arguments a refresher changed gets them in every copy
-    before the next launch."""
+def _at_call(call, steps):
+    calls = f"call {call}" if steps == 1 else f"one of calls {call}..{call + steps - 1}"
+    return (f" [engine.capture: in {calls} of the captured step or before; from that call "
+            "on no update ran: the weights are as before it]")
 
-    def __init__(self, recording, copies):
-        runs = recording.runs
-        launches = [(function, run.grid, run.block, run.args)
-                    for function, run in zip(recording.functions, runs)] * copies
-        self.graph, self.nodes = cuda_backend.build_graph(launches)
-        self.copies = copies
-        self.applied = [run.args for run in runs]   # the arguments in this graph's nodes
 
-    def launch(self, recording):
-        count = len(recording.runs)
-        for index, run in enumerate(recording.runs):
-            if run.args is not self.applied[index]:
-                for copy in range(self.copies):
-                    cuda_backend.update_graph_node(self.graph, self.nodes[copy * count + index],
-                                                   recording.functions[index], run.grid,
-                                                   run.block, run.args)
-                self.applied[index] = run.args
-        cuda_backend.launch_graph(self.graph)
+class _NotReady(Exception):
+    """A recording that cannot be replayed yet (a kernel's first launch went through Numba's
+    own path): the next call records again."""
 
 
 class _NotCapturable(Exception):
@@ -150,13 +149,18 @@ class _NotCapturable(Exception):
 class CapturedStep:
     """The callable ``engine.capture`` makes of a step function (see the module docstring)."""
 
+    RECORD_ATTEMPTS = 3   # recordings that were not ready before the step runs eagerly
+
     def __init__(self, fn, warmup=1):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.warmup = warmup
         self.eager_reason = None
-        self._calls = {}
-        self._recordings = OrderedDict()
+        self.calls = 0
+        self.replayed = 0   # calls that ran as a replay (of ``calls``)
+        self._warm = {}   # (signature, host key or None) -> calls run since it was first seen
+        self._attempts = 0
+        self._recordings = OrderedDict()   # (signature, host key) -> _Recording
 
     def __call__(self, *args):
         return self.repeat(1, *args)
@@ -172,46 +176,83 @@ class CapturedStep:
         result = None
         while steps:
             if self.eager_reason is not None:
-                result = self.fn(*args)
+                result = self._eager(args)
                 steps -= 1
                 continue
-            key = _signature(args)
-            recording = self._recordings.get(key)
+            key, recording = self._find(_signature(args))
             if recording is None:
                 result = self._eager_or_record(key, args)
                 steps -= 1
                 continue
             self._recordings.move_to_end(key)
-            try:
-                return recording.replay([a.data for a in args if isinstance(a, Tensor)], steps)
-            except StaleRecording:   # raised before the replay ran anything: record anew
-                del self._recordings[key]
-                self._calls[key] = self.warmup
+            if recording.device == "cuda":   # a fault of an earlier call, read without a sync
+                raise_pending("cuda", _at_call(self.calls, 1))
+            self.calls += steps
+            self.replayed += steps
+            return recording.replay([a.data for a in args if isinstance(a, Tensor)], steps,
+                                    self.calls - steps + 1)
         return result
 
+    def _find(self, signature):
+        """``(key, recording)``: the recording of ``signature`` made for the participants'
+        host decisions as they are now, or None with the key a new recording would have
+        before the call (None for the host part when no recording says who takes part)."""
+        newest = None
+        for (recorded, _), recording in reversed(self._recordings.items()):
+            if recorded == signature:
+                key = (signature, _host_key(recording.participants))
+                found = self._recordings.get(key)
+                if found is not None:
+                    return key, found
+                newest = newest or key
+        return newest or (signature, None), None
+
+    def _eager(self, args):
+        self.calls += 1
+        note_launcher("cuda", "")   # its kernels are the eager step's: they say no call
+        return self.fn(*args)
+
     def _eager_or_record(self, key, args):
-        calls = self._calls.get(key, 0)
-        self._calls[key] = calls + 1
+        calls = self._warm.get(key, 0)
         if calls < self.warmup:
-            return self.fn(*args)
+            self._warm[key] = 0   # a call that raises leaves the warm-up where it was
+            result = self._eager(args)
+            # the call may have changed what the host decides (an optimizer making its
+            # state): the warm-up counts for the decisions it left
+            after = self._find(key[0])[0]
+            self._warm[key] = calls + 1
+            self._warm[after] = max(self._warm.get(after, 0), calls + 1)
+            return result
         return self._record(key, args)
 
-    def _record(self, key, args):
+    def _record(self, warm_key, args):
         # the recording reads its inputs from buffers of its own: a replay copies each call's
         # arguments there, and must never write into a caller's tensor
         args = tuple(Tensor(to_device(a.data, a.device), a.requires_grad)
                      if isinstance(a, Tensor) else a for a in args)
-        with LaunchRecorder() as recorder:
-            result = self.fn(*args)
+        self.calls += 1
+        note_launcher("cuda", "")
+        try:
+            with LaunchRecorder() as recorder:
+                result = self.fn(*args)
+        except BaseException:
+            self._warm[warm_key] = 0   # nothing kept: the next call warms up again
+            raise
+        key = (warm_key[0], _host_key(recorder.participants))
         try:
             if recorder.unrecordable:
                 raise _NotCapturable(f"the step does work no kernel holds: "
                                      f"{recorder.unrecordable[0]}")
             outputs, kind = _outputs(result)
             inputs = [a.data for a in args if isinstance(a, Tensor)]
-            recording = _Recording(recorder, inputs, outputs, kind)
+            recording = _Recording(recorder, inputs, outputs, kind, key)
         except _NotCapturable as reason:
             self.eager_reason = str(reason)
+            return result
+        except _NotReady as reason:
+            self._attempts += 1
+            if self._attempts >= self.RECORD_ATTEMPTS:
+                self.eager_reason = str(reason)
             return result
         self._recordings[key] = recording
         if len(self._recordings) > MAX_RECORDINGS:
@@ -220,8 +261,12 @@ class CapturedStep:
 
     @property
     def recordings(self):
-        """How many argument signatures have a recording."""
+        """How many recordings are kept (argument signatures and host decisions)."""
         return len(self._recordings)
+
+
+def _host_key(participants):
+    return tuple(participant.capture_key() for participant in participants)
 
 
 def _signature(args):

@@ -20,7 +20,7 @@ from engine.autograd import Value
 from engine.random import generator
 from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
                                dlpack_capsule)
-from ops.device import check_device, device_of, to_device, to_host
+from ops.device import check_device, device_of, read_on_host, to_device, to_host
 from ops.cast import BOOL, BYTE, cast
 from ops.fill import fill
 from ops.indexing import assign
@@ -111,13 +111,13 @@ class Tensor(Value):
     # ----------------------------------------------------------- moving data
     def numpy(self):
         """The values as a host NumPy array (shares memory on the CPU, a copy from the GPU)."""
-        return to_host(self.data)
+        return read_on_host(self.data, ".numpy()")
 
     def item(self):
         if self.size != 1:
             raise ValueError(f"item: only one-element tensors convert to a Python number, "
                              f"this one has shape {self.shape}")
-        return to_host(self.data).reshape(()).item()
+        return read_on_host(self.data, ".item(), float(), int() or bool()").reshape(()).item()
 
     def __float__(self):
         return float(self._python_number("float"))
@@ -319,6 +319,7 @@ class Tensor(Value):
         if self.device != "cpu":
             raise TypeError(f"__array__: this tensor lives on {self.device} and NumPy can only "
                             "view host memory; copy it to the host with t.numpy()")
+        read_on_host(self.data, "np.asarray()")
         if dtype is not None and np.dtype(dtype) != self.dtype:
             if copy is False:
                 raise ValueError(f"__array__: viewing a {self.dtype} tensor as {np.dtype(dtype)} "

@@ -258,22 +258,14 @@ def kernel_params(args):
 
 def build_graph(launches):
     """An executable CUDA graph of ``launches`` (``(function, grid, block, args)`` with
-    ``function`` from ``direct_function``) in one chain, each after the one before, and its
-    kernel nodes (to update their arguments between replays)."""
+    ``function`` from ``direct_function``) in one chain, each after the one before. Its
+    nodes never change: what changes between replays is device memory the kernels read."""
     from cuda.core.graph import GraphDefinition
     definition = GraphDefinition()
-    nodes = []
     node = definition
     for function, grid, block, args in launches:
         node = node.launch(_launch_config(grid, block), function, *kernel_params(args))
-        nodes.append(node)
-    return definition.instantiate(), nodes
-
-
-def update_graph_node(graph, node, function, grid, block, args):
-    """Give a kernel node of an instantiated graph new arguments for its next launches."""
-    graph[node].update(config=_launch_config(grid, block), kernel=function,
-                       args=kernel_params(args))
+    return definition.instantiate()
 
 
 def launch_graph(graph):

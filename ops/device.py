@@ -5,7 +5,8 @@ import numpy as np
 
 from ops.array_copy import copy_array
 from ops.cuda_backend import SIMULATOR, device_empty, gpu_usable, host_to_device, is_device_array
-from ops.launch import note_unrecordable
+from ops.flag_buffer import raise_pending
+from ops.launch import note_unrecordable, recording
 
 DEVICES = ("cpu", "cuda")
 
@@ -44,11 +45,24 @@ def check_device(device):
 
 
 def to_host(array):
-    """A NumPy array with the contents of ``array`` (a copy when it lives on the GPU)."""
+    """A NumPy array with the contents of ``array`` (a copy when it lives on the GPU). The
+    copy waits for the kernels before it, so an input fault they flagged (a bad label of a
+    captured step) is raised here (``ops.flag_buffer``)."""
     if is_device_array(array):
         note_unrecordable("a device value read on the host (.item(), .numpy(), a check)")
-        return array.copy_to_host()
+        values = array.copy_to_host()
+        raise_pending("cuda")
+        return values
     return np.asarray(array)
+
+
+def read_on_host(array, how):
+    """``to_host(array)`` for a read of a tensor's values by the user's code (``how``:
+    ".item()", "float()"): inside a captured step it is a decision the host makes from step
+    data, which a replay would freeze, so the step runs eagerly, on the CPU as on CUDA."""
+    if recording():
+        note_unrecordable(f"a tensor's values read on the host ({how})")
+    return to_host(array)
 
 
 def to_device(array, device):

@@ -17,7 +17,7 @@ from ops.cuda_backend import cuda
 from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
-from ops.launch import Kernel, on_replay
+from ops.launch import Kernel
 from ops.step_counter import new_counter
 
 
@@ -97,7 +97,6 @@ def gather_rows(x, y, order, start, count, cursor=None):
     bad = flag_buffer("gather_rows", device_of(x), _past_the_order, IndexError)
     if bad.deferred:
         bad.raise_if_flagged()   # an earlier batch's cursor, read without a sync
-    on_replay(bad.raise_if_flagged)   # a captured step's replays check it too
     batch = run(GATHER_ROWS, x, y, order, cursor, start,
                 Out((count, x.shape[1]), x.dtype, flat=False),
                 Out((count, y.shape[1]), y.dtype, flat=False), bad.device)

@@ -10,6 +10,7 @@ launches, the benchmarks count launches, a captured step replays them).
 A host NumPy array passed to a CUDA kernel is copied to the device and synchronised on every
 launch (191 us measured on the H200), so a CUDA launch refuses it.
 """
+import contextlib
 import math
 import threading
 from typing import NamedTuple
@@ -123,35 +124,36 @@ def recording():
     return bool(getattr(_thread, "recorders", None))
 
 
-def claim_last_run(refresh):
-    """Mark the run just made as one a replay asks about first (every active recorder of this
-    thread; nothing when none is active): ``refresh(steps)``, called before each replay of
-    ``steps`` steps, moves on the host state those steps advance and returns the run's new
-    arguments when they changed (a scheduler's learning rate), else None. Per-step values
-    belong on the device (``ops.step_counter``), not in the arguments: a replay of several
-    steps runs them all with one set. A kernel that made several launches (a cuda_plan)
-    cannot be claimed."""
-    for recorder in getattr(_thread, "recorders", None) or ():
-        recorder.refreshers[len(recorder.runs) - 1] = refresh
-
-
 def note_unrecordable(reason):
     """Tell the active recorders that the code just did work no kernel run holds (a host copy,
-    a collective, a host-side random draw), so replaying the runs would skip it."""
+    a host read of a tensor's values, a collective), so replaying the runs would skip it."""
     for recorder in getattr(_thread, "recorders", None) or ():
         recorder.unrecordable.append(reason)
 
 
-def on_replay(check):
-    """Have each replay of the recording being made call ``check()`` first (a check of a
-    previous step's inputs that the kernels flag, such as cross-entropy's bad labels)."""
+def note_participant(participant):
+    """Tell the active recorders that ``participant`` decides on the host what the step's
+    kernels are (an optimizer, a model): its ``capture_key()`` (a hashable of those decisions:
+    which parameters require grad, train/eval modes, the state's layout) is part of what a
+    recording was made for, and its ``sync_device()``, if it has one, runs before each replay
+    (as it runs in the eager step) to move host-written values (``param_groups``) to the
+    device arrays the kernels read."""
     for recorder in getattr(_thread, "recorders", None) or ():
-        if check not in recorder.replay_checks:
-            recorder.replay_checks.append(check)
+        if not any(participant is known for known in recorder.participants):
+            recorder.participants.append(participant)
 
 
-class StaleRecording(Exception):
-    """A claimed run cannot give arguments for this step any more: record the step again."""
+@contextlib.contextmanager
+def unrecorded():
+    """Run kernels that no recording may hold: one-time state set-up (a zeroed optimizer
+    state, a counter written from the host) and host-to-device syncs, which a replay would
+    otherwise repeat with stale values."""
+    recorders = getattr(_thread, "recorders", None)
+    _thread.recorders = None
+    try:
+        yield
+    finally:
+        _thread.recorders = recorders
 
 
 def _record(recorders, run):
@@ -166,15 +168,13 @@ class LaunchRecorder:
             train_step()
         recorder.cuda_launches()   # how many CUDA launches the step made
 
-    Code whose kernel arguments may change between steps (an optimizer's learning rate)
-    claims its run with ``claim_last_run(refresh)``: a replay of the recording calls
-    ``refresh(steps)`` first."""
+    A kernel's arguments are fixed once recorded: what changes from step to step lives in
+    device arrays the kernels read (``ops.step_counter``)."""
 
     def __init__(self):
         self.runs = []
-        self.refreshers = {}   # run index -> callable giving that run's arguments anew
         self.unrecordable = []   # why a replay of these runs would not do what the code did
-        self.replay_checks = []   # callables a replay runs first (deferred input checks)
+        self.participants = []   # objects whose host decisions the runs depend on
 
     def __enter__(self):
         if getattr(_thread, "recorders", None) is None:

@@ -6,23 +6,21 @@ from numba import float64, njit
 
 from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
+from ops.step_counter import SKIPPED, T
 from ops.subnormals import flush_begin, flush_end
 from optim.optimizer import Optimizer, check_non_negative
 
 
 def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2,
-                  eps, l2, param_decay, step_size, bias_correction2_sqrt, first_step, tiny,
-                  m_floor):
+                  eps, l2, param_decay, step_size, bias_correction2_sqrt, tiny, m_floor):
     # arithmetic in the parameters' dtype (every scalar arrives cast to it), as torch.optim
-    # does: float32 math vectorises twice as wide and its sqrt and division are ~3x cheaper
+    # does: float32 math vectorises twice as wide and its sqrt and division are ~3x cheaper.
+    # The state starts at zero (as torch's): m + (1 - beta1) * (g - m) of m = 0 is exactly
+    # (1 - beta1) * g, so the first step needs no flag of its own.
     p = param[i] * param_decay                   # AdamW: p * (1 - lr * weight_decay)
     g = grad[i] + l2 * p                         # Adam: L2 penalty in the gradient
-    if first_step:                               # the state buffers are still unwritten
-        m = one_minus_beta1 * g
-        v = one_minus_beta2 * g * g
-    else:
-        m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i])
-        v = beta2 * exp_avg_sq[i] + one_minus_beta2 * g * g
+    m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i])
+    v = beta2 * exp_avg_sq[i] + one_minus_beta2 * g * g
     # A weight whose gradient stays 0 (an MNIST border pixel's) has m decay by beta1 a step
     # into subnormal numbers, which x86 computes ~20x slower: after ~800 MNIST steps 134k of
     # the MLP's 235k m values were subnormal and the CPU update took 2581 us instead of 125.
@@ -38,54 +36,60 @@ def _adam_element(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, o
     param[i] = p - step_size * m / (math.sqrt(v) / bias_correction2_sqrt + eps)
 
 
-def _bias_corrections(step_counter, lr, beta1, beta2):
-    """``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` in float64, t read from the device
-    counter: a replayed step computes its own (the power of a float t, so both devices call
-    pow, not an integer power loop)."""
-    t = float(step_counter[0])
-    return lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t)
+def _adam_scalars(counts, hyper, decoupled, tiny, scalars):
+    """The update's scalars in float64 into ``scalars``, from the device arrays: t from the
+    step counts (a replayed step computes its own bias corrections: the power of a float t,
+    so both devices call pow, not an integer power loop) and the hyper-parameters
+    ``[lr, beta1, beta2, eps, weight_decay]`` the host synced."""
+    t = float(counts[T])
+    lr, beta1, beta2, eps, weight_decay = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
+    scalars[0] = 1.0 - beta1
+    scalars[1] = beta2
+    scalars[2] = 1.0 - beta2
+    scalars[3] = eps
+    scalars[4] = 0.0 if decoupled else weight_decay            # l2
+    scalars[5] = 1.0 - lr * weight_decay if decoupled else 1.0  # param_decay
+    scalars[6] = lr / (1.0 - beta1 ** t)                        # step size
+    scalars[7] = math.sqrt(1.0 - beta2 ** t)                    # bias correction 2, sqrt
+    scalars[8] = tiny / (1.0 - beta1)                           # m's floor
 
 
+SCALARS = 9
 _adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
 _adam_element_cuda = cuda.jit(device=True)(_adam_element)
-_bias_corrections_cpu = njit(inline="always")(_bias_corrections)
-_bias_corrections_cuda = cuda.jit(device=True)(_bias_corrections)
+_adam_scalars_cpu = njit(inline="always")(_adam_scalars)
+_adam_scalars_cuda = cuda.jit(device=True)(_adam_scalars)
 
 
 # error_model="numpy": IEEE division (0/0 is NaN, as on the GPU and in torch, not an
 # exception) without a zero check per division, which kept the loop 3.5x slower
 @njit(cache=True, error_model="numpy")
-def adam_cpu(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, eps, l2,
-             param_decay, first_step, tiny):
+def adam_cpu(param, grad, exp_avg, exp_avg_sq, counts, hyper, decoupled, tiny):
+    if counts[SKIPPED]:   # a bad input this step (ops.flag_buffer): nothing changes
+        return
     mode = flush_begin()   # subnormal intermediates (g * g of a tiny g): ops.subnormals
-    step_size, correction2 = _bias_corrections_cpu(step_counter, lr, beta1, beta2)
-    cast = param.dtype.type
-    one_minus_beta1, one_minus_beta2 = cast(1.0 - beta1), cast(1.0 - beta2)
+    s = np.empty(SCALARS, np.float64)
+    _adam_scalars_cpu(counts, hyper, decoupled, tiny, s)
+    c = param.dtype.type
     for i in range(param.size):
-        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, one_minus_beta1, cast(beta2),
-                          one_minus_beta2, cast(eps), cast(l2), cast(param_decay),
-                          cast(step_size), cast(correction2), first_step, cast(tiny),
-                          cast(tiny / (1.0 - beta1)))
+        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, c(s[0]), c(s[1]), c(s[2]),
+                          c(s[3]), c(s[4]), c(s[5]), c(s[6]), c(s[7]), c(tiny), c(s[8]))
     flush_end(mode)
 
 
 @cuda.jit(cache=True)
-def adam_cuda(param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2, eps, l2,
-              param_decay, first_step, tiny):
+def adam_cuda(param, grad, exp_avg, exp_avg_sq, counts, hyper, decoupled, tiny):
     # the float64 powers and divisions once per block, not per element: every thread doing
     # them made the update of the MLP's 235k parameters take 9.2 us of H200 time
-    scalars = cuda.shared.array(3, float64)
+    s = cuda.shared.array(SCALARS, float64)
     if cuda.threadIdx.x == 0:
-        scalars[0], scalars[1] = _bias_corrections_cuda(step_counter, lr, beta1, beta2)
-        scalars[2] = tiny / (1.0 - beta1)
+        _adam_scalars_cuda(counts, hyper, decoupled, tiny, s)
     cuda.syncthreads()
     i = cuda.grid(1)
-    if i < param.size:
-        cast = param.dtype.type
-        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, cast(1.0 - beta1), cast(beta2),
-                           cast(1.0 - beta2), cast(eps), cast(l2), cast(param_decay),
-                           cast(scalars[0]), cast(scalars[1]), first_step, cast(tiny),
-                           cast(scalars[2]))
+    if i < param.size and not counts[SKIPPED]:
+        c = param.dtype.type
+        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, c(s[0]), c(s[1]), c(s[2]),
+                           c(s[3]), c(s[4]), c(s[5]), c(s[6]), c(s[7]), c(tiny), c(s[8]))
 
 
 ADAM_UPDATE = Kernel("adam", adam_cpu, adam_cuda, elements(0))
@@ -105,10 +109,10 @@ class Adam(Optimizer):
     v below the dtype's smallest normal number, and m below that over ``1 - beta1``, are
     stored as 0 (subnormal arithmetic is ~20x slower on x86; torch keeps them), and the CPU
     kernel runs with subnormal results flushed to zero (``ops.subnormals``). The kernel reads
-    t from a one-element device counter that one small kernel advances each step (so a
-    captured step replays with its own t) and computes the bias corrections in float64; the
-    update's arithmetic is in the parameter's dtype, as in torch. ``lr`` is a kernel argument
-    (no recompile).
+    t from the device step counts that one small kernel advances each step, and lr, the betas,
+    eps and weight_decay from a device array the step syncs from ``param_groups`` (so a
+    captured step replays with its own t and the current lr), and computes the bias
+    corrections in float64; the update's arithmetic is in the parameter's dtype, as in torch.
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -147,18 +151,13 @@ class Adam(Optimizer):
 
     update_kernel = ADAM_UPDATE
 
-    counts_steps_on_device = True   # the bias corrections need t
+    def _hyper_values(self, group):
+        beta1, beta2 = group["betas"]
+        return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
-    def _update_args(self, group, param, grad, buffers, step_counter):
-        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-        beta1, beta2 = (float(b) for b in group["betas"])
-        if self.decoupled_weight_decay:
-            l2, param_decay = 0.0, 1.0 - lr * weight_decay
-        else:
-            l2, param_decay = weight_decay, 1.0
+    def _update_args(self, param, grad, buffers, counts, hyper):
         exp_avg, exp_avg_sq = buffers
-        return (param, grad, exp_avg, exp_avg_sq, step_counter, lr, beta1, beta2,
-                float(group["eps"]), l2, param_decay, bool(buffers.fresh[0]),
+        return (param, grad, exp_avg, exp_avg_sq, counts, hyper, self.decoupled_weight_decay,
                 float(np.finfo(param.dtype).tiny))
 
 

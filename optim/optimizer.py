@@ -7,26 +7,39 @@ count and buffers, ``state_dict()`` / ``load_state_dict()`` save and restore bot
 How a group is updated (``step``):
 
 - **flat path**: when a group's parameters are exactly the parameters of one
-  ``engine.parameter.FlatBuffer`` (any order), every gradient slot is valid and every
-  parameter has taken the same number of steps, the update rule runs as ONE kernel over
+  ``engine.parameter.FlatBuffer`` (any order), every gradient slot is valid and the
+  parameters' steps are counted together, the update rule runs as ONE kernel over
   ``flat.data``, ``flat.grad`` and the group's flat state buffers (same size, device and
   dtype). Each parameter's ``state[p]`` buffers are views into those flat buffers, so both
   paths read and write the same state.
 - **per-parameter path**, otherwise: one kernel per parameter that has a gradient
-  (parameters whose ``grad`` is None are skipped, as in torch). This covers plain tensors with
-  ``requires_grad=True``, groups that mix buffers, and a flat group with a stale slot. It is
-  correct but costs one launch per parameter.
+  (parameters whose ``grad`` is None are skipped, as in torch), each with step counts of its
+  own from then on. This covers plain tensors with ``requires_grad=True``, groups that mix
+  buffers, and a flat group with a stale slot (a frozen parameter). It is correct but costs
+  one launch per parameter.
+
+Everything an update reads that changes between steps is device memory, in eager and
+captured steps alike (``ops.step_counter``), so a recorded step's kernels never need new
+arguments:
+
+- the **step counts** of each update unit (a FlatBuffer, or one parameter): ``[t, updates
+  of its state buffers, skipped]``, moved on by a one-thread kernel before each update and
+  left as they are while an input fault is pending (``ops.flag_buffer``: a bad label in the
+  step), in which case the update kernel changes nothing; ``state[p]["step"]`` reads t;
+- the **hyper-parameters** of each group (``_hyper_values``: lr, betas, momentum, ...), in a
+  ``HostMirror`` synced from ``param_groups`` before each update: a compare per value, one
+  launch when one changed. A replay runs the same sync first (``sync_device``).
+
+State buffers start at zero, as torch's; a rule reads from the step counts whether a buffer
+is new where that matters (SGD's momentum starts from the first gradient). What the host
+decides (the parameters, whether they require grad, the state's layout) is the optimizer's
+``capture_key()``: a recorded step replays only while it is unchanged.
 
 Subclasses name their state buffers (``_state_names``), validate their hyper-parameters
-(``_check_group``) and give their kernel (``update_kernel``) and its arguments
-(``_update_args``).
-
-State buffers are allocated uninitialised. ``_update_args`` gets them as ``StateBuffers``,
-whose ``fresh`` flags say which hold no history yet (made since the parameter's last update), so
-the rule writes those before reading them. Adam's buffers are made with the state, so they
-are fresh exactly at step 1. A rule whose buffers may start at any step (``lazy_state``:
-SGD's momentum buffer, made when momentum turns non-zero after earlier steps, as in torch)
-also loads a saved state that lacks them.
+(``_check_group``), list what their kernel reads (``_hyper_values``) and give their kernel
+(``update_kernel``) and its arguments (``_update_args``). A rule whose buffers may start at
+any step (``lazy_state``: SGD's momentum buffer, made when momentum turns non-zero after
+earlier steps, as in torch) also loads a saved state that lacks them.
 """
 import warnings
 import weakref
@@ -37,10 +50,13 @@ from engine.autograd import enable_grad
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
 from ops.device import copy_into, device_of, to_device, to_host
-from ops.launch import StaleRecording, claim_last_run, recording
+from ops.fill import fill
+from ops.flag_buffer import fault_words
+from ops.launch import note_participant, unrecorded
 from ops.layout import flat
 from ops.memory import empty
-from ops.step_counter import advance, new_counter, set_counter
+from ops.step_counter import (BUFFER_UPDATES, T, HostMirror, advance_steps, new_step_counts,
+                              store_values)
 
 
 class Optimizer:
@@ -51,10 +67,12 @@ class Optimizer:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
         self._flat_state = weakref.WeakKeyDictionary()   # FlatBuffer -> {state name: flat array}
-        self._unwritten = {}   # parameter -> names of its state buffers that hold no history
-        # id of a FlatBuffer or parameter -> (weak reference to it, its device step counter,
-        # the step the host knows the counter holds); by id: a Tensor's == is elementwise
-        self._counters = {}
+        # the update unit (a FlatBuffer, or the parameter itself) whose step counts hold a
+        # parameter's steps, and each unit's counts (ops.step_counter.new_step_counts)
+        self._unit_of = {}
+        self._counts = {}   # a plain dict: a Tensor key's == is elementwise, weak keys compare by it
+        self._hypers = {}   # (group index, device) -> HostMirror of _hyper_values(group)
+        self._layout = 0    # bumped whenever state arrays are made or replaced (capture_key)
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
                             "got a single Tensor (wrap it in a list)")
@@ -115,12 +133,18 @@ class Optimizer:
 
     update_kernel = None   # the rule's ops.launch.Kernel (subclasses)
 
-    def _update_args(self, group, param, grad, buffers, step_counter):
-        """The arguments of ``update_kernel`` for 1-D arrays; ``buffers`` are ``StateBuffers``
-        in ``_state_names`` order; ``step_counter`` is the one-element device array holding
-        the step t (from 1) when ``counts_steps_on_device``, else None (subclasses)."""
+    def _hyper_values(self, group):
+        """The numbers of ``group`` the kernel reads from its device array, in its order
+        (subclasses)."""
         raise NotImplementedError
 
+    def _update_args(self, param, grad, buffers, counts, hyper):
+        """The arguments of ``update_kernel`` for 1-D arrays: ``buffers`` in ``_state_names``
+        order, ``counts`` the unit's device step counts, ``hyper`` the group's device array of
+        ``_hyper_values`` (subclasses)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- stepping
     # ----------------------------------------------------------- stepping
     def zero_grad(self):
         """Forget every gradient without a kernel: flat slots are marked stale (the next
@@ -131,6 +155,7 @@ class Optimizer:
 
     def step(self, closure=None):
         """One update of every parameter that has a gradient; returns ``closure()``'s loss."""
+        note_participant(self)
         loss = None
         if closure is not None:
             with enable_grad():
@@ -143,28 +168,21 @@ class Optimizer:
                               f"Inf ({self.skipped_steps} step(s) skipped so far)",
                               RuntimeWarning, stacklevel=2)
                 return loss
-        for group in self.param_groups:
-            self._step_group(group)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
         return loss
 
-    def _step_group(self, group):
+    def _step_group(self, index, group):
         params = group["params"]
         names = self._state_names(group)
         buffer = whole_flat_buffer(params)
-        if buffer is not None:
-            flat_state = self._flat_buffers(group, buffer)
-            if buffer.grads_valid() and self._steps_aligned(params):
-                for p in params:
-                    if p not in self.state:
-                        self._init_state(group, p)
-                fresh = {self._fresh(p, names) for p in params}
-                if len(fresh) == 1:   # one kernel: every parameter's buffers alike
-                    for p in params:
-                        self.state[p]["step"] += 1
-                        self._unwritten[p].difference_update(names)
-                    self._run_update(group, buffer.data, buffer.grad,
-                                     StateBuffers(flat_state, fresh.pop()), params, buffer)
-                    return
+        if (buffer is not None and buffer.grads_valid()
+                and all(self._unit_of.get(p, buffer) is buffer for p in params)):
+            with unrecorded():   # state set-up runs once: a replay must not repeat it
+                storage = self._flat_storage(group, buffer)
+            if storage is not None:
+                self._update(index, group, buffer, buffer.data, buffer.grad, storage)
+                return
         for p in params:
             grad = p.grad
             if grad is None:
@@ -172,107 +190,46 @@ class Optimizer:
             if grad.dtype != p.dtype or grad.device != p.device:
                 raise TypeError(f"{self._name}: the gradient of a {p.dtype} {p.device} parameter "
                                 f"of shape {p.shape} is {grad.dtype} on {grad.device}")
-            if p not in self.state:
-                self._init_state(group, p)
-            state = self.state[p]
-            for name in names:
-                if name not in state:   # named only now (lazy_state): made, no history
-                    state[name] = empty(p.shape, p.dtype, p.device)
-                    self._unwritten[p].add(name)
-                elif device_of(state[name]) != p.device:   # the parameter moved since
-                    state[name] = to_device(state[name], p.device)
-            state["step"] += 1
-            buffers = StateBuffers((flat(state[name]) for name in names), self._fresh(p, names))
-            self._unwritten[p].difference_update(names)
-            self._run_update(group, flat(p.data), flat(grad.data), buffers, [p], p)
+            with unrecorded():
+                state = self._own_state(group, p)
+            self._update(index, group, p, flat(p.data), flat(grad.data),
+                         [flat(state[name]) for name in names])
 
-    counts_steps_on_device = False   # True: the rule's kernel reads its step t (Adam)
-
-    def _run_update(self, group, param, grad, buffers, params, unit):
-        """Launch the rule's kernel on the 1-D arrays of ``params`` (their steps just
-        advanced; ``unit`` is their FlatBuffer, or the one parameter). A rule that reads its
-        step t gets it as a device counter (``_step_counter``), advanced by a kernel, so a
-        replayed step (``engine.capture``) reads its own t. Inside a recorded step the update
-        run is claimed: each replay moves the host's step counts on as this call did and
-        gives the kernel new scalars when the learning rate in the group changed."""
-        step = self.state[params[0]]["step"]
-        counter = (self._step_counter(unit, param, step) if self.counts_steps_on_device
-                   else None)
-        args = self._update_args(group, param, grad, buffers, counter)
-        self.update_kernel(*args)
-        if recording():
-            claim_last_run(self._replay_refresher(group, params, unit, param, grad, buffers,
-                                                  counter, args))
-
-    def _replay_refresher(self, group, params, unit, param, grad, buffers, counter, args):
-        """``refresh(steps)`` for a recorded update: advance the host's step counts by
-        ``steps`` (the device counter advances itself), and return the kernel's arguments
-        when a scalar changed since the last replay (a scheduler's lr), else None. A
-        recording whose buffers or counter the optimizer no longer uses (a loaded state, a
-        re-packed model, momentum switched on) is stale: it must be recorded again."""
-        names = self._state_names(group)
-        states = [self.state[p] for p in params]
-        arrays = [[state[name] for name in names] for state in states]
-        last = [args]
-
-        def refresh(steps):
-            if (self._state_names(group) != names
-                    or any(self.state.get(p) is not state for p, state in zip(params, states))
-                    or any(state[name] is not array for state, row in zip(states, arrays)
-                           for name, array in zip(names, row))
-                    or (counter is not None
-                        and not self._counter_holds(unit, counter, states[0]["step"]))):
-                raise StaleRecording(f"{self._name}: the state changed since the step was "
-                                     "recorded")
-            for state in states:
-                state["step"] += steps
-            if counter is not None:
-                self._keep_counter(unit, counter, states[0]["step"])
-            fresh = StateBuffers(buffers, self._fresh(params[0], names))
-            new = self._update_args(group, param, grad, fresh, counter)
-            if _same_arguments(new, last[0]):
-                return None
-            last[0] = new
-            return new
-        return refresh
-
-    def _step_counter(self, unit, param, step):
-        """The one-element device counter of ``unit`` holding ``step`` (t, from 1) after the
-        advance kernel this launches. A counter whose value the host does not know (a new
-        one, a loaded state, a parameter moved to another device) is written first."""
+    def _update(self, index, group, unit, param, grad, buffers):
+        """Advance ``unit``'s step counts and run the rule's kernel on the 1-D arrays."""
         device = device_of(param)
-        kept = self._counter_of(unit)
-        if kept is None or device_of(kept[0]) != device:
-            kept = (new_counter(device, step - 1), step - 1)
-        counter, value = kept
-        if value != step - 1:
-            set_counter(counter, step - 1)
-        advance(counter)
-        self._keep_counter(unit, counter, step)
-        return counter
+        counts = self._counts[unit]
+        hyper = self._hyper(index, group, device)
+        advance_steps(counts, fault_words(device))
+        self.update_kernel(*self._update_args(param, grad, buffers, counts, hyper))
 
-    def _counter_of(self, unit):
-        """``(counter, step it holds)`` of ``unit``, or None."""
-        kept = self._counters.get(id(unit))
-        if kept is None or kept[0]() is not unit:
-            return None
-        return kept[1], kept[2]
+    def _hyper(self, index, group, device):
+        """The group's hyper-parameters on ``device``, synced from ``param_groups``."""
+        mirror = self._hypers.get((index, device))
+        values = self._hyper_values(group)
+        if mirror is None:
+            mirror = self._hypers[(index, device)] = HostMirror(device, values)
+            self._layout += 1
+            return mirror.array
+        return mirror.sync(values)
 
-    def _counter_holds(self, unit, counter, step):
-        kept = self._counter_of(unit)
-        return kept is not None and kept[0] is counter and kept[1] == step
+    def sync_device(self):
+        """Write every hyper-parameter changed in ``param_groups`` since the last step to the
+        device arrays the kernels read (a replay of a captured step runs this first)."""
+        for (index, _), mirror in self._hypers.items():
+            if index < len(self.param_groups):
+                mirror.sync(self._hyper_values(self.param_groups[index]))
 
-    def _keep_counter(self, unit, counter, step):
-        self._counters[id(unit)] = (weakref.ref(unit), counter, step)
-
-    def _fresh(self, p, names):
-        return tuple(name in self._unwritten[p] for name in names)
-
-    def _steps_aligned(self, params):
-        """True when no parameter has state yet or all have taken the same number of steps
-        (one kernel has one step count, for Adam's bias correction)."""
-        steps = {self.state[p]["step"] if p in self.state else None for p in params}
-        return len(steps) == 1
+    def capture_key(self):
+        """What the host decides about the update kernels: the parameters of each group,
+        whether they require grad, the rule's state buffers and which step counts each
+        parameter's update uses (``engine.capture`` replays only while this is unchanged)."""
+        return (self.skip_nonfinite, self._layout) + tuple(
+            (tuple(id(p) for p in group["params"]),
+             tuple(p.requires_grad for p in group["params"]),
+             self._state_names(group),
+             tuple(id(self._unit_of.get(p)) for p in group["params"]))
+            for group in self.param_groups)
 
     def _count_nonfinite_grads(self):
         bad = 0
@@ -288,48 +245,83 @@ class Optimizer:
         return bad
 
     # ----------------------------------------------------------- state
-    def _init_state(self, group, p):
-        """``state[p]`` with step 0 and its buffers: views into the group's flat state when the
-        group is one FlatBuffer, else arrays of its own. Uninitialised, so all unwritten."""
-        state = {"step": 0}
-        buffer = whole_flat_buffer(group["params"])
-        if buffer is not None:
-            flat_buffers = self._flat_buffers(group, buffer)
-            offset = buffer.offsets[[id(q) for q in buffer.params].index(id(p))]
-            for name, storage in zip(self._state_names(group), flat_buffers):
-                state[name] = storage[offset:offset + p.size].reshape(p.shape)
-        else:
-            for name in self._state_names(group):
-                state[name] = empty(p.shape, p.dtype, p.device)
-        self.state[p] = state
-        self._unwritten[p] = set(self._state_names(group))
-
-    def _flat_buffers(self, group, buffer):
-        """The group's flat state arrays, like ``buffer`` in size, device and dtype. Made once;
-        made again (and the parameters' state moved into them) when the model was re-packed
-        into a new FlatBuffer or moved to another device after the state was created, or when
-        the rule names a buffer it did not before (a parameter's state lacking it gets an
-        unwritten view)."""
+    def _flat_storage(self, group, buffer):
+        """The group's flat state buffers (like ``buffer`` in size, device and dtype, in
+        ``_state_names`` order), with ``buffer``'s step counts; made zeroed once. Made again,
+        with the parameters' state moved in, when the model was moved to another device, or
+        when the rule names a buffer it did not before (then new: its update count restarts).
+        None when only some parameters hold a buffer the rule now names: the per-parameter
+        path then keeps each one's history."""
         names = self._state_names(group)
-        storage = self._flat_state.get(buffer)
-        if storage is None or any(name not in storage or device_of(storage[name]) != buffer.device
-                                  or storage[name].size != buffer.size for name in names):
-            storage = {name: empty(buffer.size, buffer.dtype, buffer.device) for name in names}
-            self._flat_state[buffer] = storage
+        device = buffer.device
+        storage = self._flat_state.setdefault(buffer, {})
+        counts = self._counts.get(buffer)
+        if counts is None or device_of(counts) != device:   # new, or the model moved since
+            counts = self._counts[buffer] = (new_step_counts(device) if counts is None
+                                             else to_device(counts, device))
+            self._layout += 1
+        for name in names:
+            array = storage.get(name)
+            if array is not None and device_of(array) == device:
+                continue
+            holders = [p for p in buffer.params
+                       if p in self.state and dict.__contains__(self.state[p], name)]
+            if holders and len(holders) != len(buffer.params):
+                return None
+            array = storage[name] = fill(empty(buffer.size, buffer.dtype, device), 0)
+            self._layout += 1
             for p, offset in zip(buffer.params, buffer.offsets):
-                state = self.state.get(p)
-                for name in names if state is not None else ():
-                    view = storage[name][offset:offset + p.size].reshape(p.shape)
-                    if name in state:
-                        copy_into(view, state[name])
-                    else:
-                        self._unwritten[p].add(name)
-                    state[name] = view
+                view = array[offset:offset + p.size].reshape(p.shape)
+                state = self._state_of(p, buffer)
+                if dict.__contains__(state, name):
+                    copy_into(view, dict.__getitem__(state, name))
+                state[name] = view
+            if not holders:
+                store_values(counts[BUFFER_UPDATES:BUFFER_UPDATES + 1], (0,))
+        for p in buffer.params:
+            self._state_of(p, buffer)
         return tuple(storage[name] for name in names)
+
+    def _own_state(self, group, p):
+        """``state[p]`` with the rule's buffers on ``p``'s device and step counts of its own
+        (a copy of its unit's, when it shared a FlatBuffer's)."""
+        unit = self._unit_of.get(p)
+        if unit is not p:
+            shared = self._counts.get(unit) if unit is not None else None
+            self._counts[p] = (new_step_counts(p.device) if shared is None
+                               else to_device(shared, p.device))
+            self._layout += 1
+        state = self._state_of(p, p)
+        counts = self._counts[p]
+        if device_of(counts) != p.device:   # the parameter moved since
+            counts = self._counts[p] = to_device(counts, p.device)
+            self._layout += 1
+        for name in self._state_names(group):
+            if not dict.__contains__(state, name):   # named only now (lazy_state): new
+                state[name] = fill(empty(p.shape, p.dtype, p.device), 0)
+                store_values(counts[BUFFER_UPDATES:BUFFER_UPDATES + 1], (0,))
+                self._layout += 1
+            elif device_of(dict.__getitem__(state, name)) != p.device:
+                state[name] = to_device(dict.__getitem__(state, name), p.device)
+                self._layout += 1
+        return state
+
+    def _state_of(self, p, unit):
+        """``state[p]``, made empty when missing, with its steps counted by ``unit``."""
+        state = self.state.get(p)
+        if state is None:
+            state = self.state[p] = ParameterState(self, p)
+        self._unit_of[p] = unit
+        return state
+
+    def _step_of(self, p):
+        counts = self._counts.get(self._unit_of.get(p))
+        return 0 if counts is None else int(to_host(counts)[T])
 
     def state_dict(self):
         """``{"state": {index: {"step", buffers as NumPy copies}}, "param_groups": [...],
-        "skipped_steps"}``; parameters are numbered in group order, as in torch."""
+        "skipped_steps"}``; parameters are numbered in group order, as in torch. A lazily made
+        buffer that has had no update yet is left out (it holds no history)."""
         index = {}
         groups = []
         for group in self.param_groups:
@@ -339,13 +331,20 @@ class Optimizer:
                 numbers.append(index[id(p)])
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
         state = {}
+        counts = {}   # id of a unit -> its counts on the host: one read per unit
         for group in self.param_groups:
             for p in group["params"]:
-                if p in self.state:
-                    state[index[id(p)]] = {
-                        name: value if name == "step" else np.array(to_host(value), copy=True)
-                        for name, value in self.state[p].items()
-                        if name not in self._unwritten[p]}
+                if p not in self.state:
+                    continue
+                unit = self._unit_of[p]
+                if id(unit) not in counts:
+                    counts[id(unit)] = to_host(self._counts[unit])
+                step, updates = (int(v) for v in counts[id(unit)][:BUFFER_UPDATES + 1])
+                saved = {"step": step}
+                if updates or not self.lazy_state:
+                    saved.update((name, np.array(to_host(value), copy=True))
+                                 for name, value in dict.items(self.state[p]))
+                state[index[id(p)]] = saved
         return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict):
@@ -354,8 +353,8 @@ class Optimizer:
         parameter's device and dtype). The saved hyper-parameters replace the current ones,
         as in torch. A saved buffer the rule does not name for the loaded group (SGD's
         momentum buffer saved after momentum was set to 0) is kept, and used again if the
-        rule names it later; one the rule names but the state lacks is made unwritten when
-        the rule is ``lazy_state`` (SGD), else the load is refused."""
+        rule names it later; one the rule names but the state lacks is made new when the
+        rule is ``lazy_state`` (SGD), else the load is refused."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{self._name}.load_state_dict: the saved state has "
@@ -377,53 +376,73 @@ class Optimizer:
                          "params": group["params"]}
             self._check_group(new_group)
             new_groups.append(new_group)
+        entries = []
+        for saved, group in zip(saved_groups, new_groups):
+            rows = [(p, state_dict["state"][number])
+                    for number, p in zip(saved["params"], group["params"])
+                    if number in state_dict["state"]]
+            for p, entry in rows:
+                self._check_saved(group, p, entry)
+            entries.append(rows)
         self.param_groups = new_groups
         self.state = {}
-        self._unwritten = {}
+        self._unit_of = {}
+        self._counts = {}
         self._flat_state = weakref.WeakKeyDictionary()
-        for saved, group in zip(saved_groups, self.param_groups):
-            for number, p in zip(saved["params"], group["params"]):
-                if number in state_dict["state"]:
-                    self._load_param_state(group, p, state_dict["state"][number])
+        self._layout += 1
+        with unrecorded():
+            for group, rows in zip(self.param_groups, entries):
+                buffer = whole_flat_buffer(group["params"])
+                names = self._state_names(group)
+                # one unit when every parameter was saved at one step with the same buffers
+                together = (buffer is not None and len(rows) == len(group["params"])
+                            and len({int(entry["step"]) for _, entry in rows}) == 1
+                            and len({tuple(name in entry for name in names)
+                                     for _, entry in rows}) == 1)
+                for p, entry in rows:
+                    self._load_param_state(group, p, entry, buffer if together else p)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
-    def _load_param_state(self, group, p, saved):
-        self._init_state(group, p)
-        state = self.state[p]
+    def _check_saved(self, group, p, saved):
         names = self._state_names(group)
         missing = [name for name in names if name not in saved]
         if "step" not in saved or (missing and not self.lazy_state):
             raise ValueError(f"{self._name}.load_state_dict: a parameter's saved state has "
                              f"{sorted(saved)}, expected {sorted(set(names) | {'step'})}")
-        state["step"] = int(saved["step"])
         for name in sorted(set(saved) - {"step"}):
-            values = np.asarray(to_host(saved[name]))
-            if values.shape != p.shape:
+            shape = tuple(np.shape(to_host(saved[name])))
+            if shape != p.shape:
                 raise ValueError(f"{self._name}.load_state_dict: saved {name} has shape "
-                                 f"{values.shape}, the parameter {p.shape}")
-            values = np.ascontiguousarray(values, dtype=p.dtype)
-            if name in names:
-                copy_into(state[name], values)
-                self._unwritten[p].discard(name)
-            else:
-                state[name] = to_device(values, p.device)
+                                 f"{shape}, the parameter {p.shape}")
+
+    def _load_param_state(self, group, p, saved, unit):
+        state = self._state_of(p, unit)
+        step = int(saved["step"])
+        has_buffers = all(name in saved for name in self._state_names(group))
+        if unit not in self._counts:
+            self._counts[unit] = new_step_counts(p.device, step, step if has_buffers else 0)
+        for name in sorted(set(saved) - {"step"}):
+            values = np.ascontiguousarray(np.asarray(to_host(saved[name])), dtype=p.dtype)
+            state[name] = to_device(values, p.device)
 
 
-def _same_arguments(new, old):
-    """True when two argument tuples of one kernel name the same arrays and equal scalars."""
-    return all(a is b if hasattr(a, "shape") else (type(a) is type(b) and a == b)
-               for a, b in zip(new, old))
+class ParameterState(dict):
+    """``optimizer.state[p]``: the rule's buffers by name, and ``"step"``, read from the
+    device step counts of the unit that updates ``p`` (a host read, like torch's tensor
+    step)."""
 
+    def __init__(self, optimizer, p):
+        super().__init__()
+        self._optimizer = weakref.ref(optimizer)
+        self._param = weakref.ref(p)
 
-class StateBuffers(tuple):
-    """A parameter's (or a flat group's) state buffers for one update, in ``_state_names``
-    order; ``fresh[i]`` is True when buffer ``i`` holds no history yet: the rule must write
-    it before reading it."""
+    def __getitem__(self, key):
+        if key == "step":
+            return self._optimizer()._step_of(self._param())
+        return super().__getitem__(key)
 
-    def __new__(cls, buffers, fresh):
-        self = super().__new__(cls, buffers)
-        self.fresh = tuple(fresh)
-        return self
+    def __contains__(self, key):
+        return key == "step" or super().__contains__(key)
 
 
 def whole_flat_buffer(params):

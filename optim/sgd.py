@@ -6,6 +6,7 @@ from numba import njit
 
 from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
+from ops.step_counter import BUFFER_UPDATES, SKIPPED
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -33,21 +34,24 @@ _sgd_element_cpu = njit(inline="always", error_model="numpy")(_sgd_element)
 _sgd_element_cuda = cuda.jit(device=True)(_sgd_element)
 
 
+# hyper: [lr, momentum, dampening, weight_decay, nesterov]; the momentum buffer starts from
+# the first gradient it sees (torch's clone), so the kernel reads whether this is that step
 @njit(cache=True, error_model="numpy")
-def sgd_cpu(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
-            first_step, tiny):
+def sgd_cpu(param, grad, momentum_buffer, counts, hyper, tiny):
+    if counts[SKIPPED]:   # a bad input this step (ops.flag_buffer): nothing changes
+        return
+    first_step = counts[BUFFER_UPDATES] == 1
     for i in range(param.size):
-        _sgd_element_cpu(i, param, grad, momentum_buffer, lr, momentum, dampening,
-                         weight_decay, nesterov, first_step, tiny)
+        _sgd_element_cpu(i, param, grad, momentum_buffer, hyper[0], hyper[1], hyper[2],
+                         hyper[3], hyper[4] != 0.0, first_step, tiny)
 
 
 @cuda.jit(cache=True)
-def sgd_cuda(param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov,
-             first_step, tiny):
+def sgd_cuda(param, grad, momentum_buffer, counts, hyper, tiny):
     i = cuda.grid(1)
-    if i < param.size:
-        _sgd_element_cuda(i, param, grad, momentum_buffer, lr, momentum, dampening,
-                          weight_decay, nesterov, first_step, tiny)
+    if i < param.size and not counts[SKIPPED]:
+        _sgd_element_cuda(i, param, grad, momentum_buffer, hyper[0], hyper[1], hyper[2],
+                          hyper[3], hyper[4] != 0.0, counts[BUFFER_UPDATES] == 1, tiny)
 
 
 SGD_UPDATE = Kernel("sgd", sgd_cpu, sgd_cuda, elements(0))
@@ -70,8 +74,9 @@ class SGD(Optimizer):
     when momentum is turned on through ``param_groups`` after earlier steps) and kept when
     momentum is set back to 0, as in torch; a saved state with or without it loads either
     way. Arithmetic is float64 inside the kernel, stored in the parameter's dtype; a buffer
-    value below the dtype's smallest normal number is stored as 0 (see ``optim.adam``). ``lr`` is
-    a kernel argument: a scheduler changing it costs no recompilation.
+    value below the dtype's smallest normal number is stored as 0 (see ``optim.adam``). The
+    kernel reads lr and the other hyper-parameters from a device array the step syncs from
+    ``param_groups``, and whether the buffer is new from the device step counts.
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -108,11 +113,11 @@ class SGD(Optimizer):
 
     update_kernel = SGD_UPDATE
 
-    def _update_args(self, group, param, grad, buffers, step):
+    def _hyper_values(self, group):
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                group["nesterov"])
+
+    def _update_args(self, param, grad, buffers, counts, hyper):
         momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
-        buffer_is_new = bool(buffers) and buffers.fresh[0]   # made this step: start it from g
-        args = (param, grad, momentum_buffer, float(group["lr"]), float(group["momentum"]),
-                float(group["dampening"]), float(group["weight_decay"]),
-                bool(group["nesterov"]), buffer_is_new,
+        return (param, grad, momentum_buffer, counts, hyper,
                 float(np.finfo(momentum_buffer.dtype).tiny))
-        return args
