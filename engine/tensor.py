@@ -21,7 +21,7 @@ from engine.random import generator
 from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
                                dlpack_capsule)
 from ops.device import check_device, device_of, read_on_host, to_device, to_host
-from ops.cast import BOOL, BYTE, cast
+from ops.cast import BOOL, BYTE, cast, same_memory_as
 from ops.fill import fill
 from ops.indexing import assign
 from ops.memory import empty
@@ -410,8 +410,8 @@ def ones(*shape, dtype=np.float32, device="cpu", requires_grad=False):
 def full(shape, value, dtype=np.float32, device="cpu", requires_grad=False):
     dtype, device = check_dtype(dtype), check_device(device)
     if dtype == BOOL:   # filled as bytes: see ops.cast
-        return Tensor(fill(empty(_shape((shape,)), BYTE, device), bool(value)).view(BOOL),
-                      requires_grad)
+        filled = fill(empty(_shape((shape,)), BYTE, device), bool(value))
+        return Tensor(same_memory_as(filled, BOOL), requires_grad)
     return Tensor(fill(empty(_shape((shape,)), dtype, device), value), requires_grad)
 
 

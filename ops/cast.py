@@ -13,7 +13,7 @@ bool value).
 import numpy as np
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda_backend import cuda, device_view
 from ops.dispatch import Out, run
 from ops.launch import Kernel, elements
 from ops.layout import flat
@@ -25,7 +25,12 @@ BYTE = np.dtype(np.uint8)
 
 def as_bytes(array):
     """A bool array seen as its uint8 bytes (the same memory); other arrays as they are."""
-    return array.view(BYTE) if array.dtype == BOOL else array
+    return same_memory_as(array, BYTE) if array.dtype == BOOL else array
+
+
+def same_memory_as(array, dtype):
+    """``array`` seen as ``dtype`` of the same item size (bool and uint8), on its device."""
+    return array.view(dtype) if isinstance(array, np.ndarray) else device_view(array, dtype)
 
 
 @njit(cache=True, error_model="numpy")
@@ -63,7 +68,7 @@ def cast(x, dtype):
     dtype = np.dtype(dtype)
     source = flat(as_bytes(x))
     if dtype == BOOL:
-        return run(CAST_TO_BOOL, source, Out(x.shape, BYTE)).view(BOOL)
+        return same_memory_as(run(CAST_TO_BOOL, source, Out(x.shape, BYTE)), BOOL)
     return run(CAST, source, Out(x.shape, dtype))
 
 

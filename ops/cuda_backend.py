@@ -89,6 +89,15 @@ def device_reshape(array, shape):
     return _device_array(layout, array.dtype, array.gpu_data, array.stream)
 
 
+def device_view(array, dtype):
+    """``array`` (on the device) seen as ``dtype`` of the same item size, no copy. Numba's own
+    ``view`` fails on a 0-d array (its strides become a list, which it then hashes)."""
+    dtype = np.dtype(dtype)
+    if SIMULATOR or array.ndim:
+        return array.view(dtype)
+    return _device_array(_c_layout((), dtype.itemsize), dtype, array.gpu_data, array.stream)
+
+
 @functools.lru_cache(maxsize=4096)
 def _c_layout(shape, itemsize):
     """``(shape, strides, size, dummy)`` of a C-contiguous array: the descriptor Numba's

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ops.cast import BOOL, as_bytes
+from ops.cast import BOOL, as_bytes, same_memory_as
 from ops.cuda_backend import cuda
 from ops.device import device_of
 from ops.dispatch import Meta, Out, run
@@ -39,7 +39,7 @@ class Movement(Op):
             return self.forward(*inputs)
         inputs = tuple(as_bytes(x) if hasattr(x, "shape") else x for x in inputs)
         self.check(*inputs)
-        return self.forward(*inputs).view(BOOL)
+        return same_memory_as(self.forward(*inputs), BOOL)
 
 
 def resolve_shape(shape, size, op_name="reshape"):

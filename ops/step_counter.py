@@ -69,7 +69,10 @@ def advance_steps_cuda(counts, faults):
     # the fault words are mapped host memory: one thread per kind reads its flag, so the
     # step waits for one read across the bus, not one per kind in turn
     k = cuda.threadIdx.x * 4
-    faulted = cuda.syncthreads_or(k < faults.size and faults[k] != 0)
+    flagged = 0   # an integer: the barrier's predicate is an int32
+    if k < faults.size and faults[k] != 0:
+        flagged = 1
+    faulted = cuda.syncthreads_or(flagged)
     if cuda.threadIdx.x == 0:
         if faulted:
             counts[SKIPPED] = 1

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 
 import engine
+from ops import flag_buffer
 from ops.device import SIMULATOR, cuda_available
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -32,7 +33,10 @@ def device(request):
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Each test starts with the same seed, poison off, and an empty tape."""
+    """Each test starts with the same seed, poison off, an empty tape, and no input fault
+    left flagged by an earlier test's deferred CUDA check (ops.flag_buffer)."""
+    for words in flag_buffer._buffers.values():
+        words.flagged()
     engine.manual_seed(0)
     with engine.debug.poison(engine.debug.is_poisoned()):
         yield
