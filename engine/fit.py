@@ -48,11 +48,6 @@ RECORD_KEYS = ("epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
 # the records of checkpoints written before test_loss was recorded
 RECORD_KEYS_WITHOUT_TEST_LOSS = tuple(key for key in RECORD_KEYS if key != "test_loss")
 WORLD_MEANS = ("loss", "train_acc", "seconds", "samples_per_s")   # averaged over the ranks
-# the most steps one replay runs when no callback watches steps (one CUDA graph of that many
-# copies of the step; the graph's instantiation grows with it)
-MAX_STEPS_PER_REPLAY = 50
-
-
 # ------------------------------------------------------------------ the loop
 
 def _storage(value):
@@ -222,6 +217,7 @@ def _cursor_steps(cursor, step, per_replay):
     of the captured ``step``, never past a multiple of ``per_replay``: ``(index of the last
     step, steps run, their rows, the last loss)`` per replay."""
     spans = cursor.start_epoch()
+    per_replay = per_replay or len(spans)   # no callback watches steps: the epoch at once
     index = 0
     while index < len(spans):
         first, count = spans[index]
@@ -242,8 +238,7 @@ def _steps_per_replay(watchers, losses):
     of all steps are kept, else the smallest ``step_interval`` of the callbacks watching."""
     if losses is not None:
         return 1
-    return min([callback.step_interval for callback in watchers],
-               default=MAX_STEPS_PER_REPLAY)
+    return min([callback.step_interval for callback in watchers], default=None)
 
 
 def _world_record(record):
@@ -311,10 +306,9 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
     batch shape runs eagerly, the second is recorded, the others replay it; the results are
     the eager ones bit for bit. With a ``data.DataLoader`` (without a transform) the step
-    fetches its own batch at the loader's device cursor, so up to ``MAX_STEPS_PER_REPLAY``
-    steps (or the smallest ``step_interval`` of the callbacks that watch steps; every step
-    when ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for
-    them. A step that cannot be captured (a host read in the loss, a distributed run's
+    fetches its own batch at the loader's device cursor, so the epoch's full batches (or
+    the smallest ``step_interval`` of the callbacks that watch steps; every step when
+    ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for them. A step that cannot be captured (a host read in the loss, a distributed run's
     all-reduce) runs eagerly; ``fit.last_eager_reason`` says why.
 
     ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (module

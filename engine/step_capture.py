@@ -22,8 +22,9 @@ arrays and a recording's kernel arguments never change (``ops.step_counter``): t
 optimizer's step counts and hyper-parameters (synced from ``param_groups`` before each
 step, by the eager step and by each replay alike), Dropout's mask seeds, the loader's batch
 cursor (``data.loader.EpochCursor``). So ``repeat(n, *args)`` replays n steps at once, on
-CUDA as one graph of n chained copies of the step: ``fit`` runs an epoch that way, its step
-fetching its own batch at the cursor.
+CUDA as one launch of one graph whose WHILE node loops over the step while a device counter
+counts the n passes down (chained copies of the step where the CUDA device runtime library
+is missing): ``fit`` runs an epoch that way, its step fetching its own batch at the cursor.
 
 What the host decides is part of what a recording was made for: the objects that took part
 in the recorded call (the optimizers that stepped, the models and layers that ran:
@@ -52,14 +53,19 @@ capture, and launched on the stream the engine's kernels use, after them in orde
 import functools
 from collections import OrderedDict
 
+import numpy as np
+
 from engine.tensor import Tensor
 from ops import cuda_backend
 from ops.array_copy import copy_array
 from ops.device import device_of, to_device
 from ops.flag_buffer import note_launcher, raise_pending
-from ops.launch import LaunchRecorder
+from ops.launch import LaunchRecorder, unrecorded
+from ops.memory import empty
+from ops.step_counter import store_values
 
 MAX_RECORDINGS = 8
+LOOP_UNROLL = 8   # steps per pass of a replay's device loop: a pass costs ~3-5 us of its own
 
 
 class _Recording:
@@ -76,6 +82,8 @@ class _Recording:
         self.device = next((run.device for run in self.runs), "cpu")
         self.syncs = [p.sync_device for p in self.participants if hasattr(p, "sync_device")]
         self.graphs = {}   # steps -> executable graph of that many chained copies of the runs
+        self.loops = {}    # steps % LOOP_UNROLL -> graph looping over the runs (None: none)
+        self.remaining = None   # the loop's count of passes, on the device
         self.functions = None
         if self.device == "cuda" and not cuda_backend.SIMULATOR:   # the simulator has no graphs:
             self.functions = self._direct_functions()              # its replay relaunches runs
@@ -94,9 +102,34 @@ class _Recording:
     def _graph(self, copies):
         """One executable CUDA graph: ``copies`` chained copies of the runs, each run after
         the one before."""
-        launches = [(function, run.grid, run.block, run.args)
-                    for function, run in zip(self.functions, self.runs)] * copies
-        return cuda_backend.build_graph(launches)
+        return cuda_backend.build_graph(self._launches() * copies)
+
+    def _launches(self):
+        return [(function, run.grid, run.block, run.args)
+                for function, run in zip(self.functions, self.runs)]
+
+    def _graph_of(self, steps):
+        """The graph that runs ``steps`` steps in one launch. For several: a WHILE node loops
+        over ``LOOP_UNROLL`` copies of the step while the device counts the passes down,
+        then the remaining copies follow (one graph per remainder, whatever ``steps``);
+        chained copies where the loop cannot be built (no CUDA device runtime library)."""
+        if steps >= LOOP_UNROLL and self.loops is not None:
+            if self.remaining is None:
+                self.remaining = empty(1, np.int64, "cuda")
+            tail = steps % LOOP_UNROLL
+            if tail not in self.loops:
+                self.loops[tail] = cuda_backend.build_loop_graph(
+                    self._launches(), self.remaining, LOOP_UNROLL, tail)
+            if self.loops[tail] is None:
+                self.loops = None
+            else:
+                with unrecorded():
+                    store_values(self.remaining, (steps // LOOP_UNROLL,))
+                return self.loops[tail]
+        graph = self.graphs.get(steps)
+        if graph is None:
+            graph = self.graphs[steps] = self._graph(steps)
+        return graph
 
     def replay(self, arrays, steps, call):
         """Run the recorded step ``steps`` times on ``arrays`` (one graph launch on CUDA)."""
@@ -107,10 +140,7 @@ class _Recording:
             copy_array(destination, source)
         if self.functions is not None:
             note_launcher("cuda", _at_call(call, steps))
-            graph = self.graphs.get(steps)
-            if graph is None:
-                graph = self.graphs[steps] = self._graph(steps)
-            cuda_backend.launch_graph(graph)
+            cuda_backend.launch_graph(self._graph_of(steps))
         elif self.device == "cuda":
             for _ in range(steps):
                 for run in self.runs:

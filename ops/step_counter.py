@@ -105,30 +105,15 @@ def advance_steps(counts, faults):
 
 @njit(cache=True)
 def store_values_cpu(out, count, v0, v1, v2, v3, v4, v5, v6, v7):
-    values = (v0, v1, v2, v3, v4, v5, v6, v7)
     for i in range(count):
-        out[i] = values[i]
+        out[i] = (v0, v1, v2, v3, v4, v5, v6, v7)[i]
 
 
 @cuda.jit(cache=True)
 def store_values_cuda(out, count, v0, v1, v2, v3, v4, v5, v6, v7):
     i = cuda.grid(1)
-    if i == 0:
-        out[0] = v0
-    elif i == 1:
-        out[1] = v1
-    elif i == 2:
-        out[2] = v2
-    elif i == 3:
-        out[3] = v3
-    elif i == 4:
-        out[4] = v4
-    elif i == 5:
-        out[5] = v5
-    elif i == 6:
-        out[6] = v6
-    elif i == 7:
-        out[7] = v7
+    if i < count:
+        out[i] = (v0, v1, v2, v3, v4, v5, v6, v7)[i]
 
 
 STORE_VALUES = Kernel("store_values", store_values_cpu, store_values_cuda,

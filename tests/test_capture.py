@@ -149,6 +149,45 @@ def test_repeat_runs_the_steps_a_loop_of_calls_runs(device):
     assert [s["step"] for s in repeated_state["state"].values()] == [10] * 4
 
 
+@pytest.mark.gpu
+def test_a_long_repeat_is_one_device_loop_equal_to_calls():
+    """``repeat(n)`` of n >= LOOP_UNROLL steps launches one graph whose WHILE node loops on
+    the device (19 replayed steps: 2 passes of 8 and 3 more), with the results of n calls."""
+    from engine.step_capture import LOOP_UNROLL
+    results = []
+    for repeated in (False, True):
+        engine.manual_seed(0)
+        x, y = data.blobs(8 * 21, centers=3, seed=0)
+        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=0, device="cuda")
+        model = nn.Sequential([nn.Dense(4, input_shape=(2,)), nn.Dense(3)]).to("cuda")
+        opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        cursor = loader.epoch_cursor()
+
+        @engine.capture
+        def step(count):
+            opt.zero_grad()
+            xb, yb = cursor.next_batch(count)
+            loss = cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            return loss
+
+        losses = []
+        for _ in range(2):
+            cursor.start_epoch()
+            cursor.seek(0)
+            losses.append(step.repeat(21, 8).item() if repeated else
+                          [step(8) for _ in range(21)][-1].item())
+        results.append((losses, model.state_dict(), step))
+    (losses, weights, _), (repeated_losses, repeated_weights, step) = results
+    assert repeated_losses == losses
+    for name in weights:
+        np.testing.assert_array_equal(repeated_weights[name], weights[name], err_msg=name)
+    (recording,) = step._recordings.values()
+    assert LOOP_UNROLL == 8 and set(recording.loops) == {19 % 8, 21 % 8}
+    assert all(graph is not None for graph in recording.loops.values())
+
+
 def test_a_loaded_optimizer_state_is_recorded_anew_not_replayed_stale(device):
     engine.manual_seed(0)
     model = nn.Sequential([nn.Dense(4, input_shape=(5,))]).to(device)

@@ -123,4 +123,4 @@ def test_the_optimizer_flat_path_runs_one_update_over_the_store_buffer():
         with LaunchRecorder() as recorder:
             opt.step()
     # the step count's advance on the device, then one update of every parameter
-    assert [run.kernel.name for run in recorder.runs] == ["advance_counter", "adam"]
+    assert [run.kernel.name for run in recorder.runs] == ["advance_steps", "adam"]
