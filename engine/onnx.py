@@ -115,9 +115,11 @@ def _pool(operator, **attributes):
 def _batch_norm(graph, layer):   # eval mode: the running statistics
     arrays = [(entry, getattr(layer, entry).numpy())
               for entry in ("weight", "bias", "running_mean", "running_var")]
+    # ONNX's momentum weighs the running value, torch's and the engine's the batch's; it
+    # changes nothing at inference, and an import reads the layer's back from it
     graph.node("BatchNormalization", layer.name,
                [graph.weight(f"{layer.name}.{entry}", array) for entry, array in arrays],
-               epsilon=layer.eps)
+               epsilon=layer.eps, momentum=1 - layer.momentum)
 
 
 def _reshape(graph, layer):   # 0 copies the input's (batch) dimension
@@ -438,8 +440,7 @@ def _import_batch_norm(reader, node, layers, shape, dtype):
     if a.get("training_mode", 0):
         raise reader.fail(node, "training_mode=1: the importer reads inference graphs")
     weight, bias, mean, var = (reader.value(name, node) for name in node.input[1:5])
-    # ONNX's momentum weighs the running value, torch's and the engine's the batch's
-    momentum = _short(1 - _short(a.get("momentum", 0.9)))
+    momentum = _short(1 - _short(a.get("momentum", 0.9)))   # as _batch_norm writes it
     return _layer("BatchNorm", {"momentum": momentum, "eps": _short(a.get("epsilon", 1e-5))},
                   weight=weight, bias=bias, running_mean=mean, running_var=var)
 
