@@ -34,6 +34,7 @@ import numpy as np
 
 import engine
 from engine import archive, nn
+from engine.interop import sequential
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
@@ -318,10 +319,6 @@ class _Reader:
         return x[tuple(index)]
 
 
-def _layer(class_name, config, **weights):
-    return {"class_name": class_name, "config": config, "weights": weights}
-
-
 def _image_input(reader, node, shape):
     if len(shape) != 3:
         raise reader.fail(node, f"takes 4-D inputs (batch, channels, height, width), got "
@@ -355,7 +352,7 @@ def _dense(reader, node, shape, weight, bias):
         raise reader.fail(node, f"multiplies features of shape {shape} by a weight of shape "
                                 f"{weight.shape}; a Dense layer takes (batch, features) "
                                 "inputs and an (in, out) weight")
-    return _layer("Dense", {"units": int(weight.shape[1])}, weight=weight, bias=bias)
+    return sequential.layer("Dense", {"units": int(weight.shape[1])}, weight=weight, bias=bias)
 
 
 def _import_matmul(reader, node, layers, shape, dtype):
@@ -411,7 +408,7 @@ def _import_conv(reader, node, layers, shape, dtype):
         weights["bias"] = reader.value(node.input[2], node)
     else:
         config["use_bias"] = False
-    return _layer("Conv2D", config, **weights)
+    return sequential.layer("Conv2D", config, **weights)
 
 
 def _import_pool(class_name):
@@ -429,9 +426,9 @@ def _import_pool(class_name):
             raise reader.fail(node, "count_include_pad=0: the engine's average counts the "
                                     "padded zeros, as torch's default does")
         kernel = list(a["kernel_shape"])
-        return _layer(class_name, {"pool_size": kernel,
-                                   "stride": list(a.get("strides", (1, 1))),
-                                   "padding": list(padding)})
+        return sequential.layer(class_name, {"pool_size": kernel,
+                                             "stride": list(a.get("strides", (1, 1))),
+                                             "padding": list(padding)})
     return read
 
 
@@ -441,8 +438,9 @@ def _import_batch_norm(reader, node, layers, shape, dtype):
         raise reader.fail(node, "training_mode=1: the importer reads inference graphs")
     weight, bias, mean, var = (reader.value(name, node) for name in node.input[1:5])
     momentum = _short(1 - _short(a.get("momentum", 0.9)))   # as _batch_norm writes it
-    return _layer("BatchNorm", {"momentum": momentum, "eps": _short(a.get("epsilon", 1e-5))},
-                  weight=weight, bias=bias, running_mean=mean, running_var=var)
+    config = {"momentum": momentum, "eps": _short(a.get("epsilon", 1e-5))}
+    return sequential.layer("BatchNorm", config, weight=weight, bias=bias, running_mean=mean,
+                            running_var=var)
 
 
 def _import_activation(reader, node, layers, shape, dtype):
@@ -454,13 +452,13 @@ def _import_activation(reader, node, layers, shape, dtype):
     if name == "softmax" and a.get("axis", -1) not in (-1, len(shape)):
         raise reader.fail(node, f"softmax over axis {a['axis']} of a {len(shape) + 1}-D "
                                 "value; the engine's is over the last axis")
-    return _layer("Activation", config)
+    return sequential.layer("Activation", config)
 
 
 def _import_flatten(reader, node, layers, shape, dtype):
     if reader.attributes(node).get("axis", 1) != 1:
         raise reader.fail(node, "Flatten must keep the batch axis (axis=1)")
-    return _layer("Flatten", {})
+    return sequential.layer("Flatten", {})
 
 
 def _import_reshape(reader, node, layers, shape, dtype):
@@ -483,7 +481,7 @@ def _import_reshape(reader, node, layers, shape, dtype):
     if targets[0] != targets[1]:
         raise reader.fail(node, f"the target's feature shape follows the batch size "
                                 f"({targets}); an engine Reshape fixes it")
-    return _layer("Reshape", {"shape": targets[0]})
+    return sequential.layer("Reshape", {"shape": targets[0]})
 
 
 def _import_dropout(reader, node, layers, shape, dtype):
@@ -492,7 +490,7 @@ def _import_dropout(reader, node, layers, shape, dtype):
         raise reader.fail(node, "training_mode=True: the importer reads inference graphs")
     ratio = (float(reader.value(inputs[1], node)) if inputs[1]
              else reader.attributes(node).get("ratio", 0.5))
-    return _layer("Dropout", {"p": _short(ratio)})
+    return sequential.layer("Dropout", {"p": _short(ratio)})
 
 
 IMPORTERS = {"Gemm": _import_gemm, "MatMul": _import_matmul, "Add": _import_add,
@@ -501,9 +499,6 @@ IMPORTERS = {"Gemm": _import_gemm, "MatMul": _import_matmul, "Add": _import_add,
              "Flatten": _import_flatten, "Reshape": _import_reshape, "Dropout": _import_dropout,
              "Identity": lambda *args: None,
              **{operator: _import_activation for operator in OPERATOR_ACTIVATIONS}}
-FUSED = {"Dense": ACTIVATIONS, "Conv2D": ("relu", "leaky_relu", "sigmoid", "tanh")}
-
-
 def _chain(reader):
     """The graph's nodes from its one input to its one output, each feeding the next; a
     ValueError for a graph that branches, joins or has several inputs or outputs. Nodes off
@@ -542,21 +537,6 @@ def _chain(reader):
         raise reader.fail(None, f"the output {graph.output[0].name!r} is not computed from "
                                 f"the input {inputs[0].name!r} by a chain of nodes")
     return inputs[0], chain
-
-
-def _fuse(layers):
-    """Each Activation layer after a Dense or Conv2D without one goes into its kernel."""
-    fused = []
-    for layer in layers:
-        previous = fused[-1] if fused else None
-        if (layer["class_name"] == "Activation" and previous is not None
-                and previous["class_name"] in FUSED
-                and previous["config"].get("activation") is None
-                and layer["config"]["activation"] in FUSED[previous["class_name"]]):
-            previous["config"].update(layer["config"])
-            continue
-        fused.append(layer)
-    return fused
 
 
 def _feature_shape(reader, value):
@@ -611,8 +591,6 @@ def from_onnx(proto, path="<model>"):
                                     f"reads {', '.join(sorted(IMPORTERS))}")
         layer = IMPORTERS[node.op_type](reader, node, layers, shape, dtype)
         if layer is not None:
-            if layer["class_name"] in ("Dense", "Conv2D", "BatchNorm") and dtype != np.float32:
-                layer["config"]["dtype"] = dtype.name
             try:
                 shape = nn.LAYERS[layer["class_name"]](**layer["config"]).compute_output_shape(
                     shape)
@@ -620,27 +598,11 @@ def from_onnx(proto, path="<model>"):
                 raise reader.fail(node, str(error)) from None
             layers.append(layer)
         reader.shapes[node.output[0]] = shape
-    layers = _fuse(layers)
     if not layers:
         raise reader.fail(None, "the graph computes nothing but its input: no layers")
-    layers[0]["config"]["input_shape"] = list(reader.shapes[graph_input.name])
-    name = proto.graph.name or "sequential"
-    config = {"format": "engine.nn.Sequential", "version": nn.FORMAT_VERSION, "name": name,
-              "layers": [{"class_name": layer["class_name"], "config": layer["config"]}
-                         for layer in layers]}
-    try:
-        model = nn.Sequential.from_config(config)
-    except (TypeError, ValueError) as error:
-        raise reader.fail(None, str(error)) from None
-    state = {}
-    for built, layer in zip(model.layers, layers):
-        for entry, array in layer["weights"].items():
-            state[f"{built.name}.{entry}"] = np.asarray(array, dtype)
-    try:
-        model.load_state_dict(state)
-    except (KeyError, ValueError, TypeError) as error:
-        raise reader.fail(None, str(error)) from None
-    return model
+    return sequential.build(sequential.fuse_activations(layers),
+                            reader.shapes[graph_input.name], dtype,
+                            proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
 
 
 def load(path):
