@@ -886,8 +886,10 @@ class Sequential:
     def export_onnx(self, path, opset=None, normalize=None):
         """Write the model as ONNX to ``path``; returns the ``onnx.ModelProto``
         (``engine.onnx.export``: the layers it exports, ``normalize``, the onnx extra)."""
-        from engine import onnx   # the onnx package is an optional extra, read on first use
-        return onnx.export(self, path, opset, normalize)
+        # through the package facade: engine.onnx builds Sequentials on import, so it imports
+        # this module, and the layering keeps nn below it
+        import engine
+        return engine.onnx.export(self, path, opset, normalize)
 
 
 def _human_bytes(nbytes):
@@ -929,8 +931,8 @@ def load(path, device="cpu"):
     OSError of ``open`` (FileNotFoundError, PermissionError)."""
     path = os.fspath(path)
     if path.lower().endswith(".onnx"):
-        from engine import onnx   # the onnx package is an optional extra, read on first use
-        return onnx.load(path).to(device)
+        import engine   # the facade, as in export_onnx
+        return engine.onnx.load(path).to(device)
     try:
         text, state = (_read_safetensors if _is_safetensors(path) else _read_npz)(path)
         config = archive.loads_json(text, f"{path!r}: the architecture ({CONFIG_KEY})")
