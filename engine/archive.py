@@ -326,14 +326,16 @@ def read_safetensors(path, kind):
     ``OSError`` when it cannot be opened."""
     path = os.fspath(path)
     safetensors = _safetensors()
-    with open(path, "rb"):   # FileNotFoundError, PermissionError name the path
-        pass
+    with open(path, "rb") as file:   # FileNotFoundError, PermissionError name the path
+        magic = file.read(len(ZIP_MAGIC))
     try:
         with safetensors.safe_open(path, framework="numpy") as file:
             metadata = file.metadata() or {}
             arrays = {name: file.get_tensor(name) for name in file.keys()}
     except Exception as error:   # SafetensorError, and the JSON parser's errors inside it
-        raise ValueError(f"{path!r} is not {kind} (not a safetensors file: {error})") from None
+        found = (" but an .npz archive under a .safetensors name (training checkpoints are "
+                 ".npz files, whatever their name)" if magic == ZIP_MAGIC else f": {error}")
+        raise ValueError(f"{path!r} is not {kind} (not a safetensors file{found})") from None
     stored = metadata.get(CHECKSUM_KEY)
     if stored is not None and stored != _checksum(arrays, metadata):
         raise ValueError(f"{path!r} is not {kind} (its CRC-32 {stored!r} does not match "

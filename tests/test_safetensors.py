@@ -150,7 +150,8 @@ def test_truncated_and_foreign_files_are_value_errors(tmp_path):
     npz = tmp_path / "model.safetensors"
     _cnn().save(tmp_path / "model.npz")
     os.replace(tmp_path / "model.npz", npz)
-    with pytest.raises(ValueError, match="model.safetensors.*not a safetensors file"):
+    with pytest.raises(ValueError, match="model.safetensors.*not a safetensors file but an "
+                                         r"\.npz archive under a \.safetensors name"):
         nn.load(npz)
     with pytest.raises(FileNotFoundError):
         nn.load(tmp_path / "absent.safetensors")
