@@ -253,9 +253,42 @@ class _Reader:
 
     def _tensor(self, tensor, node):
         if tensor.data_location == self.onnx.TensorProto.EXTERNAL:
-            raise self.fail(node, f"tensor {tensor.name!r} keeps its data in an external "
-                                  "file; the importer reads only the model file itself")
-        return self.onnx.numpy_helper.to_array(tensor)
+            stored = self.onnx.TensorProto()
+            stored.CopyFrom(tensor)
+            stored.raw_data = self._external_bytes(tensor, node)
+            stored.data_location = self.onnx.TensorProto.DEFAULT
+            del stored.external_data[:]
+            tensor = stored
+        try:
+            return self.onnx.numpy_helper.to_array(tensor)
+        except Exception as error:   # a size that does not match the shape, an unknown type
+            raise self.fail(node, f"tensor {tensor.name!r} cannot be read ({error})") from None
+
+    def _external_bytes(self, tensor, node):
+        """The bytes of a tensor kept in an external file (as torch's exporter writes weights
+        by default: ``model.onnx.data`` beside ``model.onnx``), read only from a file in the
+        model's own folder and only within that file."""
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        location = entries.get("location", "")
+        folder = os.path.dirname(os.path.realpath(self.path))
+        target = os.path.realpath(os.path.join(folder, location))
+        if (not location or os.path.isabs(location)
+                or os.path.dirname(target) != folder or not os.path.isfile(target)):
+            raise self.fail(node, f"tensor {tensor.name!r} keeps its data in {location!r}, "
+                                  "which is not a file in the model's folder")
+        try:
+            offset, length = int(entries.get("offset", 0)), entries.get("length")
+            size = os.path.getsize(target)
+            length = size - offset if length is None else int(length)
+        except ValueError:
+            raise self.fail(node, f"tensor {tensor.name!r}: offset and length must be "
+                                  f"integers, got {entries}") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise self.fail(node, f"tensor {tensor.name!r}: bytes {offset} to {offset + length}"
+                                  f" of {location!r}, which holds {size}")
+        with open(target, "rb") as file:
+            file.seek(offset)
+            return file.read(length)
 
     def value(self, name, node, batch=PROBE_BATCHES[0]):
         """The array ``name`` holds: an initializer, a Constant, or a shape computation
@@ -464,12 +497,11 @@ def _import_flatten(reader, node, layers, shape, dtype):
 def _import_reshape(reader, node, layers, shape, dtype):
     """A Reshape whose target keeps the batch dimension and fixes the rest, whether stored
     or computed from the input's shape (torch's Unflatten)."""
-    if reader.attributes(node).get("allowzero", 0):
-        raise reader.fail(node, "allowzero=1 is not read")
+    literal_zeros = reader.attributes(node).get("allowzero", 0)   # else 0 copies the input's
     targets = []
     for batch in PROBE_BATCHES:
         source = (batch,) + shape
-        target = [int(d) if d else source[i]
+        target = [int(d) if d or literal_zeros else source[i]
                   for i, d in enumerate(reader.value(node.input[1], node, batch))]
         if target.count(-1) == 1:
             known = math.prod(d for d in target if d != -1)
@@ -611,9 +643,10 @@ def load(path):
     ``torch.onnx.export`` writes for the equivalent torch network), with its weights; in
     train mode, on the CPU, as a new model is.
 
-    The file is parsed as protobuf and its tensors read as arrays: nothing in it runs, and
-    tensors kept in external files are refused. A graph that is not a chain (branches,
-    several inputs), an operator or attribute without an engine equivalent, or damaged
-    bytes are a ``ValueError`` naming the file and the node."""
+    The file is parsed as protobuf and its tensors read as arrays: nothing in it runs. A
+    tensor kept in an external file (torch's exporter writes its weights to ``<path>.data``)
+    is read only from a file in the model's folder, within that file's size. A graph that
+    is not a chain (branches, several inputs), an operator or attribute without an engine
+    equivalent, or damaged bytes are a ``ValueError`` naming the file and the node."""
     path = os.fspath(path)
     return from_onnx(_read_proto(_onnx(), path), path)

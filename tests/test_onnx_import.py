@@ -99,13 +99,23 @@ def test_the_imported_model_trains(tmp_path):
 # ------------------------------------------------------------------ torch.onnx.export
 
 def _torch_export(module, x, path, opset):
+    """``torch.onnx.export`` of ``module`` with an open batch dimension: the TorchScript
+    exporter at ``opset``, or with ``opset="dynamo"`` the torch.export-based one (torch's
+    default since 2.9, which needs onnxscript), at its own opset."""
     import torch
     module.eval()
-    with warnings.catch_warnings():   # the TorchScript exporter warns that it is the old one
+    if opset == "dynamo":
+        pytest.importorskip("onnxscript", reason="torch's dynamo exporter needs onnxscript "
+                                                 "(the test extra)")
+        options = {"dynamo": True, "dynamic_shapes": ({0: torch.export.Dim("batch")},),
+                   "verbose": False}   # its weights go to an external file, <path>.data
+    else:
+        options = {"dynamo": False, "opset_version": opset,
+                   "dynamic_axes": {"x": {0: "batch"}, "y": {0: "batch"}}}
+    with warnings.catch_warnings():   # torch's notes on its exporters' futures
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=opset,
-                          input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+        torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"],
+                          **options)
 
 
 def _torch_networks():
@@ -122,7 +132,7 @@ def _torch_networks():
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("opset", [13, 17, "dynamo"])
 @pytest.mark.parametrize("network", ["mlp", "cnn"])
 def test_torch_onnx_export_of_the_equivalent_network_imports_with_torch_s_outputs(
         tmp_path, network, opset):
@@ -232,22 +242,44 @@ def test_old_opsets_and_other_domains_are_named(tmp_path):
         engine_onnx.load(tmp_path / "custom.onnx")
 
 
-def test_external_data_and_damaged_files_are_refused(tmp_path):
+def _external_gemm(path, location, offset=0, length=None):
+    """A one-Gemm model at ``path`` whose weight is kept in the external file ``location``."""
     weight = onnx.numpy_helper.from_array(WEIGHT, "w")
     weight.data_location = onnx.TensorProto.EXTERNAL
     weight.ClearField("raw_data")
-    entry = weight.external_data.add()
-    entry.key, entry.value = "location", "/etc/passwd"
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        if value is not None:
+            entry = weight.external_data.add()
+            entry.key, entry.value = key, str(value)
     graph = helper.make_graph([helper.make_node("Gemm", ["x", "w"], ["y"], name="g")], "g",
                               [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
                                                              ["n", 4])],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
                                                              None)], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    (tmp_path / "external.onnx").write_bytes(model.SerializeToString())
-    with pytest.raises(ValueError, match=r"'g' \(Gemm\): tensor 'w' keeps its data in an "
-                                         "external file"):
-        engine_onnx.load(tmp_path / "external.onnx")
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_external_data_is_read_from_the_model_s_folder_only(tmp_path):
+    (tmp_path / "model.onnx.data").write_bytes(b"\0" * 16 + WEIGHT.tobytes())
+    model = engine_onnx.load(_external_gemm(tmp_path / "model.onnx", "model.onnx.data", 16,
+                                            WEIGHT.nbytes))
+    np.testing.assert_array_equal(model.state_dict()["dense.weight"], WEIGHT)
+    outside = tmp_path.parent / "outside.data"
+    outside.write_bytes(WEIGHT.tobytes())
+    for location in ("../outside.data", str(outside), "absent.data", ""):
+        with pytest.raises(ValueError, match=r"'g' \(Gemm\): tensor 'w' keeps its data in .*"
+                                             "not a file in the model's folder"):
+            engine_onnx.load(_external_gemm(tmp_path / "bad.onnx", location))
+    with pytest.raises(ValueError, match=r"tensor 'w': bytes 24 to 72 of 'model.onnx.data', "
+                                         "which holds 64"):
+        engine_onnx.load(_external_gemm(tmp_path / "long.onnx", "model.onnx.data", 24, 48))
+    with pytest.raises(ValueError, match=r"tensor 'w' cannot be read"):
+        engine_onnx.load(_external_gemm(tmp_path / "short.onnx", "model.onnx.data", 0, 8))
+
+
+def test_damaged_files_are_value_errors_naming_them(tmp_path):
     path = tmp_path / "model.onnx"
     _mlp().export_onnx(path)
     damaged = tmp_path / "damaged.onnx"
