@@ -227,6 +227,10 @@ PROBE_BATCHES = (2, 3)   # a Reshape target must follow the batch and fix everyt
 FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+class OnnxImportError(ValueError):
+    """A file ``load`` does not read, and why (a ValueError naming the file and the node)."""
+
+
 def _short(value):
     """A float attribute as the engine wrote it: ONNX stores float32, so 1e-5 comes back as
     9.99999974738e-06; the shortest decimal that rounds to the same float32 is 1e-05."""
@@ -246,7 +250,7 @@ class _Reader:
 
     def fail(self, node, message):
         where = f"node {node.name!r} ({node.op_type})" if node is not None else "the graph"
-        return ValueError(f"engine.onnx.load: {self.path!r}: {where}: {message}")
+        return OnnxImportError(f"engine.onnx.load: {self.path!r}: {where}: {message}")
 
     def attributes(self, node):
         return {a.name: self.onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -302,8 +306,18 @@ class _Reader:
                 made = "the graph input" if producer is None else f"a {producer.op_type} node"
                 raise self.fail(node, f"input {name!r} must be stored in the file (an "
                                       f"initializer or a Constant), but {made} computes it")
-            self._values[key] = self._evaluate(producer, batch)
+            self._values[key] = self.guarded(producer, self._evaluate, producer, batch)
         return self._values[key]
+
+    def guarded(self, node, function, *args):
+        """``function(*args)``, any failure but the importer's own refusals (NumPy's, on
+        values a crafted file holds) a ValueError naming ``node``."""
+        try:
+            return function(*args)
+        except OnnxImportError:
+            raise
+        except Exception as error:
+            raise self.fail(node, f"cannot be read ({type(error).__name__}: {error})") from None
 
     def _evaluate(self, node, batch):
         a = self.attributes(node)
@@ -559,6 +573,8 @@ def _chain(reader):
                                     + (" and the output" if value == graph.output[0].name
                                        else "") + ": the graph branches")
         node = feeds[value][0]
+        if not node.output or not node.output[0]:
+            raise reader.fail(node, "has no output")
         chain.append(node)
         extra = [name for name in node.output[1:] if name in feeds
                  or name == graph.output[0].name]
@@ -606,8 +622,18 @@ def _opset(reader, proto):
 
 def from_onnx(proto, path="<model>"):
     """The ``nn.Sequential`` that computes what the ONNX ``proto`` computes (``load``)."""
-    onnx = _onnx()
-    reader = _Reader(onnx, proto, path)
+    reader = _Reader(_onnx(), proto, path)
+    # every step reads values of the file: a failure the checks do not name (an unknown
+    # element type, a missing field of a crafted file) is a damaged file too
+    layers, input_shape, dtype = reader.guarded(None, _layers, reader, proto)
+    return sequential.build(sequential.fuse_activations(layers), input_shape, dtype,
+                            proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
+
+
+def _layers(reader, proto):
+    """The layer descriptions of the chain (``engine.interop.sequential``), the input's
+    feature shape and dtype."""
+    onnx = reader.onnx
     _opset(reader, proto)
     graph_input, chain = _chain(reader)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type))
@@ -621,7 +647,8 @@ def from_onnx(proto, path="<model>"):
             operator = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
             raise reader.fail(node, f"operator {operator!r} has no engine layer; the importer "
                                     f"reads {', '.join(sorted(IMPORTERS))}")
-        layer = IMPORTERS[node.op_type](reader, node, layers, shape, dtype)
+        layer = reader.guarded(node, IMPORTERS[node.op_type], reader, node, layers, shape,
+                               dtype)
         if layer is not None:
             try:
                 shape = nn.LAYERS[layer["class_name"]](**layer["config"]).compute_output_shape(
@@ -632,9 +659,7 @@ def from_onnx(proto, path="<model>"):
         reader.shapes[node.output[0]] = shape
     if not layers:
         raise reader.fail(None, "the graph computes nothing but its input: no layers")
-    return sequential.build(sequential.fuse_activations(layers),
-                            reader.shapes[graph_input.name], dtype,
-                            proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
+    return layers, reader.shapes[graph_input.name], dtype
 
 
 def load(path):
