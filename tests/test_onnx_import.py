@@ -325,3 +325,15 @@ def test_an_imported_model_runs_on_the_gpu_as_onnxruntime_does(tmp_path):
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (expected,) = session.run(None, {engine_onnx.INPUT: x})
     np.testing.assert_allclose(_eval_outputs(loaded, x), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_nn_load_puts_an_imported_model_on_the_cuda_device(tmp_path):
+    """A tiny model, for Numba's simulator on a CPU machine."""
+    model = nn.Sequential([nn.Dense(3, activation="tanh", input_shape=(2,)), nn.Dense(2)])
+    model.export_onnx(tmp_path / "tiny.onnx")
+    loaded = nn.load(tmp_path / "tiny.onnx", device="cuda")
+    assert loaded.device == "cuda"
+    x = _random((3, 2))
+    np.testing.assert_allclose(_eval_outputs(loaded, x), _eval_outputs(model, x), rtol=0,
+                               atol=1e-6)

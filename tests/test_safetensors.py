@@ -187,3 +187,18 @@ def test_a_cuda_model_saves_and_loads_on_the_gpu(tmp_path):
     assert loaded.device == "cuda"
     x = engine.tensor(_inputs(), device="cuda")
     np.testing.assert_array_equal(_outputs(loaded, x), _outputs(model, x))
+
+
+@pytest.mark.cuda
+def test_a_model_on_the_cuda_device_saves_its_device_weights(tmp_path):
+    """The weights come from the device (Numba's simulator on a CPU machine): a tiny model."""
+    model = nn.Sequential([nn.Dense(3, activation="tanh", input_shape=(2,)),
+                           nn.Dense(2)]).to("cuda")
+    path = tmp_path / "m.safetensors"
+    model.save(path)
+    loaded = nn.load(path, device="cuda")
+    assert loaded.device == "cuda"
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[name], value, err_msg=name)
+    x = engine.tensor(_inputs()[:, :2], device="cuda")
+    np.testing.assert_array_equal(_outputs(loaded, x), _outputs(model, x))

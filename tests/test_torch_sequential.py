@@ -168,3 +168,17 @@ def test_a_converted_model_on_the_gpu_matches_torch_on_the_gpu():
     got = model(engine.tensor(x, device="cuda")).numpy()
     expected = module(torch.from_numpy(x).cuda()).detach().cpu().numpy()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.cuda
+def test_a_converted_model_moves_to_the_cuda_device():
+    """A tiny model, for Numba's simulator on a CPU machine."""
+    torch.manual_seed(0)
+    module = t.Sequential(t.Linear(2, 3), t.Tanh(), t.Linear(3, 2))
+    model = from_sequential(module, (2,)).to("cuda")
+    x = _inputs((2,), 3).astype(np.float32)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(model(engine.tensor(x, device="cuda")).numpy(), expected,
+                               rtol=0, atol=1e-6)
+    assert to_sequential(model)[0].weight.device.type == "cpu"

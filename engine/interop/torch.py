@@ -442,8 +442,9 @@ def from_sequential(torch_sequential, input_shape):
     ``MaxPool2d``/``AvgPool2d`` the engine's pools, ``BatchNorm1d``/``2d`` ``BatchNorm``,
     the activations ``Activation`` (fused into the Dense or Conv2D before them), ``Flatten``
     and ``Unflatten`` ``Flatten`` and ``Reshape``, ``Dropout`` ``Dropout``; in the module's
-    float dtype, on the CPU, in the module's train or eval mode. A module without an engine
-    layer is a ValueError naming it."""
+    float dtype, on the CPU, in the module's train or eval mode (in train mode a Dropout
+    layer draws its masks from the engine's generator, not torch's). A module without an
+    engine layer is a ValueError naming it."""
     if not isinstance(torch_sequential, torch.nn.Sequential):
         raise TypeError(f"from_sequential: expected a torch.nn.Sequential, got "
                         f"{type(torch_sequential).__name__}")
