@@ -111,8 +111,8 @@ def build_parser():
         "accuracy, PNG unless PATH ends in another matplotlib format (needs matplotlib)")
     add("--log-json", metavar="PATH", help="append one JSON object per epoch")
     add("--tensorboard", metavar="DIR", help="write TensorBoard event files into DIR: the "
-        f"epoch metrics, the learning rate and the training loss every {PROGRESS_EVERY} steps "
-        "(needs tensorboardX: the formats extra)")
+        "epoch metrics, the learning rate and the training loss as often as the progress bar "
+        "reads it (needs tensorboardX: the formats extra)")
     add("--limit", type=int, metavar="N", help="use only the first N samples of each split "
         "(quick checks)")
     add("--threads", type=int, metavar="N", help="threads of the CPU matrix products (BLAS), "
