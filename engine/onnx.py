@@ -25,6 +25,14 @@ it, scaled to [0, 1].
 The model is built with the ``onnx`` package's helpers (an optional extra: ``pip install
 'numba-engine[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
 through ``engine.archive.atomic_write``: a failed export leaves an older file as it was.
+
+Import. ``load(path)`` (``nn.load`` on a ``.onnx`` path) reads such a chain back into a
+``Sequential`` (``IMPORTERS``: what the export writes, ``MatMul`` with an ``Add``, and what
+``torch.onnx.export`` writes for the equivalent torch network: a ``Reshape`` whose target a
+shape computation beside the chain gives, evaluated with NumPy for two batch sizes;
+weights in an external file beside the model). Each value of the chain feeds the next node
+only: branches, joins and several inputs are refused, as are operators and attributes
+without an engine equivalent, each a ValueError naming the file and the node.
 """
 import importlib
 import math
