@@ -382,9 +382,11 @@ class TensorBoard(Callback):
     files are flushed after every epoch and closed when training ends. In a distributed run
     give it to rank 0 only, as the other writers."""
 
-    def __new__(cls, log_dir, update_freq="epoch"):
+    def __new__(cls, *args, **kwargs):
         # fit runs every replay unwatched (a whole epoch in one graph launch) unless a
-        # callback's class overrides on_step_end: only a step-logging one does
+        # callback's class overrides on_step_end: only a step-logging one does (copy and
+        # pickle call __new__ without arguments: they keep the class)
+        update_freq = kwargs.get("update_freq", args[1] if len(args) > 1 else "epoch")
         if cls is TensorBoard and update_freq != "epoch":
             cls = _StepLoggingTensorBoard
         return super().__new__(cls)

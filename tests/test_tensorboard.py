@@ -4,6 +4,7 @@ epoch and the training loss every ``update_freq`` steps.
 
 Needs tensorboardX (the writer: formats and test extras) and tensorboard (the reader: the
 test extra); skipped without them."""
+import copy
 import sys
 
 import numpy as np
@@ -80,8 +81,9 @@ def test_epoch_only_logging_leaves_the_steps_unwatched(tmp_path):
     board = callbacks.TensorBoard(tmp_path)
     assert type(board) is callbacks.TensorBoard   # no on_step_end: fit replays unwatched
     assert "on_step_end" not in vars(callbacks.TensorBoard)
-    assert isinstance(callbacks.TensorBoard(tmp_path, update_freq="batch"),
-                      callbacks.TensorBoard)
+    steps = callbacks.TensorBoard(tmp_path, "batch")
+    assert isinstance(steps, callbacks.TensorBoard) and steps.step_interval == 1
+    assert type(copy.copy(steps)) is type(steps) and type(copy.copy(board)) is type(board)
     model, train, _ = _blobs()
     fit(model, train, optim.Adam(model.parameters()), cross_entropy, 2, callbacks=[board],
         progress=False, verbose=False)
