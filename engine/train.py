@@ -584,9 +584,10 @@ def train(args, setup, is_root):
     step_losses = [] if args.plot and is_root else None
     fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
         test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
-        callbacks=stopping + boards, on_epoch_end=writers, progress=is_root and not args.no_progress,
-        verbose=is_root, start_epoch=start_epoch, history=history, step_losses=step_losses,
-        capture=not args.no_capture, distributed=args.distributed)
+        callbacks=stopping + boards, on_epoch_end=writers,
+        progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
+        history=history, step_losses=step_losses, capture=not args.no_capture,
+        distributed=args.distributed)
     if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)
