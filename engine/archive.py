@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and the npz + JSON format of models and checkpoints.
+"""Files written whole or not at all, the npz + JSON format of models and checkpoints, and
+safetensors files.
 
 Writing. ``atomic_write(path)`` yields a binary file; its bytes replace ``path`` only when
 the block ends without an exception, so a crash, a kill or a full disk leaves the previous
@@ -22,6 +23,16 @@ writes) without pickles and within bounds: every entry's header must declare exa
 bytes the entry holds before anything is allocated, so a damaged or crafted file costs at
 most its own size in memory. Any damage is a ``ValueError`` naming the file.
 
+safetensors. ``write_safetensors`` writes ``{name: array}`` and text metadata through
+``atomic_write`` with the ``safetensors`` package's NumPy API (the formats extra), adding a
+CRC-32 of the metadata and of every array's name, dtype, shape and bytes under
+``CHECKSUM_KEY``: safetensors itself checks only that the header's offsets cover the file,
+so a flipped byte among the weights would otherwise load silently. ``read_safetensors``
+reads a file through ``safetensors.safe_open`` (a JSON header and raw bytes: nothing in the
+file can run code, and the offsets are checked against the file's size before anything is
+allocated) and checks the CRC when the file has one (files written elsewhere have none).
+Any damage is a ``ValueError`` naming the file.
+
 Codec. ``encode`` turns nested dicts, lists, tuples, numbers, text and arrays into a JSON
 skeleton plus a dict of arrays; ``decode`` turns them back, checking the skeleton's shape
 and depth.
@@ -36,6 +47,7 @@ import tempfile
 import threading
 import time
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -49,6 +61,8 @@ NPY_HEADER_LIMIT = 10_000   # bytes of one .npy header (numpy's own default limi
 _NAME_IN_TEMPORARY = 200    # characters of the target's name kept in its temporaries' names
 _NUMERIC_OR_TEXT = "biufcU"
 _umask_lock = threading.Lock()
+CHECKSUM_KEY = "engine.crc32"   # the safetensors metadata entry of write_safetensors's CRC
+SAFETENSORS_HINT = "pip install 'numba-engine[formats]'"
 
 
 class _Damage(Exception):
@@ -267,6 +281,66 @@ def loads_json(text, where):
         raise ValueError(f"{where}: the JSON is nested too deeply") from None
     except ValueError as error:
         raise ValueError(f"{where}: not valid JSON ({error})") from None
+
+
+# ------------------------------------------------------------------ safetensors
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as error:
+        raise ImportError(f"safetensors files need the safetensors package ({error}); "
+                          f"{SAFETENSORS_HINT}") from None
+    return safetensors
+
+
+def _checksum(arrays, metadata):
+    """The CRC-32 (8 hex digits) of ``metadata`` (but its checksum entry) and of every
+    array's name, dtype, shape and bytes, in name order."""
+    crc = 0
+    for key in sorted(metadata):
+        if key != CHECKSUM_KEY:
+            crc = zlib.crc32(f"{key}={metadata[key]}\0".encode(), crc)
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        crc = zlib.crc32(f"{name}:{array.dtype.name}:{array.shape}\0".encode(), crc)
+        crc = zlib.crc32(array.reshape(-1).view(np.uint8), crc)
+    return f"{crc:08x}"
+
+
+def write_safetensors(path, arrays, metadata):
+    """``arrays`` (``{name: array}``, host or device) and ``metadata`` (``{text: text}``) as
+    a safetensors file at ``path``, with ``CHECKSUM_KEY``, through ``atomic_write``."""
+    safetensors = _safetensors()
+    arrays = {name: np.ascontiguousarray(to_host(array)) for name, array in arrays.items()}
+    metadata = {**metadata, CHECKSUM_KEY: _checksum(arrays, metadata)}
+    content = safetensors.numpy.save(arrays, metadata=metadata)
+    with atomic_write(path) as file:
+        file.write(content)
+
+
+def read_safetensors(path, kind):
+    """``(arrays, metadata)`` of the safetensors file at ``path``, its checksum checked when
+    it has one; ``ValueError("'<path>' is not <kind> (<reason>)")`` for a damaged file,
+    ``OSError`` when it cannot be opened."""
+    path = os.fspath(path)
+    safetensors = _safetensors()
+    with open(path, "rb") as file:   # FileNotFoundError, PermissionError name the path
+        magic = file.read(len(ZIP_MAGIC))
+    try:
+        with safetensors.safe_open(path, framework="numpy") as file:
+            metadata = file.metadata() or {}
+            arrays = {name: file.get_tensor(name) for name in file.keys()}
+    except Exception as error:   # SafetensorError, and the JSON parser's errors inside it
+        found = (" but an .npz archive under a .safetensors name (training checkpoints are "
+                 ".npz files, whatever their name)" if magic == ZIP_MAGIC else f": {error}")
+        raise ValueError(f"{path!r} is not {kind} (not a safetensors file{found})") from None
+    stored = metadata.get(CHECKSUM_KEY)
+    if stored is not None and stored != _checksum(arrays, metadata):
+        raise ValueError(f"{path!r} is not {kind} (its CRC-32 {stored!r} does not match "
+                         f"its contents, {_checksum(arrays, metadata)!r}: the file is damaged)")
+    return arrays, metadata
 
 
 # ------------------------------------------------------------------ codec

@@ -29,8 +29,10 @@ Callbacks run between steps, never inside one: the step (forward, loss, backward
 gradient all-reduce, clipping, the optimizer step) is one function that ``engine.capture``
 can record and replay. The progress bar (``ProgressBar``), the epoch line (``PrintMetrics``)
 and the JSON log (``JsonLog``) are callbacks too: ``fit(progress=False, verbose=False)``
-drops the built-in ones, so another bar or logger can take their place.
+drops the built-in ones, so another bar or logger can take their place. ``TensorBoard``
+writes the records, the learning rate and the training loss as TensorBoard event files.
 """
+import importlib
 import json
 import math
 import os
@@ -44,6 +46,7 @@ PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each 
 # 15 characters and the postfix (loss, samples/s) whole, for "epoch 10/10" and 469/469 steps
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{remaining}]{postfix}"
 MODES = ("auto", "min", "max")
+TENSORBOARD_HINT = "pip install 'numba-engine[formats]'"
 
 
 class Callback:
@@ -353,3 +356,89 @@ class JsonLog(Callback):
 
     def on_epoch_end(self, logs):
         append_record(self.path, logs)
+
+
+def _summary_writer():
+    try:
+        return importlib.import_module("tensorboardX").SummaryWriter
+    except ImportError as error:
+        raise ImportError(f"TensorBoard: writing event files needs the tensorboardX package "
+                          f"({error}); {TENSORBOARD_HINT}") from None
+
+
+class TensorBoard(Callback):
+    """Write TensorBoard event files into ``log_dir`` (made when training begins), through
+    the ``tensorboardX`` package (the formats extra): after each epoch its record's values
+    (``epoch/loss``, ``epoch/train_acc``, ``epoch/test_loss``, ``epoch/test_acc``,
+    ``epoch/seconds``, ``epoch/samples_per_s``; None values left out) and the learning rate
+    it trained at (``epoch/learning_rate``, read from the optimizer's first parameter group
+    when the epoch begins: put a ``LearningRateScheduler`` before this callback), at step
+    ``epoch``.
+
+    ``update_freq`` (Keras's argument): ``"epoch"``, only those; ``"batch"`` or an integer
+    ``n``, also the training loss every ``n`` steps (``batch/loss``, at the step's number
+    counted over the whole run; reading a loss waits for the device, so ``fit`` replays up to
+    ``n`` steps between two reads). ``tensorboard --logdir LOG_DIR`` shows the curves. The
+    files are flushed after every epoch and closed when training ends. In a distributed run
+    give it to rank 0 only, as the other writers."""
+
+    def __new__(cls, *args, **kwargs):
+        # fit runs every replay unwatched (a whole epoch in one graph launch) unless a
+        # callback's class overrides on_step_end: only a step-logging one does (copy and
+        # pickle call __new__ without arguments: they keep the class)
+        update_freq = kwargs.get("update_freq", args[1] if len(args) > 1 else "epoch")
+        if cls is TensorBoard and update_freq != "epoch":
+            cls = _StepLoggingTensorBoard
+        return super().__new__(cls)
+
+    def __init__(self, log_dir, update_freq="epoch"):
+        if update_freq == "batch":
+            update_freq = 1
+        if update_freq != "epoch" and not (isinstance(update_freq, int)
+                                           and not isinstance(update_freq, bool)
+                                           and update_freq >= 1):
+            raise ValueError(f"TensorBoard: update_freq must be 'epoch', 'batch' or a positive "
+                             f"number of steps, got {update_freq!r}")
+        self.log_dir, self.update_freq = os.fspath(log_dir), update_freq
+        self._writer_class = _summary_writer()   # a missing package fails before training
+        self.writer = None
+
+    def on_train_begin(self, logs):
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+        except OSError as error:
+            raise OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "
+                                       f"({error.strerror or error})") from None
+        self.writer = self._writer_class(self.log_dir)
+        steps = logs["steps"]
+        self.global_step = logs["start_epoch"] * steps if steps else 0   # a resumed run goes on
+
+    def on_epoch_begin(self, logs):
+        self.learning_rate = self.run.optimizer.param_groups[0]["lr"]
+
+    def on_epoch_end(self, logs):
+        epoch = logs["epoch"]
+        for key, value in logs.items():
+            if key != "epoch" and value is not None:
+                self.writer.add_scalar(f"epoch/{key}", value, epoch)
+        self.writer.add_scalar("epoch/learning_rate", self.learning_rate, epoch)
+        self.writer.flush()
+
+    def on_train_end(self, logs):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class _StepLoggingTensorBoard(TensorBoard):
+    """``TensorBoard`` with ``update_freq`` a number of steps: ``on_step_end`` writes the
+    loss whenever the steps one call covers pass a multiple of ``update_freq``."""
+
+    def __init__(self, log_dir, update_freq="epoch"):
+        super().__init__(log_dir, update_freq)
+        self.step_interval = self.update_freq
+
+    def on_step_end(self, logs):
+        before, self.global_step = self.global_step, self.global_step + logs["steps_run"]
+        if self.global_step // self.update_freq > before // self.update_freq:
+            self.writer.add_scalar("batch/loss", logs["loss"].item(), self.global_step)

@@ -891,17 +891,24 @@ class Sequential:
         return model
 
     def save(self, path):
-        """Write the architecture and weights to one ``.npz`` at ``path`` with
+        """Write the architecture and weights to one file at ``path`` with
         ``engine.archive.atomic_write`` (a temporary file in the same directory renamed over
-        ``path``; the file gets the mode ``open()`` would give it)."""
-        archive.write_npz(path, {CONFIG_KEY: np.array(json.dumps(self.get_config())),
-                                 **self.state_dict()})
+        ``path``; the file gets the mode ``open()`` would give it): a ``.safetensors`` path
+        gets a safetensors file (the architecture as JSON in its metadata under
+        ``CONFIG_KEY``; the formats extra), any other an ``.npz``."""
+        config = json.dumps(self.get_config())
+        if _is_safetensors(path):
+            archive.write_safetensors(path, self.state_dict(), {CONFIG_KEY: config})
+            return
+        archive.write_npz(path, {CONFIG_KEY: np.array(config), **self.state_dict()})
 
     def export_onnx(self, path, opset=None, normalize=None):
         """Write the model as ONNX to ``path``; returns the ``onnx.ModelProto``
         (``engine.onnx.export``: the layers it exports, ``normalize``, the onnx extra)."""
-        from engine import onnx   # the onnx package is an optional extra, read on first use
-        return onnx.export(self, path, opset, normalize)
+        # through the package facade: engine.onnx builds Sequentials on import, so it imports
+        # this module, and the layering keeps nn below it
+        import engine
+        return engine.onnx.export(self, path, opset, normalize)
 
 
 def _human_bytes(nbytes):
@@ -911,22 +918,45 @@ def _human_bytes(nbytes):
         nbytes /= 1024
 
 
+def _is_safetensors(path):
+    return os.fspath(path).lower().endswith(".safetensors")
+
+
+def _read_safetensors(path):
+    """The config text and the weights of a safetensors model file."""
+    state, metadata = archive.read_safetensors(path, MODEL_FILE)
+    if CONFIG_KEY not in metadata:
+        raise ValueError(f"{path!r} holds weights ({len(state)} arrays) but no architecture "
+                         f"(metadata {CONFIG_KEY!r}): build the model and call "
+                         "model.load_state_dict(safetensors.numpy.load_file(path))")
+    return metadata[CONFIG_KEY], state
+
+
+def _read_npz(path):
+    """The config text and the weights of an ``.npz`` model file or checkpoint."""
+    entries = archive.read_npz(path, MODEL_FILE,
+                               keep=lambda name: not name.startswith(TRAINING_PREFIX))
+    config = archive.text_entry(entries, CONFIG_KEY, path, MODEL_FILE)
+    return config, {key: value for key, value in entries.items() if key != CONFIG_KEY}
+
+
 def load(path, device="cpu"):
     """The model saved at ``path`` by ``model.save`` (or a training checkpoint, whose
-    ``train/`` entries are skipped unread), on ``device``.
+    ``train/`` entries are skipped unread), on ``device``; a ``.safetensors`` path is read
+    as safetensors, an ``.onnx`` one by ``engine.onnx.load``, any other as an ``.npz``.
 
     The file holds arrays and JSON text, never code. A file that is not such a model,
     damaged or crafted, is a ValueError naming it; a file that cannot be opened is the
     OSError of ``open`` (FileNotFoundError, PermissionError)."""
     path = os.fspath(path)
+    if path.lower().endswith(".onnx"):
+        import engine   # the facade, as in export_onnx
+        return engine.onnx.load(path).to(device)
     try:
-        entries = archive.read_npz(path, MODEL_FILE,
-                                   keep=lambda name: not name.startswith(TRAINING_PREFIX))
-        config = archive.loads_json(archive.text_entry(entries, CONFIG_KEY, path, MODEL_FILE),
-                                    f"{path!r}: the architecture ({CONFIG_KEY})")
+        text, state = (_read_safetensors if _is_safetensors(path) else _read_npz)(path)
+        config = archive.loads_json(text, f"{path!r}: the architecture ({CONFIG_KEY})")
     except ValueError as error:
         raise ValueError(f"nn.load: {error}") from None
-    state = {key: value for key, value in entries.items() if key != CONFIG_KEY}
     try:
         model = Sequential.from_config(config)
         model.load_state_dict(state)

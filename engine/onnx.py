@@ -25,14 +25,24 @@ it, scaled to [0, 1].
 The model is built with the ``onnx`` package's helpers (an optional extra: ``pip install
 'numba-engine[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
 through ``engine.archive.atomic_write``: a failed export leaves an older file as it was.
+
+Import. ``load(path)`` (``nn.load`` on a ``.onnx`` path) reads such a chain back into a
+``Sequential`` (``IMPORTERS``: what the export writes, ``MatMul`` with an ``Add``, and what
+``torch.onnx.export`` writes for the equivalent torch network: a ``Reshape`` whose target a
+shape computation beside the chain gives, evaluated with NumPy for two batch sizes;
+weights in an external file beside the model). Each value of the chain feeds the next node
+only: branches, joins and several inputs are refused, as are operators and attributes
+without an engine equivalent, each a ValueError naming the file and the node.
 """
 import importlib
+import math
 import os
 
 import numpy as np
 
 import engine
-from engine import archive
+from engine import archive, nn
+from engine.interop import sequential
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
@@ -114,9 +124,11 @@ def _pool(operator, **attributes):
 def _batch_norm(graph, layer):   # eval mode: the running statistics
     arrays = [(entry, getattr(layer, entry).numpy())
               for entry in ("weight", "bias", "running_mean", "running_var")]
+    # ONNX's momentum weighs the running value, torch's and the engine's the batch's; it
+    # changes nothing at inference, and an import reads the layer's back from it
     graph.node("BatchNormalization", layer.name,
                [graph.weight(f"{layer.name}.{entry}", array) for entry, array in arrays],
-               epsilon=layer.eps)
+               epsilon=layer.eps, momentum=1 - layer.momentum)
 
 
 def _reshape(graph, layer):   # 0 copies the input's (batch) dimension
@@ -209,3 +221,465 @@ def export(model, path, opset=None, normalize=None):
     with archive.atomic_write(os.fspath(path)) as file:
         file.write(proto.SerializeToString())
     return proto
+
+
+# ------------------------------------------------------------------ import
+
+# the operators of the export table above, read back
+OPERATOR_ACTIVATIONS = {operator: name for name, operator in ACTIVATIONS.items()}
+# operators a shape computation beside the chain may use (torch writes one for Unflatten and
+# view(x.size(0), ...)); the importer evaluates them with NumPy for two batch sizes
+SHAPE_OPERATORS = ("Constant", "Identity", "Shape", "Gather", "Unsqueeze", "Squeeze", "Concat",
+                   "Slice", "Cast", "Add", "Sub", "Mul", "Div", "Mod", "Reshape")
+PROBE_BATCHES = (2, 3)   # a Reshape target must follow the batch and fix everything else
+FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class OnnxImportError(ValueError):
+    """A file ``load`` does not read, and why (a ValueError naming the file and the node)."""
+
+
+def _short(value):
+    """A float attribute as the engine wrote it: ONNX stores float32, so 1e-5 comes back as
+    9.99999974738e-06; the shortest decimal that rounds to the same float32 is 1e-05."""
+    return float(str(np.float32(value)))
+
+
+class _Reader:
+    """One ONNX graph being read: its constants, which node makes each value, and the feature
+    shape (without the batch) of each value on the chain read so far."""
+
+    def __init__(self, onnx, proto, path):
+        self.onnx, self.path, self.graph = onnx, path, proto.graph
+        self.initializers = {tensor.name: tensor for tensor in self.graph.initializer}
+        self.producer = {output: node for node in self.graph.node for output in node.output}
+        self.shapes = {}
+        self._values = {}
+
+    def fail(self, node, message):
+        where = f"node {node.name!r} ({node.op_type})" if node is not None else "the graph"
+        return OnnxImportError(f"engine.onnx.load: {self.path!r}: {where}: {message}")
+
+    def attributes(self, node):
+        return {a.name: self.onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+    def _tensor(self, tensor, node):
+        if tensor.data_location == self.onnx.TensorProto.EXTERNAL:
+            stored = self.onnx.TensorProto()
+            stored.CopyFrom(tensor)
+            stored.raw_data = self._external_bytes(tensor, node)
+            stored.data_location = self.onnx.TensorProto.DEFAULT
+            del stored.external_data[:]
+            tensor = stored
+        try:
+            return self.onnx.numpy_helper.to_array(tensor)
+        except Exception as error:   # a size that does not match the shape, an unknown type
+            raise self.fail(node, f"tensor {tensor.name!r} cannot be read ({error})") from None
+
+    def _external_bytes(self, tensor, node):
+        """The bytes of a tensor kept in an external file (as torch's exporter writes weights
+        by default: ``model.onnx.data`` beside ``model.onnx``), read only from a file in the
+        model's own folder and only within that file."""
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        location = entries.get("location", "")
+        folder = os.path.dirname(os.path.realpath(self.path))
+        target = os.path.realpath(os.path.join(folder, location))
+        if (not location or os.path.isabs(location)
+                or os.path.dirname(target) != folder or not os.path.isfile(target)):
+            raise self.fail(node, f"tensor {tensor.name!r} keeps its data in {location!r}, "
+                                  "which is not a file in the model's folder")
+        try:
+            offset, length = int(entries.get("offset", 0)), entries.get("length")
+            size = os.path.getsize(target)
+            length = size - offset if length is None else int(length)
+        except ValueError:
+            raise self.fail(node, f"tensor {tensor.name!r}: offset and length must be "
+                                  f"integers, got {entries}") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise self.fail(node, f"tensor {tensor.name!r}: bytes {offset} to {offset + length}"
+                                  f" of {location!r}, which holds {size}")
+        with open(target, "rb") as file:
+            file.seek(offset)
+            return file.read(length)
+
+    def value(self, name, node, batch=PROBE_BATCHES[0]):
+        """The array ``name`` holds: an initializer, a Constant, or a shape computation
+        (``SHAPE_OPERATORS``) evaluated for inputs of ``batch`` samples."""
+        if name in self.initializers:
+            return self._tensor(self.initializers[name], node)
+        key = (name, batch)
+        if key not in self._values:
+            producer = self.producer.get(name)
+            if producer is None or producer.op_type not in SHAPE_OPERATORS:
+                made = "the graph input" if producer is None else f"a {producer.op_type} node"
+                raise self.fail(node, f"input {name!r} must be stored in the file (an "
+                                      f"initializer or a Constant), but {made} computes it")
+            self._values[key] = self.guarded(producer, self._evaluate, producer, batch)
+        return self._values[key]
+
+    def guarded(self, node, function, *args):
+        """``function(*args)``, any failure but the importer's own refusals (NumPy's, on
+        values a crafted file holds) a ValueError naming ``node``."""
+        try:
+            return function(*args)
+        except OnnxImportError:
+            raise
+        except Exception as error:
+            raise self.fail(node, f"cannot be read ({type(error).__name__}: {error})") from None
+
+    def _evaluate(self, node, batch):
+        a = self.attributes(node)
+        if node.op_type == "Constant":
+            if "value" in a:
+                return self._tensor(a["value"], node)
+            for key in ("value_int", "value_ints", "value_float", "value_floats"):
+                if key in a:
+                    return np.array(a[key], np.int64 if "int" in key else np.float32)
+            raise self.fail(node, f"a Constant with {sorted(a)} is not read")
+        if node.op_type == "Shape":
+            if node.input[0] not in self.shapes:
+                raise self.fail(node, f"the shape of {node.input[0]!r} is not known here")
+            shape = np.array((batch,) + self.shapes[node.input[0]], np.int64)
+            return shape[a.get("start", 0):a.get("end", len(shape))]
+        inputs = [self.value(name, node, batch) if name else None for name in node.input]
+        x = inputs[0]
+        if node.op_type in ("Add", "Sub", "Mul", "Mod"):
+            operation = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
+                         "Mod": np.fmod if a.get("fmod") else np.mod}[node.op_type]
+            return operation(x, inputs[1])
+        if node.op_type == "Div":
+            return (np.trunc(x / inputs[1]).astype(x.dtype) if x.dtype.kind in "iu"
+                    else x / inputs[1])
+        if node.op_type == "Identity":
+            return x
+        if node.op_type == "Cast":
+            return x.astype(self.onnx.helper.tensor_dtype_to_np_dtype(a["to"]))
+        if node.op_type == "Gather":
+            return np.take(x, inputs[1], axis=a.get("axis", 0))
+        if node.op_type == "Concat":
+            return np.concatenate(inputs, axis=a["axis"])
+        if node.op_type == "Reshape":
+            return x.reshape([d if d else x.shape[i] for i, d in enumerate(inputs[1])])
+        axes = a.get("axes", None if len(inputs) < 2 or inputs[1] is None else inputs[1])
+        if node.op_type == "Unsqueeze":
+            return np.expand_dims(x, tuple(int(v) for v in axes))
+        if node.op_type == "Squeeze":
+            return np.squeeze(x, None if axes is None else tuple(int(v) for v in axes))
+        starts, ends = inputs[1], inputs[2]   # Slice
+        axes = range(len(starts)) if len(inputs) < 4 or inputs[3] is None else inputs[3]
+        steps = [1] * len(starts) if len(inputs) < 5 or inputs[4] is None else inputs[4]
+        index = [slice(None)] * x.ndim
+        for start, end, axis, step in zip(starts, ends, axes, steps):
+            index[int(axis)] = slice(int(start), int(end), int(step))
+        return x[tuple(index)]
+
+
+def _image_input(reader, node, shape):
+    if len(shape) != 3:
+        raise reader.fail(node, f"takes 4-D inputs (batch, channels, height, width), got "
+                                f"features of shape {shape}")
+
+
+def _symmetric_pads(reader, node, pads, what):
+    """The (rows, columns) padding of ONNX ``pads`` ``[top, left, bottom, right]``."""
+    top, left, bottom, right = pads
+    if (top, left) != (bottom, right):
+        raise reader.fail(node, f"pads {list(pads)} are not symmetric; the engine's {what} "
+                                "pads each side alike")
+    return top, left
+
+
+def _import_gemm(reader, node, layers, shape, dtype):
+    a = reader.attributes(node)
+    if a.get("transA", 0):
+        raise reader.fail(node, "transA=1 (a transposed input) has no Dense equivalent")
+    weight = reader.value(node.input[1], node)
+    if a.get("transB", 0):
+        weight = weight.T
+    units = weight.shape[1]
+    bias = (np.broadcast_to(reader.value(node.input[2], node), (units,))
+            if len(node.input) > 2 and node.input[2] else np.zeros(units, dtype))
+    return _dense(reader, node, shape, a.get("alpha", 1.0) * weight, a.get("beta", 1.0) * bias)
+
+
+def _dense(reader, node, shape, weight, bias):
+    if len(shape) != 1 or weight.ndim != 2 or weight.shape[0] != shape[0]:
+        raise reader.fail(node, f"multiplies features of shape {shape} by a weight of shape "
+                                f"{weight.shape}; a Dense layer takes (batch, features) "
+                                "inputs and an (in, out) weight")
+    return sequential.layer("Dense", {"units": int(weight.shape[1])}, weight=weight, bias=bias)
+
+
+def _import_matmul(reader, node, layers, shape, dtype):
+    weight = reader.value(node.input[1], node)
+    return _dense(reader, node, shape, weight, np.zeros(weight.shape[-1], dtype))
+
+
+def _import_add(reader, node, layers, shape, dtype):
+    """A constant added after a Dense layer without activation: its bias (MatMul + Add)."""
+    previous = layers[-1] if layers else None
+    if (previous is None or previous["class_name"] != "Dense"
+            or previous["config"].get("activation") is not None):
+        raise reader.fail(node, "adds a constant to a value that is not a Dense layer's "
+                                "output; the importer reads Add only as the bias of MatMul")
+    units = previous["config"]["units"]
+    constant = reader.value(node.input[1], node)
+    try:
+        previous["weights"]["bias"] = previous["weights"]["bias"] + np.broadcast_to(
+            np.reshape(constant, constant.shape[-1:] if constant.ndim else ()), (units,))
+    except ValueError:
+        raise reader.fail(node, f"adds a constant of shape {constant.shape} to {units} "
+                                "features; a bias has one value per feature") from None
+    return None
+
+
+def _import_conv(reader, node, layers, shape, dtype):
+    _image_input(reader, node, shape)
+    a = reader.attributes(node)
+    weight = reader.value(node.input[1], node)
+    if weight.ndim != 4:
+        raise reader.fail(node, f"a weight of {weight.ndim} dimensions; the engine imports "
+                                "2-D convolutions (a 4-D weight)")
+    kernel = tuple(a.get("kernel_shape", weight.shape[2:]))
+    stride, dilation = tuple(a.get("strides", (1, 1))), tuple(a.get("dilations", (1, 1)))
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    same = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
+    same = [same[0], same[1]] + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, same)]
+    pads = {"VALID": [0, 0, 0, 0], "SAME_UPPER": same}.get(auto_pad, a.get("pads", [0] * 4))
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER"):
+        raise reader.fail(node, f"auto_pad {auto_pad!r}: the engine pads 'same' with the extra "
+                                "row at the bottom (SAME_UPPER)")
+    top, left, bottom, right = pads
+    if stride == (1, 1) and list(pads) == same and (top, left) != (bottom, right):
+        padding = "same"
+    else:
+        padding = list(_symmetric_pads(reader, node, pads, "Conv2D"))
+    config = {"filters": int(weight.shape[0]), "kernel_size": list(kernel),
+              "stride": list(stride), "padding": padding, "dilation": list(dilation),
+              "groups": int(a.get("group", 1))}
+    weights = {"weight": weight}
+    if len(node.input) > 2 and node.input[2]:
+        weights["bias"] = reader.value(node.input[2], node)
+    else:
+        config["use_bias"] = False
+    return sequential.layer("Conv2D", config, **weights)
+
+
+def _import_pool(class_name):
+    def read(reader, node, layers, shape, dtype):
+        _image_input(reader, node, shape)
+        a = reader.attributes(node)
+        if a.get("ceil_mode", 0) or any(d != 1 for d in a.get("dilations", (1, 1))):
+            raise reader.fail(node, "ceil_mode=1 or dilations other than 1 have no "
+                                    f"{class_name} equivalent")
+        auto_pad = a.get("auto_pad", b"NOTSET")
+        if auto_pad not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+            raise reader.fail(node, f"auto_pad {auto_pad!r}: give explicit pads")
+        padding = _symmetric_pads(reader, node, a.get("pads", [0] * 4), class_name)
+        if class_name == "AvgPool2D" and any(padding) and not a.get("count_include_pad", 0):
+            raise reader.fail(node, "count_include_pad=0: the engine's average counts the "
+                                    "padded zeros, as torch's default does")
+        kernel = list(a["kernel_shape"])
+        return sequential.layer(class_name, {"pool_size": kernel,
+                                             "stride": list(a.get("strides", (1, 1))),
+                                             "padding": list(padding)})
+    return read
+
+
+def _import_batch_norm(reader, node, layers, shape, dtype):
+    a = reader.attributes(node)
+    if a.get("training_mode", 0):
+        raise reader.fail(node, "training_mode=1: the importer reads inference graphs")
+    weight, bias, mean, var = (reader.value(name, node) for name in node.input[1:5])
+    momentum = _short(1 - _short(a.get("momentum", 0.9)))   # as _batch_norm writes it
+    config = {"momentum": momentum, "eps": _short(a.get("epsilon", 1e-5))}
+    return sequential.layer("BatchNorm", config, weight=weight, bias=bias, running_mean=mean,
+                            running_var=var)
+
+
+def _import_activation(reader, node, layers, shape, dtype):
+    a = reader.attributes(node)
+    name = OPERATOR_ACTIVATIONS[node.op_type]
+    config = {"activation": name}
+    if name == "leaky_relu":
+        config["alpha"] = _short(a.get("alpha", 0.01))
+    if name == "softmax" and a.get("axis", -1) not in (-1, len(shape)):
+        raise reader.fail(node, f"softmax over axis {a['axis']} of a {len(shape) + 1}-D "
+                                "value; the engine's is over the last axis")
+    return sequential.layer("Activation", config)
+
+
+def _import_flatten(reader, node, layers, shape, dtype):
+    if reader.attributes(node).get("axis", 1) != 1:
+        raise reader.fail(node, "Flatten must keep the batch axis (axis=1)")
+    return sequential.layer("Flatten", {})
+
+
+def _import_reshape(reader, node, layers, shape, dtype):
+    """A Reshape whose target keeps the batch dimension and fixes the rest, whether stored
+    or computed from the input's shape (torch's Unflatten)."""
+    literal_zeros = reader.attributes(node).get("allowzero", 0)   # else 0 copies the input's
+    targets = []
+    for batch in PROBE_BATCHES:
+        source = (batch,) + shape
+        target = [int(d) if d or literal_zeros else source[i]
+                  for i, d in enumerate(reader.value(node.input[1], node, batch))]
+        if target.count(-1) == 1:
+            known = math.prod(d for d in target if d != -1)
+            target[target.index(-1)] = math.prod(source) // max(known, 1)
+        if math.prod(target) != math.prod(source) or target[0] != batch:
+            raise reader.fail(node, f"reshapes a batch of {batch} (features {shape}) to "
+                                    f"{target}; an engine Reshape keeps the batch dimension")
+        targets.append(target[1:])
+    if targets[0] != targets[1]:
+        raise reader.fail(node, f"the target's feature shape follows the batch size "
+                                f"({targets}); an engine Reshape fixes it")
+    return sequential.layer("Reshape", {"shape": targets[0]})
+
+
+def _import_dropout(reader, node, layers, shape, dtype):
+    inputs = list(node.input) + [""] * 3
+    if inputs[2] and bool(reader.value(inputs[2], node)):
+        raise reader.fail(node, "training_mode=True: the importer reads inference graphs")
+    ratio = (float(reader.value(inputs[1], node)) if inputs[1]
+             else reader.attributes(node).get("ratio", 0.5))
+    return sequential.layer("Dropout", {"p": _short(ratio)})
+
+
+IMPORTERS = {"Gemm": _import_gemm, "MatMul": _import_matmul, "Add": _import_add,
+             "Conv": _import_conv, "MaxPool": _import_pool("MaxPool2D"),
+             "AveragePool": _import_pool("AvgPool2D"), "BatchNormalization": _import_batch_norm,
+             "Flatten": _import_flatten, "Reshape": _import_reshape, "Dropout": _import_dropout,
+             "Identity": lambda *args: None,
+             **{operator: _import_activation for operator in OPERATOR_ACTIVATIONS}}
+def _chain(reader):
+    """The graph's nodes from its one input to its one output, each feeding the next; a
+    ValueError for a graph that branches, joins or has several inputs or outputs. Nodes off
+    the chain compute constants or shapes for it."""
+    graph = reader.graph
+    inputs = [value for value in graph.input if value.name not in reader.initializers]
+    if len(inputs) != 1 or len(graph.output) != 1:
+        raise reader.fail(None, f"{len(inputs)} inputs ({[v.name for v in inputs]}) and "
+                                f"{len(graph.output)} outputs; a Sequential has one of each")
+    computed = {inputs[0].name}   # the values that depend on the input's data
+    feeds = {}
+    for node in graph.node:
+        data = [name for name in node.input if name in computed]
+        if not data or node.op_type == "Shape":   # Shape reads the size, not the data
+            continue
+        if len(data) > 1:
+            raise reader.fail(node, f"combines {len(data)} computed values {data}: the graph "
+                                    "is not a chain of layers")
+        feeds.setdefault(data[0], []).append(node)
+        computed.update(name for name in node.output if name)
+    chain, value = [], inputs[0].name
+    while value in feeds:
+        if len(feeds[value]) > 1 or value == graph.output[0].name:
+            users = [node.name for node in feeds[value]]
+            raise reader.fail(None, f"value {value!r} feeds {users}"
+                                    + (" and the output" if value == graph.output[0].name
+                                       else "") + ": the graph branches")
+        node = feeds[value][0]
+        if not node.output or not node.output[0]:
+            raise reader.fail(node, "has no output")
+        chain.append(node)
+        extra = [name for name in node.output[1:] if name in feeds
+                 or name == graph.output[0].name]
+        if extra:
+            raise reader.fail(node, f"its outputs {extra} are used too: not a chain")
+        value = node.output[0]
+    if value != graph.output[0].name:
+        raise reader.fail(None, f"the output {graph.output[0].name!r} is not computed from "
+                                f"the input {inputs[0].name!r} by a chain of nodes")
+    return inputs[0], chain
+
+
+def _feature_shape(reader, value):
+    dims = value.type.tensor_type.shape.dim
+    shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+    if len(shape) < 2 or None in shape[1:] or min(shape[1:]) < 1:
+        named = [d.dim_param or d.dim_value for d in dims]
+        raise reader.fail(None, f"input {value.name!r} has shape {named}; the importer needs "
+                                "(batch, fixed features...)")
+    return shape[1:]
+
+
+def _read_proto(onnx, path):
+    with open(path, "rb") as file:   # FileNotFoundError, PermissionError name the path
+        content = file.read()
+    try:
+        proto = onnx.load_model_from_string(content)
+    except Exception as error:   # protobuf's DecodeError and friends: damaged bytes
+        raise ValueError(f"engine.onnx.load: {path!r} is not an ONNX model "
+                         f"({type(error).__name__}: {error})") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ValueError(f"engine.onnx.load: {path!r} is not an ONNX model (no graph)")
+    return proto
+
+
+def _opset(reader, proto):
+    versions = {entry.domain or "ai.onnx": entry.version for entry in proto.opset_import}
+    opset = versions.get("ai.onnx")
+    newest = reader.onnx.defs.onnx_opset_version()
+    if opset is None or not MIN_OPSET <= opset <= newest:
+        raise reader.fail(None, f"operator set {opset}; the importer reads opsets "
+                                f"{MIN_OPSET} to {newest}")
+    return opset
+
+
+def from_onnx(proto, path="<model>"):
+    """The ``nn.Sequential`` that computes what the ONNX ``proto`` computes (``load``)."""
+    reader = _Reader(_onnx(), proto, path)
+    # every step reads values of the file: a failure the checks do not name (an unknown
+    # element type, a missing field of a crafted file) is a damaged file too
+    layers, input_shape, dtype = reader.guarded(None, _layers, reader, proto)
+    return sequential.build(sequential.fuse_activations(layers), input_shape, dtype,
+                            proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
+
+
+def _layers(reader, proto):
+    """The layer descriptions of the chain (``engine.interop.sequential``), the input's
+    feature shape and dtype."""
+    onnx = reader.onnx
+    _opset(reader, proto)
+    graph_input, chain = _chain(reader)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type))
+    if dtype not in FLOAT_TYPES:
+        raise reader.fail(None, f"input {graph_input.name!r} is {dtype}; the engine's models "
+                                "take float32 or float64")
+    shape = reader.shapes[graph_input.name] = _feature_shape(reader, graph_input)
+    layers = []
+    for node in chain:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in IMPORTERS:
+            operator = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+            raise reader.fail(node, f"operator {operator!r} has no engine layer; the importer "
+                                    f"reads {', '.join(sorted(IMPORTERS))}")
+        layer = reader.guarded(node, IMPORTERS[node.op_type], reader, node, layers, shape,
+                               dtype)
+        if layer is not None:
+            try:
+                shape = nn.LAYERS[layer["class_name"]](**layer["config"]).compute_output_shape(
+                    shape)
+            except (TypeError, ValueError) as error:
+                raise reader.fail(node, str(error)) from None
+            layers.append(layer)
+        reader.shapes[node.output[0]] = shape
+    if not layers:
+        raise reader.fail(None, "the graph computes nothing but its input: no layers")
+    return layers, reader.shapes[graph_input.name], dtype
+
+
+def load(path):
+    """The ``nn.Sequential`` that computes what the ONNX file at ``path`` computes, built from
+    a chain of the operators of ``IMPORTERS`` (what ``export`` writes, and what
+    ``torch.onnx.export`` writes for the equivalent torch network), with its weights; in
+    train mode, on the CPU, as a new model is.
+
+    The file is parsed as protobuf and its tensors read as arrays: nothing in it runs. A
+    tensor kept in an external file (torch's exporter writes its weights to ``<path>.data``)
+    is read only from a file in the model's folder, within that file's size. A graph that
+    is not a chain (branches, several inputs), an operator or attribute without an engine
+    equivalent, or damaged bytes are a ``ValueError`` naming the file and the node."""
+    path = os.fspath(path)
+    return from_onnx(_read_proto(_onnx(), path), path)

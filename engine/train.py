@@ -40,7 +40,7 @@ from engine import distributed as dist
 from engine import nn
 from engine import onnx as onnx_export
 from engine.archive import atomic_write, probe_writable
-from engine.callbacks import EarlyStopping
+from engine.callbacks import PROGRESS_EVERY, EarlyStopping, TensorBoard
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
                         read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy
@@ -110,6 +110,9 @@ def build_parser():
     add("--plot", metavar="PATH", help="image of the per-step training loss and per-epoch "
         "accuracy, PNG unless PATH ends in another matplotlib format (needs matplotlib)")
     add("--log-json", metavar="PATH", help="append one JSON object per epoch")
+    add("--tensorboard", metavar="DIR", help="write TensorBoard event files into DIR: the "
+        "epoch metrics, the learning rate and the training loss as often as the progress bar "
+        "reads it (needs tensorboardX: the formats extra)")
     add("--limit", type=int, metavar="N", help="use only the first N samples of each split "
         "(quick checks)")
     add("--threads", type=int, metavar="N", help="threads of the CPU matrix products (BLAS), "
@@ -180,6 +183,21 @@ def check_output(flag, path, appending=False):
         raise BadInput(f"{flag} {path}: cannot be written ({_describe(error)})") from None
 
 
+def check_log_dir(path):
+    """Raise ``BadInput`` unless tensorboardX is installed and ``path`` is a folder that takes
+    new files, or can be made in one."""
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise BadInput("--tensorboard needs the tensorboardX package, an optional extra: "
+                       "pip install 'numba-engine[formats]'")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):   # the nearest folder that exists takes the new ones
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise BadInput(f"--tensorboard {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BadInput(f"--tensorboard {path}: {existing} cannot be written")
+
+
 def check_arguments(args, outputs=True):
     """Every argument check that needs no data; raises ``BadInput`` naming the problem.
     ``outputs=False`` (the ranks of a distributed run other than 0, which write nothing)
@@ -231,6 +249,8 @@ def check_outputs(args):
                        ("--log-json", args.log_json), ("--export-onnx", args.export_onnx)):
         if path:
             check_output(flag, path, appending=flag == "--log-json")
+    if args.tensorboard:
+        check_log_dir(args.tensorboard)
     if args.resume and not args.save:
         try:
             check_output("--resume", args.resume)
@@ -405,7 +425,8 @@ def join_world(args):
 
 # paths that may differ between machines (their contents are compared instead) and the
 # outputs, which only rank 0 writes
-RANK_LOCAL_ARGUMENTS = ("data_dir", "resume", "save", "plot", "log_json", "export_onnx")
+RANK_LOCAL_ARGUMENTS = ("data_dir", "resume", "save", "plot", "log_json", "export_onnx",
+                        "tensorboard")
 
 
 def on_every_rank(step, distributed):
@@ -557,12 +578,16 @@ def train(args, setup, is_root):
                                restore_best_weights=True, verbose=is_root)]
                 if args.early_stopping else [])
     writers = [save] * bool(save_path) + [log] * bool(args.log_json) if is_root else []
+    # the loss every PROGRESS_EVERY steps: the steps the progress bar reads it at anyway
+    boards = ([TensorBoard(args.tensorboard, PROGRESS_EVERY)] if args.tensorboard and is_root
+              else [])
     step_losses = [] if args.plot and is_root else None
     fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
         test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
-        callbacks=stopping, on_epoch_end=writers, progress=is_root and not args.no_progress,
-        verbose=is_root, start_epoch=start_epoch, history=history, step_losses=step_losses,
-        capture=not args.no_capture, distributed=args.distributed)
+        callbacks=stopping + boards, on_epoch_end=writers,
+        progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
+        history=history, step_losses=step_losses, capture=not args.no_capture,
+        distributed=args.distributed)
     if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)

@@ -22,6 +22,11 @@ does, wherever that root lives. And ONE optimizer owns every parameter:
 
 Arrays cross without a copy: ``to_torch`` and ``from_torch`` share memory (``torch.from_numpy``
 or the CUDA Array Interface one way, ``engine.from_dlpack`` the other).
+
+``from_sequential(torch_sequential, input_shape)`` and ``to_sequential(model)`` convert whole
+models instead, weights copied: a ``torch.nn.Sequential`` of the modules in
+``TORCH_MODULES`` becomes the engine ``nn.Sequential`` that computes the same function (in
+train and in eval mode, BatchNorm's running statistics included), and back.
 """
 import contextlib
 
@@ -30,6 +35,8 @@ import torch
 
 from engine import autograd
 from engine.autograd import apply, enable_grad, no_grad
+from engine import nn
+from engine.interop import sequential
 from engine.parameter import FlatBuffer, Parameter
 from engine.tensor import Tensor, from_dlpack
 from ops.device import device_of
@@ -314,3 +321,220 @@ def from_module(module):
     Train it with one engine optimizer over ``wrapped.parameters()`` (and the rest of the
     engine model's)."""
     return TorchModule(module)
+
+
+# ------------------------------------------------------------------ whole models, both ways
+
+def _host(tensor):
+    return tensor.detach().cpu().numpy()
+
+
+def _pair(value):
+    return list(value) if isinstance(value, (tuple, list)) else [value, value]
+
+
+def _refuse(index, module, reason):
+    return ValueError(f"from_sequential: module {index} {module!r}: {reason}")
+
+
+def _from_linear(index, module):
+    weight = _host(module.weight).T   # torch keeps (out, in), the engine (in, out)
+    bias = _host(module.bias) if module.bias is not None else np.zeros(weight.shape[1],
+                                                                        weight.dtype)
+    return sequential.layer("Dense", {"units": module.out_features}, weight=weight, bias=bias)
+
+
+def _from_conv2d(index, module):
+    if module.padding_mode != "zeros":
+        raise _refuse(index, module, f"padding_mode {module.padding_mode!r}; the engine "
+                                     "pads with zeros")
+    padding = module.padding if isinstance(module.padding, str) else _pair(module.padding)
+    config = {"filters": module.out_channels, "kernel_size": _pair(module.kernel_size),
+              "stride": _pair(module.stride), "padding": padding,
+              "dilation": _pair(module.dilation), "groups": module.groups}
+    weights = {"weight": _host(module.weight)}
+    if module.bias is None:
+        config["use_bias"] = False
+    else:
+        weights["bias"] = _host(module.bias)
+    return sequential.layer("Conv2D", config, **weights)
+
+
+def _from_pool(class_name):
+    def convert(index, module):
+        if getattr(module, "ceil_mode", False) or _pair(getattr(module, "dilation", 1)) != [1, 1]:
+            raise _refuse(index, module, f"ceil_mode=True or a dilation has no {class_name} "
+                                         "equivalent")
+        if getattr(module, "return_indices", False):
+            raise _refuse(index, module, "return_indices=True returns two tensors")
+        if class_name == "AvgPool2D" and (not module.count_include_pad
+                                          or module.divisor_override is not None):
+            raise _refuse(index, module, "the engine's average counts the padded zeros "
+                                         "(count_include_pad=True, no divisor_override)")
+        stride = module.kernel_size if module.stride is None else module.stride
+        return sequential.layer(class_name, {"pool_size": _pair(module.kernel_size),
+                                             "stride": _pair(stride),
+                                             "padding": _pair(module.padding)})
+    return convert
+
+
+def _from_batch_norm(index, module):
+    if not module.track_running_stats or module.momentum is None:
+        raise _refuse(index, module, "the engine's BatchNorm keeps running statistics with a "
+                                     "momentum (track_running_stats=True, momentum a number)")
+    channels = module.num_features
+    dtype = _host(module.running_mean).dtype
+    weight = _host(module.weight) if module.affine else np.ones(channels, dtype)
+    bias = _host(module.bias) if module.affine else np.zeros(channels, dtype)
+    return sequential.layer("BatchNorm", {"momentum": module.momentum, "eps": module.eps},
+                            weight=weight, bias=bias, running_mean=_host(module.running_mean),
+                            running_var=_host(module.running_var))
+
+
+def _from_softmax(index, module):
+    if module.dim not in (-1, None):
+        raise _refuse(index, module, "the engine's softmax is over the last axis: give "
+                                     "dim=-1")
+    return sequential.layer("Activation", {"activation": "softmax"})
+
+
+def _from_flatten(index, module):
+    if (module.start_dim, module.end_dim) != (1, -1):
+        raise _refuse(index, module, "the engine's Flatten keeps the batch and flattens the "
+                                     "rest (start_dim=1, end_dim=-1)")
+    return sequential.layer("Flatten", {})
+
+
+def _from_unflatten(index, module):
+    if module.dim not in (1, -1):
+        raise _refuse(index, module, "the engine's Reshape reshapes all the features of "
+                                     "(batch, features) inputs: dim=1")
+    return sequential.layer("Reshape", {"shape": list(module.unflattened_size)})
+
+
+def _activation(name, **config):
+    return lambda index, module: sequential.layer("Activation", {"activation": name, **config})
+
+
+TORCH_MODULES = {
+    "Linear": _from_linear, "Conv2d": _from_conv2d, "MaxPool2d": _from_pool("MaxPool2D"),
+    "AvgPool2d": _from_pool("AvgPool2D"), "BatchNorm1d": _from_batch_norm,
+    "BatchNorm2d": _from_batch_norm, "ReLU": _activation("relu"),
+    "LeakyReLU": lambda index, module: sequential.layer(
+        "Activation", {"activation": "leaky_relu", "alpha": module.negative_slope}),
+    "Sigmoid": _activation("sigmoid"), "Tanh": _activation("tanh"), "Softmax": _from_softmax,
+    "Flatten": _from_flatten, "Unflatten": _from_unflatten,
+    "Dropout": lambda index, module: sequential.layer("Dropout", {"p": module.p}),
+    "Identity": lambda index, module: None}
+
+
+def _modules(module):
+    """The leaf modules of ``module``, nested Sequentials opened."""
+    if isinstance(module, torch.nn.Sequential):
+        return [leaf for child in module for leaf in _modules(child)]
+    return [module]
+
+
+def from_sequential(torch_sequential, input_shape):
+    """The engine ``nn.Sequential`` computing what ``torch_sequential`` computes on inputs of
+    ``input_shape`` (without the batch dimension), weights and BatchNorm statistics copied:
+    ``Linear`` becomes ``Dense`` (the kernel transposed), ``Conv2d`` ``Conv2D``,
+    ``MaxPool2d``/``AvgPool2d`` the engine's pools, ``BatchNorm1d``/``2d`` ``BatchNorm``,
+    the activations ``Activation`` (fused into the Dense or Conv2D before them), ``Flatten``
+    and ``Unflatten`` ``Flatten`` and ``Reshape``, ``Dropout`` ``Dropout``; in the module's
+    float dtype, on the CPU, in the module's train or eval mode (in train mode a Dropout
+    layer draws its masks from the engine's generator, not torch's). A module without an
+    engine layer is a ValueError naming it."""
+    if not isinstance(torch_sequential, torch.nn.Sequential):
+        raise TypeError(f"from_sequential: expected a torch.nn.Sequential, got "
+                        f"{type(torch_sequential).__name__}")
+    dtypes = {p.dtype for p in torch_sequential.parameters()} or {torch.float32}
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float64}:
+        raise TypeError(f"from_sequential: the parameters are {sorted(map(str, dtypes))}; "
+                        "convert the module to one of torch.float32, torch.float64")
+    layers = []
+    for index, module in enumerate(_modules(torch_sequential)):
+        convert = TORCH_MODULES.get(type(module).__name__)
+        if convert is None or type(module).__module__.split(".")[0] != "torch":
+            raise _refuse(index, module, f"{type(module).__name__} has no engine layer; "
+                                         f"converted: {', '.join(TORCH_MODULES)}")
+        layer = convert(index, module)
+        if layer is not None:
+            layers.append(layer)
+    model = sequential.build(sequential.fuse_activations(layers), input_shape,
+                             _NUMPY_DTYPES[dtypes.pop()], "sequential", "from_sequential")
+    return model.train(torch_sequential.training)
+
+
+def _activation_module(name, alpha):
+    if name is None:
+        return []
+    return [{"relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid, "tanh": torch.nn.Tanh,
+             "softmax": lambda: torch.nn.Softmax(dim=-1),
+             "leaky_relu": lambda: torch.nn.LeakyReLU(alpha)}[name]()]
+
+
+def _set(parameter, array):
+    parameter.data = torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _to_modules(layer, input_shape, state, dtype):
+    """The torch modules computing ``layer`` on features of ``input_shape``, in ``dtype``,
+    their parameters and statistics set from ``state`` (the layer's entries)."""
+    t, kind = torch.nn, type(layer).__name__
+    if kind == "Dense":
+        module = t.Linear(input_shape[0], layer.units, dtype=dtype)
+        _set(module.weight, state["weight"].T)
+        _set(module.bias, state["bias"])
+        return [module] + _activation_module(layer.activation, layer.alpha)
+    if kind == "Conv2D":
+        padding = tuple(layer.padding) if isinstance(layer.padding, list) else layer.padding
+        module = t.Conv2d(input_shape[0], layer.filters, layer.kernel_size, layer.stride,
+                          padding, layer.dilation, layer.groups, layer.use_bias, dtype=dtype)
+        for entry in ("weight", "bias") if layer.use_bias else ("weight",):
+            _set(getattr(module, entry), state[entry])
+        return [module] + _activation_module(layer.activation, layer.alpha)
+    if kind in ("MaxPool2D", "AvgPool2D"):
+        pool = t.MaxPool2d if kind == "MaxPool2D" else t.AvgPool2d
+        return [pool(layer.pool_size, layer.stride, layer.padding)]
+    if kind == "BatchNorm":
+        norm = t.BatchNorm2d if len(input_shape) == 3 else t.BatchNorm1d
+        module = norm(input_shape[0], eps=layer.eps, momentum=layer.momentum, dtype=dtype)
+        for entry in ("weight", "bias", "running_mean", "running_var"):
+            _set(getattr(module, entry), state[entry])
+        return [module]
+    if kind == "Activation":
+        return _activation_module(layer.activation, layer.alpha)
+    if kind == "Flatten":
+        return [t.Flatten()]
+    if kind == "Reshape":   # Unflatten splits one axis: the features' when they have one
+        return [t.Flatten()] * (len(input_shape) > 1) + [t.Unflatten(1, layer.output_shape)]
+    if kind == "Dropout":
+        return [t.Dropout(layer.p)]
+    raise ValueError(f"to_sequential: layer '{layer.name}' ({kind}) has no torch module here; "
+                     "converted: Dense, Conv2D, MaxPool2D, AvgPool2D, BatchNorm, Activation, "
+                     "Flatten, Reshape, Dropout")
+
+
+def to_sequential(model):
+    """The ``torch.nn.Sequential`` computing what the engine ``model`` (a built
+    ``nn.Sequential``) computes, with copies of its weights and BatchNorm statistics, in
+    its float dtype, on the CPU, in its train or eval mode (``from_sequential``'s
+    correspondence, the other way). A layer without a torch module is a ValueError naming
+    it."""
+    if not isinstance(model, nn.Sequential) or not model.built:
+        raise TypeError("to_sequential: expected a built engine nn.Sequential (give its "
+                        f"first layer input_shape=...), got {model!r:.80}")
+    dtypes = {p.dtype for p in model.parameters()} or {np.dtype(np.float32)}
+    if len(dtypes) > 1:
+        raise TypeError(f"to_sequential: the parameters mix {sorted(map(str, dtypes))}; "
+                        "convert the model with model.to(dtype)")
+    dtype = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}[dtypes.pop()]
+    state = model.state_dict()
+    modules, shape = [], model.input_shape
+    for layer in model.layers:
+        own = {name[len(layer.name) + 1:]: value for name, value in state.items()
+               if name.startswith(layer.name + ".")}
+        modules += _to_modules(layer, shape, own, dtype)
+        shape = layer.output_shape
+    return torch.nn.Sequential(*modules).train(model.training)
