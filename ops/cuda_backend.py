@@ -89,6 +89,16 @@ def device_reshape(array, shape):
     return _device_array(layout, array.dtype, array.gpu_data, array.stream)
 
 
+def device_arrays_overlap(a, b):
+    """True when the C-contiguous device arrays ``a`` and ``b`` share bytes."""
+    if not a.size or not b.size:
+        return False
+    if SIMULATOR:   # its device arrays wrap host arrays
+        return np.may_share_memory(a._ary, b._ary)
+    start_a, start_b = a.device_ctypes_pointer.value, b.device_ctypes_pointer.value
+    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
+
+
 @functools.lru_cache(maxsize=4096)
 def _c_layout(shape, itemsize):
     """``(shape, strides, size, dummy)`` of a C-contiguous array: the descriptor Numba's
