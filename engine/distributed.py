@@ -139,6 +139,16 @@ def init(device="cpu", require_mpi=False):
         _attach_nccl(_world)
 
 
+def is_initialized():
+    """Whether ``init()`` has run (torch.distributed's name)."""
+    return _world is not None
+
+
+def several_ranks():
+    """True in a world of more than one rank (False before ``init()``)."""
+    return _world is not None and _world.size > 1
+
+
 def rank():
     """This process's rank, 0 .. world_size() - 1."""
     return _require_world("rank").rank

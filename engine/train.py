@@ -40,7 +40,7 @@ from engine import distributed as dist
 from engine import nn
 from engine import onnx as onnx_export
 from engine.archive import atomic_write, probe_writable
-from engine.callbacks import EarlyStopping
+from engine.callbacks import EarlyStopping, TerminateOnNaN
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
                         read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy
@@ -66,6 +66,15 @@ class BadInput(Exception):
 
 class OutputFailure(Exception):
     """A write that failed during or after training; reported as one line, exit status 1."""
+
+
+class Diverged(Exception):
+    """The training loss turned non-finite (``TerminateOnNaN`` stopped training); reported
+    as one line, exit status 1, on every rank alike (``shown`` on rank 0)."""
+
+    def __init__(self, message, shown=True):
+        super().__init__(message)
+        self.shown = shown
 
 
 class _Parser(argparse.ArgumentParser):
@@ -558,11 +567,20 @@ def train(args, setup, is_root):
                 if args.early_stopping else [])
     writers = [save] * bool(save_path) + [log] * bool(args.log_json) if is_root else []
     step_losses = [] if args.plot and is_root else None
+    # every step's loss is checked: the epoch of a non-finite one is never saved
+    terminate = TerminateOnNaN(verbose=False)
     fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
         test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
-        callbacks=stopping, on_epoch_end=writers, progress=is_root and not args.no_progress,
-        verbose=is_root, start_epoch=start_epoch, history=history, step_losses=step_losses,
-        capture=not args.no_capture, distributed=args.distributed)
+        callbacks=[terminate] + stopping, on_epoch_end=writers,
+        progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
+        history=history, step_losses=step_losses, capture=not args.no_capture,
+        distributed=args.distributed)
+    if terminate.stopped_epoch is not None:
+        loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
+                else "another rank's training loss is non-finite")
+        raise Diverged(f"{loss} at epoch {terminate.stopped_epoch}, step "
+                       f"{terminate.stopped_step}: training stopped there (a lower --lr or "
+                       f"--clip-norm may help); {intact()}", shown=is_root)
     if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)
@@ -641,6 +659,9 @@ def main(argv=None):
     except OutputFailure as error:   # rank 0 alone writes: end the others too
         _report(error)
         dist.abort(1)
+    except Diverged as error:   # every rank stopped at the same step
+        _report(error)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         sys.exit(130)
