@@ -662,6 +662,10 @@ def main(argv=None):
     except Diverged as error:   # every rank stopped at the same step
         _report(error)
         sys.exit(1)
+    except engine.OutOfMemoryError as error:   # this rank alone may have failed: end them all
+        rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""
+        print(f"{rank}{PROG}: error: {error} (--batch-size)", file=sys.stderr, flush=True)
+        dist.abort(1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         sys.exit(130)

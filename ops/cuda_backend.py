@@ -204,6 +204,7 @@ if not SIMULATOR:
     MemoryManagerBase = cuda.cudadrv.driver.NumbaCUDAMemoryManager
     MemoryPointer = cuda.cudadrv.driver.MemoryPointer
     CudaAPIError = cuda.cudadrv.driver.CudaAPIError
+    OUT_OF_MEMORY = cuda.cudadrv.driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 
 
 # ------------------------------------------------------------------ launching
