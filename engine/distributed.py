@@ -36,9 +36,14 @@ rank 0, which alone prints and saves, reports the whole world's.
   abort every rank (``MPI_Abort``, as ``python -m mpi4py`` does), and ``abort(code)`` is the
   way for a program that handles its errors itself to end a run.
 """
+import fcntl
 import importlib.util
 import os
+import stat
+import struct
 import sys
+import termios
+import time
 import zlib
 
 import numpy as np
@@ -48,6 +53,7 @@ from ops.device import check_device, device_of, to_host
 from ops.launch import note_unrecordable
 
 CHECK_REPLICAS_VARIABLE = "ENGINE_CHECK_REPLICAS"
+ABORT_DRAIN_S = 10.0   # the longest an abort waits for mpiexec to read this rank's output
 # set by the process managers that start MPI ranks: MPICH's hydra, PMIx, Open MPI
 LAUNCHER_VARIABLES = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 INSTALL_HINT = "pip install -e '.[distributed]'"
@@ -161,12 +167,42 @@ def world_size():
 
 def abort(code=1):
     """End this process with exit status ``code``; in a world of several ranks end every
-    rank (``MPI_Abort``), so none is left waiting in a collective for this one."""
+    rank (``MPI_Abort``), so none is left waiting in a collective for this one.
+
+    What this rank printed last (the line saying why) must reach the user before the abort
+    ends the run. mpiexec's proxy reads a rank's stdout and stderr from pipes and forwards
+    them upstream on the same connection as the rank's abort request, so once the proxy has
+    read the pipes, the lines arrive before the abort; a proxy that has not read them yet
+    when the abort arrives may lose them (a CI run under load once got an empty stderr).
+    So this waits, up to ``ABORT_DRAIN_S``, until both pipes are read empty: an event it
+    observes, not a sleep of a guessed length."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _world is not None and _world.size > 1:
+        for stream in (sys.stdout, sys.stderr):
+            wait_until_read(stream, ABORT_DRAIN_S)
         _world.mpi.Abort(code)
     sys.exit(code)
+
+
+def wait_until_read(stream, limit_s):
+    """Return once the reader of ``stream``'s pipe has read everything written to it, or
+    after ``limit_s`` seconds (a reader that stopped reading); at once for a file or a
+    terminal."""
+    try:
+        descriptor = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(descriptor).st_mode):
+            return
+    except (AttributeError, OSError, ValueError):   # no descriptor (a replaced stream)
+        return
+    deadline = time.monotonic() + limit_s
+    while _unread_bytes(descriptor) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _unread_bytes(descriptor):
+    """Bytes written into the pipe ``descriptor`` (either end) that no reader has read."""
+    return struct.unpack("i", fcntl.ioctl(descriptor, termios.FIONREAD, b"\0" * 4))[0]
 
 
 # ------------------------------------------------------------------ the model

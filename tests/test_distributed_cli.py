@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -183,6 +184,28 @@ def test_a_write_failing_on_rank_0_ends_every_rank(tmp_path):
     assert lines[0].startswith("engine-train: error: --log-json /dev/full: cannot append the "
                                "record of epoch 1 (No space left on device)"), err
     assert "Traceback" not in err and "epoch 2/3" not in out
+
+
+def test_an_abort_waits_until_its_last_lines_were_read():
+    """The flaky run above: rank 0's line was lost when mpiexec handled the abort before it
+    had read rank 0's stderr. abort now returns to MPI_Abort only once its pipes are read."""
+    read_end, write_end = os.pipe()
+    line = b"engine-train: error: the line that must arrive\n"
+    os.write(write_end, line)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(os.read(read_end, 4096)))
+    with os.fdopen(write_end, "wb", closefd=False) as stream:
+        assert dist._unread_bytes(write_end) == len(line)
+        reader.start()
+        dist.wait_until_read(stream, limit_s=60)
+        assert dist._unread_bytes(write_end) == 0   # returned because the line was read
+        reader.join()
+        assert received == [line]
+        os.write(write_end, b"nobody reads this")
+        dist.wait_until_read(stream, limit_s=0.01)   # a reader that stopped: bounded
+        assert dist._unread_bytes(write_end) == len(b"nobody reads this")
+    os.close(read_end)
+    os.close(write_end)
 
 
 def test_distributed_without_mpi4py_is_one_line(monkeypatch, capsys):
