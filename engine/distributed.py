@@ -233,6 +233,16 @@ def all_reduce_gradients(model):
         world.average(buffer.grad)
 
 
+def average_across_ranks(array):
+    """Replace ``array`` (host or device) by its mean over the ranks, in place: MPI on the
+    host, NCCL on the GPU (on the engine's stream). Every rank must call it alike, in the
+    same order: BatchNorm's batch statistics in training (``nn.BatchNorm(sync=True)``)."""
+    world = _require_world("average_across_ranks")
+    if world.size > 1:
+        note_unrecordable("an all-reduce (engine.distributed) runs no kernel of the engine")
+    world.average(array)
+
+
 def check_replicas(model):
     """Raise ``RankMismatch`` unless every rank's flat parameter buffers are bit for bit
     rank 0's (compared by a CRC-32 of each buffer)."""
