@@ -101,7 +101,7 @@ class Node:
         self.op, self.inputs, self.nbytes, self.tape = op, inputs, nbytes, tape
         self.seq = next(_sequence)
         self.touched = tape.backwards
-        self.versions = ()
+        self.versions = []
 
 
 class Tape:
@@ -346,10 +346,14 @@ def apply(op_class, *inputs, **params):
         result._share_version(inputs[0])
     if record:
         node = result._node = _state.tape.record(op, inputs, out)
-        node.versions = tuple(
-            (x._version_counter, x._version_counter.value, position)
-            for position, x in enumerate(inputs) if isinstance(x, Value)) + (
-            (result._version_counter, result._version_counter.value, OUTPUT),)
+        versions = []
+        for position, x in enumerate(inputs):
+            if isinstance(x, Value):
+                counter = x._version_counter
+                versions.append((counter, counter.value, position))
+        counter = result._version_counter
+        versions.append((counter, counter.value, OUTPUT))
+        node.versions = versions
     return result
 
 

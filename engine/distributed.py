@@ -140,7 +140,7 @@ def init(device="cpu", require_mpi=False):
     if _world is None:
         _world = _World(_mpi_module(require_mpi))
         if _world.size > 1:
-            _abort_on_uncaught_exception(_world)
+            _abort_on_uncaught_exception()
     if device == "cuda" and _world.nccl is None:
         _attach_nccl(_world)
 
@@ -312,13 +312,12 @@ def _replica_interval():
     return int(text)
 
 
-def _abort_on_uncaught_exception(world):
+def _abort_on_uncaught_exception():
     report = sys.excepthook
 
     def report_and_abort(kind, value, traceback):
         report(kind, value, traceback)
-        sys.stderr.flush()
-        world.mpi.Abort(1)
+        abort(1)   # the traceback reaches the user first (see abort)
 
     sys.excepthook = report_and_abort
 
