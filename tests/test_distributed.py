@@ -350,6 +350,22 @@ def test_two_cpu_ranks_train_a_cnn_with_batch_norm_as_one_process(tmp_path):
 
 
 @needs_mpi
+def test_terminate_on_nan_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 1 alone sees the first NaN loss (its weights poisoned as epoch 2 begins): the
+    ranks agree at the check, so rank 0 stops at that step too instead of waiting in the
+    next all-reduce."""
+    status, output = _run_ranks("terminate-on-nan", tmp_path)
+    assert status == 0, output
+    stops = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(RANKS)]
+    assert stops[0][0] == stops[1][0] == "2 0 1", stops   # epoch 2, step 0; 1 epoch recorded
+    assert stops[0][1] == ("terminate on NaN: another rank's training loss is non-finite at "
+                           "epoch 2, step 0; training stopped, that epoch is not recorded and "
+                           "no checkpoint of it is written")
+    assert stops[1][1].startswith("terminate on NaN: the training loss is nan on rank 1 at "
+                                  "epoch 2, step 0;")
+
+
+@needs_mpi
 def test_diverged_replicas_are_caught_naming_the_rank(tmp_path):
     status, output = _run_ranks("diverge", tmp_path, replica_interval=3)
     assert status == 0, output
@@ -442,6 +458,33 @@ def _rank_trains_a_cnn(out):
         np.savez(out / name, **_train_cnn(model, loader))
 
 
+def _rank_meets_a_nan_loss(out):
+    import contextlib
+    import io
+    from engine import callbacks
+    from engine.fit import fit
+
+    class PoisonRank1(callbacks.Callback):
+        def on_epoch_begin(self, logs):
+            if logs["epoch"] == 2 and dist.rank() == 1:
+                self.run.model.parameters()[0].detach()[0, 0] = np.nan
+
+    dist.init()
+    x, y = _indexed_set()
+    model = dist.broadcast_model(_model())
+    loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
+                             shard=(dist.rank(), dist.world_size()))
+    terminate = callbacks.TerminateOnNaN()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = fit(model, loader, optim.SGD(model.parameters(), lr=0.1), cross_entropy, 3,
+                      callbacks=[PoisonRank1(), terminate], progress=False, verbose=False,
+                      distributed=True)
+    (out / f"rank{dist.rank()}.txt").write_text(
+        f"{terminate.stopped_epoch} {terminate.stopped_step} {len(history)}\n"
+        + printed.getvalue())
+
+
 def _report_mismatch(out, step):
     """Run ``step``; write the RankMismatch it must raise to ``rank{r}.txt``."""
     try:
@@ -491,6 +534,7 @@ def _rank_dies(out):
 SCENARIOS = {"train-cpu": lambda out: _rank_trains("cpu", out),
              "train-cuda": lambda out: _rank_trains("cuda", out),
              "train-cnn-cpu": _rank_trains_a_cnn,
+             "terminate-on-nan": _rank_meets_a_nan_loss,
              "diverge": _rank_diverges, "mismatch": _rank_builds_its_own_model,
              "die": _rank_dies}
 

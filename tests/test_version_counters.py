@@ -126,3 +126,21 @@ def test_optimizer_steps_and_writes_between_steps_stay_allowed():
         optimizer.step()   # updates the parameters in place, through their flat buffer
         model.parameters()[0].detach()[0, 0] = 0.5   # between steps: no graph saved it
     assert model.parameters()[0].numpy()[0, 0] == 0.5
+
+
+@pytest.mark.cuda
+def test_device_arrays_share_memory_by_their_bytes():
+    """What the backward asks of an op's kept arrays on the GPU (simulator: host arrays
+    underneath)."""
+    from ops.memory import empty, shares_memory
+    a, b = empty((10,), np.float32, "cuda"), empty((10,), np.float32, "cuda")
+    assert shares_memory(a, a) and shares_memory(a, a[2:5]) and shares_memory(a[2:5], a[4:8])
+    assert not shares_memory(a[0:2], a[2:4]) and not shares_memory(a, b)
+    assert not shares_memory(a, np.zeros(10, np.float32))
+
+
+def test_host_arrays_share_memory_by_their_bytes():
+    from ops.memory import shares_memory
+    a = np.zeros(10)
+    assert shares_memory(a, a[2:5].reshape(3, 1)) and not shares_memory(a[:2], a[2:])
+    assert not shares_memory(a, np.zeros(10))
