@@ -437,10 +437,10 @@ def _refuse_if_saved(node, output, position, version, now):
         f"by an inplace operation: {role} of {op.name} (input shapes {shapes}), a "
         f"{np.dtype(tensor.data.dtype)} tensor of shape {tuple(tensor.data.shape)}, is at "
         f"version {now}; expected version {version} instead ({op.name} saved it for its "
-        "backward, and an indexing assignment into it or into a view of it, or through "
-        "detach(), changed it since). Nothing was computed; make the write before the "
-        "forward, or write into a copy (engine.tensor(x)) or build the new values with "
-        "engine.where or engine.cat")
+        "backward, and an in-place write changed it since: an indexing assignment into it "
+        "or a view of it, through detach(), or load_state_dict). Nothing was computed; make "
+        "the write before the forward, or write into a copy (engine.tensor(x)) or build the "
+        "new values with engine.where or engine.cat")
 
 
 def _kept_arrays(op):

@@ -847,6 +847,7 @@ class Sequential:
         self._flat.load(values)   # reads the parameters' values, not the buffers'
         for _, buffer in buffers:
             copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
+            buffer._bump_version()   # written in place, as the parameters
 
     def get_config(self):
         return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,

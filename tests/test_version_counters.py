@@ -144,3 +144,15 @@ def test_host_arrays_share_memory_by_their_bytes():
     a = np.zeros(10)
     assert shares_memory(a, a[2:5].reshape(3, 1)) and not shares_memory(a[:2], a[2:])
     assert not shares_memory(a, np.zeros(10))
+
+
+def test_loading_weights_after_the_forward_raises_as_in_torch():
+    model = nn.Sequential([nn.Dense(3, input_shape=(4,), dtype=np.float64), nn.BatchNorm(
+        dtype=np.float64)])
+    x = engine.tensor(np.linspace(-1, 1, 20).reshape(5, 4))
+    loss = model(x).sum()
+    model.load_state_dict(model.state_dict())   # the same values, written in place
+    with pytest.raises(RuntimeError, match=INPLACE + r".*input 3 of batch_norm .*, or "
+                                           r"load_state_dict\)"):
+        loss.backward()   # the last op first: BatchNorm's weight
+    model(x).sum().backward()   # a graph built after the load is fine
