@@ -362,7 +362,8 @@ class BatchNorm(Op):
 #   and the running statistics take them with the global count R·n for the unbiased variance;
 # backward: the BATCH_NORM_BACKWARD kernel gives the local Σ dy and Σ dy·x̂ (the weight's and
 #   bias's gradients, which the gradient all-reduce then averages), their means are averaged
-#   over the ranks, and dx = w·invstd·(dy - mean(dy) - x̂·mean(dy·x̂)) with those global means.
+#   over the ranks, and dx = w·invstd·(dy - mean(dy) - x̂·mean(dy·x̂)) with those global
+#   means.
 # A rank's dx is then the gradient of the sum of all ranks' losses, which the gradient
 # all-reduce's mean turns into the gradient of the global batch's loss: the one-process
 # result (tests/test_distributed.py compares them).

@@ -450,7 +450,8 @@ def _rank_trains_a_cnn(out):
     """The data-parallel CNN loop, with synchronised BatchNorm and (as a control) without."""
     dist.init()
     x, y = _image_set()
-    for sync, name in ((True, f"rank{dist.rank()}.npz"), (False, f"rank{dist.rank()}-unsynced.npz")):
+    for sync, name in ((True, f"rank{dist.rank()}.npz"),
+                       (False, f"rank{dist.rank()}-unsynced.npz")):
         engine.manual_seed(RANK_SEED + dist.rank())
         model = dist.broadcast_model(_cnn(sync))
         loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
