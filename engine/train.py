@@ -7,8 +7,8 @@ and exports the model as ONNX. Bad input
 exits with status 2 and one line on stderr, never a traceback; a write that fails during
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
 which checkpoint is intact; so does a training loss that turns NaN or infinite
-(``callbacks.TerminateOnNaN`` checks every step: that epoch is never saved) and a GPU out
-of memory (``engine.OutOfMemoryError``).
+(``callbacks.TerminateOnNaN`` checks every step: that epoch is never saved). A GPU out of
+memory (``engine.OutOfMemoryError``) is one line and status 1 too.
 
 ``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
 (``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
