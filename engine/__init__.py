@@ -114,6 +114,7 @@ from engine.step_capture import capture  # noqa: F401, E402
 from engine.tensor import (Tensor, from_dlpack, full, ones, randn, tensor,  # noqa: F401, E402
                            zeros)
 from ops.device import cuda_available  # noqa: F401, E402
+from ops.out_of_memory import OutOfMemoryError  # noqa: F401, E402
 
 _apply_default_blas_threads()
 

@@ -14,7 +14,21 @@ The rules of a backward:
 - it accumulates into the ``.grad`` of the leaves that require grad;
 - without ``retain_graph=True`` it releases every node it walked: their saved values and
   inputs are freed, and a later backward that reaches one raises before touching any
-  gradient, naming ``retain_graph=True`` as the remedy (never a silent partial gradient).
+  gradient, naming ``retain_graph=True`` as the remedy (never a silent partial gradient);
+- a value an op saved for its backward and that was written in place since (see version
+  counters below) makes the backward raise torch's error before any gradient is touched:
+  nothing is ever computed from a changed value.
+
+Version counters, as torch's: the storage a tensor shares with its views (``x[2:5]``,
+``x.view(...)``, ``x.detach()``) carries one ``VersionCounter``, which every in-place write
+through any of them bumps. A node remembers the versions of its inputs and its output when
+it was recorded; a backward compares them (one int compare each). Only when one differs does
+it look at what the op saved (the arrays on the op instance): a changed input that the op
+did not keep (an add's operands) is no error, as in torch. Kernels writing into buffers they
+own (optimizer updates of the flat parameter buffer, BatchNorm's running statistics, a
+loader's batch buffer) are not in-place writes of a tensor and bump nothing: no recorded
+graph saves a parameter across an optimizer step, as in torch, where ``optimizer.step()``
+runs on leaves whose graph the backward consumed.
 
 What autograd needs of a tensor is ``Value``, a base class; ``engine.tensor.Tensor`` is its
 one user-facing subclass. Autograd knows nothing else of it, so ``engine.tensor`` and
@@ -36,10 +50,11 @@ import weakref
 import numpy as np
 
 from ops.check import count_nonfinite
+from ops.cuda_backend import is_device_array
 from ops.device import device_of, to_device
 from ops.elementwise import add_arrays
 from ops.fill import fill
-from ops.memory import empty
+from ops.memory import empty, shares_memory
 from ops.registry import FLOAT_DTYPES
 
 # A training step's graph is consumed by the backward of that step (the reference MLP's step
@@ -63,16 +78,30 @@ class AnomalyError(FloatingPointError):
     """A NaN or Inf appeared while ``engine.detect_anomaly()`` was active."""
 
 
+class VersionCounter:
+    """The number of in-place writes into one storage, shared by a tensor and its views."""
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+
+OUTPUT = -1   # the position of a node's output among the versions it remembers
+
+
 class Node:
     """One recorded op: ``op`` (None once released), its ``inputs``, ``seq`` (the recording
     order), the ``tape`` it is registered on, that tape's ``backwards`` count when it was
-    recorded or a backward last reached it (``touched``), and its output's ``nbytes``."""
-    __slots__ = ("op", "inputs", "seq", "tape", "touched", "nbytes", "__weakref__")
+    recorded or a backward last reached it (``touched``), its output's ``nbytes``, and
+    ``versions``: ``(counter, version seen, position)`` of each tensor input and of the
+    output (position ``OUTPUT``) when the op ran."""
+    __slots__ = ("op", "inputs", "seq", "tape", "touched", "nbytes", "versions", "__weakref__")
 
     def __init__(self, op, inputs, nbytes, tape):
         self.op, self.inputs, self.nbytes, self.tape = op, inputs, nbytes, tape
         self.seq = next(_sequence)
         self.touched = tape.backwards
+        self.versions = []
 
 
 class Tape:
@@ -215,7 +244,22 @@ class Value:
     def __init__(self, requires_grad=False):
         self._node = None
         self._grad = None
+        self._version_counter = VersionCounter()
         self.requires_grad = requires_grad
+
+    @property
+    def _version(self):
+        """How many in-place writes this tensor's storage has had (torch's ``t._version``)."""
+        return self._version_counter.value
+
+    def _bump_version(self):
+        """Record an in-place write into this tensor's storage (every view of it sees it)."""
+        self._version_counter.value += 1
+
+    def _share_version(self, base):
+        """Make this tensor, a view of ``base``'s storage, count ``base``'s writes."""
+        self._version_counter = base._version_counter
+        return self
 
     @property
     def requires_grad(self):
@@ -298,8 +342,18 @@ def apply(op_class, *inputs, **params):
     if _state.anomaly:
         _check_finite(out, op, "forward", arrays)
     result = maker._wrap(out, requires_grad=record)
+    if op.is_view:   # the same memory as the input: one storage, one version counter
+        result._share_version(inputs[0])
     if record:
-        result._node = _state.tape.record(op, inputs, out)
+        node = result._node = _state.tape.record(op, inputs, out)
+        versions = []
+        for position, x in enumerate(inputs):
+            if isinstance(x, Value):
+                counter = x._version_counter
+                versions.append((counter, counter.value, position))
+        counter = result._version_counter
+        versions.append((counter, counter.value, OUTPUT))
+        node.versions = versions
     return result
 
 
@@ -348,21 +402,53 @@ _SECOND_BACKWARD = (
 
 
 def _graph(root):
-    """Every node ``root`` reaches through inputs that need grad, latest first; raises before
-    any gradient is touched when one of them was released."""
-    seen = {root}
-    stack = [root]
+    """Every node ``root`` (a tensor) reaches through inputs that need grad, latest first;
+    raises before any gradient is touched when one of them was released or saved a value
+    written in place since."""
+    seen = {root._node}
+    stack = [(root._node, root)]
     while stack:
-        node = stack.pop()
+        node, output = stack.pop()
         if node.op is None:
             raise RuntimeError(_SECOND_BACKWARD.format(
-                where="" if node is root else " (part of this graph was consumed by it)"))
+                where="" if output is root else " (part of this graph was consumed by it)"))
+        for counter, version, position in node.versions:
+            if counter.value != version:
+                _refuse_if_saved(node, output, position, version, counter.value)
         for x, needed in zip(node.inputs, node.op.needs_input_grad):
             parent = x._node if needed else None
             if parent is not None and parent not in seen:
                 seen.add(parent)
-                stack.append(parent)
+                stack.append((parent, x))
     return sorted(seen, key=_by_sequence, reverse=True)
+
+
+def _refuse_if_saved(node, output, position, version, now):
+    """Raise torch's in-place error when ``node``'s op kept (on itself) memory of the tensor
+    at ``position`` (its output for ``OUTPUT``), written in place since version ``version``."""
+    tensor = output if position == OUTPUT else node.inputs[position]
+    op = node.op
+    if not any(shares_memory(kept, tensor.data) for kept in _kept_arrays(op)):
+        return   # the op's backward never reads it (an add's operand, a reshape's input)
+    role = "the output" if position == OUTPUT else f"input {position}"
+    shapes = ", ".join(str(tuple(x.shape)) for x in node.inputs if hasattr(x, "shape"))
+    raise RuntimeError(
+        f"backward: one of the variables needed for gradient computation has been modified "
+        f"by an inplace operation: {role} of {op.name} (input shapes {shapes}), a "
+        f"{np.dtype(tensor.data.dtype)} tensor of shape {tuple(tensor.data.shape)}, is at "
+        f"version {now}; expected version {version} instead ({op.name} saved it for its "
+        "backward, and an in-place write changed it since: an indexing assignment into it "
+        "or a view of it, through detach(), or load_state_dict). Nothing was computed; make "
+        "the write before the forward, or write into a copy (engine.tensor(x)) or build the "
+        "new values with engine.where or engine.cat")
+
+
+def _kept_arrays(op):
+    """The arrays an op instance holds for its backward (attributes, and inside tuples)."""
+    for value in vars(op).values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, np.ndarray) or is_device_array(item):
+                yield item
 
 
 def backward(root, grad=None, retain_graph=False):
@@ -374,7 +460,7 @@ def backward(root, grad=None, retain_graph=False):
     if root._node is None:   # a leaf: d root / d root
         root._accumulate_grad(root_grad)
         return
-    nodes = _graph(root._node)
+    nodes = _graph(root)
     anomaly = _state.anomaly
     grads = {root._node: root_grad}
     for node in nodes:

@@ -39,6 +39,7 @@ import os
 
 from tqdm import tqdm
 
+from engine import distributed as dist
 from engine.archive import probe_writable
 
 PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
@@ -221,6 +222,51 @@ class ModelCheckpoint(Callback):
         self.saved_epoch = logs["epoch"]
         if self.verbose:
             print(f"checkpoint of epoch {logs['epoch']} written to {self.path}", flush=True)
+
+
+class TerminateOnNaN(Callback):
+    """Stop training at the first non-finite (NaN or infinite) training loss, as Keras's
+    callback: the step's epoch ends there, unrecorded, so no later callback sees it (a
+    ``ModelCheckpoint`` keeps the file of the last finished epoch) and ``fit`` returns the
+    records of the finished epochs. One line names the epoch, the step and the loss.
+
+    Each check reads the step's loss, a host sync; ``step_interval=n`` reads every n-th
+    step's (on the GPU, n steps then replay as one graph launch): a loss that turned
+    non-finite is then seen up to n - 1 steps later, which the line says. Over several
+    ranks every check agrees across them (one all-reduce of a flag), so all stop at the same
+    step. ``stopped_epoch``, ``stopped_step`` and ``loss`` say where it stopped (None when it
+    did not)."""
+
+    def __init__(self, step_interval=1, verbose=True):
+        if not isinstance(step_interval, int) or isinstance(step_interval, bool) or \
+                step_interval < 1:
+            raise ValueError(f"TerminateOnNaN: step_interval must be an integer >= 1, got "
+                             f"{step_interval!r}")
+        self.step_interval, self.verbose = step_interval, verbose
+        self.stopped_epoch = self.stopped_step = self.loss = None
+
+    def on_train_begin(self, logs):
+        self.stopped_epoch = self.stopped_step = self.loss = None
+
+    def on_step_end(self, logs):
+        loss = float(logs["loss"].item())
+        bad = not math.isfinite(loss)
+        if dist.several_ranks():   # a rank stopping alone would leave the others waiting
+            bad = dist.mean_over_ranks([float(bad)])[0] > 0
+        if not bad:
+            return
+        self.stopped_epoch, self.stopped_step, self.loss = logs["epoch"], logs["step"], loss
+        self.run.stop_training = True
+        if self.verbose:
+            seen = "" if logs.get("steps_run", 1) == 1 else \
+                f" (the last of {logs['steps_run']} steps run since the previous check)"
+            what = f"the training loss is {loss}"
+            if dist.several_ranks():
+                what = (f"{what} on rank {dist.rank()}" if not math.isfinite(loss) else
+                        f"another rank's training loss is non-finite")
+            print(f"terminate on NaN: {what} at epoch "
+                  f"{logs['epoch']}, step {logs['step']}{seen}; training stopped, that epoch "
+                  "is not recorded and no checkpoint of it is written", flush=True)
 
 
 class LearningRateScheduler(Callback):

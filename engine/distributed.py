@@ -36,9 +36,14 @@ rank 0, which alone prints and saves, reports the whole world's.
   abort every rank (``MPI_Abort``, as ``python -m mpi4py`` does), and ``abort(code)`` is the
   way for a program that handles its errors itself to end a run.
 """
+import fcntl
 import importlib.util
 import os
+import stat
+import struct
 import sys
+import termios
+import time
 import zlib
 
 import numpy as np
@@ -48,6 +53,7 @@ from ops.device import check_device, device_of, to_host
 from ops.launch import note_unrecordable
 
 CHECK_REPLICAS_VARIABLE = "ENGINE_CHECK_REPLICAS"
+ABORT_DRAIN_S = 10.0   # the longest an abort waits for mpiexec to read this rank's output
 # set by the process managers that start MPI ranks: MPICH's hydra, PMIx, Open MPI
 LAUNCHER_VARIABLES = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 INSTALL_HINT = "pip install -e '.[distributed]'"
@@ -134,9 +140,19 @@ def init(device="cpu", require_mpi=False):
     if _world is None:
         _world = _World(_mpi_module(require_mpi))
         if _world.size > 1:
-            _abort_on_uncaught_exception(_world)
+            _abort_on_uncaught_exception()
     if device == "cuda" and _world.nccl is None:
         _attach_nccl(_world)
+
+
+def is_initialized():
+    """Whether ``init()`` has run (torch.distributed's name)."""
+    return _world is not None
+
+
+def several_ranks():
+    """True in a world of more than one rank (False before ``init()``)."""
+    return _world is not None and _world.size > 1
 
 
 def rank():
@@ -151,12 +167,42 @@ def world_size():
 
 def abort(code=1):
     """End this process with exit status ``code``; in a world of several ranks end every
-    rank (``MPI_Abort``), so none is left waiting in a collective for this one."""
+    rank (``MPI_Abort``), so none is left waiting in a collective for this one.
+
+    What this rank printed last (the line saying why) must reach the user before the abort
+    ends the run. mpiexec's proxy reads a rank's stdout and stderr from pipes and forwards
+    them upstream on the same connection as the rank's abort request, so once the proxy has
+    read the pipes, the lines arrive before the abort; a proxy that has not read them yet
+    when the abort arrives may lose them (a CI run under load once got an empty stderr).
+    So this waits, up to ``ABORT_DRAIN_S``, until both pipes are read empty: an event it
+    observes, not a sleep of a guessed length."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _world is not None and _world.size > 1:
+        for stream in (sys.stdout, sys.stderr):
+            wait_until_read(stream, ABORT_DRAIN_S)
         _world.mpi.Abort(code)
     sys.exit(code)
+
+
+def wait_until_read(stream, limit_s):
+    """Return once the reader of ``stream``'s pipe has read everything written to it, or
+    after ``limit_s`` seconds (a reader that stopped reading); at once for a file or a
+    terminal."""
+    try:
+        descriptor = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(descriptor).st_mode):
+            return
+    except (AttributeError, OSError, ValueError):   # no descriptor (a replaced stream)
+        return
+    deadline = time.monotonic() + limit_s
+    while _unread_bytes(descriptor) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _unread_bytes(descriptor):
+    """Bytes written into the pipe ``descriptor`` (either end) that no reader has read."""
+    return struct.unpack("i", fcntl.ioctl(descriptor, termios.FIONREAD, b"\0" * 4))[0]
 
 
 # ------------------------------------------------------------------ the model
@@ -185,6 +231,16 @@ def all_reduce_gradients(model):
     world.steps += 1
     for buffer in model.flat_buffers():
         world.average(buffer.grad)
+
+
+def average_across_ranks(array):
+    """Replace ``array`` (host or device) by its mean over the ranks, in place: MPI on the
+    host, NCCL on the GPU (on the engine's stream). Every rank must call it alike, in the
+    same order: BatchNorm's batch statistics in training (``nn.BatchNorm(sync=True)``)."""
+    world = _require_world("average_across_ranks")
+    if world.size > 1:
+        note_unrecordable("an all-reduce (engine.distributed) runs no kernel of the engine")
+    world.average(array)
 
 
 def check_replicas(model):
@@ -256,13 +312,12 @@ def _replica_interval():
     return int(text)
 
 
-def _abort_on_uncaught_exception(world):
+def _abort_on_uncaught_exception():
     report = sys.excepthook
 
     def report_and_abort(kind, value, traceback):
         report(kind, value, traceback)
-        sys.stderr.flush()
-        world.mpi.Abort(1)
+        abort(1)   # the traceback reaches the user first (see abort)
 
     sys.excepthook = report_and_abort
 

@@ -157,7 +157,10 @@ class Run:
     ``optimizer``, ``epochs``, ``start_epoch``, ``steps`` (batches per epoch, or None),
     ``history`` (the records so far, this run's appended after each epoch), ``evaluates``
     (a test loader was given), ``record_keys``, and ``stop_training``: set it to end
-    training once the current epoch is over."""
+    training once the current epoch is over, or, set in ``on_step_end``, at once: that
+    epoch then gets no record and no ``on_epoch_end`` (so no checkpoint of it). In a
+    distributed run, a callback that stops inside an epoch makes every rank agree first
+    (``TerminateOnNaN`` does), or the others wait in the next all-reduce."""
 
     record_keys = RECORD_KEYS
 
@@ -180,8 +183,9 @@ def _overrides(callback, hook):
 
 def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor):
     """One epoch of steps, the callbacks' ``on_step_end`` after each; the record's training
-    part. With a ``cursor`` the step fetches its own batches, and up to the callbacks'
-    ``step_interval`` steps run as one replay (one graph launch on CUDA)."""
+    part, or None when a callback set ``run.stop_training`` in ``on_step_end``. With a
+    ``cursor`` the step fetches its own batches, and up to the callbacks' ``step_interval``
+    steps run as one replay (one graph launch on CUDA)."""
     metrics.reset()
     losses = [] if step_losses is not None else None
     watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
@@ -196,6 +200,8 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
                     "loss": loss, "seconds": time.perf_counter() - start, "steps_run": runs}
             for callback in watchers:
                 callback.on_step_end(logs)
+            if run.stop_training:   # (TerminateOnNaN) the epoch ends here, unrecorded
+                return None
     loss, train_acc, rows = metrics.read()   # waits for the GPU
     seconds = time.perf_counter() - start
     if losses is not None:
@@ -301,7 +307,8 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     ``ModelCheckpoint``, ...), run after the built-in ones: ``progress`` adds a
     ``ProgressBar`` (a tqdm bar per epoch on stderr), ``verbose`` a ``PrintMetrics`` (the
     epoch line on stdout), ``log_json`` a ``JsonLog`` (one JSON line per epoch). A callback
-    that sets ``run.stop_training`` ends training after the current epoch.
+    that sets ``run.stop_training`` ends training after the current epoch, or at once from
+    ``on_step_end`` (``TerminateOnNaN``: the unfinished epoch is not recorded).
 
     ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
     batch shape runs eagerly, the second is recorded, the others replay it; the results are
@@ -350,6 +357,8 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
             record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses,
                                   cursor)
             fit.last_eager_reason = getattr(step, "eager_reason", None)
+            if record is None:   # stopped inside the epoch: no record, no on_epoch_end
+                break
             if distributed:
                 record = _world_record(record)
             if scheduler is not None:

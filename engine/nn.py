@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 
 from engine import archive
+from engine import distributed as dist
 from engine import functional as F
 from engine import init
 from engine.autograd import apply
@@ -498,9 +499,15 @@ class BatchNorm(Layer):
     (``running = (1 - momentum)·running + momentum·batch``, the variance unbiased); in
     ``eval()`` with the running statistics. Then ``weight`` (ones) scales and ``bias``
     (zeros) shifts. The running statistics are buffers: in ``state_dict``, saved and moved
-    with the model, never given a gradient or an optimizer update."""
+    with the model, never given a gradient or an optimizer update.
 
-    def __init__(self, momentum=0.1, eps=1e-5, dtype=np.float32, input_shape=None):
+    In a data-parallel run (``engine.distributed`` with several ranks, ``--distributed``)
+    the training statistics are the global batch's, averaged across the ranks (torch's
+    SyncBatchNorm: ``ops.batch_norm.SyncBatchNorm``), so the run trains as one process on
+    the whole batch; every rank must then run the layer's training forwards alike.
+    ``sync=False`` keeps each rank's own statistics."""
+
+    def __init__(self, momentum=0.1, eps=1e-5, dtype=np.float32, input_shape=None, sync=True):
         super().__init__(input_shape)
         if (not isinstance(momentum, (int, float)) or isinstance(momentum, bool)
                 or not 0 <= momentum <= 1):
@@ -509,6 +516,7 @@ class BatchNorm(Layer):
             raise ValueError(f"BatchNorm: eps must be a number > 0, got {eps!r}")
         self.momentum, self.eps = float(momentum), float(eps)
         self.dtype = np.dtype(dtype)
+        self.sync = bool(sync)
         self.weight = self.bias = self.running_mean = self.running_var = None
 
     def compute_output_shape(self, input_shape):
@@ -538,6 +546,11 @@ class BatchNorm(Layer):
         if x.dtype != self.weight.dtype:
             raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
                             f"layer's {self.weight.dtype}")
+        if self.training and self.sync and dist.several_ranks():
+            return _run_op(self, batch_norm_op.SyncBatchNorm, x, self.running_mean,
+                           self.running_var, self.weight, self.bias, training=True,
+                           momentum=self.momentum, eps=self.eps,
+                           average=dist.average_across_ranks, ranks=dist.world_size())
         return _run_op(self, batch_norm_op.BatchNorm, x, self.running_mean, self.running_var,
                        self.weight, self.bias, training=self.training, momentum=self.momentum,
                        eps=self.eps)
@@ -546,6 +559,8 @@ class BatchNorm(Layer):
         config = {"momentum": self.momentum, "eps": self.eps}
         if self.dtype != np.float32:
             config["dtype"] = self.dtype.name
+        if not self.sync:
+            config["sync"] = False
         return {**config, **super().get_config()}
 
 
@@ -851,6 +866,7 @@ class Sequential:
         self._flat.load(values)   # reads the parameters' values, not the buffers'
         for _, buffer in buffers:
             copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
+            buffer._bump_version()   # written in place, as the parameters
 
     def get_config(self):
         return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,

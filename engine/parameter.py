@@ -183,9 +183,12 @@ class ParameterStore:
 
     def load(self, values):
         """Write ``values`` (``{id(p): array of p's shape}``, one for every parameter, cast to
-        the buffer's dtype) into the buffers, one copy each."""
+        the buffer's dtype) into the buffers, one copy each. Each parameter is written in
+        place, so its version moves on: a backward through a graph that saved one raises,
+        as after torch's ``load_state_dict``."""
         for buffer in self.buffers:
             host = np.empty(buffer.size, buffer.dtype)
             for p, offset in zip(buffer.params, buffer.offsets):
                 host[offset:offset + p.size] = values[id(p)].reshape(-1)
+                p._bump_version()
             copy_into(buffer.data, host)

@@ -90,7 +90,9 @@ class Tensor(Value):
 
     def __setitem__(self, key, value):
         """Write ``value`` (a number or an array broadcasting to ``self[key]``, cast to this
-        dtype) into the selection, in place; only on a tensor that does not require grad."""
+        dtype) into the selection, in place; only on a tensor that does not require grad.
+        The write bumps the version of this storage: a backward through an op that saved
+        it (or a view of it) raises instead of using the new values."""
         if self.requires_grad:
             raise RuntimeError(
                 "setitem: this tensor requires grad, and an in-place write would change values "
@@ -104,9 +106,12 @@ class Tensor(Value):
                                    "the result with engine.where or engine.cat")
             value = value.data
         assign(self.data, F._storage_key(key), value)
+        self._bump_version()
 
     def detach(self):
-        return Tensor(self.data)
+        """The same memory outside autograd; its in-place writes count in this tensor's
+        version, as torch's."""
+        return Tensor(self.data)._share_version(self)
 
     # ----------------------------------------------------------- moving data
     def numpy(self):
@@ -442,7 +447,7 @@ def from_dlpack(array, requires_grad=False):
     get a Numba device array and never pay the per-launch conversion of a foreign one.
     """
     if isinstance(array, Tensor):
-        return Tensor(array.data, requires_grad)
+        return Tensor(array.data, requires_grad)._share_version(array)
     if device_of(array) == "cuda":
         data = array
     elif hasattr(array, "__cuda_array_interface__"):

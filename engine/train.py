@@ -6,7 +6,9 @@ calls ``engine.fit.fit`` (with early stopping on the test loss when asked), plot
 and exports the model as ONNX. Bad input
 exits with status 2 and one line on stderr, never a traceback; a write that fails during
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
-which checkpoint is intact.
+which checkpoint is intact; so does a training loss that turns NaN or infinite
+(``callbacks.TerminateOnNaN`` checks every step: that epoch is never saved). A GPU out of
+memory (``engine.OutOfMemoryError``) is one line and status 1 too.
 
 ``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
 (``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
@@ -40,7 +42,7 @@ from engine import distributed as dist
 from engine import nn
 from engine import onnx as onnx_export
 from engine.archive import atomic_write, probe_writable
-from engine.callbacks import PROGRESS_EVERY, EarlyStopping, TensorBoard
+from engine.callbacks import PROGRESS_EVERY, EarlyStopping, TensorBoard, TerminateOnNaN
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
                         read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy
@@ -66,6 +68,15 @@ class BadInput(Exception):
 
 class OutputFailure(Exception):
     """A write that failed during or after training; reported as one line, exit status 1."""
+
+
+class Diverged(Exception):
+    """The training loss turned non-finite (``TerminateOnNaN`` stopped training); reported
+    as one line, exit status 1, on every rank alike (``shown`` on rank 0)."""
+
+    def __init__(self, message, shown=True):
+        super().__init__(message)
+        self.shown = shown
 
 
 class _Parser(argparse.ArgumentParser):
@@ -582,12 +593,23 @@ def train(args, setup, is_root):
     boards = ([TensorBoard(args.tensorboard, PROGRESS_EVERY)] if args.tensorboard and is_root
               else [])
     step_losses = [] if args.plot and is_root else None
+    # the epoch of a non-finite loss is never saved. On the CPU every step's loss is read (a
+    # read costs nothing there); on a GPU every PROGRESS_EVERY-th, which the progress bar
+    # reads anyway, so the captured steps between them still replay as one graph launch
+    terminate = TerminateOnNaN(step_interval=1 if args.device == "cpu" else PROGRESS_EVERY,
+                               verbose=False)
     fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
         test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
-        callbacks=stopping + boards, on_epoch_end=writers,
+        callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
         progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
         history=history, step_losses=step_losses, capture=not args.no_capture,
         distributed=args.distributed)
+    if terminate.stopped_epoch is not None:
+        loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
+                else "another rank's training loss is non-finite")
+        raise Diverged(f"{loss} at epoch {terminate.stopped_epoch}, step "
+                       f"{terminate.stopped_step}: training stopped there (a lower --lr or "
+                       f"--clip-norm may help); {intact()}", shown=is_root)
     if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)
@@ -665,6 +687,13 @@ def main(argv=None):
         sys.exit(1)
     except OutputFailure as error:   # rank 0 alone writes: end the others too
         _report(error)
+        dist.abort(1)
+    except Diverged as error:   # every rank stopped at the same step
+        _report(error)
+        sys.exit(1)
+    except engine.OutOfMemoryError as error:   # this rank alone may have failed: end them all
+        rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""
+        print(f"{rank}{PROG}: error: {error} (--batch-size)", file=sys.stderr, flush=True)
         dist.abort(1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -98,6 +98,16 @@ def device_view(array, dtype):
     return _device_array(_c_layout((), dtype.itemsize), dtype, array.gpu_data, array.stream)
 
 
+def device_arrays_overlap(a, b):
+    """True when the C-contiguous device arrays ``a`` and ``b`` share bytes."""
+    if not a.size or not b.size:
+        return False
+    if SIMULATOR:   # its device arrays wrap host arrays
+        return np.may_share_memory(a._ary, b._ary)
+    start_a, start_b = a.device_ctypes_pointer.value, b.device_ctypes_pointer.value
+    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
+
+
 @functools.lru_cache(maxsize=4096)
 def _c_layout(shape, itemsize):
     """``(shape, strides, size, dummy)`` of a C-contiguous array: the descriptor Numba's
@@ -203,6 +213,7 @@ if not SIMULATOR:
     MemoryManagerBase = cuda.cudadrv.driver.NumbaCUDAMemoryManager
     MemoryPointer = cuda.cudadrv.driver.MemoryPointer
     CudaAPIError = cuda.cudadrv.driver.CudaAPIError
+    OUT_OF_MEMORY = cuda.cudadrv.driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 
 
 # ------------------------------------------------------------------ launching

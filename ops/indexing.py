@@ -399,6 +399,7 @@ class Index(Movement):
 
     def forward(self, x):
         self.indices = pack_indices(self.plan, self.device)
+        self.is_view = self.plan.contiguous_block()   # gather returns a view of x then
         return gather(x, self.plan, self.indices)
 
     def backward(self, grad_out, grad_dst):

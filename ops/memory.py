@@ -33,6 +33,15 @@ def _poison_value(dtype):
     return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
 
 
+def shares_memory(a, b):
+    """True when arrays ``a`` and ``b`` (host or device) occupy overlapping bytes: a view
+    and its base, two views of one buffer that overlap. Arrays on different devices never
+    do."""
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        return type(a) is type(b) and np.may_share_memory(a, b)
+    return cuda_backend.device_arrays_overlap(a, b)
+
+
 def empty(shape, dtype, device):
     """An uninitialised C-contiguous array (NaN-filled in poison mode)."""
     if device == "cuda":
