@@ -24,6 +24,7 @@ saying what is wrong, never a crash later in training.
 """
 import json
 import math
+import os
 import time
 import weakref
 
@@ -397,6 +398,11 @@ def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
 
     The file is a ``model.save`` file (architecture and weights under their names) plus
     entries under ``train/``: the training state as JSON and its arrays."""
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix in (".safetensors", ".onnx"):
+        raise ValueError(f"save_checkpoint: {path}: a training checkpoint (the model, the "
+                         f"optimizer's state, the history) is an .npz file, not {suffix}; "
+                         "save the model alone with model.save(path) or export_onnx(path)")
     arrays = {}
     state = {"optimizer": optimizer.state_dict(), "epoch": epoch, "history": list(history),
              "config": config or {}, "rng": generator().bit_generator.state}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import engine
+import optim
 from engine import archive, nn
 
 safetensors_numpy = pytest.importorskip(
@@ -202,3 +203,13 @@ def test_a_model_on_the_cuda_device_saves_its_device_weights(tmp_path):
         np.testing.assert_array_equal(loaded.state_dict()[name], value, err_msg=name)
     x = engine.tensor(_inputs()[:, :2], device="cuda")
     np.testing.assert_array_equal(_outputs(loaded, x), _outputs(model, x))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".onnx"])
+def test_a_training_checkpoint_refuses_a_model_only_format(tmp_path, suffix):
+    from engine.fit import save_checkpoint
+    model = nn.Sequential([nn.Dense(2, input_shape=(3,))])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rf"checkpoint .* is an \.npz file, not \{suffix}"):
+        save_checkpoint(tmp_path / f"run{suffix}", model, opt)
+    assert not (tmp_path / f"run{suffix}").exists()
