@@ -40,17 +40,18 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
   two threads wait on each other (1->32 forward + backward, mean: 5.3 ms serial, 18.6 ms
   on two threads); ``numba.set_num_threads(1)`` gives back the serial time (5.4 ms).
 
-CUDA: direct kernels (a first version; the H200 rows of ``bench.conv_ops`` decide what to
-tile), built per activation with its code a constant: the forward one thread per output
-element with the bias and the activation in the same kernel; ``dx`` one thread per input
-element gathering its taps (no scatter, so no atomics); ``dw`` and ``db`` in one launch,
-one block of ``REDUCE_THREADS`` threads per weight or bias element folding its N·OH·OW
-products in a fixed order (a thread per output position, walking the batch), then
-``ops.block_reduce``. Shapes travel as one cached metadata array and nothing is read back
-to the host: capture-ready.
+CUDA: three implicit GEMMs of ``ops.matmul``'s template (``conv_gemm_shape`` there), whose
+tiles are gathered from the NCHW arrays as they are loaded, never materialised as im2col:
+the forward ``y[o, p] = act(b[o] + Σ_k w[o, k] · X[k, p])`` over the output positions p and
+taps k = (c, i, j), stores NCHW; ``dx`` on the flipped filter, the positions p those of the
+input; ``dw`` as the fixed-order split-K product over the N·OH·OW positions, with db as one
+more output column (B's column of ones). ``G = grad_out · act'(y)`` is the template's
+prologue, applied as a tile is stashed. No float atomics: the backward is reproducible bit for
+bit. The geometry (all but the batch) is a compile-time constant of the kernels; a first
+layer's ``dx`` is never launched. The direct kernels they replace (one thread per output, dx
+gathered per input element, dw per weight element) ran the 32->64 conv at 28.8x (forward) and
+30.6x (backward) cuDNN's time on the H200.
 """
-import functools
-
 import numpy as np
 from numba import njit, prange
 

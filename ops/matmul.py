@@ -29,6 +29,13 @@ a backward pass never materialises a transpose. The same template carries the fu
 kernels of ``ops.dense``: bias and activation as an epilogue, the activation's derivative as
 a prologue on the gradient operand, and a virtual row of ones that yields the bias gradient
 as one more output row. Sums run in a fixed order: results are reproducible run to run.
+
+The convolutions of ``ops.conv`` are the same template with gathered operands (implicit
+GEMM, ``conv_gemm_shape``): the fetches take a tile's rows and columns apart into (sample,
+row, column) and (channel, tap) with the geometry a compile-time constant, read zero in the
+padding, and the epilogues store NCHW; the main loop (``accumulate``) is the one above.
+Their configs come from ``CONV_CHOICES`` (``python -m bench.conv_ops --device cuda
+--sweep``), else ``pick_conv_config``'s rule.
 """
 import functools
 import math
