@@ -39,7 +39,8 @@ import time
 
 import numpy as np
 
-from bench.gpu_time import BUSY_SIZE, CALLS, engine_timer, torch_timer
+from bench import gpu_time
+from bench.gpu_time import CALLS, engine_timer, torch_timer
 from bench.report import emit, require_device
 
 ROUND_SECONDS = 0.3
@@ -272,7 +273,7 @@ def format_table(result):
     lines = [f"bench.conv_ops on {result['device']}, float32{threads}"]
     if gpu_frameworks:
         lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone ({CALLS} "
-                     f"calls queued behind a {BUSY_SIZE}³ product, timed by CUDA events); the "
+                     f"calls queued behind a {gpu_time.BUSY_SIZE}³ product, timed by CUDA events); the "
                      f"ratio and GFLOP/s from GPU time")
     times_of = "gpu_us_per_call" if gpu_frameworks else "us_per_call"
     lines += ["", "| op | phase | x | " + " | ".join(
