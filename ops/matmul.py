@@ -818,15 +818,19 @@ CONV_MODE_NAMES = {CONV_FORWARD: "forward", CONV_GRAD_INPUT: "grad_input",
                    CONV_GRAD_WEIGHT: "grad_weight"}
 
 
-def pick_conv_tiling(m, n):
+def pick_conv_tiling(m, n, k):
     """The rows of a conv GEMM are its channels (32 or 64 in the CNN, fewer per group), so the
     tile is as tall as they need: LARGE only above 64 rows and when it fills the GPU, MEDIUM
-    above 32, else COMPACT (32x32)."""
+    above 32, else WIDE (32x64, 2x4 per thread) when K fills its steps of 32, COMPACT (32x32,
+    steps of 16) when it does not (the first layer's K is 9). A guess until the sweep has
+    measured these shapes."""
     if SIMULATOR:
         return SIMULATED
     if m > MEDIUM.BM and -(-m // LARGE.BM) * -(-n // LARGE.BN) >= _multiprocessors():
         return LARGE
-    return MEDIUM if m > COMPACT.BM else COMPACT
+    if m > COMPACT.BM:
+        return MEDIUM
+    return WIDE if k >= WIDE.BK else COMPACT
 
 
 def pick_conv_config(mode, m, n, k, groups):
@@ -840,7 +844,7 @@ def pick_conv_config(mode, m, n, k, groups):
             raise ValueError(f"matmul: CONV_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1, and only grad_weight splits K")
         return choice
-    tiling = pick_conv_tiling(m, n)
+    tiling = pick_conv_tiling(m, n, k)
     tiles = -(-m // tiling.BM) * -(-n // tiling.BN) * groups
     split = 1
     if mode == CONV_GRAD_WEIGHT and tiles < _multiprocessors():
@@ -857,7 +861,7 @@ def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
     m, n, k = conv_gemm_shape(mode, geometry, batch)
     tiling, split = pick_conv_config(mode, m, n, k, geometry.GROUPS)
     if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:   # a float32 choice, run in float64
-        tiling = pick_conv_tiling(m, n)
+        tiling = MEDIUM if m > COMPACT.BM else COMPACT   # both fit any dtype up to 8 bytes
     slices = k_slices(k, split, tiling.BK)
     blocks = (-(-n // tiling.BN), -(-m // tiling.BM), geometry.GROUPS * slices)
     threads = threads_of(tiling)

@@ -281,7 +281,7 @@ def _conv_grads(device, arrays, requires, params, dtype=np.float64):
 def _forcing_conv(monkeypatch, mode, geometry, batch, split, tiling=None):
     """Force the config of one conv GEMM through an entry of ops.matmul.CONV_CHOICES."""
     m, n, k = mm.conv_gemm_shape(mode, geometry, batch)
-    tiling = tiling or mm.pick_conv_tiling(m, n)
+    tiling = tiling or mm.pick_conv_tiling(m, n, k)
     monkeypatch.setitem(mm.CONV_CHOICES, (mm.CONV_MODE_NAMES[mode], m, n, k),
                         mm.GemmConfig(tiling, split))
 
