@@ -272,9 +272,9 @@ def format_table(result):
             threads += f", torch {result['torch_threads']}"
     lines = [f"bench.conv_ops on {result['device']}, float32{threads}"]
     if gpu_frameworks:
-        lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone ({CALLS} "
-                     f"calls queued behind a {gpu_time.BUSY_SIZE}³ product, timed by CUDA events); the "
-                     f"ratio and GFLOP/s from GPU time")
+        lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone "
+                     f"({GPU_CALLS} calls queued behind a {gpu_time.BUSY_SIZE}³ product, timed "
+                     f"by CUDA events); the ratio and GFLOP/s from GPU time")
     times_of = "gpu_us_per_call" if gpu_frameworks else "us_per_call"
     lines += ["", "| op | phase | x | " + " | ".join(
                   [f"{k} us" for k in frameworks] + [f"{k} gpu us" for k in gpu_frameworks])

@@ -114,7 +114,6 @@ MEDIUM_MIN_BLOCKS = 48   # below this many MEDIUM blocks, SMALL's many blocks wi
 # what the template computes besides the plain product; the CONV_ modes are the convolutions
 # of ops.conv as implicit GEMMs (see _conv_operands)
 PLAIN, FORWARD, GRAD_A, GRAD_B, CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT = range(7)
-CONV_MODES = (CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT)
 PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct banks
 
 
@@ -311,6 +310,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             return e % U(BK), e // U(BK)
         return e // U(BN), e % U(BN)
 
+    # ``group``: the block's group of a convolution (_conv_operands' fetches); one signature
+    # for accumulate, unused here
     @cuda.jit(device=True)
     def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group):
         for load in range(A_LOADS):
