@@ -326,6 +326,22 @@ def test_conv2d_cuda_gradients_of_some_inputs_match_the_cpu(requires):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiling", ["COMPACT_128", "WIDE"])   # vec runs of 4x2 and 2x4
+def test_conv2d_under_a_real_tiling_matches_the_cpu(monkeypatch, tiling):
+    """The tilings a GPU runs (runs of adjacent rows and columns per thread, 128 and 256
+    threads; the simulator's own tiling has neither), forced on all three GEMMs, dw split."""
+    for mode, split in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
+                        (mm.CONV_GRAD_WEIGHT, 2)):
+        _forcing_conv(monkeypatch, mode, SPLIT_GEOMETRY, 2, split, mm.TILINGS[tiling])
+    x_shape, w_shape, params = SPLIT_CASE
+    rng = np.random.default_rng(6)
+    arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
+    for got, want in zip(_conv_grads("cuda", arrays, (True,) * 3, params),
+                         _conv_grads("cpu", arrays, (True,) * 3, params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_conv_choices_split_only_the_weight_gradient(monkeypatch):
     _forcing_conv(monkeypatch, mm.CONV_FORWARD, SPLIT_GEOMETRY, 2, 2, mm.COMPACT)
     m, n, k = mm.conv_gemm_shape(mm.CONV_FORWARD, SPLIT_GEOMETRY, 2)
