@@ -1,5 +1,6 @@
 """Conv2D, fused: ``act(conv(x, w) + b)`` forward in one kernel, backward in one (CPU) or two
-(CUDA) kernels, with PyTorch's layouts and semantics.
+to three (CUDA: dx, and dw with db, split-K in two) kernels, with PyTorch's layouts and
+semantics.
 
 x is (N, C, H, W), w is (O, C / groups, KH, KW), b is (O,) or absent; the output is
 (N, O, OH, OW) with ``OH = (H + pad_top + pad_bottom - DH * (KH - 1) - 1) // SH + 1`` (OW
