@@ -13,6 +13,11 @@ share the machine's state; s/epoch is the median. The engine epochs are
 ``engine.train.fit`` (captured step, and ``capture=False``), what users run. Test accuracy is
 measured after the last epoch, in eval mode (BatchNorm on its running statistics).
 
+On CUDA a row runs PyTorch's step as one CUDA graph (``torch.cuda.graph``, as bench.mlp's).
+Where jax is importable (``pip install -e '.[bench]'``; on a GPU ``jax[cuda12]``) two rows run
+the same network, weights and batches in JAX, fp32 ("highest" precision): the step under
+``jit``, and each epoch's full batches as one ``lax.scan`` under ``jit``.
+
 Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 """
 import argparse
