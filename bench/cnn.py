@@ -13,9 +13,15 @@ share the machine's state; s/epoch is the median. The engine epochs are
 ``engine.train.fit`` (captured step, and ``capture=False``), what users run. Test accuracy is
 measured after the last epoch, in eval mode (BatchNorm on its running statistics).
 
+On CUDA a row runs PyTorch's step as one CUDA graph (``torch.cuda.graph``, as bench.mlp's).
+Where jax is importable (``pip install -e '.[bench]'``; on a GPU ``jax[cuda12]``) two rows run
+the same network, weights and batches in JAX, fp32 ("highest" precision): the step under
+``jit``, and each epoch's full batches as one ``lax.scan`` under ``jit``.
+
 Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 """
 import argparse
+import importlib.util
 import statistics
 import time
 
@@ -39,8 +45,11 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, capture=Tru
 
 
 def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epoch,
-               initial_state):
-    """PyTorch eager on the same network, starting from the engine's ``initial_state``."""
+               initial_state, cuda_graph=False):
+    """PyTorch on the same network, starting from the engine's ``initial_state``: eager, or
+    (``cuda_graph``, CUDA only) each full batch's step replayed as one CUDA graph
+    (``torch.cuda.graph``, Adam with ``capturable=True``, as bench.mlp's); the last partial
+    batch runs eagerly."""
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
     mean, std = normalize
@@ -69,8 +78,39 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
             else array))
     model.load_state_dict(state)
     model.to(torch_device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=cuda_graph)
     epochs_done = 0
+
+    def eager_step(inputs, labels):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+
+    step = eager_step
+    if cuda_graph:
+        model.train()
+        static_x = x_train_t[:BATCH_SIZE].clone()
+        static_y = y_train_t[:BATCH_SIZE].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm-up steps off the default stream, as torch asks
+            for _ in range(3):
+                eager_step(static_x, static_y)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            loss = nn.functional.cross_entropy(model(static_x), static_y)
+            loss.backward()
+            optimizer.step()
+
+        def step(inputs, labels):
+            if len(inputs) != BATCH_SIZE:
+                return eager_step(inputs, labels)
+            static_x.copy_(inputs)
+            static_y.copy_(labels)
+            graph.replay()
 
     def synchronize():
         if torch_device == "cuda":
@@ -85,10 +125,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
         start = time.perf_counter()
         for first in range(0, len(order), BATCH_SIZE):
             rows = order[first:first + BATCH_SIZE]
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x_train_t[rows]), y_train_t[rows])
-            loss.backward()
-            optimizer.step()
+            step(x_train_t[rows], y_train_t[rows])
         synchronize()
         return time.perf_counter() - start
 
@@ -101,6 +138,138 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
 
     return train_epoch, test_accuracy, torch.__version__, torch.get_num_threads()
 
+
+
+def _jax_usable(device):
+    """JAX is installed and, for ``cuda``, sees a GPU."""
+    if importlib.util.find_spec("jax") is None:
+        return False
+    import jax
+    if device == "cpu":
+        return True
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:   # a CPU-only jaxlib
+        return False
+
+
+def _jax_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epoch,
+             initial_state, scan=False):
+    """JAX on the same network, initial weights and batches, in fp32 (matmul and conv
+    precision "highest"): the Adam step (torch's formula, BatchNorm's running statistics as
+    torch updates them) under ``jit``, or (``scan``) each epoch's full batches as one
+    ``lax.scan`` under ``jit``; the last partial batch runs through the jitted step."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    target = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    mean, std = normalize
+
+    def put(array):
+        return jax.device_put(array, target)
+
+    def standardised(images):
+        return put(((images.astype(np.float32) / 255 - np.float32(mean)) / np.float32(std))
+                   [:, None])
+
+    x_train_j, x_test_j = standardised(x_train), standardised(x_test)
+    y_train_j = put(y_train.astype(np.int32))
+    params = {name: put(np.asarray(value)) for name, value in initial_state.items()
+              if "running" not in name}
+    running = {name: put(np.asarray(value)) for name, value in initial_state.items()
+                   if "running" in name}
+    momentum, eps, (beta1, beta2), adam_eps = 0.1, 1e-5, (0.9, 0.999), 1e-8
+
+    def conv_relu(x, p, layer):
+        y = lax.conv_general_dilated(x, p[layer + ".weight"], (1, 1), "SAME",
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                     precision=lax.Precision.HIGHEST)
+        return jax.nn.relu(y + p[layer + ".bias"][None, :, None, None])
+
+    def channels(vector):
+        return vector[None, :, None, None]
+
+    def forward(p, stats, x, training):
+        y = conv_relu(x, p, "conv2d")
+        y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+        y = conv_relu(y, p, "conv2d_1")
+        if training:
+            batch_mean, batch_var = y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
+            count = y.size // y.shape[1]
+            stats = {"batchnorm.running_mean": (1 - momentum) * stats["batchnorm.running_mean"]
+                     + momentum * batch_mean,
+                     "batchnorm.running_var": (1 - momentum) * stats["batchnorm.running_var"]
+                     + momentum * batch_var * count / (count - 1)}
+        else:
+            batch_mean, batch_var = (stats["batchnorm.running_mean"],
+                                     stats["batchnorm.running_var"])
+        y = ((y - channels(batch_mean)) * channels(lax.rsqrt(batch_var + eps))
+             * channels(p["batchnorm.weight"]) + channels(p["batchnorm.bias"]))
+        y = lax.reduce_window(y, 0.0, lax.add, (1, 1, 2, 2), (1, 1, 2, 2), "VALID") / 4
+        y = y.reshape(y.shape[0], -1)
+        y = jax.nn.relu(jnp.dot(y, p["dense.weight"], precision=lax.Precision.HIGHEST)
+                        + p["dense.bias"])
+        logits = jnp.dot(y, p["dense_1.weight"], precision=lax.Precision.HIGHEST)
+        return logits + p["dense_1.bias"], stats
+
+    def loss_of(p, stats, x, labels):
+        logits, stats = forward(p, stats, x, True)
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
+        return (jax.nn.logsumexp(logits, axis=1) - picked).mean(), stats
+
+    def step(state, x, labels):
+        p, stats, m, v, t = state
+        (_, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(p, stats, x, labels)
+        t = t + 1
+        m = jax.tree_util.tree_map(lambda m_, g: beta1 * m_ + (1 - beta1) * g, m, grads)
+        v = jax.tree_util.tree_map(lambda v_, g: beta2 * v_ + (1 - beta2) * g * g, v, grads)
+        first, second = 1 - beta1 ** t, 1 - beta2 ** t
+        p = jax.tree_util.tree_map(
+            lambda p_, m_, v_: p_ - LEARNING_RATE * (m_ / first)
+            / (jnp.sqrt(v_ / second) + adam_eps), p, m, v)
+        return p, stats, m, v, t
+
+    jit_step = jax.jit(lambda state, rows, x, y: step(state, x[rows], y[rows]))
+
+    @jax.jit
+    def epoch_scan(state, batches, x, y):
+        return lax.scan(lambda carry, rows: (step(carry, x[rows], y[rows]), None), state,
+                        batches)[0]
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    state = (params, running, zeros, zeros, jnp.float32(0))
+    epochs_done = 0
+
+    def train_epoch():
+        nonlocal state, epochs_done
+        order = order_of_epoch(epochs_done).astype(np.int32)
+        epochs_done += 1
+        full = len(order) // BATCH_SIZE
+        batches = put(order[:full * BATCH_SIZE].reshape(full, BATCH_SIZE))
+        rest = put(order[full * BATCH_SIZE:])
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        if scan:
+            state = epoch_scan(state, batches, x_train_j, y_train_j)
+        else:
+            for rows in batches:
+                state = jit_step(state, rows, x_train_j, y_train_j)
+        if len(rest):
+            state = jit_step(state, rest, x_train_j, y_train_j)
+        jax.block_until_ready(state)
+        return time.perf_counter() - start
+
+    evaluate = jax.jit(lambda p, stats, x: forward(p, stats, x, False)[0].argmax(axis=1))
+
+    def test_accuracy():
+        predicted = np.concatenate([np.asarray(evaluate(state[0], state[1],
+                                                        x_test_j[first:first + 1000]))
+                                    for first in range(0, len(y_test), 1000)])
+        return float(np.mean(predicted == y_test))
+
+    return train_epoch, test_accuracy, jax.__version__
 
 def run(device, epochs, limit, eager=True):
     import engine
@@ -117,8 +286,18 @@ def run(device, epochs, limit, eager=True):
             x_train, y_train, x_test, y_test, normalize, device, capture=False)
     torch_version = torch_threads = None
     if _torch_usable(device):
-        frameworks["torch"], accuracies["torch"], torch_version, torch_threads = _torch_run(
-            x_train, y_train, x_test, y_test, normalize, device, loader.order, initial_state)
+        for name, cuda_graph in (("torch", False), ("torch graph", True)):
+            if cuda_graph and device != "cuda":
+                continue
+            frameworks[name], accuracies[name], torch_version, torch_threads = _torch_run(
+                x_train, y_train, x_test, y_test, normalize, device, loader.order,
+                initial_state, cuda_graph=cuda_graph)
+    jax_version = None
+    if _jax_usable(device):
+        for name, scan in (("jax", False), ("jax scan", True)):
+            frameworks[name], accuracies[name], jax_version = _jax_run(
+                x_train, y_train, x_test, y_test, normalize, device, loader.order,
+                initial_state, scan=scan)
     warmup = {name: epoch() for name, epoch in frameworks.items()}
     seconds = {name: [] for name in frameworks}
     for _ in range(epochs):   # A B C A B C: all see the same machine state
@@ -130,8 +309,11 @@ def run(device, epochs, limit, eager=True):
         rows[name] = {"s_per_epoch": median, "ms_per_step": 1e3 * median / steps,
                       "samples_per_s": len(x_train) / median, "warmup_epoch_s": warmup[name],
                       "epoch_s": seconds[name], "test_acc": accuracies[name]()}
-    if torch_version:
-        rows["torch"].update(version=torch_version, threads=torch_threads)
+    for name in rows:
+        if name.startswith("torch"):
+            rows[name].update(version=torch_version, threads=torch_threads)
+        elif name.startswith("jax"):
+            rows[name].update(version=jax_version)
     return {"device": device, "machine": machine_description(device),
             "model": "conv32-maxpool-conv64-batchnorm-avgpool-dense128-10",
             "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
@@ -153,7 +335,10 @@ def format_table(result):
              "| framework | s/epoch | ms/step | samples/s | test acc |",
              "|---|---:|---:|---:|---:|"]
     labels = {"engine": "engine, fit (captured step)", "engine eager": "engine, fit(capture=False)",
-              "torch": "torch {version} eager ({threads} threads)"}
+              "torch": "torch {version} eager ({threads} threads)",
+              "torch graph": "torch {version}, the step as a CUDA graph",
+              "jax": "JAX {version}, the step under jit (fp32)",
+              "jax scan": "JAX {version}, the epoch as one lax.scan under jit (fp32)"}
     for name, row in rows.items():
         label = labels[name].format(version=row.get("version"), threads=row.get("threads"))
         lines.append(f"| {label} | {row['s_per_epoch']:.2f} | {row['ms_per_step']:.1f} | "

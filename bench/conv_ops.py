@@ -1,6 +1,7 @@
 """Per-op times of the CNN's layers: the engine's ops against PyTorch eager, forward and backward.
 
     python -m bench.conv_ops [--device cpu|cuda] [--threads N] [--json PATH] [--quick]
+    python -m bench.conv_ops --device cuda --sweep   # every conv GEMM config at the CNN's shapes
 
 The shapes are those of the network of API.md's "Convolutional networks" at batch 128:
 conv2d + relu 1->32 3x3 "same" on 28x28 (the first layer: its input needs no gradient),
@@ -17,6 +18,17 @@ with the device synchronised at the end of a round (the best round is the least 
 one on a shared machine). GFLOP/s count the multiply-adds of the convolution (2 flops
 each): the forward's once, the backward's once per gradient among dx and dw.
 
+On CUDA each row also has GPU time per call (``bench.gpu_time``: calls queued behind a long
+product, timed by CUDA events, so launches are hidden), and each conv gets a row per GEMM:
+``grad_input`` (dx alone) and ``grad_weight`` (dw and db), against
+``torch.ops.aten.convolution_backward`` with the same output mask and relu's derivative
+already applied to its gradient: cuDNN's kernels alone.
+
+``--sweep`` times, for each conv GEMM of the CNN (the forward, dx where the layer needs it,
+dw), every candidate config of ``SWEEP_CANDIDATES`` forced through
+``ops.matmul.CONV_CHOICES``, and prints the winners as entries to paste there; each output
+is compared with the one the rule's config gives (max relative difference).
+
 ``--threads N`` runs the engine's parallel CPU loops (``numba.set_num_threads``) and torch's
 intra-op pool on N threads each; by default each library keeps its own (Numba: one thread
 per core). The engine's BLAS calls keep ``engine.blas_threads``' count inside each loop.
@@ -27,11 +39,14 @@ import time
 
 import numpy as np
 
+from bench import gpu_time
+from bench.gpu_time import CALLS, engine_timer, torch_timer
 from bench.report import emit, require_device
 
 ROUND_SECONDS = 0.3
 QUICK_ROUND_SECONDS = 0.01
 ROUNDS = 5
+GPU_CALLS = CALLS   # calls per GPU-timed round
 BATCH = 128
 QUICK_BATCH = 4
 
@@ -105,7 +120,21 @@ def _engine_calls(name, arrays, params, device):
     upstream = to_device(np.random.default_rng(1).standard_normal(y.shape).astype(np.float32),
                          device)
     no_destinations = (None,) * len(data)
-    return (lambda: make()(*data)), (lambda: op.backward(upstream, no_destinations))
+    calls = {"forward": lambda: make()(*data),
+             "backward": lambda: op.backward(upstream, no_destinations)}
+    if name == "conv2d relu":   # each GEMM of the backward alone
+        for phase, phase_needs in _conv_gemm_phases(params):
+            phase_op = make()
+            phase_op.needs_input_grad = phase_needs
+            phase_op(*data)
+            calls[phase] = (lambda o=phase_op: o.backward(upstream, no_destinations))
+    return calls
+
+
+def _conv_gemm_phases(params):
+    """(phase, the gradients it asks for) of each backward GEMM of a conv layer."""
+    phases = [("grad_input", (True, False, False))] if params["needs_x"] else []
+    return phases + [("grad_weight", (False, True, True))]
 
 
 def _torch_calls(name, arrays, params, device):
@@ -142,17 +171,28 @@ def _torch_calls(name, arrays, params, device):
     def no_grad_forward():
         with torch.no_grad():
             return forward()
-    return no_grad_forward, (lambda: torch.autograd.grad(y, inputs, upstream,
-                                                         retain_graph=True))
+    calls = {"forward": no_grad_forward,
+             "backward": lambda: torch.autograd.grad(y, inputs, upstream, retain_graph=True)}
+    if name == "conv2d relu":   # cuDNN's dx and dw alone, relu's derivative applied before
+        gradient = (upstream * (y > 0)).detach()
+        x, w, b = (t.detach() for t in tensors)
+        masks = {"grad_input": [True, False, False], "grad_weight": [False, True, True]}
+        for phase, _ in _conv_gemm_phases(params):
+            calls[phase] = (lambda mask=masks[phase]: torch.ops.aten.convolution_backward(
+                gradient, x, w, [w.shape[0]], [1, 1], [params["kernel"] // 2] * 2, [1, 1],
+                False, [0, 0], 1, mask))
+    return calls
 
 
-def _flops(name, x_shape, params):
-    """Multiply-add flops of the forward and of the backward, or None (not a convolution)."""
+def _flops(name, x_shape, params, phase):
+    """Multiply-add flops of ``phase``, or None (not a convolution)."""
     if name != "conv2d relu":
-        return None, None
+        return None
     batch, channels, h, w = x_shape
     forward = 2 * batch * params["out"] * h * w * channels * params["kernel"] ** 2
-    return forward, forward * (2 if params["needs_x"] else 1)
+    if phase == "backward":
+        return forward * (2 if params["needs_x"] else 1)
+    return forward
 
 
 def run(device, quick=False, threads=None):
@@ -182,6 +222,12 @@ def run(device, quick=False, threads=None):
             import torch
             torch.cuda.synchronize()
 
+    gpu_timers = {}
+    if device == "cuda":
+        gpu_timers["engine"] = engine_timer()
+        if has_torch:
+            gpu_timers["torch"] = torch_timer()
+
     rng = np.random.default_rng(0)
     batch = QUICK_BATCH if quick else BATCH
     round_seconds = QUICK_ROUND_SECONDS if quick else ROUND_SECONDS
@@ -194,38 +240,169 @@ def run(device, quick=False, threads=None):
         if has_torch:
             calls["torch"] = _torch_calls(name, arrays, params, torch_device)
             syncs["torch"] = torch_sync
-        for phase, flops in zip(("forward", "backward"), _flops(name, x_shape, params)):
-            index = 0 if phase == "forward" else 1
-            seconds = {framework: _seconds_per_call(pair[index], syncs[framework],
+        # the per-GEMM rows are GPU rows: on the CPU the backward is one loop per sample
+        phases = list(calls["engine"]) if device == "cuda" else ["forward", "backward"]
+        for phase in phases:
+            flops = _flops(name, x_shape, params, phase)
+            seconds = {framework: _seconds_per_call(framework_calls[phase], syncs[framework],
                                                     round_seconds)
-                       for framework, pair in calls.items()}
+                       for framework, framework_calls in calls.items()}
+            gpu_seconds = {framework: min(timer.seconds_per_call(calls[framework][phase],
+                                                                 GPU_CALLS)
+                                          for _ in range(ROUNDS))
+                           for framework, timer in gpu_timers.items()}
             rows.append({"op": name, "phase": phase, "x_shape": list(x_shape),
                          "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
+                         "gpu_us_per_call": ({k: 1e6 * v for k, v in gpu_seconds.items()}
+                                             if gpu_timers else None),
                          "gflops": None if flops is None else
-                         {k: flops / v / 1e9 for k, v in seconds.items()}})
+                         {k: flops / v / 1e9 for k, v in
+                          (gpu_seconds if gpu_timers else seconds).items()}})
     return {"device": device, "engine_threads": numba.get_num_threads(),
             "torch_threads": torch_threads, "rows": rows}
 
 
 def format_table(result):
     frameworks = list(result["rows"][0]["us_per_call"])
+    gpu_frameworks = list(result["rows"][0].get("gpu_us_per_call") or ())
     threads = ""
     if result["device"] == "cpu":
         threads = f"; CPU threads: engine loops {result['engine_threads']}"
         if result["torch_threads"]:
             threads += f", torch {result['torch_threads']}"
-    lines = [f"bench.conv_ops on {result['device']}, float32{threads}", "",
-             "| op | phase | x | " + " | ".join(f"{k} us" for k in frameworks)
-             + " | engine / torch | engine GFLOP/s |",
-             "|---|---|---|" + "---:|" * (len(frameworks) + 2)]
+    lines = [f"bench.conv_ops on {result['device']}, float32{threads}"]
+    if gpu_frameworks:
+        lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone "
+                     f"({GPU_CALLS} calls queued behind a {gpu_time.BUSY_SIZE}³ product, timed "
+                     f"by CUDA events); the ratio and GFLOP/s from GPU time")
+    times_of = "gpu_us_per_call" if gpu_frameworks else "us_per_call"
+    lines += ["", "| op | phase | x | " + " | ".join(
+                  [f"{k} us" for k in frameworks] + [f"{k} gpu us" for k in gpu_frameworks])
+              + " | engine / torch | engine GFLOP/s |",
+              "|---|---|---|" + "---:|" * (len(frameworks) + len(gpu_frameworks) + 2)]
     for row in result["rows"]:
-        times = row["us_per_call"]
+        times = row[times_of]
         ratio = f"{times['engine'] / times['torch']:.2f}" if "torch" in times else "-"
         rate = f"{row['gflops']['engine']:.1f}" if row["gflops"] else "-"
+        columns = ([f"{row['us_per_call'][k]:.0f}" for k in frameworks]
+                   + [f"{row['gpu_us_per_call'][k]:.1f}" for k in gpu_frameworks])
         lines.append(f"| {row['op']} | {row['phase']} | {'x'.join(map(str, row['x_shape']))} | "
-                     + " | ".join(f"{times[k]:.0f}" for k in frameworks)
-                     + f" | {ratio} | {rate} |")
+                     + " | ".join(columns) + f" | {ratio} | {rate} |")
     return "\n".join(lines)
+
+
+# The sweep's candidates: every tiling of ops.matmul but the simulator's, and for the weight
+# gradient these split counts (a split that makes the same K slices as a smaller one is timed
+# once). Each tiling costs a compile per GEMM, two for a split dw (about 1 s each on the H200
+# host, so the sweep's two convs compile about 60 kernels).
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SWEEP_ROUNDS = 3
+
+
+def _host_outputs(result):
+    """The host copies of what an engine call returned (an array, or gradients and Nones)."""
+    results = result if isinstance(result, tuple) else (result,)
+    return [r.copy_to_host() for r in results if r is not None]
+
+
+def _relative_difference(outputs, references):
+    return max(float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+               for got, want in zip(outputs, references))
+
+
+def sweep_cuda(batch=BATCH):
+    """Per conv GEMM of the CNN: GPU time of every candidate config, cuDNN's beside; the
+    winners as ``CONV_CHOICES`` entries to paste into ops/matmul.py."""
+    import ops.matmul as mm
+    from ops.conv import Conv2D
+    from ops.cuda_backend import cuda
+
+    started = time.perf_counter()
+    torch = None
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+        if not torch.cuda.is_available():
+            torch = None
+        else:
+            torch.backends.cudnn.allow_tf32 = False
+    name = getattr(cuda.get_current_device(), "name", "the CUDA simulator")
+    name = name.decode() if isinstance(name, bytes) else name
+    print(f"\n## Conv GEMM config sweep on {name}, batch {batch}, float32: GPU time per call "
+          f"(* the config the table/rule picks now); cuDNN: torch's kernel for the same "
+          f"gradients\n")
+    engine_gpu = engine_timer()
+    torch_gpu = torch_timer() if torch is not None else None
+    rng = np.random.default_rng(0)
+    winners = []
+    for layer, shape, params in LAYERS:
+        if layer != "conv2d relu":
+            continue
+        x_shape = (batch,) + shape
+        arrays = _arrays(layer, x_shape, params, rng)
+        op = Conv2D(padding="same", activation="relu")
+        op.check(*arrays)
+        geometry = mm.ConvGeometry(*op.meta[1:])
+        engine_calls = _engine_calls(layer, arrays, params, "cuda")
+        torch_calls = (_torch_calls(layer, arrays, params, "cuda") if torch is not None
+                       else None)
+        label = f"conv {shape[0]}->{params['out']} on {shape[1]}x{shape[2]}"
+        for phase, mode in (("forward", mm.CONV_FORWARD), ("grad_input", mm.CONV_GRAD_INPUT),
+                            ("grad_weight", mm.CONV_GRAD_WEIGHT)):
+            if phase not in engine_calls:
+                continue
+            call = engine_calls[phase]
+            m, n, k = mm.conv_gemm_shape(mode, geometry, batch)
+            key = (mm.CONV_MODE_NAMES[mode], m, n, k)
+            picked = mm.pick_conv_config(mode, m, n, k, geometry.GROUPS)
+            picked = mm.GemmConfig(picked.tiling, mm.k_slices(k, picked.split,
+                                                              picked.tiling.BK))
+            references = _host_outputs(call())
+            cudnn = (min(torch_gpu.seconds_per_call(torch_calls[phase], GPU_CALLS)
+                         for _ in range(SWEEP_ROUNDS)) if torch is not None else None)
+            print(f"### {label}, {phase}: GEMM {m}x{n}, K {k}; cuDNN "
+                  f"{'-' if cudnn is None else f'{cudnn * 1e6:.1f}'} us GPU\n")
+            print("| tiling | threads | slices | blocks | gpu us | vs cuDNN | max rel diff |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
+            results = []
+            seen = set()
+            splits = SWEEP_SPLITS if mode == mm.CONV_GRAD_WEIGHT else (1,)
+            for tiling_name, tiling in mm.TILINGS.items():
+                if tiling is mm.SIMULATED:
+                    continue
+                for split in splits:
+                    config = mm.GemmConfig(tiling, mm.k_slices(k, split, tiling.BK))
+                    if config in seen:
+                        continue
+                    seen.add(config)
+                    previous = mm.CONV_CHOICES.get(key)
+                    mm.CONV_CHOICES[key] = config
+                    try:
+                        gpu = min(engine_gpu.seconds_per_call(call, GPU_CALLS)
+                                  for _ in range(SWEEP_ROUNDS))
+                        difference = _relative_difference(_host_outputs(call()), references)
+                    finally:
+                        if previous is None:
+                            del mm.CONV_CHOICES[key]
+                        else:
+                            mm.CONV_CHOICES[key] = previous
+                    blocks = (-(-m // tiling.BM) * -(-n // tiling.BN) * geometry.GROUPS
+                              * config.split)
+                    mark = "*" if config == picked else ""
+                    versus = f"{gpu / cudnn:.2f}x" if cudnn else "-"
+                    print(f"| {mark}{tiling_name} | {mm.threads_of(tiling)} | {config.split} | "
+                          f"{blocks} | {gpu * 1e6:.1f} | {versus} | {difference:.1e} |",
+                          flush=True)
+                    results.append((gpu, tiling_name, config))
+            gpu, tiling_name, config = min(results, key=lambda result: result[0])
+            print(f"\nwinner: {tiling_name} split {config.split}, {gpu * 1e6:.1f} us GPU"
+                  + (f", {gpu / cudnn:.2f}x cuDNN" if cudnn else "") + "\n")
+            winners.append((key, tiling_name, config.split, gpu, cudnn, f"{label} {phase}"))
+    print("## CONV_CHOICES entries of the winners (paste into ops/matmul.py)\n")
+    for key, tiling_name, split, gpu, cudnn, label in winners:
+        versus = "-" if cudnn is None else f"{cudnn * 1e6:.1f}"
+        print(f"    {key}: GemmConfig({tiling_name}, {split}),   # {label}: {gpu * 1e6:.1f} us "
+              f"GPU, cuDNN {versus} (H200 sweep)")
+    print(f"\n(sweep took {time.perf_counter() - started:.0f} s, compiles included)")
 
 
 def main(argv=None):
@@ -239,8 +416,16 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help=f"batch {QUICK_BATCH}, short rounds (a smoke test, not a "
                              "measurement)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --device cuda: time every conv GEMM config at the CNN's "
+                             "shapes and print the winners as CONV_CHOICES entries")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    if args.sweep:
+        if args.device != "cuda":
+            parser.error("--sweep needs --device cuda")
+        sweep_cuda(QUICK_BATCH if args.quick else BATCH)
+        return None
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     result = run(args.device, args.quick, args.threads)

@@ -29,6 +29,13 @@ a backward pass never materialises a transpose. The same template carries the fu
 kernels of ``ops.dense``: bias and activation as an epilogue, the activation's derivative as
 a prologue on the gradient operand, and a virtual row of ones that yields the bias gradient
 as one more output row. Sums run in a fixed order: results are reproducible run to run.
+
+The convolutions of ``ops.conv`` are the same template with gathered operands (implicit
+GEMM, ``conv_gemm_shape``): the fetches take a tile's rows and columns apart into (sample,
+row, column) and (channel, tap) with the geometry a compile-time constant, read zero in the
+padding, and the epilogues store NCHW; the main loop (``accumulate``) is the one above.
+Their configs come from ``CONV_CHOICES`` (``python -m bench.conv_ops --device cuda
+--sweep``), else ``pick_conv_config``'s rule.
 """
 import functools
 import math
@@ -40,9 +47,10 @@ from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
 from ops import cuda_backend
-from ops.cuda_backend import SIMULATOR, cuda
+from ops.cuda_backend import SIMULATOR, cuda, device_reshape
 from ops.dispatch import Out, run
 from ops.launch import Kernel
+from ops.layout import flat
 from ops.memory import empty
 from ops.pointwise import IDENTITY, derivative_cuda, value_cuda
 from ops.registry import Op, register
@@ -103,8 +111,9 @@ MAX_THREADS = 1024
 STATIC_SHARED_BYTES = 48 * 1024   # the most static shared memory a block may hold
 MEDIUM_MIN_BLOCKS = 48   # below this many MEDIUM blocks, SMALL's many blocks win
 
-# what the template computes besides the plain product
-PLAIN, FORWARD, GRAD_A, GRAD_B = range(4)
+# what the template computes besides the plain product; the CONV_ modes are the convolutions
+# of ops.conv as implicit GEMMs (see _conv_operands)
+PLAIN, FORWARD, GRAD_A, GRAD_B, CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT = range(7)
 PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct banks
 
 
@@ -234,7 +243,7 @@ def k_slices(k, split, bk):
 # ------------------------------------------------------------------ CUDA kernel template
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
+def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None):
     """The kernels for one dtype/tiling/layout/mode: a device function ``tile_product`` holding
     the whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
     arguments (each kernel argument costs launch time).
@@ -242,7 +251,10 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     The grid's z extent is the number of K slices, the block's z index its slice. ``partial``:
     the kernel of a split-K product, writing its raw slice sums (the bias row's too) into
     ``partials[slice]`` for ``_split_sum_kernel`` to finish; its FORWARD is PLAIN (the
-    epilogue moves to the sum)."""
+    epilogue moves to the sum).
+
+    ``conv``: the ``ConvGeometry`` of a CONV_ mode, whose operands are gathered from the
+    convolution's arrays (``_conv_operands``) through the same main loop (``accumulate``)."""
     check_tiling(tiling, dtype)
     BM, BN, BK, TM, TN = tiling[:5]
     # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
@@ -253,8 +265,12 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     TY, TX = BM // TM, BN // TN
     THREADS = TY * TX
     A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
-    A_AUX_LOADS = A_LOADS if mode == GRAD_A else 1
-    B_AUX_LOADS = B_LOADS if mode == GRAD_B else 1
+    # the activation-derivative prologue: on A (the gradient G = grad_out · act'(y)) for
+    # Dense's dX and the conv's dw, on B for Dense's dW and the conv's dx
+    A_PROLOGUE = mode in (GRAD_A, CONV_GRAD_WEIGHT)
+    B_PROLOGUE = mode in (GRAD_B, CONV_GRAD_INPUT)
+    A_AUX_LOADS = A_LOADS if A_PROLOGUE else 1
+    B_AUX_LOADS = B_LOADS if B_PROLOGUE else 1
     numba_type = from_dtype(np.dtype(dtype))
     ZERO, ONE = np.dtype(dtype).type(0), np.dtype(dtype).type(1)
     ONES_ROW = mode == GRAD_B   # A gets a virtual last row of ones: that output row is db
@@ -294,8 +310,10 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
             return e % U(BK), e // U(BK)
         return e // U(BN), e % U(BN)
 
+    # ``group``: the block's group of a convolution (_conv_operands' fetches); one signature
+    # for accumulate, unused here
     @cuda.jit(device=True)
-    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid):
+    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group):
         for load in range(A_LOADS):
             kk, r = a_slot(tid, load)
             m, k = row0 + r, k0 + kk
@@ -315,13 +333,13 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
         for load in range(A_LOADS):
             kk, r = a_slot(tid, load)
             value = regs[load]
-            if mode == GRAD_A:   # a zero fetched outside a keeps zero: act' is finite at 0
+            if A_PROLOGUE:   # a zero fetched outside a keeps zero: act' is finite at 0
                 y = aux_regs[load]
                 value = value * numba_type(derivative_cuda(act, y, y, alpha))
             tile[buffer + kk * U(A_ROW) + r] = value
 
     @cuda.jit(device=True)
-    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid):
+    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group):
         for load in range(B_LOADS):
             kk, c = b_slot(tid, load)
             n, k = col0 + c, k0 + kk
@@ -338,17 +356,22 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
         for load in range(B_LOADS):
             kk, c = b_slot(tid, load)
             value = regs[load]
-            if mode == GRAD_B:
+            if B_PROLOGUE:
                 y = aux_regs[load]
                 value = value * numba_type(derivative_cuda(act, y, y, alpha))
             tile[buffer + kk * U(B_ROW) + c] = value
 
+    if conv is not None:
+        fetch_a, fetch_b = _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot,
+                                          b_slot)
+
     @cuda.jit(device=True)
-    def tile_product(a, b, out, aux, side, bias, alpha):
+    def accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, group, alpha):
+        """acc = this thread's sub-tile of op(A)[row0:, k_begin:k_end] @ op(B)[k_begin:k_end,
+        col0:], the rows below ``m_data`` and columns below ``n_size``."""
         # the tiles are flat: row kk of buffer s of A's tile starts at s*A_BUFFER + kk*A_ROW
         a_tile = cuda.shared.array(A_TILE, numba_type, alignment=ALIGN)
         b_tile = cuda.shared.array(B_TILE, numba_type, alignment=ALIGN)
-        acc = cuda.local.array(ACC, numba_type)
         a_regs = cuda.local.array(A_LOADS, numba_type)
         b_regs = cuda.local.array(B_LOADS, numba_type)
         a_aux_regs = cuda.local.array(A_AUX_LOADS, numba_type)   # y under the prologue
@@ -357,22 +380,11 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
         b_frag = cuda.local.array(TN, numba_type)
         tid = U(cuda.threadIdx.x)
         ty, tx = tid // U(TX), tid % U(TX)
-        row0, col0 = U(cuda.blockIdx.y) * U(BM), U(cuda.blockIdx.x) * U(BN)
-        if trans_a:
-            k_size, m_data = U(a.shape[0]), U(a.shape[1])
-        else:
-            m_data, k_size = U(a.shape[0]), U(a.shape[1])
-        n_size = U(b.shape[0]) if trans_b else U(b.shape[1])
-        # this block's K slice: whole BK steps, the rule of k_slices (never empty there)
-        slices = U(cuda.gridDim.z)
-        per_slice = ((k_size + U(BK - 1)) // U(BK) + slices - U(1)) // slices
-        k_begin = min(U(cuda.blockIdx.z) * per_slice * U(BK), k_size)
-        k_end = min(k_begin + per_slice * U(BK), k_size)
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = ZERO
-        fetch_a(a, aux, a_regs, a_aux_regs, k_begin, row0, m_data, k_end, tid)
-        fetch_b(b, aux, b_regs, b_aux_regs, k_begin, col0, n_size, k_end, tid)
+        fetch_a(a, aux, a_regs, a_aux_regs, k_begin, row0, m_data, k_end, tid, group)
+        fetch_b(b, aux, b_regs, b_aux_regs, k_begin, col0, n_size, k_end, tid, group)
         stash_a(a_tile, U(0), a_regs, a_aux_regs, tid, alpha)
         stash_b(b_tile, U(0), b_regs, b_aux_regs, tid, alpha)
         cuda.syncthreads()
@@ -383,8 +395,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
             more = step + U(1) < steps
             if more:   # global loads of the next slice overlap the math on this one
                 k_next = k_begin + (step + U(1)) * U(BK)
-                fetch_a(a, aux, a_regs, a_aux_regs, k_next, row0, m_data, k_end, tid)
-                fetch_b(b, aux, b_regs, b_aux_regs, k_next, col0, n_size, k_end, tid)
+                fetch_a(a, aux, a_regs, a_aux_regs, k_next, row0, m_data, k_end, tid, group)
+                fetch_b(b, aux, b_regs, b_aux_regs, k_next, col0, n_size, k_end, tid, group)
             # Unsigned flat offsets and a while loop: a[cur, kk, owned(...)] over range(BK)
             # was left rolled, and its signed 64-bit index arithmetic (Numba's negative-index
             # wraparound and floor-division fix-ups) was most of the loop: ~20 integer
@@ -411,6 +423,31 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
                 stash_a(a_tile, (U(1) - cur) * U(A_BUFFER), a_regs, a_aux_regs, tid, alpha)
                 stash_b(b_tile, (U(1) - cur) * U(B_BUFFER), b_regs, b_aux_regs, tid, alpha)
             cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def k_range(k_size, slice_index, slices):
+        """This block's K slice: whole BK steps, the rule of k_slices (never empty there)."""
+        per_slice = ((k_size + U(BK - 1)) // U(BK) + slices - U(1)) // slices
+        k_begin = min(slice_index * per_slice * U(BK), k_size)
+        return k_begin, min(k_begin + per_slice * U(BK), k_size)
+
+    if conv is not None:
+        return _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, tiling,
+                           numba_type)
+
+    @cuda.jit(device=True)
+    def tile_product(a, b, out, aux, side, bias, alpha):
+        acc = cuda.local.array(ACC, numba_type)
+        tid = U(cuda.threadIdx.x)
+        ty, tx = tid // U(TX), tid % U(TX)
+        row0, col0 = U(cuda.blockIdx.y) * U(BM), U(cuda.blockIdx.x) * U(BN)
+        if trans_a:
+            k_size, m_data = U(a.shape[0]), U(a.shape[1])
+        else:
+            m_data, k_size = U(a.shape[0]), U(a.shape[1])
+        n_size = U(b.shape[0]) if trans_b else U(b.shape[1])
+        k_begin, k_end = k_range(k_size, U(cuda.blockIdx.z), U(cuda.gridDim.z))
+        accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, U(0), alpha)
         for i in range(TM):
             m = row0 + owned(ty, i, TY, RUN_M)
             for j in range(TN):
@@ -463,6 +500,186 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial):
     def dense_grad_params_cuda(x, g, y, grad_w, grad_b, alpha):
         tile_product(x, g, grad_w, y, grad_b, grad_b, alpha)
     return dense_grad_params_cuda
+
+
+# ------------------------------------------------------------------ convolutions as implicit GEMMs
+
+# The geometry of a convolution (ops.conv's notation, the batch excepted: it is read from the
+# arrays' sizes, so a short last batch reuses the kernels). Its values are compile-time
+# constants of the kernels, as a tiling's are: the divisions that take a GEMM row or column
+# apart into (sample, row, column) or (channel, tap) become multiplications. BIAS: the forward
+# adds a bias; the weight gradient appends a column of ones to B, whose output column is db.
+ConvGeometry = namedtuple("ConvGeometry", "C H W O OH OW KH KW SH SW PT PL DH DW GROUPS BIAS")
+
+
+def conv_gemm_shape(mode, geometry, batch):
+    """(M, N, K) of one group's GEMM. Positions (sample, row, column) are the output columns
+    of the forward and dx, so the epilogue's NCHW stores run along a row of the image:
+    - forward: y[o, p] = Σ_k w[o, k] · X[k, p], K = (c, i, j) of Cg·KH·KW, p = (n, oh, ow);
+    - dx: dx[c, p] = Σ_k W[c, k] · G[k, p], k = (o, i, j) of Og·KH·KW (the flipped filter:
+      G[k, p] is grad_out at the output position that tap (i, j) of p's input position
+      feeds, zero where none does), p = (n, ih, iw);
+    - dw: dw[o, k] = Σ_p G[o, p] · X[p, k] over the N·OH·OW positions p, k = (c, i, j), and
+      with BIAS one more column of ones: db[o] = Σ_p G[o, p]."""
+    g = geometry
+    taps = g.KH * g.KW
+    cg, og = g.C // g.GROUPS, g.O // g.GROUPS
+    if mode == CONV_FORWARD:
+        return og, batch * g.OH * g.OW, cg * taps
+    if mode == CONV_GRAD_INPUT:
+        return cg, batch * g.H * g.W, og * taps
+    return og, cg * taps + (1 if g.BIAS else 0), batch * g.OH * g.OW
+
+
+def _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot, b_slot):
+    """The fetches of a CONV_ mode: each loads the thread's elements of the next A or B
+    K-slice, gathered from the convolution's flat NCHW arrays, zero outside the image (the
+    padding) and outside the GEMM. Unsigned arithmetic throughout (see tile_product), so a
+    padded row ``oh·SH + i·DH`` is compared with PT before PT is taken off: it never
+    wraps. ``group`` is the block's group: its channels and filters."""
+    C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, BIAS = conv
+    TAPS, CG, OG = KH * KW, C // GROUPS, O // GROUPS
+    P_OUT, P_IN, NK = OH * OW, H * W, C // GROUPS * KH * KW
+    ZERO, ONE = numba_type(0), numba_type(1)
+
+    @cuda.jit(device=True)
+    def image_tap(x, p, k, group):
+        """x at tap k = (c, i, j) of output position p = (n, oh, ow): X[k, p] of the forward,
+        X[p, k] of dw."""
+        n, q = p // U(P_OUT), p % U(P_OUT)
+        c, t = k // U(TAPS), k % U(TAPS)
+        ih = (q // U(OW)) * U(SH) + (t // U(KW)) * U(DH)   # in the padded image
+        iw = (q % U(OW)) * U(SW) + (t % U(KW)) * U(DW)
+        if U(PT) <= ih < U(PT + H) and U(PL) <= iw < U(PL + W):
+            return x[((n * U(C) + group * U(CG) + c) * U(H) + ih - U(PT)) * U(W) + iw - U(PL)]
+        return ZERO
+
+    @cuda.jit(device=True)
+    def gradient_at(p, o, group):
+        """The flat index of grad_out (and y) at output position p = (n, q) and the group's
+        filter o."""
+        return ((p // U(P_OUT)) * U(O) + group * U(OG) + o) * U(P_OUT) + p % U(P_OUT)
+
+    @cuda.jit(device=True)
+    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group):
+        for load in range(A_LOADS):
+            kk, r = a_slot(tid, load)
+            m, k = row0 + r, k0 + kk
+            value = y = ZERO
+            if k < k_end and m < m_data:
+                if mode == CONV_FORWARD:   # w as (O, Cg·KH·KW)
+                    value = a[(group * U(OG) + m) * U(NK) + k]
+                elif mode == CONV_GRAD_INPUT:   # w[g·Og + o, c, i, j] with k = (o, i, j)
+                    value = a[((group * U(OG) + k // U(TAPS)) * U(CG) + m) * U(TAPS)
+                              + k % U(TAPS)]
+                else:   # grad_out and y at position k of filter m
+                    at = gradient_at(k, m, group)
+                    value = a[at]
+                    y = aux[at]
+            regs[load] = value
+            aux_regs[load if mode == CONV_GRAD_WEIGHT else 0] = y
+
+    @cuda.jit(device=True)
+    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group):
+        for load in range(B_LOADS):
+            kk, c = b_slot(tid, load)
+            n, k = col0 + c, k0 + kk
+            value = y = ZERO
+            if k < k_end and n < n_size:
+                if mode == CONV_FORWARD:
+                    value = image_tap(b, n, k, group)
+                elif mode == CONV_GRAD_INPUT:   # the output position tap k = (o, i, j) of n reads
+                    q, o, t = n % U(P_IN), k // U(TAPS), k % U(TAPS)
+                    ph, pw = q // U(W) + U(PT), q % U(W) + U(PL)   # in the padded image
+                    i, j = (t // U(KW)) * U(DH), (t % U(KW)) * U(DW)
+                    th, tw = ph - i if ph >= i else U(SH * OH), pw - j if pw >= j else U(SW * OW)
+                    oh, ow = th // U(SH), tw // U(SW)
+                    if oh < U(OH) and ow < U(OW) and th % U(SH) == U(0) and tw % U(SW) == U(0):
+                        at = gradient_at((n // U(P_IN)) * U(P_OUT) + oh * U(OW) + ow, o, group)
+                        value = b[at]
+                        y = aux[at]
+                elif n < U(NK):
+                    value = image_tap(b, k, n, group)
+                else:   # dw's column of ones: its output column is db
+                    value = ONE
+            regs[load] = value
+            aux_regs[load if mode == CONV_GRAD_INPUT else 0] = y
+
+    return fetch_a, fetch_b
+
+
+def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, tiling,
+                numba_type):
+    """The ``@cuda.jit`` entry point of a CONV_ mode: block (x, y) takes a tile of one
+    group's GEMM, block z its group and K slice (z = slice·GROUPS + group), and the epilogue
+    writes NCHW (forward: bias and activation fused; dx), dw and db, or a split-K partial."""
+    C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, BIAS = conv
+    TAPS, CG, OG = KH * KW, C // GROUPS, O // GROUPS
+    P_OUT, P_IN, NK = OH * OW, H * W, C // GROUPS * KH * KW
+    BM, BN, BK, TM, TN = tiling[:5]
+    TY, TX = BM // TM, BN // TN
+    RUN_M, RUN_N = vec_run(TM, tiling.vec), vec_run(TN, tiling.vec)
+    ACC = (TM, TN)
+    COLUMNS = NK + (1 if BIAS else 0)   # dw's columns, db's included
+
+    @cuda.jit(device=True)
+    def conv_tile_product(a, b, out, aux, side, bias, alpha):
+        acc = cuda.local.array(ACC, numba_type)
+        tid = U(cuda.threadIdx.x)
+        ty, tx = tid // U(TX), tid % U(TX)
+        row0, col0 = U(cuda.blockIdx.y) * U(BM), U(cuda.blockIdx.x) * U(BN)
+        z = U(cuda.blockIdx.z)
+        group, slice_index = z % U(GROUPS), z // U(GROUPS)
+        if mode == CONV_FORWARD:   # out is y: N·O·OH·OW
+            m_data, n_size, k_size = U(OG), U(out.shape[0]) // U(O), U(NK)
+        elif mode == CONV_GRAD_INPUT:   # out is dx: N·C·H·W
+            m_data, n_size, k_size = U(CG), U(out.shape[0]) // U(C), U(OG * TAPS)
+        else:   # a is grad_out: N·O·OH·OW
+            m_data, n_size, k_size = U(OG), U(COLUMNS), U(a.shape[0]) // U(O)
+        k_begin, k_end = k_range(k_size, slice_index, U(cuda.gridDim.z) // U(GROUPS))
+        accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, group, alpha)
+        for i in range(TM):
+            m = row0 + owned(ty, i, TY, RUN_M)
+            for j in range(TN):
+                n = col0 + owned(tx, j, TX, RUN_N)
+                if m < m_data and n < n_size:
+                    value = acc[i, j]
+                    if mode == CONV_FORWARD:
+                        o = group * U(OG) + m
+                        if BIAS:
+                            value += bias[o]
+                        out[((n // U(P_OUT)) * U(O) + o) * U(P_OUT) + n % U(P_OUT)] = \
+                            value_cuda(act, value, alpha)
+                    elif mode == CONV_GRAD_INPUT:
+                        out[((n // U(P_IN)) * U(C) + group * U(CG) + m) * U(P_IN)
+                            + n % U(P_IN)] = value
+                    elif partial:   # partials: (slices, O, COLUMNS)
+                        out[(slice_index * U(O) + group * U(OG) + m) * U(COLUMNS) + n] = value
+                    elif n < U(NK):
+                        out[(group * U(OG) + m) * U(NK) + n] = value
+                    else:
+                        side[group * U(OG) + m] = value
+
+    if mode == CONV_FORWARD:
+        @entry
+        def conv2d_forward_gemm_cuda(x, w, bias, out, alpha):
+            conv_tile_product(w, x, out, x, bias, bias, alpha)
+        return conv2d_forward_gemm_cuda
+    if mode == CONV_GRAD_INPUT:
+        @entry
+        def conv2d_grad_input_gemm_cuda(w, grad_out, y, grad_x, alpha):
+            conv_tile_product(w, grad_out, grad_x, y, grad_x, grad_x, alpha)
+        return conv2d_grad_input_gemm_cuda
+    if partial:
+        @entry
+        def conv2d_grad_weight_partial_cuda(grad_out, y, x, partials, alpha):
+            conv_tile_product(grad_out, x, partials, y, partials, partials, alpha)
+        return conv2d_grad_weight_partial_cuda
+
+    @entry
+    def conv2d_grad_weight_gemm_cuda(grad_out, y, x, grad_w, grad_b, alpha):
+        conv_tile_product(grad_out, x, grad_w, y, grad_b, grad_b, alpha)
+    return conv2d_grad_weight_gemm_cuda
 
 
 SUM_THREADS = 256
@@ -575,6 +792,93 @@ def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
     sum_threads = max(1, min(SUM_THREADS, elements)) if SIMULATOR else SUM_THREADS
     return [(partial_kernel, blocks + (slices,), threads, partial_args),
             (sum_kernel, -(-elements // sum_threads), sum_threads, sum_args)]
+
+
+@cuda.jit(cache=True)
+def conv2d_grad_weight_sum_cuda(partials, grad_w, grad_b):
+    """The second launch of a split-K weight gradient, one thread per (filter, column): the
+    sum of its partials (slices, O, columns) in slice order; the column past grad_w's (the
+    ones column) is db."""
+    e = cuda.grid(1)
+    rows, columns = partials.shape[1], partials.shape[2]
+    if e < rows * columns:
+        m, n = e // columns, e % columns
+        if n < grad_w.shape[1]:
+            grad_w[m, n] = _slice_sum(partials, m, n)
+        else:
+            grad_b[m] = _slice_sum(partials, m, n)
+
+
+# The measured choices for the convolutions' GEMMs: (mode, M, N, K) of conv_gemm_shape (one
+# group's product) -> the config that won `python -m bench.conv_ops --device cuda --sweep`
+# (GPU time; put the measurement beside each entry). Only the weight gradient splits K: the
+# forward and dx have a tile per 64 positions or so, thousands at the CNN's shapes. Shapes not
+# listed take pick_conv_config's rule, a guess until the sweep has measured it.
+CONV_CHOICES = {}
+CONV_MODE_NAMES = {CONV_FORWARD: "forward", CONV_GRAD_INPUT: "grad_input",
+                   CONV_GRAD_WEIGHT: "grad_weight"}
+
+
+def pick_conv_tiling(m, n, k):
+    """The rows of a conv GEMM are its channels (32 or 64 in the CNN, fewer per group), so the
+    tile is as tall as they need: LARGE only above 64 rows and when it fills the GPU, MEDIUM
+    above 32, else WIDE (32x64, 2x4 per thread) when K fills its steps of 32, COMPACT (32x32,
+    steps of 16) when it does not (the first layer's K is 9). A guess until the sweep has
+    measured these shapes."""
+    if SIMULATOR:
+        return SIMULATED
+    if m > MEDIUM.BM and -(-m // LARGE.BM) * -(-n // LARGE.BN) >= _multiprocessors():
+        return LARGE
+    if m > COMPACT.BM:
+        return MEDIUM
+    return WIDE if k >= WIDE.BK else COMPACT
+
+
+def pick_conv_config(mode, m, n, k, groups):
+    """The tiling and split count of one group's conv GEMM (m, n, k): the table's measured
+    choice, else the rule (the weight gradient splits K as pick_config does, counting every
+    group's tiles)."""
+    key = (CONV_MODE_NAMES[mode], m, n, k)
+    choice = CONV_CHOICES.get(key)
+    if choice is not None:
+        if choice.split < 1 or (choice.split > 1 and mode != CONV_GRAD_WEIGHT):
+            raise ValueError(f"matmul: CONV_CHOICES[{key}] asks for split {choice.split}; a "
+                             f"split is at least 1, and only grad_weight splits K")
+        return choice
+    tiling = pick_conv_tiling(m, n, k)
+    tiles = -(-m // tiling.BM) * -(-n // tiling.BN) * groups
+    split = 1
+    if mode == CONV_GRAD_WEIGHT and tiles < _multiprocessors():
+        split = max(1, min(k // SPLIT_MIN_K, -(-SPLIT_BLOCKS_PER_SM * _multiprocessors() // tiles)))
+    return GemmConfig(tiling, split)
+
+
+def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
+    """The launches of a convolution's ``mode`` GEMM, ``args`` those of its entry point:
+    forward (x, w, bias, y, alpha), dx (w, grad_out, y, grad_x, alpha), dw (grad_out, y, x,
+    grad_w, grad_b, alpha), all flat NCHW arrays; dw under split-K is the partial products
+    and their sum."""
+    dtype = np.dtype(dtype)
+    m, n, k = conv_gemm_shape(mode, geometry, batch)
+    tiling, split = pick_conv_config(mode, m, n, k, geometry.GROUPS)
+    if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:   # a float32 choice, run in float64
+        tiling = MEDIUM if m > COMPACT.BM else COMPACT   # both fit any dtype up to 8 bytes
+    slices = k_slices(k, split, tiling.BK)
+    blocks = (-(-n // tiling.BN), -(-m // tiling.BM), geometry.GROUPS * slices)
+    threads = threads_of(tiling)
+    trans_b = mode == CONV_GRAD_WEIGHT   # B (positions, taps): threads read along positions
+    if slices == 1:
+        kernel = _gemm_kernels(dtype, tiling, False, trans_b, mode, act, False, geometry)
+        return [(kernel, blocks, threads, args)]
+    grad_out, y, x, grad_w, grad_b, alpha = args
+    partials = empty((slices, geometry.O, n), dtype, "cuda")
+    partial_kernel = _gemm_kernels(dtype, tiling, False, trans_b, mode, act, True, geometry)
+    weights = grad_w.size // geometry.O
+    elements = geometry.O * n
+    sum_threads = max(1, min(SUM_THREADS, elements)) if SIMULATOR else SUM_THREADS
+    return [(partial_kernel, blocks, threads, (grad_out, y, x, flat(partials), alpha)),
+            (conv2d_grad_weight_sum_cuda, -(-elements // sum_threads), sum_threads,
+             (partials, device_reshape(grad_w, (geometry.O, weights)), grad_b))]
 
 
 # ------------------------------------------------------------------ array-level GEMM

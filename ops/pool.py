@@ -20,26 +20,27 @@ forward 5.6 -> 2.7 ms on two threads once the running maximum is a select (as a 
 mispredicts on random data and ran 14.7 ms on two threads), max backward 0.83 -> 0.45, avg
 forward 3.0 -> 1.5, avg backward 3.2 -> 1.6.
 """
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from ops.conv import pair, valid_range, window_output_size
-from ops.cuda_backend import cuda
-from ops.dispatch import Meta, Out, run
-from ops.launch import Kernel, elements
+from ops.cuda_backend import SIMULATOR, cuda
+from ops.dispatch import Out, run
+from ops.launch import THREADS_PER_BLOCK, Kernel
 from ops.layout import flat
 from ops.registry import Op, register
 
-# meta: (planes = N·C, H, W, OH, OW, KH, KW, SH, SW, PH, PW)
+# meta: (planes = N·C, H, W, OH, OW, KH, KW, SH, SW, PH, PW), a tuple of ints both kernels
+# take: the CPU kernels read it; the CUDA kernels are built with all but the plane count as
+# compile-time constants (see _cuda_kernels), the plane count read from the arrays' sizes.
 
 
-def _geometry(meta):
+@njit(inline="always")
+def _geometry_cpu(meta):
     return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
             meta[9], meta[10])
-
-
-_geometry_cpu = njit(inline="always")(_geometry)
-_geometry_cuda = cuda.jit(device=True)(_geometry)
 
 
 @cuda.jit(device=True)
@@ -55,7 +56,7 @@ def _windows_holding(i, kernel, stride, pad, count):
 def _max_window(x, plane, oh, ow, geometry):
     """The window's maximum and its plane-relative index ``ih·W + iw``: the first maximum,
     or the last NaN (torch's rule ``value > best or isnan(value)``)."""
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
     base = plane * h * w
     h0, w0 = oh * sh - ph, ow * sw - pw
     best_at = max(h0, 0) * w + max(w0, 0)   # a window always holds an input element
@@ -71,7 +72,7 @@ def _max_window(x, plane, oh, ow, geometry):
 @cuda.jit(device=True)
 def _avg_window(x, plane, oh, ow, geometry, scale):
     """Σ window · scale, window in row-major order: the padding adds zeros."""
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
     base = plane * h * w
     h0, w0 = oh * sh - ph, ow * sw - pw
     total = scale - scale
@@ -84,11 +85,11 @@ def _avg_window(x, plane, oh, ow, geometry, scale):
 @cuda.jit(device=True)
 def _max_grad_at(argmax, grad_out, plane, ih, iw, geometry):
     """d loss / d x[plane, ih, iw]: the gradients of the windows whose argmax it is."""
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
     oh_lo, oh_hi = _windows_holding(ih, kh, sh, ph, oh_n)
     ow_lo, ow_hi = _windows_holding(iw, kw, sw, pw, ow_n)
     me = ih * w + iw
-    total = 0.0
+    total = grad_out.dtype.type(0)
     base = plane * oh_n * ow_n
     for oh in range(oh_lo, oh_hi):
         for ow in range(ow_lo, ow_hi):
@@ -100,7 +101,7 @@ def _max_grad_at(argmax, grad_out, plane, ih, iw, geometry):
 @cuda.jit(device=True)
 def _avg_grad_at(grad_out, plane, ih, iw, geometry, scale):
     """d loss / d x[plane, ih, iw]: (Σ over the windows holding it of grad_out) · scale."""
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
+    h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = geometry
     oh_lo, oh_hi = _windows_holding(ih, kh, sh, ph, oh_n)
     ow_lo, ow_hi = _windows_holding(iw, kw, sw, pw, ow_n)
     total = scale - scale
@@ -137,17 +138,6 @@ def max_pool_cpu(x, out, argmax, meta):
                 best[ow], best_at[ow] = top, top_at
 
 
-@cuda.jit(cache=True)
-def max_pool_cuda(x, out, argmax, meta):
-    at = cuda.grid(1)
-    if at < out.size:
-        geometry = _geometry_cuda(meta)
-        oh_n, ow_n = geometry[3], geometry[4]
-        plane, position = at // (oh_n * ow_n), at % (oh_n * ow_n)
-        out[at], argmax[at] = _max_window(x, plane, position // ow_n, position % ow_n,
-                                          geometry)
-
-
 @njit(cache=True, error_model="numpy", parallel=True)
 def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
     """Scatters each window's gradient to its argmax, windows in row-major order: each input
@@ -161,17 +151,6 @@ def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
         first = plane * oh_n * ow_n
         for o in range(first, first + oh_n * ow_n):
             target[argmax[o]] += grad_out[o]
-
-
-@cuda.jit(cache=True)
-def max_pool_grad_cuda(argmax, grad_out, grad_in, meta):
-    at = cuda.grid(1)
-    if at < grad_in.size:
-        geometry = _geometry_cuda(meta)
-        h, w = geometry[1], geometry[2]
-        plane, position = at // (h * w), at % (h * w)
-        grad_in[at] = _max_grad_at(argmax, grad_out, plane, position // w, position % w,
-                                   geometry)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
@@ -193,16 +172,6 @@ def avg_pool_cpu(x, out, meta, scale):
                         total[ow] += source[ih * w + ow * sw - pw + j]
             for ow in range(ow_n):
                 total[ow] *= scale
-
-
-@cuda.jit(cache=True)
-def avg_pool_cuda(x, out, meta, scale):
-    at = cuda.grid(1)
-    if at < out.size:
-        geometry = _geometry_cuda(meta)
-        oh_n, ow_n = geometry[3], geometry[4]
-        plane, position = at // (oh_n * ow_n), at % (oh_n * ow_n)
-        out[at] = _avg_window(x, plane, position // ow_n, position % ow_n, geometry, scale)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
@@ -228,21 +197,69 @@ def avg_pool_grad_cpu(grad_out, grad_in, meta, scale):
             target[i] *= scale
 
 
-@cuda.jit(cache=True)
-def avg_pool_grad_cuda(grad_out, grad_in, meta, scale):
-    at = cuda.grid(1)
-    if at < grad_in.size:
-        geometry = _geometry_cuda(meta)
-        h, w = geometry[1], geometry[2]
-        plane, position = at // (h * w), at % (h * w)
-        grad_in[at] = _avg_grad_at(grad_out, plane, position // w, position % w, geometry,
-                                   scale)
+@functools.cache
+def _cuda_kernels(window):
+    """The four CUDA kernels, one thread per output (forward) or input (backward) element,
+    with the window geometry ``window`` = (H, W, OH, OW, KH, KW, SH, SW, PH, PW) compile-time
+    constants: the element's (plane, row, column) and the window bounds come from divisions
+    by constants (multiplications). The kernels before these read the geometry from a device
+    array and divided by runtime 64-bit values; the CNN's pool forwards then ran about 4x
+    PyTorch's time on the H200 (bench.conv_ops)."""
+    h, w, oh_n, ow_n = window[:4]
+    out_plane, in_plane = oh_n * ow_n, h * w
+
+    @cuda.jit(cache=True)
+    def max_pool_cuda(x, out, argmax):
+        at = cuda.grid(1)
+        if at < out.size:
+            plane, position = at // out_plane, at % out_plane
+            out[at], argmax[at] = _max_window(x, plane, position // ow_n, position % ow_n,
+                                              window)
+
+    @cuda.jit(cache=True)
+    def max_pool_grad_cuda(argmax, grad_out, grad_in):
+        at = cuda.grid(1)
+        if at < grad_in.size:
+            plane, position = at // in_plane, at % in_plane
+            grad_in[at] = _max_grad_at(argmax, grad_out, plane, position // w, position % w,
+                                       window)
+
+    @cuda.jit(cache=True)
+    def avg_pool_cuda(x, out, scale):
+        at = cuda.grid(1)
+        if at < out.size:
+            plane, position = at // out_plane, at % out_plane
+            out[at] = _avg_window(x, plane, position // ow_n, position % ow_n, window, scale)
+
+    @cuda.jit(cache=True)
+    def avg_pool_grad_cuda(grad_out, grad_in, scale):
+        at = cuda.grid(1)
+        if at < grad_in.size:
+            plane, position = at // in_plane, at % in_plane
+            grad_in[at] = _avg_grad_at(grad_out, plane, position // w, position % w, window,
+                                       scale)
+
+    return max_pool_cuda, max_pool_grad_cuda, avg_pool_cuda, avg_pool_grad_cuda
 
 
-MAX_POOL = Kernel("max_pool2d", max_pool_cpu, max_pool_cuda, elements(1))
-MAX_POOL_GRAD = Kernel("max_pool2d_grad", max_pool_grad_cpu, max_pool_grad_cuda, elements(2))
-AVG_POOL = Kernel("avg_pool2d", avg_pool_cpu, avg_pool_cuda, elements(1))
-AVG_POOL_GRAD = Kernel("avg_pool2d_grad", avg_pool_grad_cpu, avg_pool_grad_cuda, elements(1))
+def _elementwise_plan(which, elements_of, drop):
+    """The plan of kernel ``which`` of _cuda_kernels: one thread per element of argument
+    ``elements_of``, the arguments without the meta tuple (position ``drop``)."""
+    def plan(args):
+        kernel = _cuda_kernels(tuple(args[drop][1:]))[which]
+        count = args[elements_of].size
+        threads = max(1, min(THREADS_PER_BLOCK, count)) if SIMULATOR else THREADS_PER_BLOCK
+        return [(kernel, -(-count // threads), threads,
+                 tuple(args[:drop]) + tuple(args[drop + 1:]))]
+    return plan
+
+
+MAX_POOL = Kernel("max_pool2d", max_pool_cpu, cuda_plan=_elementwise_plan(0, 1, 3))
+MAX_POOL_GRAD = Kernel("max_pool2d_grad", max_pool_grad_cpu,
+                       cuda_plan=_elementwise_plan(1, 2, 3))
+AVG_POOL = Kernel("avg_pool2d", avg_pool_cpu, cuda_plan=_elementwise_plan(2, 1, 2))
+AVG_POOL_GRAD = Kernel("avg_pool2d_grad", avg_pool_grad_cpu,
+                       cuda_plan=_elementwise_plan(3, 1, 2))
 
 
 # ------------------------------------------------------------------ ops
@@ -269,7 +286,8 @@ class _Pool2D(Op):
                              f"{tuple(x.shape)}")
         self.x_shape = tuple(x.shape)
         self.out_shape = (nb, channels, oh, ow)
-        self.meta = Meta((nb * channels, h, w, oh, ow) + kernel + stride + padding)
+        self.meta = tuple(int(v) for v in (nb * channels, h, w, oh, ow) + kernel + stride
+                          + padding)
         self.scale = np.dtype(x.dtype).type(1.0 / (kernel[0] * kernel[1]))
 
 

@@ -304,3 +304,41 @@ def test_a_captured_cnn_step_equals_the_eager_one_bit_for_bit():
     assert captured_losses == eager_losses
     for name, value in eager.items():
         np.testing.assert_array_equal(captured[name], value, err_msg=name)
+
+
+@pytest.mark.gpu
+def test_the_cli_cnn_captured_on_the_gpu_equals_its_eager_fit_bit_for_bit():
+    """The network of ``--model cnn`` at batch 128 with a short last batch (the conv GEMMs'
+    batch is read from the arrays): its captured fit replays what eager runs, bit for bit."""
+    from engine.train import build_cnn
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (300, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 300)
+    outcomes = []
+    for capture in (True, False):
+        engine.manual_seed(0)
+        model = build_cnn((28, 28), 10).to("cuda")
+        loader = data.DataLoader(images, labels, batch_size=128, shuffle=True, seed=0,
+                                 device="cuda", normalize=(0.13, 0.31))
+        history = fit(model, loader, optim.Adam(model.parameters()), cross_entropy, 2,
+                      progress=False, verbose=False, capture=capture)
+        if capture:
+            assert fit.last_eager_reason is None
+        outcomes.append(([record["loss"] for record in history], model.state_dict()))
+    (captured_losses, captured), (eager_losses, eager) = outcomes
+    assert captured_losses == eager_losses
+    for name, value in eager.items():
+        np.testing.assert_array_equal(captured[name], value, err_msg=name)
+
+
+def test_bench_cnn_jax_rows_train_the_same_network():
+    """bench.cnn's JAX rows start from the engine's weights and see its batches: the same
+    test accuracy, nearly (fp32 sums in other orders)."""
+    pytest.importorskip("jax", reason="needs jax: pip install -e '.[bench]'")
+    from bench import cnn
+    result = cnn.run("cpu", 1, 128, eager=False)
+    rows = result["results"]
+    for name in ("jax", "jax scan"):
+        assert rows[name]["s_per_epoch"] > 0 and rows[name]["version"]
+        assert abs(rows[name]["test_acc"] - rows["engine"]["test_acc"]) <= 2 / 128, name
+    assert "| JAX " in cnn.format_table(result)

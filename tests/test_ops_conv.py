@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import engine
+import ops.matmul as mm
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
 from ops.batch_norm import BatchNorm
@@ -17,6 +18,7 @@ from ops.conv import Conv2D
 from ops.pool import AvgPool2D, MaxPool2D
 from ops.cuda_backend import SIMULATOR
 from ops.device import to_device, to_host
+from ops.launch import LaunchRecorder
 from tests.op_check import Case, check_op
 
 ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
@@ -266,6 +268,98 @@ def test_conv2d_backward_returns_the_destination_buffers(device):
     np.testing.assert_allclose(to_host(db), np.full(4, 2 * 7 * 10))   # N·OH·OW
 
 
+def _conv_grads(device, arrays, requires, params, dtype=np.float64):
+    """y and the gradients ``requires`` asks for, from a fixed upstream gradient."""
+    tensors = [engine.tensor(a, dtype=dtype, device=device, requires_grad=r)
+               for a, r in zip(arrays, requires)]
+    y = apply(Conv2D, *tensors, **params)
+    upstream = np.random.default_rng(1).standard_normal(y.shape)
+    (y * engine.tensor(upstream, dtype=dtype, device=device)).sum().backward()
+    return [y.numpy()] + [t.grad.numpy() for t in tensors if t.requires_grad]
+
+
+def _forcing_conv(monkeypatch, mode, geometry, batch, split, tiling=None):
+    """Force the config of one conv GEMM through an entry of ops.matmul.CONV_CHOICES."""
+    m, n, k = mm.conv_gemm_shape(mode, geometry, batch)
+    tiling = tiling or mm.pick_conv_tiling(m, n, k)
+    monkeypatch.setitem(mm.CONV_CHOICES, (mm.CONV_MODE_NAMES[mode], m, n, k),
+                        mm.GemmConfig(tiling, split))
+
+
+# groups 2, stride 2, padding 1, dilation 2, 7x9: dw's K is N·OH·OW = 2·3·5 = 30 positions
+SPLIT_CASE = ((2, 4, 7, 9), (6, 2, 3, 2), dict(stride=2, padding=1, dilation=2, groups=2,
+                                               activation="tanh"))
+SPLIT_GEOMETRY = mm.ConvGeometry(4, 7, 9, 6, 3, 5, 3, 2, 2, 2, 1, 1, 2, 2, 2, 1)
+
+
+@pytest.mark.cuda
+def test_conv2d_split_k_weight_gradient_matches_the_cpu(monkeypatch):
+    """dw and db as partial products over 3 K slices per group, summed in slice order: equal
+    to the CPU's in float64, bit equal run to run."""
+    _forcing_conv(monkeypatch, mm.CONV_GRAD_WEIGHT, SPLIT_GEOMETRY, 2, 3)
+    x_shape, w_shape, params = SPLIT_CASE
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
+    requires = (False, True, True)
+    with LaunchRecorder() as recorder:
+        first = _conv_grads("cuda", arrays, requires, params)
+    names = recorder.cuda_kernel_names()
+    assert "conv2d_grad_weight_partial_cuda" in names
+    assert "conv2d_grad_weight_sum_cuda" in names
+    assert "conv2d_grad_input_gemm_cuda" not in names   # the image needs no gradient
+    for got, want in zip(first, _conv_grads("cpu", arrays, requires, params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    second = _conv_grads("cuda", arrays, requires, params)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("requires", [(True, False, True), (False, True, False)])
+def test_conv2d_cuda_gradients_of_some_inputs_match_the_cpu(requires):
+    """db without dw (dw then goes to scratch) and dw with a frozen bias (no ones column)."""
+    x_shape, w_shape, params = SPLIT_CASE
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
+    for got, want in zip(_conv_grads("cuda", arrays, requires, params),
+                         _conv_grads("cpu", arrays, requires, params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiling", ["COMPACT_128", "WIDE"])   # vec runs of 4x2 and 2x4
+def test_conv2d_under_a_real_tiling_matches_the_cpu(monkeypatch, tiling):
+    """The tilings a GPU runs (runs of adjacent rows and columns per thread, 128 and 256
+    threads; the simulator's own tiling has neither), forced on all three GEMMs, dw split."""
+    for mode, split in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
+                        (mm.CONV_GRAD_WEIGHT, 2)):
+        _forcing_conv(monkeypatch, mode, SPLIT_GEOMETRY, 2, split, mm.TILINGS[tiling])
+    x_shape, w_shape, params = SPLIT_CASE
+    rng = np.random.default_rng(6)
+    arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
+    for got, want in zip(_conv_grads("cuda", arrays, (True,) * 3, params),
+                         _conv_grads("cpu", arrays, (True,) * 3, params)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_choices_split_only_the_weight_gradient(monkeypatch):
+    _forcing_conv(monkeypatch, mm.CONV_FORWARD, SPLIT_GEOMETRY, 2, 2, mm.COMPACT)
+    m, n, k = mm.conv_gemm_shape(mm.CONV_FORWARD, SPLIT_GEOMETRY, 2)
+    with pytest.raises(ValueError, match=r"CONV_CHOICES\[\('forward', 3, 30, 12\)\] asks for "
+                                         r"split 2.*only grad_weight splits K"):
+        mm.pick_conv_config(mm.CONV_FORWARD, m, n, k, 2)
+
+
+def test_conv_gemm_shapes_of_the_cnn():
+    """(M, N, K) of one group's GEMM: channels by positions, positions the image's."""
+    second = mm.ConvGeometry(32, 14, 14, 64, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1)
+    assert mm.conv_gemm_shape(mm.CONV_FORWARD, second, 128) == (64, 128 * 196, 32 * 9)
+    assert mm.conv_gemm_shape(mm.CONV_GRAD_INPUT, second, 128) == (32, 128 * 196, 64 * 9)
+    assert mm.conv_gemm_shape(mm.CONV_GRAD_WEIGHT, second, 128) == (64, 32 * 9 + 1, 128 * 196)
+    assert mm.conv_gemm_shape(mm.CONV_GRAD_WEIGHT, SPLIT_GEOMETRY._replace(BIAS=0), 2) == (
+        3, 2 * 3 * 2, 2 * 3 * 5)
+
+
 def test_conv2d_rejects_bad_arguments(device):
     x = engine.zeros(2, 4, 7, 9, device=device)
     w = engine.zeros(6, 2, 3, 2, device=device)
@@ -468,6 +562,43 @@ def test_conv2d_on_large_shapes_matches_torch_in_float64(x_shape, w_shape, param
         _gpu_close(got, t.grad.numpy(), what)
 
 
+CONV_TILINGS = [name for name in mm.TILINGS if name != "SIMULATED"]
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("tiling", CONV_TILINGS)
+@pytest.mark.parametrize("x_shape,w_shape,params,split", [
+    ((128, 32, 14, 14), (64, 32, 3, 3), dict(padding="same"), 3),   # the CNN's second conv
+    ((5, 6, 33, 31), (8, 3, 5, 4), dict(stride=2, padding=2, dilation=2, groups=2), 7),
+])
+def test_conv2d_every_tiling_matches_torch_in_float64(monkeypatch, tiling, x_shape, w_shape,
+                                                      params, split):
+    """Each tiling the sweep may pick, forced on all three GEMMs (dw split in ``split``: 3 or 7
+    slices per group, ragged)."""
+    import torch
+    rng = np.random.default_rng(12)
+    arrays = [rng.standard_normal(x_shape).astype(np.float32),
+              (rng.standard_normal(w_shape) * 0.1).astype(np.float32),
+              rng.standard_normal(w_shape[0]).astype(np.float32)]
+    op = Conv2D(activation="relu", **params)
+    op.check(*arrays)
+    geometry = mm.ConvGeometry(*op.meta[1:])
+    for mode, slices in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
+                         (mm.CONV_GRAD_WEIGHT, split)):
+        _forcing_conv(monkeypatch, mode, geometry, x_shape[0], slices, mm.TILINGS[tiling])
+    with LaunchRecorder() as recorder:
+        (y, *grads), upstream = _run_twice_on_the_gpu(
+            lambda *t: apply(Conv2D, *t, activation="relu", **params), arrays, (True,) * 3)
+    assert "conv2d_grad_weight_partial_cuda" in recorder.cuda_kernel_names()
+    tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
+    ty = torch.relu(torch.nn.functional.conv2d(*tensors, **params))
+    ty.backward(torch.tensor(upstream))
+    _gpu_close(y, ty.detach().numpy(), f"forward under {tiling}")
+    for what, got, t in zip(("dx", "dw", "db"), grads, tensors):
+        _gpu_close(got, t.grad.numpy(), f"{what} under {tiling}, split {split}")
+
+
 @pytest.mark.gpu
 @pytest.mark.torch
 @pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
@@ -535,7 +666,7 @@ def test_bench_conv_ops_quick_smoke(tmp_path, capsys):
 def test_bench_conv_ops_runs_on_cuda(monkeypatch, tmp_path):
     import json
 
-    from bench import conv_ops
+    from bench import conv_ops, gpu_time
     tiny = [("conv2d relu", (1, 5, 5), dict(out=2, kernel=3, needs_x=False)),
             ("max_pool2d", (2, 5, 5), dict(kernel_size=2)),
             ("conv2d relu", (2, 4, 4), dict(out=3, kernel=3, needs_x=True)),
@@ -544,8 +675,41 @@ def test_bench_conv_ops_runs_on_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(conv_ops, "LAYERS", tiny)
     monkeypatch.setattr(conv_ops, "QUICK_BATCH", 2)
     monkeypatch.setattr(conv_ops, "ROUNDS", 1)
+    monkeypatch.setattr(conv_ops, "GPU_CALLS", 1)
+    monkeypatch.setattr(gpu_time, "BUSY_SIZE", 4)   # the busy product, in the simulator
     path = tmp_path / "conv_ops.json"
     conv_ops.main(["--device", "cuda", "--quick", "--json", str(path)])
     result = json.loads(path.read_text())
-    assert result["device"] == "cuda" and len(result["rows"]) == 2 * len(tiny)
-    assert all(row["us_per_call"]["engine"] > 0 for row in result["rows"])
+    assert result["device"] == "cuda"
+    # a conv's backward GEMMs get rows of their own on CUDA: dw alone, dx only where needed
+    assert [(row["op"], row["phase"]) for row in result["rows"]] == [
+        ("conv2d relu", "forward"), ("conv2d relu", "backward"), ("conv2d relu", "grad_weight"),
+        ("max_pool2d", "forward"), ("max_pool2d", "backward"),
+        ("conv2d relu", "forward"), ("conv2d relu", "backward"), ("conv2d relu", "grad_input"),
+        ("conv2d relu", "grad_weight"), ("batch_norm", "forward"), ("batch_norm", "backward"),
+        ("avg_pool2d", "forward"), ("avg_pool2d", "backward")]
+    # the simulator's events time nothing (-1000 ms): the GPU column is there, its values not
+    assert all(row["us_per_call"]["engine"] > 0 and "engine" in row["gpu_us_per_call"]
+               for row in result["rows"])
+
+
+@pytest.mark.cuda
+def test_bench_conv_ops_sweep_prints_conv_choices_entries(monkeypatch, capsys):
+    from bench import conv_ops, gpu_time
+    monkeypatch.setattr(conv_ops, "LAYERS", [
+        ("conv2d relu", (1, 5, 5), dict(out=2, kernel=3, needs_x=False)),
+        ("conv2d relu", (2, 4, 4), dict(out=3, kernel=3, needs_x=True))])
+    monkeypatch.setattr(conv_ops, "QUICK_BATCH", 2)
+    monkeypatch.setattr(conv_ops, "SWEEP_SPLITS", (1, 2))
+    monkeypatch.setattr(conv_ops, "SWEEP_ROUNDS", 1)
+    monkeypatch.setattr(conv_ops, "GPU_CALLS", 1)
+    monkeypatch.setattr(gpu_time, "BUSY_SIZE", 4)
+    # one candidate the simulator can run (the sweep leaves ops.matmul.SIMULATED out)
+    monkeypatch.setattr(mm, "TILINGS", {"TINY": mm.Tiling(4, 4, 4, 2, 2)})
+    conv_ops.main(["--device", "cuda", "--quick", "--sweep"])
+    out = capsys.readouterr().out
+    entries = out.split("## CONV_CHOICES entries of the winners")[1]
+    assert "('forward', 2, 50, 9): GemmConfig(TINY, 1)" in entries
+    assert "('grad_input', 2, 32, 27): GemmConfig(TINY, 1)" in entries
+    assert entries.count("GemmConfig(TINY") == 5   # forward and dw, then forward, dx and dw
+    assert "max rel diff" in out and mm.CONV_CHOICES == {}
