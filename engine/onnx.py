@@ -14,7 +14,10 @@ the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu`
 explicit ``pads``, so "same" with an even kernel keeps its extra row at the bottom) and its
 activation, ``MaxPool2D`` a ``MaxPool``, ``AvgPool2D`` an ``AveragePool`` counting the
 padded zeros, ``BatchNorm`` a ``BatchNormalization`` on its running statistics (eval
-mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension. A layer without an
+mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension, ``Rescaling`` a ``Mul`` (and
+an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``. A model that starts
+with ``Rescaling`` takes ``uint8`` input (raw images, as ``python -m engine.train``'s models
+do), cast by a first ``Cast`` node. A layer without an
 exporter here is a ValueError naming it.
 The weights are the model's, in its dtype (float32 or float64), as initializers. With
 ``normalize=(mean, std)`` the graph starts with ``(input - mean) / std``, the
@@ -52,11 +55,11 @@ def _onnx():
 
 class _Graph:
     """The nodes and initializers of the graph being built; ``value`` names what the last
-    node computed."""
+    node computed, ``input_dtype`` is the graph input's."""
 
-    def __init__(self, onnx):
+    def __init__(self, onnx, input_dtype):
         self.onnx, self.nodes, self.initializers = onnx, [], []
-        self.value = INPUT
+        self.value, self.input_dtype = INPUT, np.dtype(input_dtype)
 
     def weight(self, name, array):
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
@@ -124,7 +127,25 @@ def _reshape(graph, layer):   # 0 copies the input's (batch) dimension
     graph.node("Reshape", layer.name, (shape,))
 
 
-EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
+def _rescaling(graph, layer):   # integer input: the graph's input is declared as such
+    if graph.value == INPUT and graph.input_dtype.kind in "iu":
+        graph.node("Cast", layer.name, to=graph.onnx.helper.np_dtype_to_tensor_dtype(
+            layer.dtype))
+    graph.node("Mul", layer.name, (graph.weight(f"{layer.name}.scale",
+                                                np.asarray(layer.scale, layer.dtype)),))
+    if layer.offset != 0.0:
+        graph.node("Add", layer.name, (graph.weight(f"{layer.name}.offset",
+                                                    np.asarray(layer.offset, layer.dtype)),))
+
+
+def _normalization(graph, layer):   # Keras's floor on the standard deviation, as forward
+    mean, variance = (getattr(layer, entry).numpy() for entry in ("mean", "variance"))
+    std = np.maximum(np.sqrt(variance), np.asarray(layer.STD_FLOOR, variance.dtype))
+    graph.node("Sub", layer.name, (graph.weight(f"{layer.name}.mean", mean),))
+    graph.node("Div", layer.name, (graph.weight(f"{layer.name}.std", std),))
+
+
+EXPORTERS = {"Dense": _dense, "Rescaling": _rescaling, "Normalization": _normalization, "Activation": lambda graph, layer: graph.activation(layer),
              "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
@@ -178,7 +199,9 @@ def to_onnx(model, opset=None, normalize=None):
         raise ValueError(f"engine.onnx.export: opset must be an integer from {MIN_OPSET} to "
                          f"{newest} (this onnx package's newest), got {opset!r}")
     dtype = _check_model(model)
-    graph = _Graph(onnx)
+    # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
+    raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
+    graph = _Graph(onnx, np.uint8 if raw else dtype)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -187,7 +210,8 @@ def to_onnx(model, opset=None, normalize=None):
         graph.node("Identity", "output")
     graph.nodes[-1].output[0] = OUTPUT
     element = onnx.helper.np_dtype_to_tensor_dtype(dtype)
-    inputs = [onnx.helper.make_tensor_value_info(INPUT, element,
+    inputs = [onnx.helper.make_tensor_value_info(INPUT, onnx.helper.np_dtype_to_tensor_dtype(
+                                                     graph.input_dtype),
                                                  ["batch", *model.input_shape])]
     outputs = [onnx.helper.make_tensor_value_info(OUTPUT, element,
                                                   ["batch", *model.output_shape])]
