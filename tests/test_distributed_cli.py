@@ -177,7 +177,8 @@ def test_mpiexec_without_distributed_is_one_line_not_two_lone_runs(tmp_path):
 def test_a_write_failing_on_rank_0_ends_every_rank(tmp_path):
     """rank 0's log write fails (a full device) while rank 1 goes on to the next all-reduce:
     rank 0's line, then MPICH's report of the abort that ends rank 1."""
-    status, out, err = _run_ranks(RUN + ["--epochs", "3", "--log-json", "/dev/full"])
+    status, out, err = _run_ranks(RUN + ["--epochs", "3", "--log-json", "/dev/full",
+                                         "--no-save"])
     assert status == 1, out + err
     lines = err.strip().splitlines()
     assert lines[0].startswith("engine-train: error: --log-json /dev/full: cannot append the "
@@ -206,7 +207,7 @@ def test_distributed_without_mpiexec_is_a_world_of_one(monkeypatch, tmp_path, ca
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(dist, "_world", None)
     alone, plain = tmp_path / "alone.jsonl", tmp_path / "plain.jsonl"
-    main(RUN + ["--epochs", "1", "--distributed", "--log-json", str(alone)])
-    main(RUN + ["--epochs", "1", "--log-json", str(plain)])
+    main(RUN + ["--epochs", "1", "--distributed", "--log-json", str(alone), "--no-save"])
+    main(RUN + ["--epochs", "1", "--log-json", str(plain), "--no-save"])
     assert [(r["loss"], r["test_loss"]) for r in _records(alone)] == \
         [(r["loss"], r["test_loss"]) for r in _records(plain)]
