@@ -111,8 +111,8 @@ from engine.functional import (abs, add, argmax, argmin, astype, cat,  # noqa: F
 from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401, E402
 from engine.random import manual_seed  # noqa: F401, E402
 from engine.step_capture import capture  # noqa: F401, E402
-from engine.tensor import (Tensor, from_dlpack, full, ones, randn, tensor,  # noqa: F401, E402
-                           zeros)
+from engine.tensor import (Tensor, arange, from_dlpack, from_numpy, full,  # noqa: F401, E402
+                           ones, rand, randn, tensor, zeros)
 from ops.device import cuda_available  # noqa: F401, E402
 
 _apply_default_blas_threads()

@@ -844,9 +844,11 @@ class Sequential:
                 for name, p in layer.named_parameters()]
 
     def parameters(self):
-        """The Parameters in a stable order (layer by layer, weight before bias). A model not
-        built yet has none to give: a RuntimeError says how to build it."""
-        if self.layers and not self.built:
+        """The Parameters in a stable order (layer by layer, weight before bias). A model
+        not built yet whose layers will have parameters has none to give yet (an optimizer
+        would get an empty list): a RuntimeError says how to build it."""
+        if not self.built and any(type(layer).named_parameters is not Layer.named_parameters
+                                  for layer in self.layers):
             self._require_built("parameters")
         return [p for _, p in self.named_parameters()]
 
