@@ -26,7 +26,7 @@ images (``python -m engine.train`` trains so) then takes images as the loader do
 it, scaled to [0, 1].
 
 The model is built with the ``onnx`` package's helpers (an optional extra: ``pip install
-'numba-engine[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
+-e '.[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
 through ``engine.archive.atomic_write``: a failed export leaves an older file as it was.
 """
 import importlib
@@ -40,7 +40,7 @@ from engine import archive
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
 INPUT, OUTPUT = "input", "output"
-INSTALL_HINT = "pip install 'numba-engine[onnx]'"
+INSTALL_HINT = "pip install -e '.[onnx]'"
 ACTIVATIONS = {"relu": "Relu", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid",
                "tanh": "Tanh", "softmax": "Softmax"}
 

@@ -32,23 +32,6 @@ import os
 import sys
 import types
 
-import numpy as np
-
-import data
-import engine
-import optim
-from engine import distributed as dist
-from engine import nn
-from engine import onnx as onnx_export
-from engine.archive import atomic_write, probe_writable
-from engine.callbacks import EarlyStopping
-from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
-                        read_checkpoint, restore_checkpoint, save_checkpoint)
-from engine.losses import cross_entropy
-from engine.random import manual_seed
-import ops
-from ops.device import SIMULATOR, check_device
-
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -131,6 +114,55 @@ def build_parser():
         "replaying a captured one (engine.capture)")
     add("--no-progress", action="store_true", help="no progress bar, metrics lines only")
     return parser
+
+
+def _report(error):
+    if getattr(error, "shown", True):
+        rank = getattr(error, "rank", None)
+        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
+              file=sys.stderr, flush=True)
+
+
+# engine.distributed.LAUNCHER_VARIABLES (tests/test_train.py checks they agree): that module
+# imports Numba, which the early answer below must not wait for
+LAUNCHERS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def answer_at_once(argv):
+    """``--help``, and arguments that do not parse, answered before Numba and numba.cuda are
+    imported (1.6-7 s of the 2-core machine's time, against 0.1 s for this): exits with
+    argparse's help, or status 2 and the one line of ``parse_arguments``. A command that
+    names ``--distributed`` or runs under mpiexec takes the full path, where its ranks fail
+    together (``fail_every_rank``)."""
+    if any(name in os.environ for name in LAUNCHERS) or any(
+            len(word) > 3 and "--distributed".startswith(word) for word in argv):
+        return
+    try:
+        build_parser().parse_args(argv)
+    except BadInput as error:
+        _report(error)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    answer_at_once(sys.argv[1:])
+
+import numpy as np  # noqa: E402
+
+import data  # noqa: E402
+import engine  # noqa: E402
+import ops  # noqa: E402
+import optim  # noqa: E402
+from engine import distributed as dist  # noqa: E402
+from engine import nn  # noqa: E402
+from engine import onnx as onnx_export  # noqa: E402
+from engine.archive import atomic_write, probe_writable  # noqa: E402
+from engine.callbacks import EarlyStopping  # noqa: E402
+from engine.fit import (RECORD_KEYS, append_record, evaluate, fit,  # noqa: F401, E402
+                        format_record, read_checkpoint, restore_checkpoint, save_checkpoint)
+from engine.losses import cross_entropy  # noqa: E402
+from engine.random import manual_seed  # noqa: E402
+from ops.device import SIMULATOR, check_device  # noqa: E402
 
 
 def parse_hidden(text):
@@ -230,13 +262,13 @@ def check_outputs(args):
     """The output paths can be written and the packages that write them are installed."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BadInput("--plot needs matplotlib, an optional extra: "
-                       "pip install 'numba-engine[plot]'")
+                       "pip install -e '.[plot]'")
     if args.plot and _plot_format(args.plot) not in _plot_formats():
         raise BadInput(f"--plot {args.plot}: matplotlib writes no {_plot_format(args.plot)!r} "
                        f"files (it writes {', '.join(sorted(_plot_formats()))})")
     if args.export_onnx and importlib.util.find_spec("onnx") is None:
         raise BadInput("--export-onnx needs the onnx package, an optional extra: "
-                       "pip install 'numba-engine[onnx]'")
+                       "pip install -e '.[onnx]'")
     # a resumed run without --save writes its --resume file: checked below, named so
     saved_to = None if args.resume and not args.save else checkpoint_path(args)
     for flag, path in (("--save", saved_to), ("--plot", args.plot),
@@ -667,13 +699,6 @@ def train(args, setup, is_root):
               + "; it takes the images as the data set ships them (uint8 0-255), as the "
               "saved model does")
     return history
-
-
-def _report(error):
-    if getattr(error, "shown", True):
-        rank = getattr(error, "rank", None)
-        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
-              file=sys.stderr, flush=True)
 
 
 def parse_arguments(argv):

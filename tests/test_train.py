@@ -781,7 +781,7 @@ def test_export_onnx_without_the_onnx_package_is_one_line(monkeypatch, tmp_path,
     code, captured = _run_main(TINY + ["--export-onnx", str(tmp_path / "m.onnx")], capsys)
     assert code == 2 and captured.err.strip().splitlines() == [
         "engine-train: error: --export-onnx needs the onnx package, an optional extra: "
-        "pip install 'numba-engine[onnx]'"]
+        "pip install -e '.[onnx]'"]
 
 
 def test_a_checkpoint_from_before_the_test_loss_resumes(tmp_path, capsys):
@@ -938,3 +938,38 @@ def test_the_first_run_is_told_that_it_compiles(monkeypatch, tmp_path, capsys):
     assert cli.kernels_cached()
     main(TINY + ["--no-save"])
     assert "compiling" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ a fast start
+
+_NUMBA_AFTER = """
+import runpy, sys
+sys.argv = ["engine.train", *sys.argv[1:]]
+try:
+    runpy.run_module("engine.train", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    print("exit", exit.code, "numba" in sys.modules, "numba.cuda" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("arguments, status", [(["--help"], 0), (["--epochz", "3"], 2)])
+def test_help_and_a_typo_answer_before_numba_is_imported(arguments, status):
+    result = subprocess.run([sys.executable, "-c", _NUMBA_AFTER, *arguments], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    assert result.stdout.splitlines()[-1] == f"exit {status} False False", result.stderr
+    if status:
+        assert result.stderr.strip().splitlines() == [
+            "engine-train: error: unrecognized arguments: --epochz 3 (see --help)"]
+
+
+def test_the_early_answer_knows_the_launchers_of_engine_distributed():
+    from engine import train as cli
+    from engine import distributed
+    assert cli.LAUNCHERS == distributed.LAUNCHER_VARIABLES
+
+
+def test_import_engine_imports_no_numba():
+    result = subprocess.run([sys.executable, "-c", "import sys, engine; "
+                             "print('numba' in sys.modules, 'numba.cuda' in sys.modules)"],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "False"], result.stderr
