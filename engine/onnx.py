@@ -145,8 +145,8 @@ def _normalization(graph, layer):   # Keras's floor on the standard deviation, a
     graph.node("Div", layer.name, (graph.weight(f"{layer.name}.std", std),))
 
 
-EXPORTERS = {"Dense": _dense, "Rescaling": _rescaling, "Normalization": _normalization, "Activation": lambda graph, layer: graph.activation(layer),
-             "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
+EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
+             "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
 

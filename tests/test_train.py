@@ -223,7 +223,8 @@ def test_checkpoint_holds_a_model_file(tmp_path, capsys):
     state = read_checkpoint(path)["model"]
     model.load_state_dict(state)
     assert names - set(state) - {nn.CONFIG_KEY} == {n for n in names if n.startswith("train/")}
-    assert [layer["config"].get("units") for layer in config["layers"]] == [None, None, None, 16, 10]
+    assert [layer["config"].get("units") for layer in config["layers"]] == [None, None, None,
+                                                                             16, 10]
 
 
 def _not_a_checkpoint(tmp_path):
