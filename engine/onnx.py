@@ -146,7 +146,8 @@ def _normalization(graph, layer):   # Keras's floor on the standard deviation, a
 
 
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
-             "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
+             "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten,
+             "Dropout": _dropout, "Conv2D": _conv2d,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
 
