@@ -420,6 +420,14 @@ def plot_history(history, path, step_losses=()):
     return figure
 
 
+def describe_device(device, simulator):
+    """The device as the header names it: "cuda" in Numba's simulator says so."""
+    if device == "cuda" and simulator:
+        return ("cuda (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks: very slow, for "
+                "tests only; unset it to train on the CPU or a GPU)")
+    return device
+
+
 def kernels_cached():
     """Whether Numba's cache holds the engine's compiled CPU kernels (a file of the Dense
     kernels', compiled at the first step of every model here): in NUMBA_CACHE_DIR when set,
@@ -628,9 +636,7 @@ def train(args, setup, is_root):
         lr = group.get("initial_lr", group["lr"])   # the peak: a schedule writes "lr"
         kept = (f" (the checkpoint's: a resumed run keeps its optimizer settings, so --lr "
                 f"{args.lr:g} is not used)" if start_epoch and lr != args.lr else "")
-        device = args.device + (" (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks: "
-                                "very slow, for tests only)" if args.device == "cuda"
-                                and SIMULATOR else "")
+        device = describe_device(args.device, SIMULATOR)
         print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; "
               f"{description} ({n_parameters} parameters); {args.optimizer} lr {lr:g}{kept} "
               f"{args.schedule}, batch {args.batch_size}{ranks}, device {device}"

@@ -974,3 +974,11 @@ def test_import_engine_imports_no_numba():
                              "print('numba' in sys.modules, 'numba.cuda' in sys.modules)"],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+def test_the_header_names_the_simulator():
+    from engine import train as cli
+    assert cli.describe_device("cuda", simulator=False) == "cuda"
+    assert cli.describe_device("cpu", simulator=True) == "cpu"
+    assert cli.describe_device("cuda", simulator=True).startswith(
+        "cuda (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks")
