@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     parser = _Parser(prog=PROG, description="Train an MLP or a CNN on MNIST or Fashion-MNIST "
                      "with the Numba engine. Defaults: MNIST, MLP 784-256-128-10 ReLU, Adam "
-                     "2e-3 with a cosine schedule, batch 128, 5 epochs (98.25% test accuracy "
+                     "2e-3 with a cosine schedule, batch 128, 5 epochs (98.42% test accuracy "
                      "on the CPU).")
     add = parser.add_argument
     add("--dataset", default="mnist", help=f"{' or '.join(DATASETS)} (default mnist)")
