@@ -11,11 +11,15 @@ with coverage by test and with per-test durations (the repeats listed now are ru
     python .ci/simulator_selection.py sim.coverage sim.log > tests/simulator_repeats.txt
 
 Each test's arcs (line-to-line transitions, so branches too) in ``ops/``, ``optim/``,
-``data/`` and ``engine/`` are read from the coverage database. Going from the slowest test
-to the fastest, a test is dropped when every arc it reaches is also reached by a test still
-kept. What is kept therefore reaches every arc the whole phase reaches: the CUDA kernels'
-lines and branches, tile edges and the host code around them (capture on the simulator
-included). The listing ends with the totals. Needs coverage.py and pytest-cov.
+``data/`` and ``engine/`` are read from the coverage database. Every op keeps its cheapest
+``check_op`` case (``test_op[cuda-NAME...]``: the forward against NumPy, gradcheck, CPU
+against CUDA, poison), and a test that took less than ``MIN_SECONDS`` is kept (it saves
+little, and what it checks may be a value, NaN propagation say, that no arc shows). Then,
+going from the slowest test to the fastest, a test is dropped when every arc it reaches is
+also reached by a test still kept. What is kept therefore reaches every arc the whole phase
+reaches: the CUDA kernels' lines and branches, tile edges, and the host code around them
+(capture on the simulator included). The listing ends with the totals. Needs coverage.py
+and pytest-cov.
 """
 import re
 import sqlite3
@@ -23,6 +27,8 @@ import sys
 
 SOURCES = ("/ops/", "/optim/", "/data/", "/engine/")
 DURATION = re.compile(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$")
+OP_CASE = re.compile(r"::test_op\[cuda-([A-Za-z_0-9]+)")
+MIN_SECONDS = 2.0   # in the run that recorded the coverage (2-core machine at load 12)
 
 
 def test_arcs(coverage_file):
@@ -52,15 +58,27 @@ def durations(log):
     return seconds
 
 
+def pinned(arcs, seconds):
+    """The tests never dropped: each op's cheapest ``check_op`` case, and the quick tests."""
+    cheapest = {}
+    for test in arcs:
+        case = OP_CASE.search(test)
+        if case and seconds.get(test, 0.0) < seconds.get(cheapest.get(case.group(1)), 1e300):
+            cheapest[case.group(1)] = test
+    return set(cheapest.values()) | {test for test in arcs
+                                     if seconds.get(test, 0.0) < MIN_SECONDS}
+
+
 def repeats(arcs, seconds):
     """The tests to drop, slowest first, such that the rest reach every arc of ``arcs``."""
+    kept_always = pinned(arcs, seconds)
     reached = {}
     for test_arcs_ in arcs.values():
         for arc in test_arcs_:
             reached[arc] = reached.get(arc, 0) + 1
     dropped = []
     for test in sorted(arcs, key=lambda name: -seconds.get(name, 0.0)):
-        if all(reached[arc] > 1 for arc in arcs[test]):
+        if test not in kept_always and all(reached[arc] > 1 for arc in arcs[test]):
             for arc in arcs[test]:
                 reached[arc] -= 1
             dropped.append(test)
@@ -74,9 +92,10 @@ def main(coverage_file, log):
     saved = sum(seconds.get(test, 0.0) for test in dropped)
     print("# CUDA tests that the simulator phase (NUMBA_ENABLE_CUDASIM=1 pytest -m cuda) skips:")
     print("# every line and branch of ops/, optim/, data/ and engine/ that one of them reaches")
-    print("# in the simulator, a simulator test left in reaches too (coverage.py, by test). A")
-    print("# real GPU (pytest -m cuda there) runs them all. Made by .ci/simulator_selection.py,")
-    print("# which says how; the seconds are those of the run it read.")
+    print("# in the simulator, a simulator test left in reaches too (coverage.py, by test); every")
+    print("# op keeps a check_op case. A real GPU (pytest -m cuda there) runs them all. Made by")
+    print("# .ci/simulator_selection.py, which says how; the seconds are those of the run it read")
+    print("# (with coverage, -n 2, on the 2-core machine at load 12).")
     for test in dropped:
         print(f"{test}  # {seconds.get(test, 0.0):.1f} s")
     kept = set(arcs) - set(dropped)
