@@ -3,7 +3,9 @@
 The ``cuda`` run is marked ``cuda`` and needs a GPU or Numba's simulator
 (``NUMBA_ENABLE_CUDASIM=1``, set before the process imports numba.cuda: CI runs
 ``pytest -m cuda`` a second time in its own process for that). ``gpu`` tests need real
-hardware; ``torch`` tests need PyTorch.
+hardware; ``torch`` tests need PyTorch. In the simulator, the CUDA tests listed in
+``tests/simulator_repeats.txt`` are skipped (they reach no kernel line or branch that the
+others miss; a real GPU runs them). Every run ends with a count of its skips by reason.
 """
 import collections
 import importlib.util
