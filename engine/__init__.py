@@ -145,6 +145,10 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "onnx": "engine.onnx", "distributed": "engine.distributed"}
 
 
+def __dir__():   # the lazy names too, for tab completion
+    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES))
+
+
 def __getattr__(name):
     if name in _LAZY_SOURCE:
         value = getattr(importlib.import_module(_LAZY_SOURCE[name]), name)

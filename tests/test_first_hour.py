@@ -213,3 +213,9 @@ def test_natural_guesses_meet_errors_that_say_what_to_do(tmp_path):
         nn.Dense(10, activation=np.exp)
     with pytest.raises(TypeError, match="name must be text"):
         nn.Sequential([nn.Dense(2)], name=nn.Dense(3))
+
+
+def test_the_engine_s_names_are_listed_before_they_are_imported():
+    names = dir(engine)
+    assert {"tensor", "Tensor", "relu", "no_grad", "capture", "nn", "optim"} <= set(names)
+    assert engine.tensor([1.0]).numpy().tolist() == [1.0]   # the function, not the submodule
