@@ -1,12 +1,15 @@
 """The command ``python -m engine.train``: train an MLP or a CNN on MNIST or Fashion-MNIST.
 
-It checks its arguments and every output path before any work, loads and standardises the
-data, builds the model (``--model mlp``, the default, or ``cnn``), optimizer and schedule,
-calls ``engine.fit.fit`` (with early stopping on the test loss when asked), plots the curves
-and exports the model as ONNX. Bad input
+It answers ``--help`` and arguments that do not parse before it imports Numba
+(``answer_at_once``), checks its arguments and every output path before any work, loads the
+data, builds the model (``--model mlp``, the default, or ``cnn``; both start with
+``Rescaling`` and ``Normalization``, so the saved model and the ONNX export take raw images),
+optimizer and schedule, calls ``engine.fit.fit`` (with early stopping on the test loss when
+asked), saves a checkpoint after every epoch (to ``DATASET-MODEL.npz`` unless ``--save`` or
+``--no-save`` say otherwise), plots the curves and exports the model as ONNX. Bad input
 exits with status 2 and one line on stderr, never a traceback; a write that fails during
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
-which checkpoint is intact.
+which checkpoint is intact; Ctrl-C says which epoch the checkpoint holds.
 
 ``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
 (``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
