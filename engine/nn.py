@@ -12,7 +12,9 @@ one kernel over each buffer and ``model.to(device)`` moves each in one copy.
 ``CONFIG_KEY`` and the weights by name, through ``engine.archive.atomic_write`` (an
 interrupted save leaves the previous file intact). ``load`` reads it with
 ``engine.archive.read_npz``: arrays and text only, never pickles, so a model file can never
-run code, and any damage is a ``ValueError`` naming the file.
+run code, and any damage is a ``ValueError`` naming the file. ``load`` rebuilds the layers
+by class name from ``LAYERS``: the built-in ones and those a user registers with
+``@nn.register``.
 """
 import importlib
 import json
