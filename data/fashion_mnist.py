@@ -42,6 +42,7 @@ HOW_TO_GET_IT = (
     "get it with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or put the four "
     f"upstream files ({', '.join(UPSTREAM_SHA256)}, from "
     "https://github.com/zalandoresearch/fashion-mnist) in a folder and pass it as root= "
+    "(the CLI: --data-dir) "
     f"(or set ${ENV_VAR}), or call data.fashion_mnist.download() when you have internet access"
 )
 

@@ -68,7 +68,8 @@ def load(root=None, verify=None):
     if verify is None:
         verify = root is None
     return read_set(folder, "MNIST", KNOWN_SHA256 if verify else None,
-                    missing_hint=f"pass root= a folder holding {', '.join(FILES)} (.gz or raw), "
+                    missing_hint=f"pass root= (the CLI: --data-dir) a folder holding "
+                                 f"{', '.join(FILES)} (.gz or raw), "
                                  "or reinstall the package, whose copy lives in data/mnist/")
 
 

@@ -97,26 +97,48 @@ if not any(isinstance(finder, _OwnPackagesOverNamespaceFolders) for finder in sy
 _forget_current_folder_for_engine_commands()
 _require_own("ops")
 
-from engine import debug  # noqa: F401, E402
-from engine.autograd import (AnomalyError, detect_anomaly, enable_grad,  # noqa: F401, E402
-                             is_grad_enabled, no_grad, set_grad_enabled)
 from engine.blas_threads import apply_default as _apply_default_blas_threads  # noqa: E402
 from engine.blas_threads import get_num_threads, set_num_threads  # noqa: F401, E402
-from engine.convolution import avg_pool2d, batch_norm, conv2d, max_pool2d  # noqa: F401, E402
-from engine.functional import (abs, add, argmax, argmin, astype, cat,  # noqa: F401, E402
-                               clamp, clip, div, eq, exp, flatten, ge, gt, le, leaky_relu,
-                               log, log_softmax, lt, matmul, max, mean, min, mul, ne, neg,
-                               permute, pow, relu, reshape, sigmoid, softmax, sqrt, squeeze,
-                               stack, sub, sum, tanh, transpose, unsqueeze, view, where)
-from engine.gradcheck import GradcheckError, gradcheck  # noqa: F401, E402
-from engine.random import manual_seed  # noqa: F401, E402
-from engine.step_capture import capture  # noqa: F401, E402
-from engine.tensor import (Tensor, from_dlpack, full, ones, randn, tensor,  # noqa: F401, E402
-                           zeros)
-from ops.device import cuda_available  # noqa: F401, E402
-from ops.out_of_memory import OutOfMemoryError  # noqa: F401, E402
 
 _apply_default_blas_threads()
+
+# The public names, imported from their modules on first use: ``import engine`` itself
+# imports neither Numba nor numba.cuda (1.2-1.9 s on the 2-core machine, numba.cuda most of
+# it), so ``python -m engine.train --help`` answers at once. The first tensor pays them.
+_LAZY_NAMES = {
+    "engine.autograd": ("AnomalyError", "detect_anomaly", "enable_grad", "is_grad_enabled",
+                        "no_grad", "set_grad_enabled"),
+    "engine.convolution": ("avg_pool2d", "batch_norm", "conv2d", "max_pool2d"),
+    "engine.functional": ("abs", "add", "argmax", "argmin", "astype", "cat", "clamp", "clip",
+                          "div", "eq", "exp", "flatten", "ge", "gt", "le", "leaky_relu", "log",
+                          "log_softmax", "lt", "matmul", "max", "mean", "min", "mul", "ne",
+                          "neg", "permute", "pow", "relu", "reshape", "sigmoid", "softmax",
+                          "sqrt", "squeeze", "stack", "sub", "sum", "tanh", "transpose",
+                          "unsqueeze", "view", "where"),
+    "engine.gradcheck": ("GradcheckError", "gradcheck"),
+    "engine.random": ("manual_seed",),
+    "engine.step_capture": ("capture",),
+    "engine.tensor": ("Tensor", "arange", "from_dlpack", "from_numpy", "full", "ones", "rand",
+                      "randn", "tensor", "zeros"),
+    "ops.device": ("cuda_available",),
+    "ops.out_of_memory": ("OutOfMemoryError",),
+}
+_LAZY_SOURCE = {name: module for module, names in _LAZY_NAMES.items() for name in names}
+
+
+class _EngineModule(type(sys)):
+    """``engine`` as a module whose attribute ``tensor`` stays the function: importing the
+    submodule ``engine.tensor`` (which any first use does) would otherwise set the attribute
+    to the module, as Python does for every submodule. The module stays
+    ``sys.modules["engine.tensor"]``."""
+
+    def __setattr__(self, name, value):
+        if name in _LAZY_SOURCE and isinstance(value, type(sys)):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _EngineModule
 
 _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "losses": "engine.losses", "init": "engine.init", "train": "engine.train",
@@ -124,7 +146,15 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "onnx": "engine.onnx", "distributed": "engine.distributed"}
 
 
+def __dir__():   # the lazy names too, for tab completion
+    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES))
+
+
 def __getattr__(name):
+    if name in _LAZY_SOURCE:
+        value = getattr(importlib.import_module(_LAZY_SOURCE[name]), name)
+        globals()[name] = value
+        return value
     if name in _LAZY_SUBMODULES:
         if name in _OWN_PACKAGES:
             _require_own(name)
@@ -138,4 +168,6 @@ def __getattr__(name):
         except PackageNotFoundError:   # a checkout on sys.path that pip never installed
             globals()[name] = "0+unknown"
         return globals()[name]
+    if importlib.util.find_spec(f"engine.{name}") is not None:   # engine.debug, engine.autograd
+        return importlib.import_module(f"engine.{name}")
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -12,7 +12,9 @@ one kernel over each buffer and ``model.to(device)`` moves each in one copy.
 ``CONFIG_KEY`` and the weights by name, through ``engine.archive.atomic_write`` (an
 interrupted save leaves the previous file intact). ``load`` reads it with
 ``engine.archive.read_npz``: arrays and text only, never pickles, so a model file can never
-run code, and any damage is a ``ValueError`` naming the file.
+run code, and any damage is a ``ValueError`` naming the file. ``load`` rebuilds the layers
+by class name from ``LAYERS``: the built-in ones and those a user registers with
+``@nn.register``.
 """
 import importlib
 import json
@@ -47,9 +49,34 @@ MODEL_FILE = "a model file written by model.save"
 
 
 def _check_activation(name, where):
+    """The activation's name; the engine's own functions (``engine.relu``, as Keras takes
+    ``keras.activations.relu``) stand for their names."""
+    named = getattr(name, "__name__", None)
+    if callable(name) and named in ACTIVATIONS and getattr(F, named, None) is name:
+        name = named
+    if callable(name):
+        raise ValueError(f"{where}: activation takes a name, one of {ACTIVATIONS} (or the "
+                         f"engine's function of that name, engine.relu ...), got {name!r}; "
+                         "for another function, put an nn.Layer subclass after the layer "
+                         "(see nn.register)")
     if name not in ACTIVATIONS:
         raise ValueError(f"{where}: unknown activation {name!r}; expected one of {ACTIVATIONS}")
     return name
+
+
+def _check_input_dtype(where, given, dtype):
+    """A TypeError (naming ``where``) unless the input dtype ``given`` is the float ``dtype``
+    of a layer; integer input (raw images) names the preprocessing that a model trained
+    through ``data.DataLoader`` lacks."""
+    if given == dtype:
+        return
+    if given.kind in "iub":
+        raise TypeError(
+            f"{where}: input dtype {given} (raw images?) is not the layer's "
+            f"{dtype}: scale it as data.DataLoader did in training (uint8 / 255, then its "
+            "normalize=(mean, std)), or start the model with nn.Rescaling(1 / 255) and "
+            "nn.Normalization(mean, std ** 2), which take raw images")
+    raise TypeError(f"{where}: input dtype {given} does not match the layer's {dtype}")
 
 
 def _activate(x, name, alpha):
@@ -206,9 +233,7 @@ class Dense(Layer):
         if x.ndim != 2 or x.shape[1] != features:
             raise ValueError(f"{self.name} {self!r}: expects input of shape (None, {features}), "
                              f"got {x.shape}")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
-                            f"layer's {self.weight.dtype}")
+        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         fused = None if self.activation == "softmax" else self.activation
         y = apply(dense.Dense, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
         return F.softmax(y, axis=-1) if self.activation == "softmax" else y
@@ -420,9 +445,7 @@ class Conv2D(Layer):
         return [("weight", self.weight)] + ([("bias", self.bias)] if self.use_bias else [])
 
     def forward(self, x):
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
-                            f"layer's {self.weight.dtype}")
+        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         inputs = (x, self.weight) + ((self.bias,) if self.use_bias else ())
         return _run_op(self, conv_op.Conv2D, *inputs, stride=self.stride, padding=self.padding,
                        dilation=self.dilation, groups=self.groups, activation=self.activation,
@@ -543,9 +566,7 @@ class BatchNorm(Layer):
         return [("running_mean", self.running_mean), ("running_var", self.running_var)]
 
     def forward(self, x):
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} does not match the "
-                            f"layer's {self.weight.dtype}")
+        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         if self.training and self.sync and dist.several_ranks():
             return _run_op(self, batch_norm_op.SyncBatchNorm, x, self.running_mean,
                            self.running_var, self.weight, self.bias, training=True,
@@ -600,8 +621,134 @@ class Reshape(Layer):
         return {"shape": list(self.shape), **super().get_config()}
 
 
+def _number(value, where, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{where}: {what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _statistic(value, where, what):
+    """``value`` (a number, nested lists or an array) as a finite float64 array."""
+    try:
+        array = np.asarray(value.numpy() if isinstance(value, Tensor) else value, np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {what} must be a number or an array of numbers, "
+                        f"got {value!r}") from None
+    if not np.isfinite(array).all():
+        raise ValueError(f"{where}: {what} must be finite, got {array}")
+    return array
+
+
+def _as_config(array):
+    return float(array) if array.ndim == 0 else array.tolist()
+
+
+class Rescaling(Layer):
+    """``x * scale + offset`` (Keras's Rescaling): ``Rescaling(1 / 255)`` takes raw uint8
+    images to [0, 1]. Integer input is cast to the layer's dtype first, so a model that starts
+    with it takes images as ``data.mnist.load`` gives them. No parameters."""
+
+    def __init__(self, scale, offset=0.0, dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        self.scale = _number(scale, "Rescaling", "scale")
+        self.offset = _number(offset, "Rescaling", "offset")
+        self.dtype = np.dtype(dtype)
+
+    def forward(self, x):
+        if x.dtype.kind in "iub":
+            x = F.astype(x, self.dtype)
+        elif x.dtype != self.dtype:
+            raise TypeError(f"{self.name} {self!r}: input dtype {x.dtype} is neither an "
+                            f"integer type nor the layer's {self.dtype}")
+        if self.scale != 1.0:
+            x = x * self.scale
+        return x + self.offset if self.offset != 0.0 else x
+
+    def get_config(self):
+        config = {"scale": self.scale, "offset": self.offset}
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        return {**config, **super().get_config()}
+
+
+class Normalization(Layer):
+    """``(x - mean) / sqrt(variance)`` with fixed statistics (Keras's Normalization given
+    ``mean`` and ``variance``; Keras's floor on the standard deviation, 1e-7, too). The
+    statistics are numbers or arrays broadcasting against one sample, e.g. MNIST's pixel mean
+    and variance after ``Rescaling(1 / 255)``. They are buffers: saved and moved with the
+    model, never trained; the config keeps them too, so the layer is rebuilt from it."""
+
+    STD_FLOOR = 1e-7   # Keras's backend.epsilon()
+
+    def __init__(self, mean, variance, dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        self.mean_value = _statistic(mean, "Normalization", "mean")
+        self.variance_value = _statistic(variance, "Normalization", "variance")
+        if (self.variance_value < 0).any():
+            raise ValueError(f"Normalization: variance must be >= 0, got {self.variance_value}; "
+                             "pass the variance (std ** 2), not the std")
+        self.dtype = np.dtype(dtype)
+        self.mean = self.variance = None
+
+    def compute_output_shape(self, input_shape):
+        try:
+            fits = np.broadcast_shapes(self.mean_value.shape, self.variance_value.shape,
+                                       input_shape) == tuple(input_shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"Normalization: mean {self.mean_value.shape} and variance "
+                             f"{self.variance_value.shape} must broadcast against one sample "
+                             f"of shape {tuple(input_shape)}")
+        return input_shape
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        self.mean = tensor(self.mean_value.astype(self.dtype), device=device)
+        self.variance = tensor(self.variance_value.astype(self.dtype), device=device)
+        return output_shape
+
+    def named_buffers(self):
+        return [("mean", self.mean), ("variance", self.variance)] if self.built else []
+
+    def forward(self, x):
+        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.mean.dtype)
+        std = F.clip(F.sqrt(self.variance), min=self.STD_FLOOR)
+        return (x - self.mean) / std
+
+    def get_config(self):
+        # the buffers once built: load_state_dict may have written other statistics
+        mean, variance = ((self.mean.numpy(), self.variance.numpy()) if self.built
+                          else (self.mean_value, self.variance_value))
+        config = {"mean": _as_config(np.asarray(mean, np.float64)),
+                  "variance": _as_config(np.asarray(variance, np.float64))}
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        return {**config, **super().get_config()}
+
+
 LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout, Conv2D, MaxPool2D,
-                                        AvgPool2D, BatchNorm, Reshape)}
+                                        AvgPool2D, BatchNorm, Reshape, Rescaling, Normalization)}
+
+
+def register(layer_class):
+    """Class decorator: ``nn.load`` (and ``Sequential.from_config``) rebuild saved layers of
+    ``layer_class`` by its name, as Keras's ``register_keras_serializable`` does. The class
+    must subclass ``nn.Layer`` and its ``get_config()`` must return its constructor's
+    arguments; registering another class under a taken name is a ValueError. Returns the
+    class."""
+    if not (isinstance(layer_class, type) and issubclass(layer_class, Layer)):
+        raise TypeError(f"nn.register: expected an nn.Layer subclass, got {layer_class!r}")
+    name = layer_class.__name__
+    taken = LAYERS.get(name)
+    if taken is not None and taken is not layer_class and \
+            (taken.__module__, taken.__qualname__) != (layer_class.__module__,
+                                                       layer_class.__qualname__):
+        raise ValueError(f"nn.register: the layer name {name!r} is taken by "
+                         f"{taken.__module__}.{taken.__qualname__}; rename the class")
+    LAYERS[name] = layer_class
+    return layer_class
 
 
 # ------------------------------------------------------------------ the model
@@ -609,11 +756,19 @@ LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout, Con
 class Sequential:
     """A stack of layers, each fed the previous one's output.
 
-    ``Sequential([...])`` or ``model.add(layer)``; the first layer's ``input_shape=`` fixes the
-    input (without the batch dimension). Without it the model is built on its first call.
+    ``Sequential([...])`` (or torch's ``Sequential(a, b, ...)``) or ``model.add(layer)``; the
+    first layer's ``input_shape=`` fixes the input (without the batch dimension). Without it
+    the model is built on its first call. ``len(model)`` and ``model[i]`` are its layers.
     """
 
-    def __init__(self, layers=(), name="sequential"):
+    def __init__(self, layers=(), *more_layers, name="sequential"):
+        if isinstance(layers, Layer):   # torch's spelling: the layers as arguments
+            layers = (layers,) + more_layers
+        elif more_layers:
+            raise TypeError(f"Sequential: takes a list of layers (or layers as arguments), "
+                            f"got {type(layers).__name__} and then {more_layers!r}")
+        if isinstance(name, Layer) or not isinstance(name, str):
+            raise TypeError(f"Sequential: name must be text, got {name!r}")
         self.name = name
         self.layers = []
         self.device = "cpu"
@@ -698,6 +853,16 @@ class Sequential:
     def built(self):
         return bool(self.layers) and all(layer.built for layer in self.layers)
 
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, index):
+        """The layer at ``index`` (negative counts from the end), as torch's Sequential."""
+        if isinstance(index, slice):
+            raise TypeError(f"{self.name}[{index.start}:{index.stop}]: a layer belongs to one "
+                            "model; take model.layers[...] for a list of layers")
+        return self.layers[index]
+
     def _require_built(self, what):
         if not self.built:
             raise RuntimeError(f"{self.name}.{what}: the model is not built yet; give the first "
@@ -710,7 +875,12 @@ class Sequential:
                 for name, p in layer.named_parameters()]
 
     def parameters(self):
-        """The Parameters in a stable order (layer by layer, weight before bias)."""
+        """The Parameters in a stable order (layer by layer, weight before bias). A model
+        not built yet whose layers will have parameters has none to give yet (an optimizer
+        would get an empty list): a RuntimeError says how to build it."""
+        if not self.built and any(type(layer).named_parameters is not Layer.named_parameters
+                                  for layer in self.layers):
+            self._require_built("parameters")
         return [p for _, p in self.named_parameters()]
 
     def named_buffers(self):
@@ -751,6 +921,14 @@ class Sequential:
             self._pack()
         return self
 
+    def cuda(self):
+        """``model.to("cuda")``, as torch's ``Module.cuda()``; returns the model."""
+        return self.to("cuda")
+
+    def cpu(self):
+        """``model.to("cpu")``; returns the model."""
+        return self.to("cpu")
+
     def train(self, mode=True):
         """Training mode (Dropout active, BatchNorm on the batch's statistics); returns the
         model."""
@@ -767,8 +945,7 @@ class Sequential:
     # ------------------------------------------------------------- running
     def __call__(self, x):
         if not isinstance(x, Tensor):
-            dtype = self._flat[0].dtype if self._flat else np.float32
-            x = tensor(x, dtype=dtype, device=self.device)
+            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
         if x.ndim < 2:
             raise ValueError(f"{self.name}: expects a batch of shape (None, features...), "
                              f"got {x.shape}")
@@ -790,6 +967,43 @@ class Sequential:
     def capture_key(self):
         """Every layer's ``capture_key`` (``engine.capture`` replays only while it holds)."""
         return (self.device,) + tuple(layer.capture_key() for layer in self.layers)
+
+    def _input_dtype(self, given):
+        """The dtype a NumPy or list input becomes: its own when integer and the first layer
+        casts it (Rescaling); a uint8 array (raw images) any other model refuses, since it
+        would run on unscaled pixels; else the parameters' float dtype (lists of ints too)."""
+        if given.kind in "iu" and self.layers and isinstance(self.layers[0], Rescaling):
+            return given
+        dtype = self._flat[0].dtype if self._flat else np.dtype(np.float32)
+        if given == np.uint8:
+            _check_input_dtype(self.name, given, dtype)
+        return dtype
+
+    def predict(self, x, batch_size=256):
+        """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
+        NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
+        tape; the model's mode is restored after."""
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
+                or batch_size < 1:
+            raise ValueError(f"{self.name}.predict: batch_size must be a positive int, "
+                             f"got {batch_size!r}")
+        if not isinstance(x, Tensor):
+            x = np.asarray(x)
+        if x.ndim < 2:
+            raise ValueError(f"{self.name}.predict: expects a batch of shape (None, "
+                             f"features...), got {x.shape}")
+        from engine.autograd import no_grad
+        was_training = self.training
+        self.eval()
+        try:
+            with no_grad():
+                outputs = [self(x[start:start + batch_size]).numpy()
+                           for start in range(0, len(x), batch_size)]
+        finally:
+            self.train(was_training)
+        if not outputs:
+            raise ValueError(f"{self.name}.predict: got no samples ({x.shape})")
+        return np.concatenate(outputs)
 
     # ------------------------------------------------------------- summary
     def summary(self):
@@ -900,8 +1114,9 @@ class Sequential:
                                  "{'class_name': str, 'config': dict}")
             layer_class = LAYERS.get(entry["class_name"])
             if layer_class is None:
-                raise ValueError(f"unknown layer type {entry['class_name']!r}; "
-                                 f"known: {sorted(LAYERS)}")
+                raise ValueError(f"unknown layer type {entry['class_name']!r}; known: "
+                                 f"{sorted(LAYERS)}; a custom layer loads once its class is "
+                                 "decorated with @nn.register (import it before nn.load)")
             model.add(layer_class(**entry["config"]))
         model._initialize = True
         return model
@@ -912,6 +1127,11 @@ class Sequential:
         ``path``; the file gets the mode ``open()`` would give it): a ``.safetensors`` path
         gets a safetensors file (the architecture as JSON in its metadata under
         ``CONFIG_KEY``; the formats extra), any other an ``.npz``."""
+        folder = os.path.dirname(os.fspath(path)) or "."
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{self.name}.save: the folder {folder!r} of "
+                                    f"{os.fspath(path)!r} does not exist; create it first "
+                                    f"(os.makedirs({folder!r}))")
         config = json.dumps(self.get_config())
         if _is_safetensors(path):
             archive.write_safetensors(path, self.state_dict(), {CONFIG_KEY: config})
@@ -989,8 +1209,29 @@ def load(path, device="cpu"):
 _LOSSES = ("CrossEntropyLoss", "BCELoss", "MSELoss")
 
 
+# PyTorch's names that the engine spells its own (Keras's) way
+TORCH_EQUIVALENTS = {
+    "Linear": "nn.Dense(units, activation=None) (the input size is inferred)",
+    "Conv2d": "nn.Conv2D(filters, kernel_size, stride=1, padding='valid')",
+    "ReLU": "nn.Activation('relu'), or nn.Dense(units, activation='relu')",
+    "Sigmoid": "nn.Activation('sigmoid')",
+    "Tanh": "nn.Activation('tanh')",
+    "Softmax": "nn.Activation('softmax')",
+    "LeakyReLU": "nn.Activation('leaky_relu', alpha=0.01)",
+    "MaxPool2d": "nn.MaxPool2D(pool_size)",
+    "AvgPool2d": "nn.AvgPool2D(pool_size)",
+    "BatchNorm1d": "nn.BatchNorm()",
+    "BatchNorm2d": "nn.BatchNorm()",
+    "Module": "nn.Layer (a layer: build, forward, get_config) inside an nn.Sequential",
+}
+
+
 def __getattr__(name):
-    """``nn.CrossEntropyLoss`` and friends are ``engine.losses``'s, imported on first use."""
+    """``nn.CrossEntropyLoss`` and friends are ``engine.losses``'s, imported on first use;
+    PyTorch's names of layers the engine spells otherwise name the engine's."""
     if name in _LOSSES:
         return getattr(importlib.import_module("engine.losses"), name)
+    if name in TORCH_EQUIVALENTS:
+        raise AttributeError(f"module 'engine.nn' has no attribute {name!r}; the engine's "
+                             f"equivalent is {TORCH_EQUIVALENTS[name]}")
     raise AttributeError(f"module 'engine.nn' has no attribute {name!r}")

@@ -14,7 +14,10 @@ the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu`
 explicit ``pads``, so "same" with an even kernel keeps its extra row at the bottom) and its
 activation, ``MaxPool2D`` a ``MaxPool``, ``AvgPool2D`` an ``AveragePool`` counting the
 padded zeros, ``BatchNorm`` a ``BatchNormalization`` on its running statistics (eval
-mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension. A layer without an
+mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension, ``Rescaling`` a ``Mul`` (and
+an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``. A model that starts
+with ``Rescaling`` takes ``uint8`` input (raw images, as ``python -m engine.train``'s models
+do), cast by a first ``Cast`` node. A layer without an
 exporter here is a ValueError naming it.
 The weights are the model's, in its dtype (float32 or float64), as initializers. With
 ``normalize=(mean, std)`` the graph starts with ``(input - mean) / std``, the
@@ -23,7 +26,7 @@ images (``python -m engine.train`` trains so) then takes images as the loader do
 it, scaled to [0, 1].
 
 The model is built with the ``onnx`` package's helpers (an optional extra: ``pip install
-'numba-engine[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
+-e '.[onnx]'``), checked by ``onnx.checker`` with shape inference, and written
 through ``engine.archive.atomic_write``: a failed export leaves an older file as it was.
 
 Import. ``load(path)`` (``nn.load`` on a ``.onnx`` path) reads such a chain back into a
@@ -47,7 +50,7 @@ from engine.interop import sequential
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
 INPUT, OUTPUT = "input", "output"
-INSTALL_HINT = "pip install 'numba-engine[onnx]'"
+INSTALL_HINT = "pip install -e '.[onnx]'"
 ACTIVATIONS = {"relu": "Relu", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid",
                "tanh": "Tanh", "softmax": "Softmax"}
 
@@ -62,11 +65,11 @@ def _onnx():
 
 class _Graph:
     """The nodes and initializers of the graph being built; ``value`` names what the last
-    node computed."""
+    node computed, ``input_dtype`` is the graph input's."""
 
-    def __init__(self, onnx):
+    def __init__(self, onnx, input_dtype):
         self.onnx, self.nodes, self.initializers = onnx, [], []
-        self.value = INPUT
+        self.value, self.input_dtype = INPUT, np.dtype(input_dtype)
 
     def weight(self, name, array):
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
@@ -136,8 +139,27 @@ def _reshape(graph, layer):   # 0 copies the input's (batch) dimension
     graph.node("Reshape", layer.name, (shape,))
 
 
+def _rescaling(graph, layer):   # integer input: the graph's input is declared as such
+    if graph.value == INPUT and graph.input_dtype.kind in "iu":
+        graph.node("Cast", layer.name, to=graph.onnx.helper.np_dtype_to_tensor_dtype(
+            layer.dtype))
+    graph.node("Mul", layer.name, (graph.weight(f"{layer.name}.scale",
+                                                np.asarray(layer.scale, layer.dtype)),))
+    if layer.offset != 0.0:
+        graph.node("Add", layer.name, (graph.weight(f"{layer.name}.offset",
+                                                    np.asarray(layer.offset, layer.dtype)),))
+
+
+def _normalization(graph, layer):   # Keras's floor on the standard deviation, as forward
+    mean, variance = (getattr(layer, entry).numpy() for entry in ("mean", "variance"))
+    std = np.maximum(np.sqrt(variance), np.asarray(layer.STD_FLOOR, variance.dtype))
+    graph.node("Sub", layer.name, (graph.weight(f"{layer.name}.mean", mean),))
+    graph.node("Div", layer.name, (graph.weight(f"{layer.name}.std", std),))
+
+
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
-             "Flatten": _flatten, "Dropout": _dropout, "Conv2D": _conv2d,
+             "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten,
+             "Dropout": _dropout, "Conv2D": _conv2d,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
 
@@ -190,7 +212,9 @@ def to_onnx(model, opset=None, normalize=None):
         raise ValueError(f"engine.onnx.export: opset must be an integer from {MIN_OPSET} to "
                          f"{newest} (this onnx package's newest), got {opset!r}")
     dtype = _check_model(model)
-    graph = _Graph(onnx)
+    # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
+    raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
+    graph = _Graph(onnx, np.uint8 if raw else dtype)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -199,7 +223,8 @@ def to_onnx(model, opset=None, normalize=None):
         graph.node("Identity", "output")
     graph.nodes[-1].output[0] = OUTPUT
     element = onnx.helper.np_dtype_to_tensor_dtype(dtype)
-    inputs = [onnx.helper.make_tensor_value_info(INPUT, element,
+    inputs = [onnx.helper.make_tensor_value_info(INPUT, onnx.helper.np_dtype_to_tensor_dtype(
+                                                     graph.input_dtype),
                                                  ["batch", *model.input_shape])]
     outputs = [onnx.helper.make_tensor_value_info(OUTPUT, element,
                                                   ["batch", *model.output_shape])]
@@ -415,9 +440,71 @@ def _import_matmul(reader, node, layers, shape, dtype):
     return _dense(reader, node, shape, weight, np.zeros(weight.shape[-1], dtype))
 
 
-def _import_add(reader, node, layers, shape, dtype):
-    """A constant added after a Dense layer without activation: its bias (MatMul + Add)."""
+def _statistic(reader, node):
+    """A constant operand in float64, float32 ones as the shortest decimals (``_short``)."""
+    constant = reader.value(node.input[1], node)
+    if constant.dtype == np.float32:
+        return np.vectorize(_short, otypes=[np.float64])(constant)
+    return constant.astype(np.float64)
+
+
+def _scalar(reader, node, what):
+    constant = _statistic(reader, node)
+    if constant.size != 1:
+        raise reader.fail(node, f"{what} by a constant of shape {constant.shape}; the engine's "
+                                "Rescaling takes one number")
+    return float(constant.reshape(()))
+
+
+def _import_mul(reader, node, layers, shape, dtype):
+    """A multiplication by one number: ``Rescaling`` (what its export writes)."""
+    return sequential.layer("Rescaling", {"scale": _scalar(reader, node, "multiplies")})
+
+
+def _import_sub(reader, node, layers, shape, dtype):
+    """A constant subtracted: the mean of a ``Normalization`` (its export writes a Sub and a
+    Div by the standard deviation; a Div that follows gives the variance)."""
+    mean = _statistic(reader, node)
+    entry = sequential.layer("Normalization", {"mean": _config_value(mean), "variance": 1.0},
+                             mean=mean, variance=np.ones(()))
+    entry["subtracted"] = True   # a Div next divides this layer, not one of its own
+    return entry
+
+
+def _import_div(reader, node, layers, shape, dtype):
+    """A division by a constant: the standard deviation of a ``Normalization``, the one
+    the Sub before it started, else one of mean 0."""
+    std = _statistic(reader, node)
     previous = layers[-1] if layers else None
+    mean = np.zeros(())
+    if previous is not None and previous.get("subtracted"):
+        mean = layers.pop()["weights"]["mean"]
+    variance = std ** 2
+    return sequential.layer("Normalization", {"mean": _config_value(mean),
+                                              "variance": _config_value(variance)},
+                            mean=mean, variance=variance)
+
+
+def _config_value(array):
+    return float(array) if array.ndim == 0 else array.tolist()
+
+
+def _import_cast(reader, node, layers, shape, dtype):
+    """The cast of integer input (raw images) to the model's float type, written before a
+    ``Rescaling``, which casts integer input itself."""
+    if layers or node.input[0] != reader.graph.input[0].name:
+        raise reader.fail(node, "a Cast is read only as the first node, of integer input")
+    return None
+
+
+def _import_add(reader, node, layers, shape, dtype):
+    """A constant added after a Dense layer without activation: its bias (MatMul + Add);
+    one number added after a Rescaling: its offset."""
+    previous = layers[-1] if layers else None
+    if (previous is not None and previous["class_name"] == "Rescaling"
+            and "offset" not in previous["config"]):
+        previous["config"]["offset"] = _scalar(reader, node, "adds")
+        return None
     if (previous is None or previous["class_name"] != "Dense"
             or previous["config"].get("activation") is not None):
         raise reader.fail(node, "adds a constant to a value that is not a Dense layer's "
@@ -551,7 +638,8 @@ IMPORTERS = {"Gemm": _import_gemm, "MatMul": _import_matmul, "Add": _import_add,
              "Conv": _import_conv, "MaxPool": _import_pool("MaxPool2D"),
              "AveragePool": _import_pool("AvgPool2D"), "BatchNormalization": _import_batch_norm,
              "Flatten": _import_flatten, "Reshape": _import_reshape, "Dropout": _import_dropout,
-             "Identity": lambda *args: None,
+             "Identity": lambda *args: None, "Cast": _import_cast, "Mul": _import_mul,
+             "Sub": _import_sub, "Div": _import_div,
              **{operator: _import_activation for operator in OPERATOR_ACTIVATIONS}}
 def _chain(reader):
     """The graph's nodes from its one input to its one output, each feeding the next; a
@@ -645,6 +733,9 @@ def _layers(reader, proto):
     _opset(reader, proto)
     graph_input, chain = _chain(reader)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type))
+    if dtype.kind in "iu" and chain and chain[0].op_type == "Cast":   # raw images, cast first
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
+            reader.attributes(chain[0])["to"]))
     if dtype not in FLOAT_TYPES:
         raise reader.fail(None, f"input {graph_input.name!r} is {dtype}; the engine's models "
                                 "take float32 or float64")

@@ -68,7 +68,7 @@ class Tensor(Value):
     dtype = property(lambda self: np.dtype(self.data.dtype))
     device = property(lambda self: device_of(self.data))
     ndim = property(lambda self: len(self.data.shape))
-    size = property(lambda self: int(self.data.size))
+    size = property(lambda self: _Size(self.data.size, self.data.shape))
 
     def __len__(self):
         if not self.shape:
@@ -316,6 +316,30 @@ class Tensor(Value):
 
     T = property(F.transpose)
 
+    # ----------------------------------------------------------- PyTorch's names
+    def float(self):
+        """As float32 (``self`` when it already is), as torch's ``x.float()``."""
+        return self.to(np.float32)
+
+    def double(self):
+        """As float64 (``self`` when it already is)."""
+        return self.to(np.float64)
+
+    def long(self):
+        """As int64 (``self`` when it already is): labels, indices; never differentiable."""
+        return self.to(np.int64)
+
+    def clone(self):
+        """A copy with its own memory; differentiable, as torch's (the gradient passes
+        through unchanged)."""
+        return F.astype(self, self.dtype)
+
+    def zero_(self):
+        """Fill with zeros in place (``x.grad.zero_()``); returns ``self``. Refused on a
+        tensor that requires grad, as every in-place write is (see ``__setitem__``)."""
+        self[...] = 0
+        return self
+
     # ---------------------------------------------------------- exchange with other libraries
     # Other libraries read and write our storage in place through these protocols: no copy.
     # (Storage is always C-contiguous; engine.from_dlpack is the way in.)
@@ -471,3 +495,61 @@ def from_dlpack(array, requires_grad=False):
 def _type_name(array):
     return f"{type(array).__module__}.{type(array).__qualname__}"
 
+
+
+# ------------------------------------------------------------------ PyTorch's names
+
+class _Size(int):
+    """``x.size``: the element count (the engine's and NumPy's meaning), and, called, the
+    shape as torch's ``x.size()`` (``x.size(dim)`` one extent)."""
+
+    def __new__(cls, count, shape):
+        size = super().__new__(cls, count)
+        size.shape = tuple(int(s) for s in shape)
+        return size
+
+    def __call__(self, dim=None):
+        if dim is None:
+            return self.shape
+        if not isinstance(dim, numbers.Integral) or not -len(self.shape) <= dim < len(self.shape):
+            raise IndexError(f"size: dim {dim!r} is out of range for a tensor of "
+                             f"{len(self.shape)} dimensions (shape {self.shape})")
+        return self.shape[dim]
+
+
+def arange(start, end=None, step=1, *, dtype=None, device="cpu", requires_grad=False):
+    """``[start, end)`` in steps of ``step``, as torch's ``arange`` (``arange(n)`` is
+    ``0 .. n - 1``): int64 when every bound is an int, else float32, unless ``dtype`` says."""
+    if end is None:
+        start, end = 0, start
+    bounds = (start, end, step)
+    if not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in bounds):
+        raise TypeError(f"arange: start, end and step must be numbers, got {bounds}")
+    if step == 0:
+        raise ValueError("arange: step must not be 0")
+    if dtype is None:
+        dtype = np.int64 if all(isinstance(b, numbers.Integral) for b in bounds) else np.float32
+    dtype = check_dtype(dtype, "arange")
+    values = np.arange(start, end, step, dtype=np.float64 if dtype.kind == "f" else None)
+    return Tensor(to_device(values.astype(dtype), check_device(device)), requires_grad)
+
+
+def rand(*shape, seed=None, dtype=np.float32, device="cpu", requires_grad=False):
+    """Uniform samples in [0, 1) from the engine's generator (``engine.manual_seed``), as
+    torch's ``rand``."""
+    dtype = check_dtype(dtype, "rand")
+    values = generator(seed).random(_shape(shape)).astype(dtype)
+    return Tensor(to_device(values, check_device(device)), requires_grad)
+
+
+def from_numpy(array, requires_grad=False):
+    """A CPU tensor sharing memory with the NumPy ``array`` (writes through either are seen
+    by the other), as torch's ``from_numpy``; ``engine.tensor(array)`` copies instead."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"from_numpy: expected a NumPy array, got {_type_name(array)}; "
+                        "engine.tensor(...) takes lists and other arrays")
+    check_dtype(array.dtype, "from_numpy")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"from_numpy: the array of shape {array.shape} is not C-contiguous "
+                         "and engine tensors are; pass np.ascontiguousarray(array) (a copy)")
+    return Tensor(array, requires_grad)

@@ -1,14 +1,18 @@
 """The command ``python -m engine.train``: train an MLP or a CNN on MNIST or Fashion-MNIST.
 
-It checks its arguments and every output path before any work, loads and standardises the
-data, builds the model (``--model mlp``, the default, or ``cnn``), optimizer and schedule,
-calls ``engine.fit.fit`` (with early stopping on the test loss when asked), plots the curves
-and exports the model as ONNX. Bad input
+It answers ``--help`` and arguments that do not parse before it imports Numba
+(``answer_at_once``), checks its arguments and every output path before any work, loads the
+data, builds the model (``--model mlp``, the default, or ``cnn``; both start with
+``Rescaling`` and ``Normalization``, so the saved model and the ONNX export take raw images),
+optimizer and schedule, calls ``engine.fit.fit`` (with early stopping on the test loss when
+asked), saves a checkpoint after every epoch (to ``DATASET-MODEL.npz`` unless ``--save`` or
+``--no-save`` say otherwise), plots the curves and exports the model as ONNX. Bad input
 exits with status 2 and one line on stderr, never a traceback; a write that fails during
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
 which checkpoint is intact; so does a training loss that turns NaN or infinite
-(``callbacks.TerminateOnNaN`` checks every step: that epoch is never saved). A GPU out of
-memory (``engine.OutOfMemoryError``) is one line and status 1 too.
+(``callbacks.TerminateOnNaN``: that epoch is never saved). A GPU out of memory
+(``engine.OutOfMemoryError``) is one line and status 1 too; Ctrl-C says which epoch the
+checkpoint holds.
 
 ``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
 (``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
@@ -27,27 +31,12 @@ The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoi
 are re-exported here (``from engine.train import fit, evaluate`` is public API).
 """
 import argparse
+import glob
 import importlib.util
 import math
 import os
 import sys
 import types
-
-import numpy as np
-
-import data
-import engine
-import optim
-from engine import distributed as dist
-from engine import nn
-from engine import onnx as onnx_export
-from engine.archive import atomic_write, probe_writable
-from engine.callbacks import PROGRESS_EVERY, EarlyStopping, TensorBoard, TerminateOnNaN
-from engine.fit import (RECORD_KEYS, append_record, evaluate, fit, format_record,  # noqa: F401
-                        read_checkpoint, restore_checkpoint, save_checkpoint)
-from engine.losses import cross_entropy
-from engine.random import manual_seed
-from ops.device import check_device
 
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
@@ -87,7 +76,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     parser = _Parser(prog=PROG, description="Train an MLP or a CNN on MNIST or Fashion-MNIST "
                      "with the Numba engine. Defaults: MNIST, MLP 784-256-128-10 ReLU, Adam "
-                     "2e-3 with a cosine schedule, batch 128, 5 epochs (98.25% test accuracy "
+                     "2e-3 with a cosine schedule, batch 128, 5 epochs (98.42% test accuracy "
                      "on the CPU).")
     add = parser.add_argument
     add("--dataset", default="mnist", help=f"{' or '.join(DATASETS)} (default mnist)")
@@ -115,7 +104,10 @@ def build_parser():
         "(default 0: off)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
     add("--save", metavar="PATH", help="checkpoint (model, optimizer, epoch, history) written "
-        "atomically after each epoch (default: the --resume file when resuming, else none)")
+        "atomically after each epoch; nn.load(PATH) reads its model (default: the --resume "
+        "file when resuming, else DATASET-MODEL.npz in the current folder, e.g. "
+        "mnist-mlp.npz)")
+    add("--no-save", action="store_true", help="write no checkpoint")
     add("--resume", metavar="PATH", help="continue from a --save checkpoint up to --epochs, "
         "with the checkpoint's optimizer settings, saving to PATH unless --save says otherwise")
     add("--plot", metavar="PATH", help="image of the per-step training loss and per-epoch "
@@ -140,6 +132,56 @@ def build_parser():
         "replaying a captured one (engine.capture)")
     add("--no-progress", action="store_true", help="no progress bar, metrics lines only")
     return parser
+
+
+def _report(error):
+    if getattr(error, "shown", True):
+        rank = getattr(error, "rank", None)
+        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
+              file=sys.stderr, flush=True)
+
+
+# engine.distributed.LAUNCHER_VARIABLES (tests/test_train.py checks they agree): that module
+# imports Numba, which the early answer below must not wait for
+LAUNCHERS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def answer_at_once(argv):
+    """``--help``, and arguments that do not parse, answered before Numba and numba.cuda are
+    imported (1.6-7 s of the 2-core machine's time, against 0.1 s for this): exits with
+    argparse's help, or status 2 and the one line of ``parse_arguments``. A command that
+    names ``--distributed`` or runs under mpiexec takes the full path, where its ranks fail
+    together (``fail_every_rank``)."""
+    if any(name in os.environ for name in LAUNCHERS) or any(
+            len(word) > 3 and "--distributed".startswith(word) for word in argv):
+        return
+    try:
+        build_parser().parse_args(argv)
+    except BadInput as error:
+        _report(error)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    answer_at_once(sys.argv[1:])
+
+import numpy as np  # noqa: E402
+
+import data  # noqa: E402
+import engine  # noqa: E402
+import ops  # noqa: E402
+import optim  # noqa: E402
+from engine import distributed as dist  # noqa: E402
+from engine import nn  # noqa: E402
+from engine import onnx as onnx_export  # noqa: E402
+from engine.archive import atomic_write, probe_writable  # noqa: E402
+from engine.callbacks import (PROGRESS_EVERY, EarlyStopping, TensorBoard,  # noqa: E402
+                              TerminateOnNaN)
+from engine.fit import (RECORD_KEYS, append_record, evaluate, fit,  # noqa: F401, E402
+                        format_record, read_checkpoint, restore_checkpoint, save_checkpoint)
+from engine.losses import cross_entropy  # noqa: E402
+from engine.random import manual_seed  # noqa: E402
+from ops.device import SIMULATOR, check_device  # noqa: E402
 
 
 def parse_hidden(text):
@@ -236,6 +278,11 @@ def check_arguments(args, outputs=True):
             raise BadInput(f"{flag} must be a finite number >= 0, got {value}")
     if args.resume and not os.path.isfile(args.resume):
         raise BadInput(f"--resume {args.resume}: no such file")
+    if args.no_save and args.save:
+        raise BadInput(f"--no-save and --save {args.save} contradict each other; give one")
+    if args.no_save and args.resume:
+        raise BadInput("--no-save with --resume: a resumed run saves to its checkpoint (or "
+                       "to --save PATH); leave out --no-save")
     if outputs:
         check_outputs(args)
     args.hidden = parse_hidden(args.hidden)
@@ -249,14 +296,16 @@ def check_outputs(args):
     """The output paths can be written and the packages that write them are installed."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BadInput("--plot needs matplotlib, an optional extra: "
-                       "pip install 'numba-engine[plot]'")
+                       "pip install -e '.[plot]'")
     if args.plot and _plot_format(args.plot) not in _plot_formats():
         raise BadInput(f"--plot {args.plot}: matplotlib writes no {_plot_format(args.plot)!r} "
                        f"files (it writes {', '.join(sorted(_plot_formats()))})")
     if args.export_onnx and importlib.util.find_spec("onnx") is None:
         raise BadInput("--export-onnx needs the onnx package, an optional extra: "
-                       "pip install 'numba-engine[onnx]'")
-    for flag, path in (("--save", args.save), ("--plot", args.plot),
+                       "pip install -e '.[onnx]'")
+    # a resumed run without --save writes its --resume file: checked below, named so
+    saved_to = None if args.resume and not args.save else checkpoint_path(args)
+    for flag, path in (("--save", saved_to), ("--plot", args.plot),
                        ("--log-json", args.log_json), ("--export-onnx", args.export_onnx)):
         if path:
             check_output(flag, path, appending=flag == "--log-json")
@@ -268,6 +317,14 @@ def check_outputs(args):
         except BadInput as error:
             raise BadInput(f"{error}; a resumed run saves there unless --save names another "
                            "file") from None
+
+
+def checkpoint_path(args):
+    """Where the run saves its checkpoint: ``--save``, else the ``--resume`` file, else
+    ``DATASET-MODEL.npz`` in the current folder; None with ``--no-save``."""
+    if args.no_save:
+        return None
+    return args.save or args.resume or f"{args.dataset}-{args.model}.npz"
 
 
 def load_dataset(name, data_dir=None, limit=None):
@@ -305,19 +362,32 @@ def pixel_statistics(images):
     return mean, (std if std > 0 else 1.0)
 
 
-def build_mlp(input_shape, hidden, classes):
-    """Flatten, then a ReLU Dense layer per hidden width, then a linear Dense to ``classes``."""
-    layers = [nn.Flatten(input_shape=tuple(input_shape))]
+def preprocessing(images, normalize):
+    """The layers that take ``images`` as the data set ships them to what the network trains
+    on: ``Rescaling(1 / 255)`` for uint8 (the loader's scaling), then ``Normalization`` with
+    the training images' ``normalize=(mean, std)``. The CLI's models start with them, so the
+    saved model and its ONNX export both take raw images."""
+    scale = 1 / 255 if images.dtype == np.uint8 else 1.0
+    mean, std = normalize
+    return [nn.Rescaling(scale, input_shape=images.shape[1:]), nn.Normalization(mean, std ** 2)]
+
+
+def build_mlp(input_shape, hidden, classes, first_layers=()):
+    """``first_layers`` (``preprocessing``), Flatten, then a ReLU Dense layer per hidden
+    width, then a linear Dense to ``classes``."""
+    layers = list(first_layers) + [nn.Flatten(input_shape=None if first_layers
+                                              else tuple(input_shape))]
     layers += [nn.Dense(width, activation="relu") for width in hidden]
     layers.append(nn.Dense(classes))
     return nn.Sequential(layers)
 
 
-def build_cnn(input_shape, classes):
-    """The network of engine/API.md's "Convolutional networks" for images of
-    ``input_shape`` (height, width), as one channel."""
-    return nn.Sequential([
-        nn.Reshape((1,) + tuple(input_shape), input_shape=tuple(input_shape)),
+def build_cnn(input_shape, classes, first_layers=()):
+    """``first_layers`` (``preprocessing``), then the network of engine/API.md's
+    "Convolutional networks" for images of ``input_shape`` (height, width), as one channel."""
+    return nn.Sequential(list(first_layers) + [
+        nn.Reshape((1,) + tuple(input_shape),
+                   input_shape=None if first_layers else tuple(input_shape)),
         nn.Conv2D(32, 3, padding="same", activation="relu"),
         nn.MaxPool2D(2),
         nn.Conv2D(64, 3, padding="same", activation="relu"),
@@ -332,14 +402,14 @@ def build_cnn(input_shape, classes):
 CNN_DESCRIPTION = "conv32-maxpool-conv64-batchnorm-avgpool-128"
 
 
-def build_model(name, input_shape, hidden, classes):
+def build_model(name, input_shape, hidden, classes, first_layers=()):
     """``build_mlp`` or ``build_cnn`` by ``--model`` name."""
     if name == "cnn":
         if len(input_shape) != 2:
             raise BadInput(f"--model cnn takes images of (height, width), got samples of "
                            f"shape {tuple(input_shape)}")
-        return build_cnn(input_shape, classes)
-    return build_mlp(input_shape, hidden, classes)
+        return build_cnn(input_shape, classes, first_layers)
+    return build_mlp(input_shape, hidden, classes, first_layers)
 
 
 def build_optimizer(name, parameters, lr, momentum, weight_decay):
@@ -386,13 +456,45 @@ def plot_history(history, path, step_losses=()):
     return figure
 
 
+def describe_device(device, simulator):
+    """The device as the header names it: "cuda" in Numba's simulator says so."""
+    if device == "cuda" and simulator:
+        return ("cuda (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks: very slow, for "
+                "tests only; unset it to train on the CPU or a GPU)")
+    return device
+
+
+def kernels_cached():
+    """Whether Numba's cache holds the engine's compiled CPU kernels (a file of the Dense
+    kernels', compiled at the first step of every model here): in NUMBA_CACHE_DIR when set,
+    else in ``__pycache__`` beside ``ops/dense.py``."""
+    from numba import config
+    folder = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(ops.__file__)),
+                                              "__pycache__")
+    pattern = "**/dense.*.nbi" if config.CACHE_DIR else "dense.*.nbi"
+    return bool(glob.glob(os.path.join(folder, pattern), recursive=True))
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says which epoch the checkpoint file holds."""
+
+
+def _kept(saved_epoch, saved_path, save_path):
+    """What an interrupted run leaves the user, in words."""
+    if saved_epoch is not None:
+        return (f"{saved_path} holds epoch {saved_epoch} (resume with --resume {saved_path})")
+    if save_path is None:
+        return "nothing was saved (--no-save)"
+    return f"no epoch finished, so {save_path} was not written"
+
+
 def _intact(saved_epoch, saved_path, save_path):
     """What a failed write leaves the user, in words."""
     if saved_epoch is not None:
         return f"the checkpoint of epoch {saved_epoch} in {saved_path} is intact"
     if save_path and os.path.exists(save_path):
         return f"{save_path} is as it was before this run"
-    return "no checkpoint was written" + ("" if save_path else " (no --save)")
+    return "no checkpoint was written" + ("" if save_path else " (--no-save)")
 
 
 # ------------------------------------------------------------------ the run
@@ -498,7 +600,11 @@ def prepare(args, is_root):
     (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir, args.limit)
     manual_seed(args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
-    model = build_model(args.model, x_train.shape[1:], args.hidden, classes).to(args.device)
+    # the model takes the images as they ship (its first layers scale and standardise them
+    # with the training images' statistics), so the saved file and the ONNX export take them
+    normalize = pixel_statistics(x_train)
+    model = build_model(args.model, x_train.shape[1:], args.hidden, classes,
+                        preprocessing(x_train, normalize)).to(args.device)
     optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum,
                                 args.weight_decay)
     start_epoch, history = 0, []
@@ -512,23 +618,28 @@ def prepare(args, is_root):
                            f"ask for more with --epochs (now {args.epochs})")
     scheduler = (cosine_schedule(optimizer, args.epochs, start_epoch)
                  if args.schedule == "cosine" else None)
-    # standardised with the training images' statistics; the loaders convert once
-    normalize = pixel_statistics(x_train)
-    train_loader = data.DataLoader(x_train, y_train, batch_size=args.batch_size // ranks,
-                                   shuffle=True, seed=args.seed, device=args.device,
-                                   normalize=normalize, shard=(rank, ranks))
+    # the pixel values as they are (0-255, as float32: the loader would scale uint8 to
+    # [0, 1], which the model's Rescaling does); the loaders convert once
+    train_loader = data.DataLoader(_pixels(x_train), y_train,
+                                   batch_size=args.batch_size // ranks, shuffle=True,
+                                   seed=args.seed, device=args.device, shard=(rank, ranks))
     train_loader.epoch = start_epoch   # shuffling is keyed by (seed, epoch): resumes exactly
     # a seed, though it never shuffles: without one a loader draws it from the engine's
     # generator, after restore_checkpoint set that, and a resumed run's dropout masks would
     # no longer be the uninterrupted run's
-    test_loader = data.DataLoader(x_test, y_test, batch_size=1000, seed=args.seed,
-                                  device=args.device, normalize=normalize)
+    test_loader = data.DataLoader(_pixels(x_test), y_test, batch_size=1000, seed=args.seed,
+                                  device=args.device)
     return types.SimpleNamespace(
         checkpoint=checkpoint, config=config, model=model, optimizer=optimizer,
         scheduler=scheduler, start_epoch=start_epoch, history=history, ranks=ranks,
         train_loader=train_loader, test_loader=test_loader, classes=classes, normalize=normalize,
         data=(x_train.shape, str(x_train.dtype), y_train.shape, x_test.shape, y_test.shape,
               classes, normalize))
+
+
+def _pixels(images):
+    """uint8 images as float32 of the same values, which the loader uses as given."""
+    return images.astype(np.float32) if images.dtype == np.uint8 else images
 
 
 def agree_on_the_start(setup, is_root):
@@ -558,12 +669,21 @@ def train(args, setup, is_root):
         n_parameters = sum(p.size for p in model.parameters())
         ranks = (f" ({args.batch_size // setup.ranks} per rank on {setup.ranks} ranks)"
                  if args.distributed else "")
+        group = optimizer.param_groups[0]
+        lr = group.get("initial_lr", group["lr"])   # the peak: a schedule writes "lr"
+        kept = (f" (the checkpoint's: a resumed run keeps its optimizer settings, so --lr "
+                f"{args.lr:g} is not used)" if start_epoch and lr != args.lr else "")
+        device = describe_device(args.device, SIMULATOR)
         print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; "
-              f"{description} ({n_parameters} parameters); {args.optimizer} lr {args.lr:g} "
-              f"{args.schedule}, batch {args.batch_size}{ranks}, device {args.device}"
+              f"{description} ({n_parameters} parameters); {args.optimizer} lr {lr:g}{kept} "
+              f"{args.schedule}, batch {args.batch_size}{ranks}, device {device}"
               + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
+        if not kernels_cached():
+            print("compiling the engine's kernels (Numba JIT, the first run only): the first "
+                  "epoch takes 10-30 s longer; later runs read them from Numba's cache "
+                  "(__pycache__ beside the engine's sources, or NUMBA_CACHE_DIR)", flush=True)
 
-    save_path = args.save or args.resume   # a resumed run goes on saving where it came from
+    save_path = checkpoint_path(args)   # a resumed run goes on saving where it came from
     saved = {"epoch": start_epoch, "path": args.resume} if setup.checkpoint else {"epoch": None}
 
     def intact():
@@ -598,18 +718,25 @@ def train(args, setup, is_root):
     # reads anyway, so the captured steps between them still replay as one graph launch
     terminate = TerminateOnNaN(step_interval=1 if args.device == "cpu" else PROGRESS_EVERY,
                                verbose=False)
-    fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
-        test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
-        callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
-        progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
-        history=history, step_losses=step_losses, capture=not args.no_capture,
-        distributed=args.distributed)
+    try:
+        fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
+            test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
+            callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
+            progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
+            history=history, step_losses=step_losses, capture=not args.no_capture,
+            distributed=args.distributed)
+    except KeyboardInterrupt:
+        raise Interrupted(_kept(saved["epoch"], saved.get("path"), save_path)) from None
     if terminate.stopped_epoch is not None:
         loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
                 else "another rank's training loss is non-finite")
         raise Diverged(f"{loss} at epoch {terminate.stopped_epoch}, step "
                        f"{terminate.stopped_step}: training stopped there (a lower --lr or "
                        f"--clip-norm may help); {intact()}", shown=is_root)
+    if is_root and save_path:
+        print(f"model saved to {save_path} (epoch {saved['epoch']}): "
+              f"engine.nn.load({save_path!r}) gives the model, which takes the images as the "
+              f"data set ships them; --resume {save_path} --epochs N trains on", flush=True)
     if args.plot and is_root:
         try:
             plot_history(history, args.plot, step_losses)
@@ -619,7 +746,7 @@ def train(args, setup, is_root):
         print(f"curves written to {args.plot}")
     if args.export_onnx and is_root:
         try:
-            onnx_export.export(model, args.export_onnx, normalize=setup.normalize)
+            onnx_export.export(model, args.export_onnx)
         except OSError as error:
             raise OutputFailure(f"--export-onnx {args.export_onnx}: cannot write the model "
                                 f"({_describe(error)}); {intact()}") from None
@@ -627,15 +754,9 @@ def train(args, setup, is_root):
         restored = best is not None and best != history[-1]["epoch"]
         print(f"ONNX model written to {args.export_onnx}"
               + (f" (the weights of epoch {best}, the best test loss)" if restored else "")
-              + "; it takes images scaled to [0, 1] and standardises them itself")
+              + "; it takes the images as the data set ships them (uint8 0-255), as the "
+              "saved model does")
     return history
-
-
-def _report(error):
-    if getattr(error, "shown", True):
-        rank = getattr(error, "rank", None)
-        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
-              file=sys.stderr, flush=True)
 
 
 def parse_arguments(argv):
@@ -695,8 +816,9 @@ def main(argv=None):
         rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""
         print(f"{rank}{PROG}: error: {error} (--batch-size)", file=sys.stderr, flush=True)
         dist.abort(1)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:   # Interrupted says what the checkpoint holds
+        print(f"{PROG}: interrupted" + (f"; {interrupt}" if str(interrupt) else ""),
+              file=sys.stderr)
         sys.exit(130)
 
 

@@ -3,9 +3,13 @@
 The ``cuda`` run is marked ``cuda`` and needs a GPU or Numba's simulator
 (``NUMBA_ENABLE_CUDASIM=1``, set before the process imports numba.cuda: CI runs
 ``pytest -m cuda`` a second time in its own process for that). ``gpu`` tests need real
-hardware; ``torch`` tests need PyTorch.
+hardware; ``torch`` tests need PyTorch. In the simulator, the CUDA tests listed in
+``tests/simulator_repeats.txt`` are skipped (they reach no kernel line or branch that the
+others miss; a real GPU runs them). Every run ends with a count of its skips by reason.
 """
+import collections
 import importlib.util
+import os
 
 import pytest
 
@@ -14,16 +18,49 @@ from ops import flag_buffer
 from ops.device import SIMULATOR, cuda_available
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+# CUDA tests the simulator leaves to real GPUs: every CUDA kernel line and branch they reach
+# in the simulator, the simulator tests left in reach too (the file says how that is checked)
+SIMULATOR_REPEATS = os.path.join(os.path.dirname(__file__), "simulator_repeats.txt")
+
+
+def simulator_repeats():
+    """The test ids listed in ``SIMULATOR_REPEATS`` (one a line; ``#`` starts a comment)."""
+    with open(SIMULATOR_REPEATS) as listing:
+        return {line.split("#")[0].strip() for line in listing} - {""}
 
 
 def pytest_collection_modifyitems(config, items):
+    # ENGINE_SIMULATE_ALL=1 runs them too, to remake the list (.ci/simulator_selection.py)
+    repeats = (simulator_repeats() if SIMULATOR and not os.environ.get("ENGINE_SIMULATE_ALL")
+               else set())
     for item in items:
         if "gpu" in item.keywords and (SIMULATOR or not cuda_available()):
-            item.add_marker(pytest.mark.skip(reason="needs a real CUDA GPU"))
+            item.add_marker(pytest.mark.skip(reason="needs a real CUDA GPU (-m gpu on a GPU "
+                                                    "machine)"))
         if "cuda" in item.keywords and not cuda_available():
-            item.add_marker(pytest.mark.skip(reason="needs CUDA: a GPU or NUMBA_ENABLE_CUDASIM=1"))
+            item.add_marker(pytest.mark.skip(reason="a CUDA test: runs in the simulator phase "
+                                                    "(NUMBA_ENABLE_CUDASIM=1 pytest -m cuda) "
+                                                    "or on a GPU"))
+        if "cuda" in item.keywords and item.nodeid in repeats:
+            item.add_marker(pytest.mark.skip(reason="repeats kernel branches that other "
+                                                    "simulator tests reach "
+                                                    "(tests/simulator_repeats.txt); a real "
+                                                    "GPU runs it"))
         if "torch" in item.keywords and not HAS_TORCH:
-            item.add_marker(pytest.mark.skip(reason="needs PyTorch (pip install '.[torch]')"))
+            item.add_marker(pytest.mark.skip(reason="needs PyTorch (pip install -e '.[torch]')"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason, with its count: why tests were skipped (``-rs`` lists each)."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(
+            report.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", f"{sum(reasons.values())} skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -337,3 +337,33 @@ def test_nn_load_puts_an_imported_model_on_the_cuda_device(tmp_path):
     x = _random((3, 2))
     np.testing.assert_allclose(_eval_outputs(loaded, x), _eval_outputs(model, x), rtol=0,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("first_layers", [
+    [nn.Rescaling(1 / 255, input_shape=(3, 4)), nn.Normalization(0.13, 0.09)],
+    [nn.Rescaling(2.0, offset=-1.0, input_shape=(3, 4)),
+     nn.Normalization(np.linspace(0.1, 0.4, 4), np.linspace(0.5, 2.0, 4))]])
+def test_rescaling_and_normalization_round_trip_on_raw_images(tmp_path, first_layers):
+    """The layers a model of python -m engine.train starts with: uint8 in, as the data set
+    ships images (a Cast, a Mul and an Add, a Sub and a Div)."""
+    model = nn.Sequential(first_layers + [nn.Flatten(), nn.Dense(5, activation="relu")])
+    model.export_onnx(tmp_path / "raw.onnx")
+    loaded = nn.load(tmp_path / "raw.onnx")
+    assert [type(layer).__name__ for layer in loaded.layers] == [
+        "Rescaling", "Normalization", "Flatten", "Dense"]
+    images = np.random.default_rng(0).integers(0, 256, (7, 3, 4)).astype(np.uint8)
+    model.eval()
+    loaded.eval()
+    with engine.no_grad():
+        np.testing.assert_allclose(loaded(images).numpy(), model(images).numpy(), rtol=0,
+                                   atol=1e-6)
+
+
+def test_the_export_s_normalize_nodes_import_as_a_normalization(tmp_path):
+    model = nn.Sequential([nn.Flatten(input_shape=(3, 4)), nn.Dense(5)])
+    model.export_onnx(tmp_path / "normalized.onnx", normalize=(0.1307, 0.3081))
+    loaded = nn.load(tmp_path / "normalized.onnx")
+    x = _random((6, 3, 4))
+    standardised = (x - np.float32(0.1307)) / np.float32(0.3081)
+    np.testing.assert_allclose(_eval_outputs(loaded, x), _eval_outputs(model, standardised),
+                               rtol=0, atol=1e-6)

@@ -1,5 +1,6 @@
 """README.md as a new user meets it: every ```python block runs as written on a CPU machine,
-and every link it makes points at a file of the repository.
+and every link it makes points at a file of the repository; the same for the two READMEs it
+links for the internals (ops/README.md) and the measurements (bench/README.md).
 
 The blocks run in one fresh interpreter (started without NUMBA_ENABLE_CUDASIM, as on a
 CPU machine), in an empty folder, each in a namespace of its own: a block may use only what it
@@ -18,6 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
+READMES = (README, REPO_ROOT / "ops" / "README.md", REPO_ROOT / "bench" / "README.md")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 HEADING = re.compile(r"^#+ (.*)$", re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -52,13 +54,16 @@ json.dump(failures, open(sys.argv[2], "w"))
 
 
 def _blocks():
-    """``(code, heading, line)`` of every ```python block, in reading order."""
-    text = README.read_text()
+    """``(code, heading, line)`` of every ```python block, in reading order (the line as
+    ``FILE:LINE`` outside README.md)."""
     blocks = []
-    for match in PYTHON_BLOCK.finditer(text):
-        headings = HEADING.findall(text, 0, match.start())
-        blocks.append((match.group(1), headings[-1] if headings else "top",
-                       text.count("\n", 0, match.start()) + 1))
+    for readme in READMES:
+        text = readme.read_text()
+        where = "" if readme == README else f"{readme.relative_to(REPO_ROOT)}:"
+        for match in PYTHON_BLOCK.finditer(text):
+            headings = HEADING.findall(text, 0, match.start())
+            blocks.append((match.group(1), headings[-1] if headings else "top",
+                           f"{where}{text.count(chr(10), 0, match.start()) + 1}"))
     return blocks
 
 
@@ -97,16 +102,18 @@ def test_readme_block_runs_as_written(index, block_failures):
         if f"import {module}" in code and importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install '.[{extra}]')")
     assert block_failures[index] is None, (
-        f"README.md line {line} ({heading}):\n{code}\n{block_failures[index]}")
+        f"README line {line} ({heading}):\n{code}\n{block_failures[index]}")
 
 
-def test_readme_links_point_into_the_repository():
-    links = [link for link in LINK.findall(README.read_text())
+@pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO_ROOT)))
+def test_readme_links_point_into_the_repository(readme):
+    links = [link for link in LINK.findall(readme.read_text())
              if "://" not in link and not link.startswith("#")]
-    assert "engine/API.md" in links
+    if readme == README:
+        assert {"engine/API.md", "ops/README.md", "bench/README.md"} <= set(links)
     for link in links:
-        target = (README.parent / link.split("#")[0]).resolve()
-        assert target.is_relative_to(REPO_ROOT) and target.exists(), link
+        target = (readme.parent / link.split("#")[0]).resolve()
+        assert target.is_relative_to(REPO_ROOT) and target.exists(), f"{readme}: {link}"
 
 
 def test_the_api_reference_is_the_shared_contract():

@@ -21,7 +21,7 @@ from engine import archive
 from engine.archive import decode, encode
 from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar,
                         read_checkpoint, save_checkpoint, show_progress)
-from engine.train import build_mlp, main, pixel_statistics, plot_history
+from engine.train import build_mlp, main, pixel_statistics, plot_history, preprocessing
 from ops.cuda_backend import SIMULATOR
 from ops.device import cuda_available
 
@@ -154,6 +154,12 @@ def test_pixel_statistics_are_exact():
 
 # ------------------------------------------------------------------ the command
 
+@pytest.fixture(autouse=True)
+def _in_a_fresh_folder(tmp_path, monkeypatch):
+    """Runs save to ``DATASET-MODEL.npz`` in the current folder by default: a test's own."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _run_main(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -217,7 +223,8 @@ def test_checkpoint_holds_a_model_file(tmp_path, capsys):
     state = read_checkpoint(path)["model"]
     model.load_state_dict(state)
     assert names - set(state) - {nn.CONFIG_KEY} == {n for n in names if n.startswith("train/")}
-    assert [layer["config"].get("units") for layer in config["layers"]] == [None, 16, 10]
+    assert [layer["config"].get("units") for layer in config["layers"]] == [None, None, None,
+                                                                             16, 10]
 
 
 def _not_a_checkpoint(tmp_path):
@@ -408,8 +415,8 @@ def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
 def test_module_entry_point_runs_and_fails_cleanly():
     command = [sys.executable, "-m", "engine.train"]
     environment = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    good = subprocess.run(command + TINY, cwd=REPO_ROOT, capture_output=True, text=True,
-                          env=environment)
+    good = subprocess.run(command + TINY + ["--no-save"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env=environment)
     assert good.returncode == 0, good.stderr
     assert "epoch 1/1" in good.stdout
     bad = subprocess.run(command + TINY + ["--hidden", "a,b"], cwd=REPO_ROOT,
@@ -750,7 +757,7 @@ def _onnx_logits(path, images):
 
 def test_early_stopping_exports_the_best_epoch(tmp_path, capsys):
     """Adam at 0.05 overshoots after epoch 1: the run stops after epoch 2 and exports epoch
-    1's weights, which a run of 1 epoch saves; the file takes images scaled to [0, 1]."""
+    1's weights, which a run of 1 epoch saves; both take the raw uint8 images."""
     pytest.importorskip("onnx")
     run = TINY + ["--schedule", "constant", "--lr", "0.05"]
     exported, last = tmp_path / "best.onnx", tmp_path / "last.npz"
@@ -763,12 +770,9 @@ def test_early_stopping_exports_the_best_epoch(tmp_path, capsys):
     first = tmp_path / "first.npz"
     main(run + ["--epochs", "1", "--save", str(first)])
     model = nn.load(str(first))
-    (x_train, _), (x_test, _) = data.mnist.load()
-    mean, std = pixel_statistics(x_train[:192])
-    images = x_test[:64].astype(np.float32) / 255
-    with engine.no_grad():
-        expected = model(((images - mean) / std).astype(np.float32)).numpy()
-    np.testing.assert_allclose(_onnx_logits(exported, images), expected, rtol=0, atol=1e-5)
+    images = data.mnist.load()[1][0][:64]
+    np.testing.assert_allclose(_onnx_logits(exported, images), model.predict(images), rtol=0,
+                               atol=1e-5)
 
 
 def test_export_onnx_without_the_onnx_package_is_one_line(monkeypatch, tmp_path, capsys):
@@ -778,14 +782,15 @@ def test_export_onnx_without_the_onnx_package_is_one_line(monkeypatch, tmp_path,
     code, captured = _run_main(TINY + ["--export-onnx", str(tmp_path / "m.onnx")], capsys)
     assert code == 2 and captured.err.strip().splitlines() == [
         "engine-train: error: --export-onnx needs the onnx package, an optional extra: "
-        "pip install 'numba-engine[onnx]'"]
+        "pip install -e '.[onnx]'"]
 
 
 def test_a_checkpoint_from_before_the_test_loss_resumes(tmp_path, capsys):
     path = str(tmp_path / "old.npz")
     main(TINY + ["--save", path])
     state = read_checkpoint(path)
-    model = build_mlp((28, 28), (16,), 10)
+    model = build_mlp((28, 28), (16,), 10, preprocessing(data.mnist.load()[0][0][:192],
+                                                         (0.1, 0.3)))
     optimizer = optim.Adam(model.parameters())
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -827,8 +832,8 @@ def test_model_cnn_trains_and_saves_its_running_statistics(tmp_path, capsys):
     assert state["model"]["batchnorm.running_var"].shape == (64,)
     assert not np.all(state["model"]["batchnorm.running_var"] == 1)   # it was trained
     model = nn.load(path)
-    assert [type(layer).__name__ for layer in model.layers][:3] == ["Reshape", "Conv2D",
-                                                                   "MaxPool2D"]
+    assert [type(layer).__name__ for layer in model.layers][:4] == [
+        "Rescaling", "Normalization", "Reshape", "Conv2D"]
     main(CNN_TINY + ["--epochs", "2", "--resume", path])
     assert "resuming after epoch 1" in capsys.readouterr().out
 
@@ -861,5 +866,119 @@ def test_model_cnn_exports_onnx(tmp_path, capsys):
     path = tmp_path / "cnn.onnx"
     main(CNN_TINY + ["--export-onnx", str(path)])
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (logits,) = session.run(None, {"input": np.zeros((2, 28, 28), np.float32)})
-    assert logits.shape == (2, 10)
+    images = data.mnist.load()[1][0][:2]
+    (logits,) = session.run(None, {"input": images})
+    np.testing.assert_allclose(logits, nn.load("mnist-cnn.npz").predict(images), rtol=0,
+                               atol=1e-4)
+
+
+# ------------------------------------------------------------------ a first run keeps its model
+
+def test_a_run_saves_its_model_in_the_current_folder_by_default(tmp_path, capsys):
+    main(TINY)
+    out = capsys.readouterr().out
+    assert (tmp_path / "mnist-mlp.npz").is_file()
+    assert "model saved to mnist-mlp.npz (epoch 1): engine.nn.load('mnist-mlp.npz')" in out
+    raw = data.mnist.load()[1][0][:5]   # uint8, as the data set ships them
+    assert nn.load("mnist-mlp.npz").predict(raw).shape == (5, 10)
+    main(TINY + ["--no-save", "--model", "cnn"])
+    assert not (tmp_path / "mnist-cnn.npz").exists()
+    assert "model saved" not in capsys.readouterr().out
+    code, captured = _run_main(TINY + ["--no-save", "--save", "m.npz"], capsys)
+    assert code == 2 and "--no-save and --save m.npz contradict each other" in captured.err
+
+
+def _interrupted_after(epochs):
+    """``fit`` that Ctrl-C stops after ``epochs`` epochs (their checkpoints written)."""
+    from engine import train as cli
+    real_fit = cli.fit
+
+    def fit(*args, on_epoch_end=(), **kwargs):
+        def stop(record):
+            if record["epoch"] >= epochs:
+                raise KeyboardInterrupt
+        if epochs == 0:
+            raise KeyboardInterrupt
+        return real_fit(*args, on_epoch_end=list(on_epoch_end) + [stop], **kwargs)
+    return fit
+
+
+@pytest.mark.parametrize("epochs, extra, message", [
+    (1, [], "engine-train: interrupted; mnist-mlp.npz holds epoch 1 (resume with --resume "
+            "mnist-mlp.npz)"),
+    (0, [], "engine-train: interrupted; no epoch finished, so mnist-mlp.npz was not written"),
+    (0, ["--no-save"], "engine-train: interrupted; nothing was saved (--no-save)")])
+def test_an_interrupt_says_which_epoch_the_file_holds(monkeypatch, capsys, epochs, extra,
+                                                       message):
+    from engine import train as cli
+    monkeypatch.setattr(cli, "fit", _interrupted_after(epochs))
+    code, captured = _run_main(TINY + ["--epochs", "3"] + extra, capsys)
+    assert code == 130 and captured.err.strip().splitlines() == [message]
+
+
+def test_resume_says_that_it_keeps_the_checkpoint_s_lr(capsys):
+    main(TINY + ["--lr", "0.01"])
+    capsys.readouterr()
+    main(TINY + ["--epochs", "2", "--resume", "mnist-mlp.npz", "--lr", "0.5"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert ("adam lr 0.01 (the checkpoint's: a resumed run keeps its optimizer settings, so "
+            "--lr 0.5 is not used)") in header
+
+
+def test_the_first_run_is_told_that_it_compiles(monkeypatch, tmp_path, capsys):
+    from numba import config
+
+    from engine import train as cli
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    assert not cli.kernels_cached()
+    main(TINY + ["--no-save"])
+    assert "compiling the engine's kernels (Numba JIT, the first run only)" in \
+        capsys.readouterr().out
+    (tmp_path / "site" / "ops").mkdir(parents=True)
+    (tmp_path / "site" / "ops" / "dense._dense_kernels.dense_forward_cpu-35.py311.nbi").touch()
+    assert cli.kernels_cached()
+    main(TINY + ["--no-save"])
+    assert "compiling" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ a fast start
+
+_NUMBA_AFTER = """
+import runpy, sys
+sys.argv = ["engine.train", *sys.argv[1:]]
+try:
+    runpy.run_module("engine.train", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    print("exit", exit.code, "numba" in sys.modules, "numba.cuda" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("arguments, status", [(["--help"], 0), (["--epochz", "3"], 2)])
+def test_help_and_a_typo_answer_before_numba_is_imported(arguments, status):
+    result = subprocess.run([sys.executable, "-c", _NUMBA_AFTER, *arguments], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    assert result.stdout.splitlines()[-1] == f"exit {status} False False", result.stderr
+    if status:
+        assert result.stderr.strip().splitlines() == [
+            "engine-train: error: unrecognized arguments: --epochz 3 (see --help)"]
+
+
+def test_the_early_answer_knows_the_launchers_of_engine_distributed():
+    from engine import train as cli
+    from engine import distributed
+    assert cli.LAUNCHERS == distributed.LAUNCHER_VARIABLES
+
+
+def test_import_engine_imports_no_numba():
+    result = subprocess.run([sys.executable, "-c", "import sys, engine; "
+                             "print('numba' in sys.modules, 'numba.cuda' in sys.modules)"],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+def test_the_header_names_the_simulator():
+    from engine import train as cli
+    assert cli.describe_device("cuda", simulator=False) == "cuda"
+    assert cli.describe_device("cpu", simulator=True) == "cpu"
+    assert cli.describe_device("cuda", simulator=True).startswith(
+        "cuda (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks")
