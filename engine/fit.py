@@ -68,6 +68,10 @@ def evaluate(model, loader, loss_fn=None):
     without recording; with ``loss_fn``, ``(mean loss per sample, accuracy)``. The accuracy
     is None when the labels are not class indices, both are None for an empty loader. The
     model's train/eval mode is restored afterwards."""
+    if isinstance(loader, (tuple, list)) and len(loader) == 2 and all(
+            hasattr(part, "shape") for part in loader):
+        raise TypeError("evaluate: got a pair of arrays (x, y); pass a loader of batches, "
+                        "e.g. evaluate(model, data.DataLoader(x, y, batch_size=256))")
     was_training = getattr(model, "training", True)
     model.eval()
     try:

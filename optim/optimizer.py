@@ -76,6 +76,9 @@ class Optimizer:
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
                             "got a single Tensor (wrap it in a list)")
+        if callable(getattr(params, "parameters", None)):
+            raise TypeError(f"{self._name}: got a {type(params).__name__}, not its parameters; "
+                            f"pass model.parameters(): {self._name}(model.parameters(), ...)")
         groups = list(params)
         if not groups:
             raise ValueError(f"{self._name}: got an empty parameter list")

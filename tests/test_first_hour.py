@@ -7,6 +7,7 @@ import pytest
 
 import data
 import engine
+import optim
 from engine import nn
 
 RAW = data.mnist.load()[1][0][:40]   # uint8 test images, as the data set ships them
@@ -219,3 +220,17 @@ def test_the_engine_s_names_are_listed_before_they_are_imported():
     names = dir(engine)
     assert {"tensor", "Tensor", "relu", "no_grad", "capture", "nn", "optim"} <= set(names)
     assert engine.tensor([1.0]).numpy().tolist() == [1.0]   # the function, not the submodule
+
+
+def test_an_optimizer_given_the_model_names_model_parameters():
+    model = nn.Sequential([nn.Dense(2, input_shape=(3,))])
+    with pytest.raises(TypeError, match=r"pass model\.parameters\(\)"):
+        optim.Adam(model)
+
+
+def test_evaluate_given_a_pair_of_arrays_names_a_loader():
+    from engine.fit import evaluate
+    model = nn.Sequential([nn.Dense(2, input_shape=(3,))])
+    x, y = np.zeros((4, 3), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(TypeError, match=r"pass a loader of batches"):
+        evaluate(model, (x, y))
