@@ -112,41 +112,50 @@ def test_a_step_that_reads_the_device_runs_eagerly_and_says_why(device):
     assert all(isinstance(v, float) for v in values)
 
 
-def test_repeat_runs_the_steps_a_loop_of_calls_runs(device):
-    """``repeat(n)`` of a step that fetches its own batch at the loader's device cursor is n
-    calls: same losses and weights, the cursor and the optimizer's step count moved on."""
-    results = []
-    for repeated in (False, True):
-        engine.manual_seed(0)
-        x, y = data.blobs(40, centers=3, seed=0)
-        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=0, device=device)
-        model = nn.Sequential([nn.Dense(4, input_shape=(2,)), nn.Dense(3)]).to(device)
-        opt = optim.Adam(model.parameters(), lr=1e-2)
-        cursor = loader.epoch_cursor()
+def _train_at_cursor(device, batches, optimizer, repeated, batch_size=8, epochs=2):
+    """Two epochs of a captured step that fetches its own batch at the loader's device
+    cursor: ``repeat(batches)`` once an epoch, or ``batches`` calls; the last losses, the
+    weights, the optimizer's state and the step."""
+    engine.manual_seed(0)
+    x, y = data.blobs(batch_size * batches, centers=3, seed=0)
+    loader = data.DataLoader(x, y, batch_size=batch_size, shuffle=True, seed=0, device=device)
+    model = nn.Sequential([nn.Dense(4, input_shape=(2,)), nn.Dense(3)]).to(device)
+    opt = optimizer(model.parameters())
+    cursor = loader.epoch_cursor()
 
-        @engine.capture
-        def step(count):
-            opt.zero_grad()
-            xb, yb = cursor.next_batch(count)
-            loss = cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            return loss
+    @engine.capture
+    def step(count):
+        opt.zero_grad()
+        xb, yb = cursor.next_batch(count)
+        loss = cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        return loss
 
-        losses = []
-        for _ in range(2):
-            assert cursor.start_epoch() == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
-            cursor.seek(0)
-            if repeated:   # eager, recorded, then 3 replays as one (the 2nd epoch: 5)
-                losses.append(step.repeat(5, 4).item())
-            else:
-                losses.append([step(4) for _ in range(5)][-1].item())
-        results.append((losses, model.state_dict(), opt.state_dict()))
-    (losses, weights, state), (repeated_losses, repeated_weights, repeated_state) = results
+    losses = []
+    for _ in range(epochs):
+        assert cursor.start_epoch() == [(k * batch_size, batch_size) for k in range(batches)]
+        cursor.seek(0)
+        losses.append(step.repeat(batches, batch_size).item() if repeated else
+                      [step(batch_size) for _ in range(batches)][-1].item())
+    return losses, model.state_dict(), opt.state_dict(), step
+
+
+def _assert_same_training(run, repeated_run):
+    (losses, weights, _, _), (repeated_losses, repeated_weights, _, _) = run, repeated_run
     assert repeated_losses == losses
     for name in weights:
         np.testing.assert_array_equal(repeated_weights[name], weights[name], err_msg=name)
-    assert [s["step"] for s in repeated_state["state"].values()] == [10] * 4
+
+
+def test_repeat_runs_the_steps_a_loop_of_calls_runs(device):
+    """``repeat(n)`` of a step that fetches its own batch at the loader's device cursor is n
+    calls: same losses and weights, the cursor and the optimizer's step count moved on. (The
+    first epoch: eager, recorded, then 3 replays as one; the second: 5.)"""
+    adam = lambda params: optim.Adam(params, lr=1e-2)   # noqa: E731
+    runs = [_train_at_cursor(device, 5, adam, repeated) for repeated in (False, True)]
+    _assert_same_training(*runs)
+    assert [s["step"] for s in runs[1][2]["state"].values()] == [10] * 4
 
 
 @pytest.mark.gpu
@@ -154,36 +163,10 @@ def test_a_long_repeat_is_one_device_loop_equal_to_calls():
     """``repeat(n)`` of n >= LOOP_UNROLL steps launches one graph whose WHILE node loops on
     the device (19 replayed steps: 2 passes of 8 and 3 more), with the results of n calls."""
     from engine.step_capture import LOOP_UNROLL
-    results = []
-    for repeated in (False, True):
-        engine.manual_seed(0)
-        x, y = data.blobs(8 * 21, centers=3, seed=0)
-        loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=0, device="cuda")
-        model = nn.Sequential([nn.Dense(4, input_shape=(2,)), nn.Dense(3)]).to("cuda")
-        opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        cursor = loader.epoch_cursor()
-
-        @engine.capture
-        def step(count):
-            opt.zero_grad()
-            xb, yb = cursor.next_batch(count)
-            loss = cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            return loss
-
-        losses = []
-        for _ in range(2):
-            cursor.start_epoch()
-            cursor.seek(0)
-            losses.append(step.repeat(21, 8).item() if repeated else
-                          [step(8) for _ in range(21)][-1].item())
-        results.append((losses, model.state_dict(), step))
-    (losses, weights, _), (repeated_losses, repeated_weights, step) = results
-    assert repeated_losses == losses
-    for name in weights:
-        np.testing.assert_array_equal(repeated_weights[name], weights[name], err_msg=name)
-    (recording,) = step._recordings.values()
+    sgd = lambda params: optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
+    runs = [_train_at_cursor("cuda", 21, sgd, repeated) for repeated in (False, True)]
+    _assert_same_training(*runs)
+    (recording,) = runs[1][3]._recordings.values()
     assert LOOP_UNROLL == 8 and set(recording.loops) == {19 % 8, 21 % 8}
     assert all(graph is not None for graph in recording.loops.values())
 
