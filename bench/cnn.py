@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, engine_training,
-                       machine_description)
+                       machine_description, torch_step)
 from bench.report import emit, require_device
 
 
@@ -81,36 +81,8 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=cuda_graph)
     epochs_done = 0
 
-    def eager_step(inputs, labels):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(inputs), labels)
-        loss.backward()
-        optimizer.step()
-
-    step = eager_step
-    if cuda_graph:
-        model.train()
-        static_x = x_train_t[:BATCH_SIZE].clone()
-        static_y = y_train_t[:BATCH_SIZE].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # warm-up steps off the default stream, as torch asks
-            for _ in range(3):
-                eager_step(static_x, static_y)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            loss = nn.functional.cross_entropy(model(static_x), static_y)
-            loss.backward()
-            optimizer.step()
-
-        def step(inputs, labels):
-            if len(inputs) != BATCH_SIZE:
-                return eager_step(inputs, labels)
-            static_x.copy_(inputs)
-            static_y.copy_(labels)
-            graph.replay()
+    model.train()
+    step = torch_step(model, optimizer, x_train_t, y_train_t, cuda_graph)
 
     def synchronize():
         if torch_device == "cuda":

@@ -113,6 +113,45 @@ def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, cap
 
 # ------------------------------------------------------------------ the PyTorch side
 
+def torch_step(model, optimizer, x_train, y_train, cuda_graph):
+    """PyTorch's training step (cross-entropy, backward, ``optimizer.step()``) on a batch of
+    tensors: eager, or with ``cuda_graph`` each full batch's step replayed as one CUDA graph
+    (torch's recipe: warm-up steps on a side stream, capture, copies into static inputs;
+    the optimizer made with ``capturable=True``); a short last batch runs eagerly."""
+    import torch
+
+    def eager_step(inputs, labels):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+
+    if not cuda_graph:
+        return eager_step
+    static_x = x_train[:BATCH_SIZE].clone()
+    static_y = y_train[:BATCH_SIZE].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up steps off the default stream, as torch asks
+        for _ in range(3):
+            eager_step(static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = torch.nn.functional.cross_entropy(model(static_x), static_y)
+        loss.backward()
+        optimizer.step()
+
+    def graph_step(inputs, labels):
+        if len(inputs) != BATCH_SIZE:
+            return eager_step(inputs, labels)
+        static_x.copy_(inputs)
+        static_y.copy_(labels)
+        graph.replay()
+    return graph_step
+
+
 def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, order_of_epoch,
                cuda_graph=False):
     """PyTorch on the same model and batches: eager, or (``cuda_graph``, CUDA only) each full
@@ -142,35 +181,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, orde
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=cuda_graph)
     epochs_done = 0
 
-    def eager_step(inputs, labels):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
-        loss.backward()
-        optimizer.step()
-
-    step = eager_step
-    if cuda_graph:
-        static_x = x_train_t[:BATCH_SIZE].clone()
-        static_y = y_train_t[:BATCH_SIZE].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # warm-up steps off the default stream, as torch asks
-            for _ in range(3):
-                eager_step(static_x, static_y)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            loss = torch.nn.functional.cross_entropy(model(static_x), static_y)
-            loss.backward()
-            optimizer.step()
-
-        def step(inputs, labels):
-            if len(inputs) != BATCH_SIZE:
-                return eager_step(inputs, labels)
-            static_x.copy_(inputs)
-            static_y.copy_(labels)
-            graph.replay()
+    step = torch_step(model, optimizer, x_train_t, y_train_t, cuda_graph)
 
     def synchronize():
         if torch_device == "cuda":
