@@ -320,8 +320,9 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     the eager ones bit for bit. With a ``data.DataLoader`` (without a transform) the step
     fetches its own batch at the loader's device cursor, so the epoch's full batches (or
     the smallest ``step_interval`` of the callbacks that watch steps; every step when
-    ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for them. A step that cannot be captured (a host read in the loss, a distributed run's
-    all-reduce) runs eagerly; ``fit.last_eager_reason`` says why.
+    ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for them. A
+    step that cannot be captured (a host read in the loss, a distributed run's all-reduce)
+    runs eagerly; ``fit.last_eager_reason`` says why.
 
     ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (module
     docstring), after ``init()``; every rank calls ``fit`` with the same model (after

@@ -70,12 +70,11 @@ LOOP_UNROLL = 8   # steps per pass of a replay's device loop: a pass costs ~3-5 
 
 class _Recording:
     """The kernel runs of one recorded call, its input buffers, its outputs, and the
-    participants whose host decisions (``key``) the runs were made for."""
+    participants whose host decisions (their ``capture_key()``) the runs were made for."""
 
-    def __init__(self, recorder, inputs, outputs, output_kind, key):
+    def __init__(self, recorder, inputs, outputs, output_kind):
         self.runs = list(recorder.runs)   # holds every buffer the kernels touch
         self.participants = tuple(recorder.participants)
-        self.key = key
         self.inputs = inputs
         self.outputs = outputs
         self.output_kind = output_kind
@@ -198,9 +197,9 @@ class CapturedStep:
     def repeat(self, steps, *args):
         """Call the step ``steps`` times on the same arguments, as that many calls would, and
         return the last call's result. Once recorded, the calls replay together: on CUDA one
-        graph launch of ``steps`` chained copies of the step. Worth it for a step that moves
-        its own state on the device (the loader's batch cursor, the optimizer's step count),
-        so Python is out of the loop between those steps."""
+        launch of one graph that loops over the step on the device. Worth it for a step that
+        moves its own state on the device (the loader's batch cursor, the optimizer's step
+        count), so Python is out of the loop between those steps."""
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"engine.capture: repeat needs a step count >= 1, got {steps!r}")
         result = None
@@ -275,7 +274,7 @@ class CapturedStep:
                                      f"{recorder.unrecordable[0]}")
             outputs, kind = _outputs(result)
             inputs = [a.data for a in args if isinstance(a, Tensor)]
-            recording = _Recording(recorder, inputs, outputs, kind, key)
+            recording = _Recording(recorder, inputs, outputs, kind)
         except _NotCapturable as reason:
             self.eager_reason = str(reason)
             return result

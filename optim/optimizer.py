@@ -70,7 +70,8 @@ class Optimizer:
         # the update unit (a FlatBuffer, or the parameter itself) whose step counts hold a
         # parameter's steps, and each unit's counts (ops.step_counter.new_step_counts)
         self._unit_of = {}
-        self._counts = {}   # a plain dict: a Tensor key's == is elementwise, weak keys compare by it
+        # a plain dict: weak keys would compare Tensors by their elementwise ==
+        self._counts = {}
         self._hypers = {}   # (group index, device) -> HostMirror of _hyper_values(group)
         self._layout = 0    # bumped whenever state arrays are made or replaced (capture_key)
         if isinstance(params, Tensor):
