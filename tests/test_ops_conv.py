@@ -141,8 +141,10 @@ POOL_CASES = [
                           ((1, 2, 7, 9), dict(kernel_size=3, stride=1, padding=1))]]
 
 
-def _batch_norm_case(x_shape, training, parameters=2):
-    """x, the running statistics, then ``parameters`` of (weight, bias)."""
+def _batch_norm_case(x_shape, training, parameters=2, op=BatchNorm, name="batch_norm",
+                     **options):
+    """x, the running statistics, then ``parameters`` of (weight, bias); ``op`` (BatchNorm or
+    a variant with the same reference, such as SyncBatchNorm) gets ``options`` too."""
     channels = x_shape[1]
 
     def make(rng):
@@ -151,13 +153,13 @@ def _batch_norm_case(x_shape, training, parameters=2):
         return arrays + [rng.uniform(-2, 2, size=channels) for _ in range(parameters)]
 
     def fn(*tensors):
-        return apply(BatchNorm, *tensors, training=training, momentum=0.2)
+        return apply(op, *tensors, training=training, momentum=0.2, **options)
 
     def ref(*arrays):
         return _np_batch_norm(*arrays, training=training)
 
     shapes = (x_shape, (channels,), (channels,)) + ((channels,),) * parameters
-    return Case("batch_norm", shapes, fn, ref, make_inputs=make,
+    return Case(name, shapes, fn, ref, make_inputs=make,
                 grad=(True, False, False) + (True,) * parameters)
 
 

@@ -17,8 +17,8 @@ from engine.autograd import apply
 from ops.batch_norm import BatchNorm, SyncBatchNorm
 from ops.cuda_backend import SIMULATOR
 from ops.device import copy_into, to_host
-from tests.op_check import Case, check_op
-from tests.test_ops_conv import _np_batch_norm
+from tests.op_check import check_op
+from tests.test_ops_conv import _batch_norm_case
 
 
 def _alone(array):
@@ -26,21 +26,8 @@ def _alone(array):
 
 
 def _case(x_shape, training, parameters=2):
-    channels = x_shape[1]
-
-    def make(rng):
-        arrays = [rng.uniform(-2, 3, size=x_shape), rng.uniform(-1, 1, size=channels),
-                  rng.uniform(0.5, 2, size=channels)]
-        return arrays + [rng.uniform(-2, 2, size=channels) for _ in range(parameters)]
-
-    def fn(*tensors):
-        return apply(SyncBatchNorm, *tensors, training=training, momentum=0.2,
-                     average=_alone, ranks=1)
-
-    shapes = (x_shape, (channels,), (channels,)) + ((channels,),) * parameters
-    return Case("sync_batch_norm", shapes, fn,
-                lambda *arrays: _np_batch_norm(*arrays, training=training), make_inputs=make,
-                grad=(True, False, False) + (True,) * parameters)
+    return _batch_norm_case(x_shape, training, parameters, op=SyncBatchNorm,
+                            name="sync_batch_norm", average=_alone, ranks=1)
 
 
 # in a world of one it is BatchNorm: check_op's gradcheck, poison mode and CPU≡CUDA
