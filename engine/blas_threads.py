@@ -1,39 +1,35 @@
-"""How many threads the engine's CPU matrix products run on.
+"""How many threads the engine's CPU kernels run on: one setting for the engine's GEMM
+split, Numba's ``prange`` loops and BLAS.
 
-On the CPU every kernel is single-threaded except the GEMMs: ``np.dot`` inside ``@njit``,
-which Numba hands to SciPy's BLAS (OpenBLAS in the SciPy wheels). BLAS starts one thread per
-core by default, and its idle threads spin while they wait for work, so on a machine that is
-doing anything else they fight the other processes: on the project's 2-core machine, beside
-one busy process, ``python -m bench.mlp --device cpu`` took a median 6.4 s per epoch at 2
-BLAS threads and 1.0 s at 1, and 0.48 and 0.60 s without it (the README's "CPU threads"
-section has the commands and numbers).
+The count lives in ``ops.cpu_threads``: a large CPU GEMM is split into row blocks across that
+many threads, each block one single-threaded BLAS call, and the convolution, pooling and
+BatchNorm ``prange`` loops run on as many of Numba's threads. BLAS itself (``np.dot`` inside
+``@njit`` calls SciPy's OpenBLAS) stays on one thread: its idle threads spin while they wait
+for work, so on a machine doing anything else they fight the other processes (on the
+project's 2-core machine, beside one busy process, ``python -m bench.mlp --device cpu`` took
+6.4 s per epoch at 2 BLAS threads and 1.0 s at 1), and a split GEMM's blocks are BLAS calls
+already.
 
-So the engine runs BLAS on ``DEFAULT_THREADS`` threads, half the CPUs the process may use
-(at least 1: one thread on the 2-core machine), unless the user chose through
-one of ``USER_VARIABLES`` (which BLAS itself reads), which is then left alone. The default is
-set on every BLAS library of the process (SciPy's, and NumPy's, which is subject to the same
-contention) when SciPy's BLAS module is imported, which Numba does at the first CPU GEMM:
-``import engine`` only arms that (importing SciPy's BLAS at once would add 0.15 s, a third of
-``import engine``). ``set_num_threads(n)`` sets the count at any time; the limits go through
-threadpoolctl, which finds the loaded libraries and calls each one's own setter.
+By default the count follows the machine: the CPUs the process may use
+(``os.sched_getaffinity``) less those other processes kept busy, re-read at most once a
+second by the kernel that asks (``ops.cpu_threads``; no thread of its own). A quiet 2-core
+machine runs on 2, beside one busy process on 1. ``set_num_threads(n)`` fixes the count.
+
+BLAS's one thread is set on every BLAS library of the process (SciPy's, and NumPy's) when
+SciPy's BLAS module is imported, which Numba does at the first CPU GEMM: ``import engine``
+only arms that (importing SciPy's BLAS at once would add 0.15 s, a third of
+``import engine``), and imports neither Numba nor threadpoolctl. A BLAS count chosen in the
+environment (one of ``ops.cpu_threads.USER_VARIABLES``, which BLAS itself reads) is left
+alone, and the engine's own count is then 1 (BLAS threads the GEMMs) until
+``set_num_threads`` is called. This module imports ``ops`` (and so Numba) only when a
+function of it runs.
 """
 import importlib.abc
 import importlib.util
 import os
 import sys
 
-def _usable_cpus():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # no affinity call on this platform
-        return os.cpu_count() or 1
-
-
-# one thread on 2 cores (measured above); on the H200 host's 16 cores bench.mlp's CPU epoch
-# took 1.0-1.2 s at 1 thread and 0.58 s at BLAS's default 16: half leaves room for the rest
-DEFAULT_THREADS = max(1, _usable_cpus() // 2)
-USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                  "BLIS_NUM_THREADS")
+BLAS_THREADS = 1   # BLAS's own pool; the engine's threads split the GEMMs
 SCIPY_BLAS = "scipy.linalg.cython_blas"   # the module through which Numba reaches BLAS
 
 
@@ -49,25 +45,39 @@ def _blas_libraries():
     return libraries
 
 
-def set_num_threads(n):
-    """Run the CPU GEMMs (every BLAS library in the process) on ``n`` threads, from now on.
-
-    ``n`` is a positive integer; more threads than cores is allowed (BLAS may cap it at its
-    own maximum, which ``get_num_threads`` then reports). Anything else is a ValueError."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"engine.set_num_threads: n must be a positive integer, got {n!r}")
+def _set_blas_threads(n):
     for library in _blas_libraries().lib_controllers:
         library.set_num_threads(n)
 
 
+def set_num_threads(n):
+    """Run the engine's CPU kernels on ``n`` threads from now on: large GEMMs split into
+    ``n`` row blocks, ``prange`` loops on ``n`` of Numba's threads (at most its pool,
+    ``numba.config.NUMBA_NUM_THREADS``), every BLAS library of the process on one thread.
+
+    ``n`` is a positive integer; more threads than cores is allowed. Anything else is a
+    ValueError. The count no longer follows the machine's load."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"engine.set_num_threads: n must be a positive integer, got {n!r}")
+    from ops import cpu_threads
+    _set_blas_threads(BLAS_THREADS)
+    cpu_threads.set_threads(n)
+
+
 def get_num_threads():
-    """The number of threads the CPU GEMMs run on: the largest count among the process's
-    BLAS libraries (they agree after ``set_num_threads``)."""
-    return max(library.num_threads for library in _blas_libraries().lib_controllers)
+    """The number of threads the engine's CPU kernels run on now: ``set_num_threads``'s,
+    else the usable CPUs less those other processes keep busy."""
+    from ops import cpu_threads
+    return cpu_threads.threads()
+
+
+def blas_thread_counts():
+    """The thread count of each BLAS library in the process."""
+    return [library.num_threads for library in _blas_libraries().lib_controllers]
 
 
 class _DefaultOnceLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports SciPy's BLAS module as usual, then sets the default thread count; once."""
+    """Imports SciPy's BLAS module as usual, then sets BLAS's thread count; once."""
 
     def find_spec(self, name, path=None, target=None):
         if name != SCIPY_BLAS:
@@ -83,15 +93,19 @@ class _DefaultOnceLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        set_num_threads(DEFAULT_THREADS)
+        _apply_blas_default()
+
+
+def _apply_blas_default():
+    from ops.cpu_threads import USER_VARIABLES
+    if not any(os.environ.get(name) for name in USER_VARIABLES):
+        _set_blas_threads(BLAS_THREADS)
 
 
 def apply_default():
-    """Give the CPU GEMMs ``DEFAULT_THREADS`` threads from their first call on (now, when
-    SciPy's BLAS is loaded already), unless one of ``USER_VARIABLES`` is set."""
-    if any(os.environ.get(name) for name in USER_VARIABLES):
-        return
+    """Give BLAS one thread from its first call on (now, when SciPy's BLAS is loaded
+    already), unless one of ``ops.cpu_threads.USER_VARIABLES`` is set."""
     if SCIPY_BLAS in sys.modules:
-        set_num_threads(DEFAULT_THREADS)
+        _apply_blas_default()
     elif not any(isinstance(finder, _DefaultOnceLoaded) for finder in sys.meta_path):
         sys.meta_path.insert(0, _DefaultOnceLoaded())

@@ -32,6 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
+from ops.cpu_threads import engine_threads
 from ops.cuda_backend import cuda
 from ops.dispatch import Meta, Out, run
 from ops.elementwise import BINARY, MUL, SUB, binary
@@ -272,9 +273,9 @@ def batch_norm_backward_cuda(x, weight, saved_mean, saved_invstd, grad_out, grad
         grad_x[at] = scale * (grad_out[at] - mean_dy - xhat * mean_dy_xhat)
 
 
-BATCH_NORM = Kernel("batch_norm", batch_norm_cpu, batch_norm_cuda,
+BATCH_NORM = Kernel("batch_norm", engine_threads(batch_norm_cpu), batch_norm_cuda,
                     blocks_of(lambda *args: args[6].size, REDUCE_THREADS))
-BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", batch_norm_backward_cpu,
+BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", engine_threads(batch_norm_backward_cpu),
                              batch_norm_backward_cuda,
                              blocks_of(lambda *args: args[2].size, REDUCE_THREADS))
 

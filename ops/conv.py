@@ -56,6 +56,7 @@ gathered per input element, dw per weight element) ran the 32->64 conv at 28.8x 
 import numpy as np
 from numba import njit, prange
 
+from ops.cpu_threads import engine_threads
 from ops.dispatch import Out, run
 from ops.launch import Kernel
 from ops.layout import flat
@@ -364,8 +365,10 @@ def _backward_plan(args):
     return launches
 
 
-CONV2D_FORWARD = Kernel("conv2d_forward", conv2d_forward_cpu, cuda_plan=_forward_plan)
-CONV2D_BACKWARD = Kernel("conv2d_backward", conv2d_backward_cpu, cuda_plan=_backward_plan)
+CONV2D_FORWARD = Kernel("conv2d_forward", engine_threads(conv2d_forward_cpu),
+                        cuda_plan=_forward_plan)
+CONV2D_BACKWARD = Kernel("conv2d_backward", engine_threads(conv2d_backward_cpu),
+                         cuda_plan=_backward_plan)
 
 
 # ------------------------------------------------------------------ the op

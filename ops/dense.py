@@ -5,6 +5,13 @@ Forward: on CUDA the GEMM template of ``ops.matmul`` adds the bias and applies t
 activation in its epilogue; on the CPU BLAS writes ``x @ W`` into the output and one loop
 adds the bias and activates in place.
 
+A large CPU GEMM runs in row blocks of its output across the engine's threads
+(``ops.cpu_threads``), each block the same ``@njit(nogil=True)`` kernel as the unsplit call
+on row slices (no other compiled code): the forward's and dX's blocks are batch rows, dW's
+are input features (x's columns copied per block, read by BLAS as the same transposed
+operand). A row block is the same dot products summed in the same order, so the results are
+bit-identical on any thread count (tests/test_thread_determinism.py).
+
 Backward, with ``G = grad_out * act'(x)`` written in terms of the saved output ``y``:
 - ``dX = G @ Wᵀ`` (skipped when x needs no gradient: the first layer);
 - ``dW = xᵀ @ G`` and ``db = Σ_rows G`` in one kernel: on CUDA ``db`` is the last row of
@@ -19,11 +26,28 @@ The activation and its derivative are ``ops.pointwise``'s, the code the elementw
 import numpy as np
 from numba import njit
 
+from ops.cpu_threads import row_blocks, run_blocks
 from ops.dispatch import Out, run
 from ops.launch import Kernel
 from ops.matmul import FORWARD, GRAD_A, GRAD_B, gemm_plan
 from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
 from ops.registry import Op, register
+
+
+@njit(cache=True, nogil=True)
+def weight_gradient_cpu(x, g, grad_w, grad_b, start, stop, with_bias):
+    """Rows ``start:stop`` of dW = xᵀ @ G, and db = Σ_rows G when ``with_bias``."""
+    if start == 0 and stop == x.shape[1]:
+        np.dot(x.T, g, grad_w)
+    else:   # x's columns copied, so that BLAS reads them contiguously, as the same op(xᵀ)
+        np.dot(np.ascontiguousarray(x[:, start:stop]).T, g, grad_w[start:stop])
+    if with_bias:
+        rows, cols = g.shape
+        for j in range(cols):
+            grad_b[j] = 0
+        for i in range(rows):   # row by row: the same order as the CUDA kernel's K loop
+            for j in range(cols):
+                grad_b[j] += g[i, j]
 
 
 def _dense_kernels(act):
@@ -32,7 +56,7 @@ def _dense_kernels(act):
     compiler folds the activation and vectorises them (the relu epilogue over 128x256:
     32 us with a runtime code, 6 us folded); the CUDA side is the GEMM template's."""
 
-    @njit(cache=True)
+    @njit(cache=True, nogil=True)
     def dense_forward_cpu(x, w, bias, out, alpha):
         np.dot(x, w, out)
         rows, cols = out.shape
@@ -40,23 +64,43 @@ def _dense_kernels(act):
             for j in range(cols):
                 out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
 
-    @njit(cache=True)
-    def dense_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
-                           needs_params):
+    @njit(cache=True, nogil=True)
+    def dense_gradient_rows_cpu(w, y, grad_out, g, grad_x, alpha, needs_x):
+        """G = grad_out * act'(y) (BLAS needs it in memory) and dX = G @ Wᵀ, for some rows."""
         rows, cols = grad_out.shape
-        g = np.empty_like(grad_out)   # BLAS needs G = grad_out * act'(y) in memory
         for i in range(rows):
             for j in range(cols):
                 g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
         if needs_x:
             np.dot(g, w.T, grad_x)
+
+    def dense_forward(x, w, bias, out, alpha):
+        blocks = row_blocks(out.shape[0], out.size * x.shape[1])
+        if blocks is None:
+            dense_forward_cpu(x, w, bias, out, alpha)
+        else:
+            run_blocks([(dense_forward_cpu, (x[start:stop], w, bias, out[start:stop], alpha))
+                        for start, stop in blocks])
+
+    def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
+                       needs_params):
+        rows = grad_out.shape[0]
+        g = np.empty_like(grad_out)
+        blocks = row_blocks(rows, grad_out.size * w.shape[0]) if needs_x else None
+        if blocks is None:
+            dense_gradient_rows_cpu(w, y, grad_out, g, grad_x, alpha, needs_x)
+        else:
+            run_blocks([(dense_gradient_rows_cpu, (w, y[start:stop], grad_out[start:stop],
+                                                   g[start:stop], grad_x[start:stop], alpha,
+                                                   True)) for start, stop in blocks])
         if needs_params:
-            np.dot(x.T, g, grad_w)
-            for j in range(cols):
-                grad_b[j] = 0
-            for i in range(rows):   # row by row: the same order as the CUDA kernel's K loop
-                for j in range(cols):
-                    grad_b[j] += g[i, j]
+            features = x.shape[1]
+            blocks = row_blocks(features, grad_w.size * rows) or [(0, features)]
+            run_blocks([(weight_gradient_cpu, (x, g, grad_w, grad_b, start, stop, start == 0))
+                        for start, stop in blocks])
+
+    dense_forward.__wrapped__ = dense_forward_cpu   # the compiled kernels behind each
+    dense_backward.__wrapped__ = dense_gradient_rows_cpu
 
     def forward_plan(args):
         x, w, bias, out, alpha = args
@@ -75,8 +119,8 @@ def _dense_kernels(act):
         return launches
 
     name = next(key for key, code in ACTIVATIONS.items() if code == act) or "linear"
-    return (Kernel(f"dense_forward_{name}", dense_forward_cpu, cuda_plan=forward_plan),
-            Kernel(f"dense_backward_{name}", dense_backward_cpu, cuda_plan=backward_plan))
+    return (Kernel(f"dense_forward_{name}", dense_forward, cuda_plan=forward_plan),
+            Kernel(f"dense_backward_{name}", dense_backward, cuda_plan=backward_plan))
 
 
 DENSE = {code: _dense_kernels(code) for code in ACTIVATIONS.values()}

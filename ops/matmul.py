@@ -2,6 +2,7 @@
 
 CPU: ``np.dot`` inside ``@njit`` writes straight into the preallocated output (SciPy's BLAS,
 measured equal to NumPy's ``@``); a transposed operand is passed as ``a.T``, a free view.
+A large product runs in row blocks across the engine's threads (``gemm_split_cpu``).
 
 CUDA: one kernel template (``_gemm_kernels``) built per dtype, tiling and operand layout.
 Each block computes a ``BM x BN`` tile of the output; each of its threads (256 in the
@@ -47,6 +48,7 @@ from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
 from ops import cuda_backend
+from ops.cpu_threads import row_blocks, run_blocks
 from ops.cuda_backend import SIMULATOR, cuda, device_reshape
 from ops.dispatch import Out, run
 from ops.launch import Kernel
@@ -58,7 +60,7 @@ from ops.registry import Op, register
 # ------------------------------------------------------------------ CPU kernel
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gemm_cpu(a, b, out, trans_a, trans_b):
     """out = op(a) @ op(b) through BLAS, op a free transpose view when asked."""
     if trans_a and trans_b:
@@ -69,6 +71,22 @@ def gemm_cpu(a, b, out, trans_a, trans_b):
         np.dot(a, b.T, out)
     else:
         np.dot(a, b, out)
+
+
+def gemm_split_cpu(a, b, out, trans_a, trans_b):
+    """``gemm_cpu``, a large product with an untransposed ``a`` in row blocks of ``a`` and
+    ``out`` across the engine's threads (``ops.cpu_threads``): the same kernel on row
+    slices, the same sums. (A transposed ``a``'s row blocks are its columns, a slice of
+    another layout that would compile the kernel again: it runs whole.)"""
+    blocks = None if trans_a else row_blocks(out.shape[0], out.size * a.shape[1])
+    if blocks is None:
+        gemm_cpu(a, b, out, trans_a, trans_b)
+    else:
+        run_blocks([(gemm_cpu, (a[start:stop], b, out[start:stop], trans_a, trans_b))
+                    for start, stop in blocks])
+
+
+gemm_split_cpu.__wrapped__ = gemm_cpu
 
 
 # ------------------------------------------------------------------ CUDA tilings
@@ -890,7 +908,7 @@ def _gemm_plan(args):
     return gemm_plan(PLAIN, m, n, k, a.dtype, trans_a, trans_b, IDENTITY, (a, b, out))
 
 
-GEMM = Kernel("gemm", gemm_cpu, cuda_plan=_gemm_plan)
+GEMM = Kernel("gemm", gemm_split_cpu, cuda_plan=_gemm_plan)
 
 
 def gemm(a, b, trans_a=False, trans_b=False, out=None):

@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ops.conv import pair, valid_range, window_output_size
+from ops.cpu_threads import engine_threads
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Out, run
 from ops.launch import THREADS_PER_BLOCK, Kernel
@@ -254,11 +255,13 @@ def _elementwise_plan(which, elements_of, drop):
     return plan
 
 
-MAX_POOL = Kernel("max_pool2d", max_pool_cpu, cuda_plan=_elementwise_plan(0, 1, 3))
-MAX_POOL_GRAD = Kernel("max_pool2d_grad", max_pool_grad_cpu,
+MAX_POOL = Kernel("max_pool2d", engine_threads(max_pool_cpu),
+                  cuda_plan=_elementwise_plan(0, 1, 3))
+MAX_POOL_GRAD = Kernel("max_pool2d_grad", engine_threads(max_pool_grad_cpu),
                        cuda_plan=_elementwise_plan(1, 2, 3))
-AVG_POOL = Kernel("avg_pool2d", avg_pool_cpu, cuda_plan=_elementwise_plan(2, 1, 2))
-AVG_POOL_GRAD = Kernel("avg_pool2d_grad", avg_pool_grad_cpu,
+AVG_POOL = Kernel("avg_pool2d", engine_threads(avg_pool_cpu),
+                  cuda_plan=_elementwise_plan(2, 1, 2))
+AVG_POOL_GRAD = Kernel("avg_pool2d_grad", engine_threads(avg_pool_grad_cpu),
                        cuda_plan=_elementwise_plan(3, 1, 2))
 
 

@@ -1,22 +1,24 @@
-"""engine.set_num_threads / get_num_threads: the BLAS threads of the CPU GEMMs."""
+"""engine.set_num_threads / get_num_threads: one count for the engine's GEMM split and
+Numba's prange loops, BLAS kept at one thread; the default that follows the machine's load."""
 import os
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
 import engine
-from engine import blas_threads
+from ops import cpu_threads
+from ops.conv import CONV2D_FORWARD
 from ops.matmul import gemm
 
 
 @pytest.fixture
-def restore_threads():
-    before = engine.get_num_threads()
+def follow_the_load_after():
     yield
-    engine.set_num_threads(before)
+    cpu_threads.set_threads(None)
 
 
 def _blas_thread_counts():
@@ -26,7 +28,7 @@ def _blas_thread_counts():
 
 def _fresh_interpreter(code, **variables):
     environment = {name: value for name, value in os.environ.items()
-                   if name not in blas_threads.USER_VARIABLES}
+                   if name not in cpu_threads.USER_VARIABLES}
     environment.update(variables)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=environment)
@@ -34,44 +36,100 @@ def _fresh_interpreter(code, **variables):
     return result.stdout.strip()
 
 
-def test_the_first_gemm_runs_every_blas_library_on_the_default_thread_count():
-    code = ("import sys\nimport numpy as np\nimport engine\nfrom ops.matmul import gemm\n"
-            "print('scipy.linalg' in sys.modules)\n"   # import engine leaves SciPy's BLAS out
+def test_import_engine_starts_no_thread_and_the_first_gemm_sets_blas_to_one_thread():
+    code = ("import sys, threading\nimport numpy as np\nimport engine\n"
+            "print('numba' in sys.modules, 'scipy.linalg' in sys.modules, "
+            "threading.active_count())\n"
+            "from ops.matmul import gemm\n"
             "gemm(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32))\n"
-            "from threadpoolctl import threadpool_info\n"
-            "print(sorted({l['num_threads'] for l in threadpool_info()"
-            " if l['user_api'] == 'blas'}), engine.get_num_threads())")
-    assert _fresh_interpreter(code).split("\n") == [
-        "False", f"[{blas_threads.DEFAULT_THREADS}] {blas_threads.DEFAULT_THREADS}"]
+            "print(sorted({l['num_threads'] for l in __import__('threadpoolctl')"
+            ".threadpool_info() if l['user_api'] == 'blas'}), threading.active_count())")
+    assert _fresh_interpreter(code).split("\n") == ["False False 1", "[1] 1"]
 
 
-@pytest.mark.parametrize("variable", blas_threads.USER_VARIABLES)
-def test_a_thread_count_chosen_in_the_environment_is_left_alone(variable):
+@pytest.mark.parametrize("cpus, others, threads", [(2, 0, 2), (2, 0.49, 2), (2, 0.5, 1),
+                                                   (2, 1, 1), (2, 10, 1), (16, 0, 16),
+                                                   (16, 3.5, 12), (1, 0, 1)])
+def test_the_default_is_the_usable_cpus_less_those_other_processes_keep_busy(cpus, others,
+                                                                             threads):
+    assert cpu_threads.threads_for_load(cpus, others) == threads
+
+
+def test_the_load_is_read_again_after_the_interval_and_not_before(monkeypatch,
+                                                                   follow_the_load_after):
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat: the count is the usable CPUs")
+    cpus = cpu_threads.usable_cpus()
+    cpu_threads.set_threads(None)
+    busy = [float(cpus)]
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_now", lambda self: busy[0])
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_busy", lambda self: busy[0])
+    now = [1000.0]
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: now[0])
+    assert engine.get_num_threads() == 1   # every CPU busy: one thread
+    busy[0] = 0.0
+    now[0] += cpu_threads.LOAD_INTERVAL_S / 2
+    assert engine.get_num_threads() == 1   # not read again yet
+    now[0] += cpu_threads.LOAD_INTERVAL_S
+    assert engine.get_num_threads() == cpus   # quiet again: all of them
+
+
+def test_others_busy_measures_a_busy_neighbour_and_not_this_process():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    reader = cpu_threads._LoadReader()
+    deadline = __import__("time").monotonic() + 0.5
+    while __import__("time").monotonic() < deadline:   # this process busy: not counted
+        pass
+    own = reader.others_busy()
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        __import__("time").sleep(1.0)   # the neighbour's first 0.1 s is its start-up
+        reader.others_busy()
+        __import__("time").sleep(1.0)
+        beside = reader.others_busy()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    # the neighbour adds about one CPU to whatever else the machine runs
+    assert beside - own > 0.6, (own, beside)
+
+
+@pytest.mark.parametrize("variable", cpu_threads.USER_VARIABLES)
+def test_a_blas_count_chosen_in_the_environment_is_left_alone(variable):
     code = ("import scipy.linalg.cython_blas\nfrom threadpoolctl import threadpool_info\n"
             "print(max(l['num_threads'] for l in threadpool_info() if l['user_api'] == 'blas'))\n"
-            "import engine\nprint(engine.get_num_threads())")
-    before, after = _fresh_interpreter(code, **{variable: "2"}).split()
-    assert after == before   # OpenBLAS reads OPENBLAS_ and OMP_NUM_THREADS itself
+            "import engine\nprint(max(engine.blas_threads.blas_thread_counts()), "
+            "engine.get_num_threads())")
+    before, after, own = _fresh_interpreter(code, **{variable: "2"}).split()
+    assert after == before and own == "1"   # BLAS threads the GEMMs, the engine does not
     if variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        assert after == "2"
+        assert after == "2"   # OpenBLAS reads these itself
 
 
-def test_set_num_threads_sets_every_blas_library(restore_threads):
-    engine.set_num_threads(2)
-    assert engine.get_num_threads() == 2 and set(_blas_thread_counts()) == {2}
-    engine.set_num_threads(1)
-    assert engine.get_num_threads() == 1 and set(_blas_thread_counts()) == {1}
+def test_set_num_threads_sets_the_engine_s_and_numba_s_threads_and_blas_to_one(
+        follow_the_load_after):
+    x, w = engine.ones(2, 1, 4, 4), engine.ones(1, 1, 3, 3)
+    for threads in (1, 2):
+        engine.set_num_threads(threads)
+        assert engine.get_num_threads() == threads and set(_blas_thread_counts()) == {1}
+        engine.conv2d(x, w)   # a prange kernel sets Numba's count
+        assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+    engine.set_num_threads(1000)   # more than Numba's pool: all of it there
+    engine.conv2d(x, w)
+    assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+    assert CONV2D_FORWARD.cpu.__name__ == "conv2d_forward_cpu"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
-def test_set_num_threads_rejects_what_is_not_a_positive_integer(bad, restore_threads):
+def test_set_num_threads_rejects_what_is_not_a_positive_integer(bad):
     with pytest.raises(ValueError, match=rf"engine.set_num_threads: n must be a positive "
                                          rf"integer, got {bad!r}"):
         engine.set_num_threads(bad)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_gemm_repeats_bit_for_bit_at_a_fixed_thread_count(threads, restore_threads):
+def test_a_gemm_repeats_bit_for_bit_at_a_fixed_thread_count(threads, follow_the_load_after):
     rng = np.random.default_rng(0)
     a, b = rng.random((128, 784), np.float32), rng.random((784, 256), np.float32)
     engine.set_num_threads(threads)

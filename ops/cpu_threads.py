@@ -1,0 +1,204 @@
+"""How many threads the engine's CPU kernels run on, and the pool that splits a large GEMM.
+
+One count (``threads()``) drives the CPU side, set by ``engine.set_num_threads`` or, by
+default, the CPUs the process may use less those that other processes kept busy:
+
+- a large GEMM (``SPLIT_MIN_MACS`` multiply-adds or more) is cut into row blocks of its
+  output (``row_blocks``), each one single-threaded BLAS call inside an
+  ``@njit(nogil=True)`` kernel, run by ``run_blocks`` on the calling thread and a small pool
+  of worker threads started at the first split. No ``prange``: a parallel kernel costs
+  1.1-2.2 s of compile on a cold cache, the split costs none (the blocks run the kernels the
+  unsplit call runs, on row slices: the same compiled code). BLAS's own pool stays at one
+  thread (``engine.blas_threads``), since its idle threads spin;
+- the ``prange`` loops of the convolutions, pooling and BatchNorm run on as many of Numba's
+  threads (``engine_threads``), so a busy neighbour caps them too.
+
+Following the load reads no clock in a thread of its own: at most once every
+``LOAD_INTERVAL_S`` (about an epoch of the reference MLP), the first kernel that asks reads
+``/proc/stat`` and this process's own CPU time and takes the CPUs that the other processes
+used on average since the last reading (``others_busy``). Two threads beside one busy
+process wait on each other (a parallel step waits for its slower half, which waits a
+scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on two threads
+against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1.
+"""
+import functools
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+# Measured on the 2-core Zen 3 machine (python -m bench.gemm_split, medians, load <= 0.3):
+# 128x784x256 (25.7M multiply-adds, the MLP's first layer) 629 -> 3xx us on two threads;
+# below ~4M the pool's wake-up (20-40 us) eats the gain.
+SPLIT_MIN_MACS = 8 << 20
+MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
+ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
+LOAD_INTERVAL_S = 1.0
+# a BLAS thread count chosen in the environment (BLAS reads these itself) is left to BLAS,
+# which then threads the GEMMs: the engine's own count is 1 until set_threads
+USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                  "BLIS_NUM_THREADS")
+
+
+def usable_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def threads_for_load(cpus, others):
+    """The thread count on ``cpus`` usable CPUs while other processes keep ``others`` of
+    them busy on average (half a CPU or more counts as one)."""
+    return max(1, min(cpus, cpus - int(others + 0.5)))
+
+
+class _LoadReader:
+    """The CPUs that other processes used between two readings (Linux; None elsewhere)."""
+
+    def __init__(self):
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._reading()
+
+    def _reading(self):
+        """(wall time, busy ticks of the usable CPUs, this process's ticks), or None."""
+        try:
+            wanted = {f"cpu{cpu}" for cpu in self.cpus}
+            busy = 0
+            with open("/proc/stat") as stat:
+                for line in stat:
+                    fields = line.split()
+                    if fields and fields[0] in wanted:   # user nice system idle iowait irq ...
+                        values = [int(value) for value in fields[1:9]]
+                        busy += sum(values) - values[3] - values[4]
+            with open("/proc/self/stat") as own:
+                fields = own.read().rsplit(")", 1)[1].split()
+            return time.monotonic(), busy, int(fields[11]) + int(fields[12])   # utime stime
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def others_now(self):
+        """Threads of other processes runnable at this instant (the first guess)."""
+        try:
+            with open("/proc/stat") as stat:
+                for line in stat:
+                    if line.startswith("procs_running"):
+                        return max(0, int(line.split()[1]) - 1)   # less the caller
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def others_busy(self):
+        """The CPUs other processes kept busy on average since the last call."""
+        now = self._reading()
+        if now is None or self.last is None or now[0] <= self.last[0]:
+            return None
+        (then, busy_then, own_then), (wall, busy, own) = self.last, now
+        self.last = now
+        return max(0.0, ((busy - busy_then) - (own - own_then)) / self.tick / (wall - then))
+
+
+_lock = threading.Lock()
+_chosen = None   # the count set_threads fixed; None: follow the load
+_count = None   # the count in force while following the load
+_next_reading = 0.0
+_reader = None
+
+
+def threads():
+    """The engine's CPU thread count now (re-reading the load at most every
+    ``LOAD_INTERVAL_S`` while no count is fixed)."""
+    global _count, _next_reading, _reader
+    if _chosen is not None:
+        return _chosen
+    if _count is not None and time.monotonic() < _next_reading:
+        return _count
+    with _lock:
+        cpus = usable_cpus()
+        if any(os.environ.get(name) for name in USER_VARIABLES):
+            _count, _next_reading = 1, float("inf")
+            return _count
+        if _reader is None:
+            _reader = _LoadReader()
+            others = _reader.others_now()
+        else:
+            others = _reader.others_busy()
+        if others is not None:
+            _count = threads_for_load(cpus, others)
+        elif _count is None:
+            _count = cpus
+        _next_reading = time.monotonic() + LOAD_INTERVAL_S
+        return _count
+
+
+def set_threads(n):
+    """Fix the count at ``n`` (a positive int), or follow the load again (``None``)."""
+    global _chosen, _count, _reader
+    with _lock:
+        _chosen = n
+        _count = _reader = None
+
+
+def following_load():
+    return _chosen is None
+
+
+# ------------------------------------------------------------------ the GEMM split
+
+def row_blocks(rows, macs):
+    """The ``(start, stop)`` row blocks a GEMM of ``macs`` multiply-adds with ``rows``
+    output rows runs in, one per thread; None for one plain call (small, or one thread)."""
+    if macs < SPLIT_MIN_MACS:
+        return None
+    count = min(threads(), rows // MIN_BLOCK_ROWS)
+    if count < 2:
+        return None
+    edges = [0] + [min(rows, round(rows * block / count / ROW_ALIGN) * ROW_ALIGN)
+                   for block in range(1, count)] + [rows]
+    return [(start, stop) for start, stop in zip(edges, edges[1:]) if stop > start]
+
+
+_pool = None
+_pool_workers = 0
+
+
+def run_blocks(calls):
+    """Run ``calls`` (``(function, args)`` pairs, the functions ``@njit(nogil=True)``) at
+    once: the first on this thread, the rest on the pool's workers; returns when all are
+    done and raises what one of them raised."""
+    global _pool, _pool_workers
+    if _pool_workers < len(calls) - 1:
+        with _lock:
+            if _pool_workers < len(calls) - 1:
+                old = _pool
+                _pool = ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="engine-split")
+                _pool_workers = len(calls) - 1
+                if old is not None:
+                    old.shutdown(wait=False)
+    futures = [_pool.submit(function, *args) for function, args in calls[1:]]
+    function, args = calls[0]
+    try:
+        function(*args)
+    finally:
+        for future in futures:
+            future.result()
+
+
+# ------------------------------------------------------------------ Numba's prange loops
+
+_numba_applied = threading.local()   # Numba's count is per calling thread
+
+
+def engine_threads(kernel):
+    """``kernel`` (a ``prange`` ``@njit`` kernel) run on ``threads()`` of Numba's threads:
+    the pool starts at the first call of such a kernel, not at ``import engine``."""
+    @functools.wraps(kernel)
+    def on_engine_threads(*args):
+        count = threads()
+        if getattr(_numba_applied, "count", None) != count:
+            import numba
+            numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+            _numba_applied.count = count
+        return kernel(*args)
+    return on_engine_threads

@@ -1,0 +1,130 @@
+"""The CPU kernels that split a large GEMM across the engine's threads (ops.cpu_threads) give
+the same bits on 1 and 2 threads: a row block of the output is the same dot products summed
+in the same order. So does a whole captured MLP training run."""
+import numpy as np
+import pytest
+
+import engine
+import optim
+from engine import nn
+from ops import cpu_threads
+from ops.cpu_threads import SPLIT_MIN_MACS, row_blocks
+from ops.dense import DENSE
+from ops.matmul import gemm
+from ops.pointwise import ACTIVATIONS
+from tests.training_step import cross_entropy_step
+
+THREAD_COUNTS = (1, 2)
+
+
+@pytest.fixture(autouse=True)
+def follow_the_load_after():
+    yield
+    cpu_threads.set_threads(None)
+
+
+def on_each_thread_count(compute, rows, macs):
+    """``compute()``'s arrays at 1 and at 2 threads; at 2 a GEMM of ``rows`` output rows
+    and ``macs`` multiply-adds really is split."""
+    results = []
+    for threads in THREAD_COUNTS:
+        engine.set_num_threads(threads)
+        assert engine.get_num_threads() == threads
+        assert len(row_blocks(rows, macs) or [()]) == threads
+        results.append([np.array(a, copy=True) for a in compute()])
+    return results
+
+
+def assert_same_bits(results):
+    one, two = results
+    for a, b in zip(one, two):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+
+
+# the MLP's first layer, and odd shapes whose blocks are uneven and not a multiple of 16
+@pytest.mark.parametrize("batch, features, units, activation", [
+    (128, 784, 256, "relu"), (100, 301, 290, "tanh"), (67, 1001, 131, None)])
+def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
+        batch, features, units, activation):
+    macs = batch * features * units
+    assert macs >= SPLIT_MIN_MACS   # big enough to be split
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, features), np.float32)
+    w = rng.standard_normal((features, units), np.float32) * np.float32(0.05)
+    b = rng.standard_normal(units, np.float32)
+    grad_out = rng.standard_normal((batch, units), np.float32)
+    forward, backward = DENSE[ACTIVATIONS[activation]]
+    alpha = np.float32(0.01)
+
+    def compute():
+        out = np.empty((batch, units), np.float32)
+        forward.cpu(x, w, b, out, alpha)
+        grad_x = np.empty_like(x)
+        grad_w, grad_b = np.empty_like(w), np.empty_like(b)
+        backward.cpu(x, w, out, grad_out, grad_x, grad_w, grad_b, alpha, True, True)
+        return out, grad_x, grad_w, grad_b
+
+    results = on_each_thread_count(compute, batch, macs)
+    assert len(row_blocks(features, macs)) == 2   # dW's blocks too
+    assert_same_bits(results)
+    out, grad_x, grad_w, grad_b = results[1]
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    pre = x64 @ w64 + b
+    expected = {"relu": np.maximum(pre, 0), "tanh": np.tanh(pre), None: pre}[activation]
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    g = grad_out * {"relu": expected > 0, "tanh": 1 - out.astype(np.float64) ** 2,
+                    None: 1.0}[activation]
+    np.testing.assert_allclose(grad_x, g @ w64.T, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(grad_w, x64.T @ g, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(grad_b, g.sum(0), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
+def test_gemm_is_the_same_bits_on_1_and_2_threads(trans_a, trans_b):
+    m, k, n = 97, 701, 130   # uneven row blocks
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((k, m) if trans_a else (m, k), np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n), np.float32)
+    results = on_each_thread_count(lambda: [gemm(a, b, trans_a, trans_b)], m, m * n * k)
+    assert_same_bits(results)
+    a64 = a.T.astype(np.float64) if trans_a else a.astype(np.float64)
+    b64 = b.T.astype(np.float64) if trans_b else b.astype(np.float64)
+    np.testing.assert_allclose(results[1][0], a64 @ b64, rtol=1e-4, atol=1e-3)
+
+
+def test_a_captured_mlp_trains_to_the_same_bits_on_1_and_2_threads():
+    rng = np.random.default_rng(4)
+    xs = rng.standard_normal((5, 128, 784)).astype(np.float32)
+    ys = rng.integers(0, 10, (5, 128)).astype(np.int64)
+
+    def compute():
+        engine.manual_seed(0)
+        model = nn.Sequential([nn.Dense(256, activation="relu", input_shape=(784,)),
+                               nn.Dense(128, activation="relu"), nn.Dense(10)])
+        optimizer = optim.Adam(model.parameters(), lr=1e-3)
+        step = engine.capture(cross_entropy_step(model, optimizer))
+        losses = [step(engine.tensor(x), engine.tensor(y)).numpy() for x, y in zip(xs, ys)]
+        assert step.eager_reason is None and step.recordings
+        return losses + [p.numpy() for p in model.parameters()]
+
+    assert_same_bits(on_each_thread_count(compute, 128, 128 * 784 * 256))
+
+
+def test_small_gemms_and_one_thread_run_unsplit_and_blocks_cover_the_rows():
+    engine.set_num_threads(2)
+    assert row_blocks(128, SPLIT_MIN_MACS - 1) is None
+    assert row_blocks(63, SPLIT_MIN_MACS) is None   # blocks of at least 32 rows
+    assert row_blocks(128, SPLIT_MIN_MACS) == [(0, 64), (64, 128)]
+    assert row_blocks(784, SPLIT_MIN_MACS) == [(0, 384), (384, 784)]   # on 16-row edges
+    engine.set_num_threads(3)
+    assert row_blocks(100, SPLIT_MIN_MACS) == [(0, 32), (32, 64), (64, 100)]
+    engine.set_num_threads(1)
+    assert row_blocks(128, 1 << 40) is None
+
+
+def test_an_error_in_a_worker_s_block_reaches_the_caller():
+    def fails():
+        raise ValueError("block 2")
+
+    with pytest.raises(ValueError, match="block 2"):
+        cpu_threads.run_blocks([(lambda: None, ()), (fails, ())])
