@@ -22,13 +22,15 @@ Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 """
 import argparse
 import importlib.util
+import os
 import statistics
 import time
 
 import numpy as np
 
-from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, engine_training,
-                       machine_description, torch_step)
+from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, alternating_epochs,
+                       beside_a_busy_neighbour, engine_training, machine_description,
+                       torch_step)
 from bench.report import emit, require_device
 
 
@@ -243,7 +245,7 @@ def _jax_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epoch
 
     return train_epoch, test_accuracy, jax.__version__
 
-def run(device, epochs, limit, eager=True):
+def run(device, epochs, limit, eager=True, loaded=False):
     import engine
     from engine.train import load_dataset, pixel_statistics
     (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
@@ -271,16 +273,22 @@ def run(device, epochs, limit, eager=True):
                 x_train, y_train, x_test, y_test, normalize, device, loader.order,
                 initial_state, scan=scan)
     warmup = {name: epoch() for name, epoch in frameworks.items()}
-    seconds = {name: [] for name in frameworks}
-    for _ in range(epochs):   # A B C A B C: all see the same machine state
-        for name, epoch in frameworks.items():
-            seconds[name].append(epoch())
+    seconds = alternating_epochs(frameworks, epochs)   # A B C A B C: one machine state
+    threads = engine.get_num_threads()
+    loaded_seconds = loaded_threads = None
+    if loaded:   # the same epochs again beside a busy process this run starts and stops
+        loaded_seconds, loaded_threads = beside_a_busy_neighbour(frameworks, epochs)
     rows = {}
     for name in frameworks:
         median = statistics.median(seconds[name])
         rows[name] = {"s_per_epoch": median, "ms_per_step": 1e3 * median / steps,
                       "samples_per_s": len(x_train) / median, "warmup_epoch_s": warmup[name],
                       "epoch_s": seconds[name], "test_acc": accuracies[name]()}
+        if loaded_seconds is not None:
+            loaded_median = statistics.median(loaded_seconds[name])
+            rows[name].update(loaded_s_per_epoch=loaded_median,
+                              loaded_epoch_s=loaded_seconds[name],
+                              loaded_over_quiet=loaded_median / median)
     for name in rows:
         if name.startswith("torch"):
             rows[name].update(version=torch_version, threads=torch_threads)
@@ -291,7 +299,8 @@ def run(device, epochs, limit, eager=True):
             "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
             "train_samples": len(x_train), "test_samples": len(x_test),
             "steps_per_epoch": steps, "timed_epochs": epochs, "epochs_trained": epochs + 1,
-            "engine_threads": engine.get_num_threads(), "results": rows,
+            "engine_threads": threads, "engine_threads_loaded": loaded_threads,
+            "load_average": os.getloadavg(), "results": rows,
             "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
                                   if torch_version else None)}
 
@@ -321,6 +330,14 @@ def format_table(result):
             eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
             ratio += f", {eager:.2f}x eager"
         lines += ["", ratio]
+    if "loaded_s_per_epoch" in rows["engine"]:
+        lines.append(f"beside a busy process (started and stopped by this run; engine threads "
+                     f"{result['engine_threads_loaded']}), s/epoch: " +
+                     ", ".join(f"{name} {row['loaded_s_per_epoch']:.2f} "
+                               f"({row['loaded_over_quiet']:.2f}x its quiet epoch)"
+                               for name, row in rows.items()))
+    lines.append(f"engine threads {result['engine_threads']}, 1-minute load average at the "
+                 f"end {result['load_average'][0]:.2f}")
     return "\n".join(lines)
 
 
@@ -333,11 +350,15 @@ def main(argv=None):
     parser.add_argument("--no-eager", action="store_true",
                         help="leave out the engine's fit(capture=False) row")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--busy-neighbour", action="store_true",
+                        help="time the epochs again beside a busy process (one core) that the "
+                             "run starts and stops")
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
     require_device(parser, args.device)
-    result = run(args.device, args.epochs, args.limit, eager=not args.no_eager)
+    result = run(args.device, args.epochs, args.limit, eager=not args.no_eager,
+                 loaded=args.busy_neighbour)
     return emit(result, format_table(result), args.json)
 
 

@@ -290,7 +290,33 @@ def machine_description(device):
     return f"{model}, {os.cpu_count()} CPU cores"
 
 
-def run(device, epochs, hidden, limit, measure_compile):
+def busy_neighbour():
+    """A process that keeps one core busy (a pure-Python loop) until it is killed."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def alternating_epochs(frameworks, epochs):
+    seconds = {name: [] for name in frameworks}
+    for _ in range(epochs):   # A B A B: both see the same machine state
+        for name, epoch in frameworks.items():
+            seconds[name].append(epoch())
+    return seconds
+
+
+def beside_a_busy_neighbour(frameworks, epochs):
+    """``alternating_epochs`` again, timed from the start of a busy process that is stopped
+    at the end; also the engine's thread count while it ran."""
+    import engine
+    neighbour = busy_neighbour()
+    try:
+        return alternating_epochs(frameworks, epochs), engine.get_num_threads()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
+def run(device, epochs, hidden, limit, measure_compile, loaded=False):
+    import engine
     from engine.train import load_dataset, pixel_statistics
     (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
     normalize = pixel_statistics(x_train)
@@ -311,10 +337,11 @@ def run(device, epochs, hidden, limit, measure_compile):
                 x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order,
                 cuda_graph=cuda_graph)
     warmup = {name: epoch() for name, epoch in frameworks.items()}
-    seconds = {name: [] for name in frameworks}
-    for _ in range(epochs):   # A B A B: both see the same machine state
-        for name, epoch in frameworks.items():
-            seconds[name].append(epoch())
+    seconds = alternating_epochs(frameworks, epochs)
+    threads = engine.get_num_threads()
+    loaded_seconds = loaded_threads = None
+    if loaded:   # the same epochs again beside a busy process this run starts and stops
+        loaded_seconds, loaded_threads = beside_a_busy_neighbour(frameworks, epochs)
     instrumented = engine_instrumented()
 
     rows = {}
@@ -323,6 +350,11 @@ def run(device, epochs, hidden, limit, measure_compile):
         rows[name] = {"s_per_epoch": median, "us_per_step": 1e6 * median / steps,
                       "samples_per_s": len(x_train) / median,
                       "warmup_epoch_s": warmup[name], "epoch_s": seconds[name]}
+        if loaded_seconds is not None:
+            loaded_median = statistics.median(loaded_seconds[name])
+            rows[name].update(loaded_s_per_epoch=loaded_median,
+                              loaded_epoch_s=loaded_seconds[name],
+                              loaded_over_quiet=loaded_median / median)
     rows["engine"].update(**instrumented)
     for name in frameworks:
         rows[name]["test_acc"] = accuracies[name]()
@@ -332,6 +364,8 @@ def run(device, epochs, hidden, limit, measure_compile):
               "model": "-".join(map(str, (784,) + tuple(hidden) + (10,))) + " ReLU",
               "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
               "train_samples": len(x_train), "steps_per_epoch": steps, "timed_epochs": epochs,
+              "engine_threads": threads, "engine_threads_loaded": loaded_threads,
+              "load_average": os.getloadavg(),
               "results": rows,
               "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
                                     if torch_version else None)}
@@ -346,7 +380,9 @@ def format_table(result):
              f"batch {result['batch_size']}, "
              f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
              f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
-             "epochs after 1 warm-up, the rows alternating epoch by epoch; launches/step: the "
+             f"epochs after 1 warm-up, the rows alternating epoch by epoch; engine threads "
+             f"{result['engine_threads']}, 1-minute load average at the end "
+             f"{result['load_average'][0]:.2f}; launches/step: the "
              "kernels of one eager step (a captured step replays them in one graph launch)", "",
              "| framework | s/epoch | us/step | samples/s | test acc | launches/step |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -363,6 +399,12 @@ def format_table(result):
         eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
         lines.append(f"engine / torch eager s/epoch: {result['engine_over_torch']:.2f}x "
                      f"captured, {eager:.2f}x eager")
+    if "loaded_s_per_epoch" in rows["engine"]:
+        lines.append(f"beside a busy process (started and stopped by this run; engine threads "
+                     f"{result['engine_threads_loaded']}), s/epoch: " +
+                     ", ".join(f"{name} {row['loaded_s_per_epoch']:.3f} "
+                               f"({row['loaded_over_quiet']:.2f}x its quiet epoch)"
+                               for name, row in rows.items()))
     engine = rows["engine"]
     lines.append("autograd tape between steps: at most "
                  f"{engine['tape_nodes_between_steps_max']} nodes")
@@ -388,6 +430,9 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, help="first N training/test samples (smoke tests)")
     parser.add_argument("--no-compile-time", action="store_true",
                         help="skip the cold/warm JIT cache subprocesses")
+    parser.add_argument("--busy-neighbour", action="store_true",
+                        help="time the epochs again beside a busy process (one core) that the "
+                             "run starts and stops")
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
@@ -397,7 +442,8 @@ def main(argv=None):
     except BadInput as error:
         parser.error(str(error))
     require_device(parser, args.device)
-    result = run(args.device, args.epochs, hidden, args.limit, not args.no_compile_time)
+    result = run(args.device, args.epochs, hidden, args.limit, not args.no_compile_time,
+                 args.busy_neighbour)
     return emit(result, format_table(result), args.json)
 
 

@@ -40,6 +40,26 @@ def test_bench_mlp_smoke(tmp_path, capsys):
     assert "| engine, fit(capture=False) |" in output
 
 
+def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
+        tmp_path, capsys, monkeypatch):
+    started = []
+    real_neighbour = mlp.busy_neighbour
+
+    def recorded_neighbour():
+        started.append(real_neighbour())
+        return started[-1]
+
+    monkeypatch.setattr(mlp, "busy_neighbour", recorded_neighbour)
+    path = tmp_path / "mlp.json"
+    mlp.main(["--device", "cpu", "--epochs", "1", "--limit", "256", "--hidden", "16",
+              "--no-compile-time", "--busy-neighbour", "--json", str(path)])
+    row = json.loads(path.read_text())["results"]["engine"]
+    assert len(row["loaded_epoch_s"]) == 1 and row["loaded_s_per_epoch"] > 0
+    assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
+    assert len(started) == 1 and started[0].poll() is not None   # stopped at the end
+    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
+
+
 def test_bench_cnn_smoke(tmp_path, capsys):
     path = tmp_path / "cnn.json"
     cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--json", str(path)])
@@ -118,3 +138,25 @@ def test_a_training_step_launches_at_most_16_kernels_and_leaves_the_tape_empty()
         fills = sum(1 for run in recorder.runs if run.kernel.name == "fill")
         assert (recorder.cuda_launches() - fills) / len(loader) <= most, capture
         assert len(engine.autograd.current_tape()) == 0
+
+
+def test_bench_cnn_busy_neighbour_times_the_epochs_again_and_stops_its_process(
+        tmp_path, capsys, monkeypatch):
+    started = []
+    real_neighbour = mlp.busy_neighbour
+
+    def recorded_neighbour():
+        started.append(real_neighbour())
+        return started[-1]
+
+    monkeypatch.setattr(mlp, "busy_neighbour", recorded_neighbour)
+    path = tmp_path / "cnn.json"
+    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--no-eager",
+              "--busy-neighbour", "--json", str(path)])
+    result = json.loads(path.read_text())
+    row = result["results"]["engine"]
+    assert len(row["loaded_epoch_s"]) == 1 and row["loaded_s_per_epoch"] > 0
+    assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
+    assert result["engine_threads_loaded"] >= 1
+    assert len(started) == 1 and started[0].poll() is not None   # stopped at the end
+    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out

@@ -224,17 +224,20 @@ def test_conv2d_backward_is_bit_reproducible(device):
 
 def test_conv2d_cpu_gradients_do_not_depend_on_the_thread_count():
     import numba
+
+    import engine
+    from ops import cpu_threads
     results = []
-    before = numba.get_num_threads()
     try:
         for threads in (1, numba.config.NUMBA_NUM_THREADS):
-            numba.set_num_threads(threads)
+            engine.set_num_threads(threads)   # the prange loops run on the engine's count
             x, w, b = _conv_inputs("cpu", ((9, 4, 7, 9), (6, 4, 3, 2), (6,)),
                                    dtype=np.float32)   # 9 samples over 8 batch slices
             apply(Conv2D, x, w, b, padding=1).sum().backward()
+            assert numba.get_num_threads() == threads
             results.append([t.grad.numpy() for t in (x, w, b)])
     finally:
-        numba.set_num_threads(before)
+        cpu_threads.set_threads(None)
     for first, second in zip(*results):
         np.testing.assert_array_equal(first, second)
 
