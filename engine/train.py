@@ -118,8 +118,10 @@ def build_parser():
         "reads it (needs tensorboardX: the formats extra)")
     add("--limit", type=int, metavar="N", help="use only the first N samples of each split "
         "(quick checks)")
-    add("--threads", type=int, metavar="N", help="threads of the CPU matrix products (BLAS), "
-        "set with engine.set_num_threads (default: the engine's, see engine.blas_threads)")
+    add("--threads", type=int, metavar="N", help="threads of the engine's CPU kernels (the "
+        "split GEMMs and the convolutions' parallel loops; BLAS stays on one), set with "
+        "engine.set_num_threads (default: the usable CPUs less those other processes keep "
+        "busy, see engine.blas_threads)")
     add("--early-stopping", type=int, metavar="PATIENCE", help="stop once the test loss has "
         "not improved for PATIENCE epochs; the model keeps its best epoch's weights (what "
         "--export-onnx writes; --save keeps the last epoch's state, to resume)")

@@ -34,22 +34,6 @@ from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
 from ops.registry import Op, register
 
 
-@njit(cache=True, nogil=True)
-def weight_gradient_cpu(x, g, grad_w, grad_b, start, stop, with_bias):
-    """Rows ``start:stop`` of dW = xᵀ @ G, and db = Σ_rows G when ``with_bias``."""
-    if start == 0 and stop == x.shape[1]:
-        np.dot(x.T, g, grad_w)
-    else:   # x's columns copied, so that BLAS reads them contiguously, as the same op(xᵀ)
-        np.dot(np.ascontiguousarray(x[:, start:stop]).T, g, grad_w[start:stop])
-    if with_bias:
-        rows, cols = g.shape
-        for j in range(cols):
-            grad_b[j] = 0
-        for i in range(rows):   # row by row: the same order as the CUDA kernel's K loop
-            for j in range(cols):
-                grad_b[j] += g[i, j]
-
-
 def _dense_kernels(act):
     """The forward and backward twins of a Dense layer with activation ``act`` (an
     ``ops.pointwise`` code): the CPU loops are built with the code as a constant, so the
@@ -65,14 +49,31 @@ def _dense_kernels(act):
                 out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
 
     @njit(cache=True, nogil=True)
-    def dense_gradient_rows_cpu(w, y, grad_out, g, grad_x, alpha, needs_x):
-        """G = grad_out * act'(y) (BLAS needs it in memory) and dX = G @ Wᵀ, for some rows."""
-        rows, cols = grad_out.shape
-        for i in range(rows):
+    def dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, row_start,
+                           row_stop, feature_start, feature_stop):
+        """For batch rows ``row_start:row_stop``: G = grad_out * act'(y) (BLAS needs it in
+        memory) and dX's rows (when grad_x has rows: x needs a gradient); for input features
+        ``feature_start:feature_stop``: dW's rows = x[:, features]ᵀ @ G, with db when they
+        start at 0. The unsplit backward is one call over everything."""
+        cols = grad_out.shape[1]
+        for i in range(row_start, row_stop):
             for j in range(cols):
                 g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
-        if needs_x:
-            np.dot(g, w.T, grad_x)
+        if grad_x.shape[0] and row_stop > row_start:
+            np.dot(g[row_start:row_stop], w.T, grad_x[row_start:row_stop])
+        if feature_stop == feature_start:
+            return
+        if feature_start == 0 and feature_stop == x.shape[1]:
+            np.dot(x.T, g, grad_w)
+        else:   # x's columns copied, so that BLAS reads them contiguously, as the same op(xᵀ)
+            np.dot(np.ascontiguousarray(x[:, feature_start:feature_stop]).T, g,
+                   grad_w[feature_start:feature_stop])
+        if feature_start == 0:
+            for j in range(cols):
+                grad_b[j] = 0
+            for i in range(grad_out.shape[0]):   # row by row: the CUDA kernel's K order
+                for j in range(cols):
+                    grad_b[j] += g[i, j]
 
     def dense_forward(x, w, bias, out, alpha):
         blocks = row_blocks(out.shape[0], out.size * x.shape[1])
@@ -84,23 +85,24 @@ def _dense_kernels(act):
 
     def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
                        needs_params):
-        rows = grad_out.shape[0]
+        rows, features = grad_out.shape[0], x.shape[1] if needs_params else 0
         g = np.empty_like(grad_out)
-        blocks = row_blocks(rows, grad_out.size * w.shape[0]) if needs_x else None
-        if blocks is None:
-            dense_gradient_rows_cpu(w, y, grad_out, g, grad_x, alpha, needs_x)
-        else:
-            run_blocks([(dense_gradient_rows_cpu, (w, y[start:stop], grad_out[start:stop],
-                                                   g[start:stop], grad_x[start:stop], alpha,
-                                                   True)) for start, stop in blocks])
-        if needs_params:
-            features = x.shape[1]
-            blocks = row_blocks(features, grad_w.size * rows) or [(0, features)]
-            run_blocks([(weight_gradient_cpu, (x, g, grad_w, grad_b, start, stop, start == 0))
-                        for start, stop in blocks])
+        row_split = row_blocks(rows, grad_out.size * w.shape[0]) if needs_x else None
+        feature_split = row_blocks(features, grad_w.size * rows) if needs_params else None
+        if row_split is None and feature_split is None:
+            dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, 0, rows, 0,
+                               features)
+            return
+        run_blocks([(dense_backward_cpu, (x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha,
+                                          start, stop, 0, 0))
+                    for start, stop in row_split or [(0, rows)]])   # G (and dX) first
+        if needs_params:   # then dW's rows, which need all of G
+            run_blocks([(dense_backward_cpu, (x, w, y, grad_out, g, grad_x, grad_w, grad_b,
+                                              alpha, 0, 0, start, stop))
+                        for start, stop in feature_split or [(0, features)]])
 
     dense_forward.__wrapped__ = dense_forward_cpu   # the compiled kernels behind each
-    dense_backward.__wrapped__ = dense_gradient_rows_cpu
+    dense_backward.__wrapped__ = dense_backward_cpu
 
     def forward_plan(args):
         x, w, bias, out, alpha = args
