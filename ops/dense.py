@@ -49,29 +49,25 @@ def _dense_kernels(act):
                 out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
 
     @njit(cache=True, nogil=True)
-    def dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, row_start,
-                           row_stop, feature_start, feature_stop):
-        """For batch rows ``row_start:row_stop``: G = grad_out * act'(y) (BLAS needs it in
-        memory) and dX's rows (when grad_x has rows: x needs a gradient); for input features
-        ``feature_start:feature_stop``: dW's rows = x[:, features]ᵀ @ G, with db when they
-        start at 0. The unsplit backward is one call over everything."""
-        cols = grad_out.shape[1]
-        for i in range(row_start, row_stop):
-            for j in range(cols):
-                g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
-        if grad_x.shape[0] and row_stop > row_start:
-            np.dot(g[row_start:row_stop], w.T, grad_x[row_start:row_stop])
-        if feature_stop == feature_start:
-            return
-        if feature_start == 0 and feature_stop == x.shape[1]:
+    def dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, gradient,
+                           weights, bias):
+        """What the flags ask for: ``gradient``, G = grad_out * act'(y) (BLAS needs it in
+        memory) and dX = G @ Wᵀ when grad_x has rows (x needs a gradient); ``weights``,
+        dW = xᵀ @ G; ``bias``, db = Σ_rows G. The unsplit backward is one call with all
+        three; a split one passes row slices (``dense_backward``)."""
+        rows, cols = grad_out.shape
+        if gradient:
+            for i in range(rows):
+                for j in range(cols):
+                    g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
+            if grad_x.shape[0]:
+                np.dot(g, w.T, grad_x)
+        if weights:
             np.dot(x.T, g, grad_w)
-        else:   # x's columns copied, so that BLAS reads them contiguously, as the same op(xᵀ)
-            np.dot(np.ascontiguousarray(x[:, feature_start:feature_stop]).T, g,
-                   grad_w[feature_start:feature_stop])
-        if feature_start == 0:
+        if bias:
             for j in range(cols):
                 grad_b[j] = 0
-            for i in range(grad_out.shape[0]):   # row by row: the CUDA kernel's K order
+            for i in range(g.shape[0]):   # row by row: the same order as the CUDA kernel's K loop
                 for j in range(cols):
                     grad_b[j] += g[i, j]
 
@@ -85,21 +81,30 @@ def _dense_kernels(act):
 
     def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
                        needs_params):
-        rows, features = grad_out.shape[0], x.shape[1] if needs_params else 0
+        rows, features = grad_out.shape[0], x.shape[1]
         g = np.empty_like(grad_out)
-        row_split = row_blocks(rows, grad_out.size * w.shape[0]) if needs_x else None
+        row_split = row_blocks(rows, grad_out.size * features) if needs_x else None
         feature_split = row_blocks(features, grad_w.size * rows) if needs_params else None
         if row_split is None and feature_split is None:
-            dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, 0, rows, 0,
-                               features)
+            dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, True,
+                               needs_params, needs_params)
             return
-        run_blocks([(dense_backward_cpu, (x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha,
-                                          start, stop, 0, 0))
-                    for start, stop in row_split or [(0, rows)]])   # G (and dX) first
-        if needs_params:   # then dW's rows, which need all of G
-            run_blocks([(dense_backward_cpu, (x, w, y, grad_out, g, grad_x, grad_w, grad_b,
-                                              alpha, 0, 0, start, stop))
+        # G and dX in batch rows, then dW in rows of input features, which need all of G
+        run_blocks([(dense_backward_cpu, (x, w, y[start:stop], grad_out[start:stop],
+                                          g[start:stop], grad_x[start:stop] if needs_x
+                                          else grad_x, grad_w, grad_b, alpha, True, False,
+                                          False)) for start, stop in row_split or [(0, rows)]])
+        if needs_params:
+            run_blocks([(weight_rows, (x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha,
+                                       start, stop))
                         for start, stop in feature_split or [(0, features)]])
+
+    def weight_rows(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, start, stop):
+        """dW's rows ``start:stop`` (x's columns copied, so that BLAS reads them as the
+        same transposed operand, contiguously), with db in the first block."""
+        columns = x if stop - start == x.shape[1] else np.ascontiguousarray(x[:, start:stop])
+        dense_backward_cpu(columns, w, y, grad_out, g, grad_x, grad_w[start:stop], grad_b,
+                           alpha, False, True, start == 0)
 
     dense_forward.__wrapped__ = dense_forward_cpu   # the compiled kernels behind each
     dense_backward.__wrapped__ = dense_backward_cpu
