@@ -160,3 +160,14 @@ def test_bench_cnn_busy_neighbour_times_the_epochs_again_and_stops_its_process(
     assert result["engine_threads_loaded"] >= 1
     assert len(started) == 1 and started[0].poll() is not None   # stopped at the end
     assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
+
+
+def test_bench_cpu_split_times_each_layer_at_1_and_2_threads_and_restores_the_default(capsys):
+    from bench import cpu_split
+    from ops import cpu_threads
+    result = cpu_split.main(["--rounds", "2"])
+    assert [(row["layer"], row["part"]) for row in result["rows"]] == [
+        (name, part) for name, *_ in cpu_split.LAYERS for part in ("forward", "backward")]
+    assert all(row["median_us_1"] > 0 and row["median_us_2"] > 0 for row in result["rows"])
+    assert cpu_threads.following_load()
+    assert "| dense 784->256 | forward | 25.7M |" in capsys.readouterr().out

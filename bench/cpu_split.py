@@ -1,0 +1,100 @@
+"""The CPU GEMMs of the reference MLP split across the engine's threads, against one call.
+
+    python -m bench.cpu_split [--rounds 300] [--json results.json]
+
+Each product of the 784-256-128-10 MLP's step at batch 128 (the fused Dense forward, and its
+backward: G, dX and dW) runs at 1 and 2 engine threads (``engine.set_num_threads``), the two
+counts alternating call by call so that both see the same machine; the table gives the
+median and mean microseconds per call, and where ``ops.cpu_threads.SPLIT_MIN_MACS`` puts the
+split. The machine's 1-minute load average is printed with it: beside busy processes two
+threads lose (a block waits for its core), which the engine's default avoids by following
+the load.
+"""
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from bench.report import emit
+
+# (name, batch, inputs, units, x needs a gradient): the reference MLP's three layers
+LAYERS = (("dense 784->256", 128, 784, 256, False), ("dense 256->128", 128, 256, 128, True),
+          ("dense 128->10", 128, 128, 10, True))
+
+
+def _layer_calls(batch, inputs, units, needs_x):
+    from ops.dense import DENSE
+    from ops.pointwise import ACTIVATIONS
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, inputs), np.float32)
+    w = rng.standard_normal((inputs, units), np.float32) * np.float32(0.05)
+    b = rng.standard_normal(units, np.float32)
+    out, grad_out = np.empty((batch, units), np.float32), rng.standard_normal((batch, units),
+                                                                             np.float32)
+    grad_x = np.empty_like(x) if needs_x else np.empty((0, 0), np.float32)
+    grad_w, grad_b, alpha = np.empty_like(w), np.empty_like(b), np.float32(0.01)
+    forward, backward = DENSE[ACTIVATIONS["relu"]]
+    return {"forward": lambda: forward.cpu(x, w, b, out, alpha),
+            "backward": lambda: backward.cpu(x, w, out, grad_out, grad_x, grad_w, grad_b,
+                                             alpha, needs_x, True)}
+
+
+def run(rounds):
+    import engine
+    from ops import cpu_threads
+    rows = []
+    try:
+        for name, batch, inputs, units, needs_x in LAYERS:
+            for part, call in _layer_calls(batch, inputs, units, needs_x).items():
+                seconds = {1: [], 2: []}
+                for threads in (1, 2):   # compile and start the pool outside the timing
+                    engine.set_num_threads(threads)
+                    call()
+                for _ in range(rounds):
+                    for threads in (1, 2):
+                        engine.set_num_threads(threads)
+                        start = time.perf_counter()
+                        call()
+                        seconds[threads].append(time.perf_counter() - start)
+                macs = batch * inputs * units * (1 if part == "forward" else 1 + needs_x)
+                rows.append({"layer": name, "part": part, "macs": macs,
+                             **{f"{stat}_us_{threads}": 1e6 * f(seconds[threads])
+                                for threads in (1, 2)
+                                for stat, f in (("median", statistics.median),
+                                                ("mean", statistics.mean))}})
+    finally:
+        cpu_threads.set_threads(None)
+    return {"rounds": rounds, "split_min_macs": cpu_threads.SPLIT_MIN_MACS,
+            "cpus": cpu_threads.usable_cpus(), "load_average": os.getloadavg(), "rows": rows}
+
+
+def format_table(result):
+    lines = [f"bench.cpu_split: {result['rounds']} calls at each thread count, alternating; "
+             f"{result['cpus']} usable CPUs; split from {result['split_min_macs'] / 2**20:g}M "
+             f"multiply-adds per GEMM; 1-minute load average {result['load_average'][0]:.2f}",
+             "", "| layer | part | MACs | 1 thread median / mean us | 2 threads median / mean us "
+             "| 2 / 1 (median) |", "|---|---|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['layer']} | {row['part']} | {row['macs'] / 1e6:.1f}M | "
+                     f"{row['median_us_1']:.0f} / {row['mean_us_1']:.0f} | "
+                     f"{row['median_us_2']:.0f} / {row['mean_us_2']:.0f} | "
+                     f"{row['median_us_2'] / row['median_us_1']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_split",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=300, help="calls per thread count")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be positive")
+    result = run(args.rounds)
+    return emit(result, format_table(result), args.json)
+
+
+if __name__ == "__main__":
+    main()
