@@ -161,19 +161,21 @@ def row_blocks(rows, macs):
 
 _pool = None
 _pool_workers = 0
+_pool_process = None   # a forked child has the pool object but none of its threads
 
 
 def run_blocks(calls):
-    """Run ``calls`` (``(function, args)`` pairs, the functions ``@njit(nogil=True)``) at
-    once: the first on this thread, the rest on the pool's workers; returns when all are
-    done and raises what one of them raised."""
-    global _pool, _pool_workers
-    if _pool_workers < len(calls) - 1:
+    """Run ``calls`` (``(function, args)`` pairs, the functions ``@njit(nogil=True)`` or
+    Python code around one) at once: the first on this thread, the rest on the pool's
+    workers; returns when all are done and raises what one of them raised."""
+    global _pool, _pool_workers, _pool_process
+    if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
         with _lock:
-            if _pool_workers < len(calls) - 1:
-                old = _pool
-                _pool = ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="engine-split")
-                _pool_workers = len(calls) - 1
+            if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
+                old = _pool if _pool_process == os.getpid() else None
+                _pool = ThreadPoolExecutor(max(_pool_workers, len(calls) - 1),
+                                           thread_name_prefix="engine-split")
+                _pool_workers, _pool_process = _pool._max_workers, os.getpid()
                 if old is not None:
                     old.shutdown(wait=False)
     futures = [_pool.submit(function, *args) for function, args in calls[1:]]

@@ -128,3 +128,30 @@ def test_an_error_in_a_worker_s_block_reaches_the_caller():
 
     with pytest.raises(ValueError, match="block 2"):
         cpu_threads.run_blocks([(lambda: None, ()), (fails, ())])
+
+
+def test_a_forked_child_splits_on_a_pool_of_its_own():
+    import os
+    import select
+    import signal
+    engine.set_num_threads(2)
+    a = np.ones((128, 784), np.float32)
+    b = np.ones((784, 256), np.float32)
+    gemm(a, b)   # the parent's pool exists now
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:   # the child: the same split must run, not wait on the parent's threads
+        try:
+            ok = bool(np.all(gemm(a, b) == 784))
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    try:
+        answered, _, _ = select.select([read], [], [], 60)
+        if not answered:
+            os.kill(child, signal.SIGKILL)
+        assert answered and os.read(read, 1) == b"1", "the child's split hung or failed"
+    finally:
+        os.waitpid(child, 0)
+        os.close(read)
