@@ -52,6 +52,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
     batch runs eagerly."""
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
+    torch.backends.cudnn.allow_tf32 = False   # fp32 as the engine and JAX's "highest"
     mean, std = normalize
 
     def standardised(images):

@@ -209,6 +209,9 @@ def run(device, quick=False, threads=None):
             torch.set_num_threads(threads)
         torch_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
         torch_threads = torch.get_num_threads()
+        # fp32 against fp32: cuDNN's convolutions default to TF32 tensor cores (the 32->64
+        # conv's grad_input measured 29 us in TF32 against 80 in fp32 on the H200)
+        torch.backends.cudnn.allow_tf32 = False
         if device == "cuda" and torch_device != "cuda":
             has_torch = False   # a CPU-only torch is no GPU baseline
 
