@@ -18,13 +18,14 @@ are buffers: they get no gradient.
 On the CPU one kernel forward (statistics, running-statistics update and normalisation) and
 one backward (both sums and dx), each a parallel loop over channels; on CUDA two launches each
 way over blocks of a channel's batch chunk (see "CUDA kernels": fixed-order sums,
-reproducible bit for bit). The update happens on the device, from device scalars only: capture-ready. Measured
-on the 2-core CPU (128x64x14x14 float32): the two-pass statistics take 1.58 ms against 1.24
-for one pass of sums and sums of squares, kept for the cancellation the latter suffers at
-large means; ``prange`` over channels takes the forward from 1.9 to 1.0 ms and the backward
-from 1.8 to 0.94 (torch: 2.0 and 1.0 on one thread). A (N, C) input walks its rows, channels inner, instead of one strided
-channel at a time: 128x128 forward 83 -> 15 us, backward 88 -> 17 us (torch on one thread:
-14 and 27 us).
+reproducible bit for bit). The update happens on the device, from device scalars only:
+capture-ready. Measured on the 2-core CPU (128x64x14x14 float32): the two-pass statistics
+take 1.58 ms against 1.24 for one pass of sums and sums of squares, kept for the
+cancellation the latter suffers at large means (the CUDA kernels' one pass is shifted by a
+value of the channel instead); ``prange`` over channels takes the forward from 1.9 to 1.0 ms
+and the backward from 1.8 to 0.94 (torch: 2.0 and 1.0 on one thread). A (N, C) input walks
+its rows, channels inner, instead of one strided channel at a time: 128x128 forward 83 -> 15
+us, backward 88 -> 17 us (torch on one thread: 14 and 27 us).
 """
 import functools
 import math
@@ -42,8 +43,8 @@ from ops.memory import empty
 from ops.reduce import REDUCE, reduce
 from ops.registry import Op, register
 
-# meta: a tuple of ints (N, C, S, training, has_weight, has_bias); the backward's adds (needs_x, needs_w,
-# needs_b): the buffer of a gradient not asked for is a placeholder never written (a CUDA
+# meta: a tuple of ints (N, C, S, training, has_weight, has_bias); the backward's adds
+# (needs_x, needs_w, needs_b): the buffer of a gradient not asked for is a placeholder never written (a CUDA
 # kernel cannot take an empty array on the fast launch path: its data pointer is NULL)
 
 
@@ -210,30 +211,35 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
 # ------------------------------------------------------------------ CUDA kernels
 #
 # Each channel's n = N·S values are split along the batch into ``chunks`` runs of ``rows``
-# samples, one block per (channel, chunk), so the 128x64x14x14 BatchNorm of the CNN runs on
-# 64 x 9 blocks rather than 64 (one per channel left half the H200's 132 SMs idle and each
-# thread walked ~100 values per pass: forward 76 us, backward 68, against torch's 10.9 and
-# 19.9, bench.conv_ops). Two launches each way:
+# samples, one block per (channel, chunk). Two launches each way:
 #
-# - forward: every block's two-pass mean and M2 = Σ (x - mean)² of its chunk (float64) into
-#   ``partials``; then every block combines its channel's partials in chunk order (Chan's
-#   formula: mean = Σ n_p·mean_p / n, M2 = Σ M2_p + n_p·(mean_p - mean)²), block 0 of the
-#   channel updates the running statistics, and each block normalises its chunk;
-# - backward: every block's Σ dy and Σ dy·(x - mean) of its chunk; then the channel's sums in
-#   chunk order, dw and db from block 0, dx for each chunk.
+# - forward: every block's sums Σ d and Σ d² of its chunk, d = x - K with K the channel's
+#   first value (float64; shifted by a value of the channel, the one-pass variance keeps its
+#   digits where the plain Σ x² form cancels at large means), into ``partials``; then every
+#   block sums its channel's partials in a fixed tree, block 0 of the channel updates the
+#   running statistics, and each block normalises its chunk;
+# - backward: every block's Σ dy and Σ dy·(x - mean) of its chunk; then the channel's sums,
+#   dw and db from block 0, dx for each chunk.
 #
 # The same order every run, no float atomics: reproducible bit for bit. S (the product of
-# the dims after C) is a compile-time constant of the kernels, so a value's (sample, position)
-# comes from a division by a constant, not by a runtime 64-bit value.
+# the dims after C) is a compile-time constant, and a thread steps from one of its values to
+# the next by additions (no 64-bit division per value). Each thread issues its loads
+# ``UNROLL`` at a time: the loops are latency-bound. On the H200 (CNN's 128x64x14x14) the
+# one-block-per-channel kernel (64 blocks, runtime 64-bit divisions) took 76 us forward, one
+# load in flight per thread 31-44 us at every chunking tried, this one 19.4 us (torch 11.2).
 
-# about 4 blocks per H200 SM; in the simulator 4, so its tiny cases have unequal chunks
-_CHUNK_BLOCKS = 4 if SIMULATOR else 528
+# values per thread and pass: more chunks mean more blocks, each paying its tree reductions.
+# H200, 128x64x14x14 forward / backward us: 8 values 24.8 / 26.3, 16 21.0 / 23.2, 32 19.4 /
+# 22.2 (4 chunks of 41 samples; torch 11.2 / 20.3); 64 was slower in the loop before this one
+# the simulator's 9: its (3, 2, 5, 7) case gets chunks of 2 and 1 samples
+VALUES_PER_THREAD = 9 if SIMULATOR else 32
+UNROLL = 4
 
 
-def batch_chunks(nb, channels):
+def batch_chunks(nb, inner):
     """(chunks, rows): each channel's batch in ``chunks`` runs of ``rows`` samples (the last
-    run shorter), enough runs for about ``_CHUNK_BLOCKS`` blocks in all."""
-    rows = -(-nb // min(nb, max(1, -(-_CHUNK_BLOCKS // channels))))
+    run shorter), about ``VALUES_PER_THREAD`` values per thread of a block."""
+    rows = min(nb, max(1, VALUES_PER_THREAD * REDUCE_THREADS // inner))
     return -(-nb // rows), rows
 
 
@@ -249,28 +255,69 @@ def _cuda_kernels(inner):
         first = (b - c * chunks) * rows
         return c, first, min(rows, nb - first) * inner
 
+    step_samples, step_values = REDUCE_THREADS // inner, REDUCE_THREADS % inner
+
     @cuda.jit(device=True)
-    def at_of(j, c, first, channels):
-        """Where the chunk's j-th value of channel c lies in x."""
-        n = first + j // inner
-        return (n * channels + c) * inner + j % inner
+    def start_of(t, c, first, channels):
+        """Thread t's first value of the chunk: its sample's offset in x and its position."""
+        return ((first + t // inner) * channels + c) * inner, t % inner
+
+    @cuda.jit(device=True)
+    def advance(sample_at, position, sample_stride):
+        """The value REDUCE_THREADS further on, by additions only (no division per value)."""
+        position += step_values
+        sample_at += step_samples * sample_stride
+        if position >= inner:
+            position -= inner
+            sample_at += sample_stride
+        return sample_at, position
+
+    @cuda.jit(device=True)
+    def positions(j, count, sample_at, position, sample_stride):
+        """The chunk's values j, j + T, j + 2T, j + 3T (T threads) from j's (sample offset,
+        position): their places in x, past the end repeating the first (safe to read), how
+        many are real, and where j + 4T starts."""
+        a0 = sample_at + position
+        sample_at, position = advance(sample_at, position, sample_stride)
+        a1 = sample_at + position
+        sample_at, position = advance(sample_at, position, sample_stride)
+        a2 = sample_at + position
+        sample_at, position = advance(sample_at, position, sample_stride)
+        a3 = sample_at + position
+        sample_at, position = advance(sample_at, position, sample_stride)
+        real = min(UNROLL, (count - j + REDUCE_THREADS - 1) // REDUCE_THREADS)
+        return (a0, a1 if real > 1 else a0, a2 if real > 2 else a0, a3 if real > 3 else a0,
+                real, sample_at, position)
 
     @cuda.jit(cache=True)
     def statistics_cuda(x, partials, channels, rows):
         t = cuda.threadIdx.x
         nb = x.size // (channels * inner)
         c, first, count = chunk_of(cuda.blockIdx.x, channels, nb, rows)
+        shift = 1.0 * x[c * inner]
         total = 0.0
-        for j in range(t, count, REDUCE_THREADS):
-            total += x[at_of(j, c, first, channels)]
-        mean = block_reduce_cuda(SUM, total) / count
-        total = 0.0
-        for j in range(t, count, REDUCE_THREADS):
-            total += (x[at_of(j, c, first, channels)] - mean) ** 2
-        m2 = block_reduce_cuda(SUM, total)
+        squares = 0.0
+        sample_at, position = start_of(t, c, first, channels)
+        for j in range(t, count, UNROLL * REDUCE_THREADS):
+            a0, a1, a2, a3, real, sample_at, position = positions(
+                j, count, sample_at, position, channels * inner)
+            d0, d1, d2, d3 = x[a0] - shift, x[a1] - shift, x[a2] - shift, x[a3] - shift
+            total += d0
+            squares += d0 * d0
+            if real > 1:
+                total += d1
+                squares += d1 * d1
+            if real > 2:
+                total += d2
+                squares += d2 * d2
+            if real > 3:
+                total += d3
+                squares += d3 * d3
+        total = block_reduce_cuda(SUM, total)
+        squares = block_reduce_cuda(SUM, squares)
         if t == 0:
-            partials[2 * cuda.blockIdx.x] = mean
-            partials[2 * cuda.blockIdx.x + 1] = m2
+            partials[2 * cuda.blockIdx.x] = total
+            partials[2 * cuda.blockIdx.x + 1] = squares
 
     @cuda.jit(cache=True)
     def normalise_cuda(x, running_mean, running_var, weight, bias, y, saved_mean,
@@ -281,32 +328,41 @@ def _cuda_kernels(inner):
         nb = x.size // (channels * inner)
         c, first, count = chunk_of(cuda.blockIdx.x, channels, nb, rows)
         if training:
+            # the block's threads share the channel's partials, then the fixed-order tree:
+            # one thread walking them all was latency-bound (128 chunks: 1042 us)
             chunks = -(-nb // rows)
-            total = nb * inner
-            mean = 0.0
-            for q in range(chunks):
-                mean += partials[2 * (c * chunks + q)] * (min(rows, nb - q * rows) * inner)
-            mean /= total
-            m2 = 0.0
-            for q in range(chunks):
-                at = 2 * (c * chunks + q)
-                m2 += (partials[at + 1]
-                       + (min(rows, nb - q * rows) * inner) * (partials[at] - mean) ** 2)
-            var = m2 / total
+            total = 0.0
+            squares = 0.0
+            for q in range(t, chunks, REDUCE_THREADS):
+                total += partials[2 * (c * chunks + q)]
+                squares += partials[2 * (c * chunks + q) + 1]
+            values = nb * inner
+            shifted_mean = block_reduce_cuda(SUM, total) / values
+            var = max(block_reduce_cuda(SUM, squares) / values - shifted_mean ** 2, 0.0)
+            mean = x[c * inner] + shifted_mean
             if t == 0 and first == 0:
                 running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean
                 running_var[c] = ((1 - momentum) * running_var[c]
-                                  + momentum * var * total / (total - 1))
+                                  + momentum * var * values / (values - 1))
         else:
             mean, var = 1.0 * running_mean[c], 1.0 * running_var[c]
         invstd = 1 / math.sqrt(var + eps)
         if t == 0 and first == 0:
             saved_mean[c], saved_invstd[c] = mean, invstd
         scale = invstd * weight[c] if has_weight else invstd
-        shift = bias[c] if has_bias else 0.0
-        for j in range(t, count, REDUCE_THREADS):
-            at = at_of(j, c, first, channels)
-            y[at] = (x[at] - mean) * scale + shift
+        shift = (bias[c] if has_bias else 0.0) - mean * scale
+        sample_at, position = start_of(t, c, first, channels)
+        for j in range(t, count, UNROLL * REDUCE_THREADS):
+            a0, a1, a2, a3, real, sample_at, position = positions(
+                j, count, sample_at, position, channels * inner)
+            v0, v1, v2, v3 = x[a0], x[a1], x[a2], x[a3]
+            y[a0] = v0 * scale + shift
+            if real > 1:
+                y[a1] = v1 * scale + shift
+            if real > 2:
+                y[a2] = v2 * scale + shift
+            if real > 3:
+                y[a3] = v3 * scale + shift
 
     @cuda.jit(cache=True)
     def gradient_sums_cuda(x, saved_mean, grad_out, partials, rows):
@@ -314,13 +370,26 @@ def _cuda_kernels(inner):
         channels = saved_mean.size
         nb = x.size // (channels * inner)
         c, first, count = chunk_of(cuda.blockIdx.x, channels, nb, rows)
-        mean = saved_mean[c]
+        mean = 1.0 * saved_mean[c]
         sum_dy = 0.0
         sum_dy_centered = 0.0
-        for j in range(t, count, REDUCE_THREADS):
-            at = at_of(j, c, first, channels)
-            sum_dy += grad_out[at]
-            sum_dy_centered += grad_out[at] * (x[at] - mean)
+        sample_at, position = start_of(t, c, first, channels)
+        for j in range(t, count, UNROLL * REDUCE_THREADS):
+            a0, a1, a2, a3, real, sample_at, position = positions(
+                j, count, sample_at, position, channels * inner)
+            g0, g1, g2, g3 = grad_out[a0], grad_out[a1], grad_out[a2], grad_out[a3]
+            v0, v1, v2, v3 = x[a0], x[a1], x[a2], x[a3]
+            sum_dy += g0
+            sum_dy_centered += g0 * (v0 - mean)
+            if real > 1:
+                sum_dy += g1
+                sum_dy_centered += g1 * (v1 - mean)
+            if real > 2:
+                sum_dy += g2
+                sum_dy_centered += g2 * (v2 - mean)
+            if real > 3:
+                sum_dy += g3
+                sum_dy_centered += g3 * (v3 - mean)
         sum_dy = block_reduce_cuda(SUM, sum_dy)
         sum_dy_centered = block_reduce_cuda(SUM, sum_dy_centered)
         if t == 0:
@@ -338,10 +407,11 @@ def _cuda_kernels(inner):
         mean, invstd = saved_mean[c], saved_invstd[c]
         sum_dy = 0.0
         sum_dy_xhat = 0.0
-        for q in range(chunks):
+        for q in range(t, chunks, REDUCE_THREADS):
             sum_dy += partials[2 * (c * chunks + q)]
             sum_dy_xhat += partials[2 * (c * chunks + q) + 1]
-        sum_dy_xhat *= invstd
+        sum_dy = block_reduce_cuda(SUM, sum_dy)
+        sum_dy_xhat = block_reduce_cuda(SUM, sum_dy_xhat) * invstd
         if t == 0 and first == 0:
             if needs_b:
                 grad_b[c] = sum_dy
@@ -349,14 +419,27 @@ def _cuda_kernels(inner):
                 grad_w[c] = sum_dy_xhat
         if not needs_x:
             return
-        total = nb * inner
+        values = nb * inner
         scale = invstd * weight[c] if has_weight else invstd
-        mean_dy = sum_dy / total if training else 0.0
-        mean_dy_xhat = sum_dy_xhat / total if training else 0.0
-        for j in range(t, count, REDUCE_THREADS):
-            at = at_of(j, c, first, channels)
-            xhat = (x[at] - mean) * invstd
-            grad_x[at] = scale * (grad_out[at] - mean_dy - xhat * mean_dy_xhat)
+        mean_dy = sum_dy / values if training else 0.0
+        mean_dy_xhat = sum_dy_xhat / values if training else 0.0
+        # dx = scale·(dy - mean_dy - (x - mean)·invstd·mean_dy_xhat)
+        #    = scale·dy - slope·x + offset
+        slope = scale * invstd * mean_dy_xhat
+        offset = scale * (mean * invstd * mean_dy_xhat - mean_dy)
+        sample_at, position = start_of(t, c, first, channels)
+        for j in range(t, count, UNROLL * REDUCE_THREADS):
+            a0, a1, a2, a3, real, sample_at, position = positions(
+                j, count, sample_at, position, channels * inner)
+            g0, g1, g2, g3 = grad_out[a0], grad_out[a1], grad_out[a2], grad_out[a3]
+            v0, v1, v2, v3 = x[a0], x[a1], x[a2], x[a3]
+            grad_x[a0] = scale * g0 - slope * v0 + offset
+            if real > 1:
+                grad_x[a1] = scale * g1 - slope * v1 + offset
+            if real > 2:
+                grad_x[a2] = scale * g2 - slope * v2 + offset
+            if real > 3:
+                grad_x[a3] = scale * g3 - slope * v3 + offset
 
     return statistics_cuda, normalise_cuda, gradient_sums_cuda, gradients_cuda
 
@@ -366,7 +449,7 @@ def _forward_plan(args):
     momentum, eps = args[9:]
     nb, channels, inner, training, has_weight, has_bias = meta
     statistics, normalise = _cuda_kernels(inner)[:2]
-    chunks, rows = batch_chunks(nb, channels)
+    chunks, rows = batch_chunks(nb, inner)
     blocks = channels * chunks
     partials = empty(2 * blocks, np.float64, "cuda")
     launches = [(statistics, blocks, REDUCE_THREADS, (x, partials, channels, rows))] \
@@ -381,7 +464,7 @@ def _backward_plan(args):
     x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w, grad_b, meta = args
     nb, channels, inner, training, has_weight, _, needs_x, needs_w, needs_b = meta
     gradient_sums, gradients = _cuda_kernels(inner)[2:]
-    chunks, rows = batch_chunks(nb, channels)
+    chunks, rows = batch_chunks(nb, inner)
     blocks = channels * chunks
     partials = empty(2 * blocks, np.float64, "cuda")
     return [(gradient_sums, blocks, REDUCE_THREADS, (x, saved_mean, grad_out, partials, rows)),
