@@ -44,7 +44,8 @@ from ops.reduce import REDUCE, reduce
 from ops.registry import Op, register
 
 # meta: a tuple of ints (N, C, S, training, has_weight, has_bias); the backward's adds
-# (needs_x, needs_w, needs_b): the buffer of a gradient not asked for is a placeholder never written (a CUDA
+# (needs_x, needs_w, needs_b): the buffer of a gradient not asked for is a placeholder never
+# written (a CUDA
 # kernel cannot take an empty array on the fast launch path: its data pointer is NULL)
 
 

@@ -421,3 +421,14 @@ def engine_stream():
     """The cuda.core Stream the engine's kernels launch on, for work that must follow them in
     order without a host sync (NCCL collectives in ``engine.distributed``)."""
     return _default_stream()
+
+
+# ------------------------------------------------------------------ inline PTX
+
+def inline_ptx_api():
+    """numba-cuda's ``intrinsic`` decorator and its ``types``, for ``ops.tensor_core``'s
+    inline-PTX instructions (imported there, on first use: only tensor-core kernels need
+    them)."""
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+    return intrinsic, types
