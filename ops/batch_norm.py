@@ -290,35 +290,49 @@ def _cuda_kernels(inner):
         return (a0, a1 if real > 1 else a0, a2 if real > 2 else a0, a3 if real > 3 else a0,
                 real, sample_at, position)
 
+    @cuda.jit(device=True)
+    def chunk_sums(u, u_shift, x, x_shift, t, count, sample_at, position, sample_stride):
+        """Σ (u - u_shift) and Σ (u - u_shift)·(x - x_shift) over the thread's values of the
+        chunk, in float64, four loads at a time."""
+        first = 0.0
+        second = 0.0
+        for j in range(t, count, UNROLL * REDUCE_THREADS):
+            a0, a1, a2, a3, real, sample_at, position = positions(
+                j, count, sample_at, position, sample_stride)
+            u0, u1, u2, u3 = u[a0] - u_shift, u[a1] - u_shift, u[a2] - u_shift, u[a3] - u_shift
+            x0, x1, x2, x3 = x[a0] - x_shift, x[a1] - x_shift, x[a2] - x_shift, x[a3] - x_shift
+            first += u0
+            second += u0 * x0
+            if real > 1:
+                first += u1
+                second += u1 * x1
+            if real > 2:
+                first += u2
+                second += u2 * x2
+            if real > 3:
+                first += u3
+                second += u3 * x3
+        return first, second
+
+    @cuda.jit(device=True)
+    def store_partials(partials, t, first, second):
+        first = block_reduce_cuda(SUM, first)
+        second = block_reduce_cuda(SUM, second)
+        if t == 0:
+            partials[2 * cuda.blockIdx.x] = first
+            partials[2 * cuda.blockIdx.x + 1] = second
+
     @cuda.jit(cache=True)
     def statistics_cuda(x, partials, channels, rows):
+        """The chunk's Σ d and Σ d², d = x - the channel's first value."""
         t = cuda.threadIdx.x
         nb = x.size // (channels * inner)
         c, first, count = chunk_of(cuda.blockIdx.x, channels, nb, rows)
         shift = 1.0 * x[c * inner]
-        total = 0.0
-        squares = 0.0
         sample_at, position = start_of(t, c, first, channels)
-        for j in range(t, count, UNROLL * REDUCE_THREADS):
-            a0, a1, a2, a3, real, sample_at, position = positions(
-                j, count, sample_at, position, channels * inner)
-            d0, d1, d2, d3 = x[a0] - shift, x[a1] - shift, x[a2] - shift, x[a3] - shift
-            total += d0
-            squares += d0 * d0
-            if real > 1:
-                total += d1
-                squares += d1 * d1
-            if real > 2:
-                total += d2
-                squares += d2 * d2
-            if real > 3:
-                total += d3
-                squares += d3 * d3
-        total = block_reduce_cuda(SUM, total)
-        squares = block_reduce_cuda(SUM, squares)
-        if t == 0:
-            partials[2 * cuda.blockIdx.x] = total
-            partials[2 * cuda.blockIdx.x + 1] = squares
+        total, squares = chunk_sums(x, shift, x, shift, t, count, sample_at, position,
+                                    channels * inner)
+        store_partials(partials, t, total, squares)
 
     @cuda.jit(cache=True)
     def normalise_cuda(x, running_mean, running_var, weight, bias, y, saved_mean,
@@ -367,35 +381,15 @@ def _cuda_kernels(inner):
 
     @cuda.jit(cache=True)
     def gradient_sums_cuda(x, saved_mean, grad_out, partials, rows):
+        """The chunk's Σ dy and Σ dy·(x - mean)."""
         t = cuda.threadIdx.x
         channels = saved_mean.size
         nb = x.size // (channels * inner)
         c, first, count = chunk_of(cuda.blockIdx.x, channels, nb, rows)
-        mean = 1.0 * saved_mean[c]
-        sum_dy = 0.0
-        sum_dy_centered = 0.0
         sample_at, position = start_of(t, c, first, channels)
-        for j in range(t, count, UNROLL * REDUCE_THREADS):
-            a0, a1, a2, a3, real, sample_at, position = positions(
-                j, count, sample_at, position, channels * inner)
-            g0, g1, g2, g3 = grad_out[a0], grad_out[a1], grad_out[a2], grad_out[a3]
-            v0, v1, v2, v3 = x[a0], x[a1], x[a2], x[a3]
-            sum_dy += g0
-            sum_dy_centered += g0 * (v0 - mean)
-            if real > 1:
-                sum_dy += g1
-                sum_dy_centered += g1 * (v1 - mean)
-            if real > 2:
-                sum_dy += g2
-                sum_dy_centered += g2 * (v2 - mean)
-            if real > 3:
-                sum_dy += g3
-                sum_dy_centered += g3 * (v3 - mean)
-        sum_dy = block_reduce_cuda(SUM, sum_dy)
-        sum_dy_centered = block_reduce_cuda(SUM, sum_dy_centered)
-        if t == 0:
-            partials[2 * cuda.blockIdx.x] = sum_dy
-            partials[2 * cuda.blockIdx.x + 1] = sum_dy_centered
+        sum_dy, sum_dy_centered = chunk_sums(grad_out, 0.0, x, 1.0 * saved_mean[c], t, count,
+                                             sample_at, position, channels * inner)
+        store_partials(partials, t, sum_dy, sum_dy_centered)
 
     @cuda.jit(cache=True)
     def gradients_cuda(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w, grad_b,
