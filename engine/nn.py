@@ -38,10 +38,11 @@ from ops import dropout as dropout_op
 from ops import pool as pool_op
 from ops.device import check_device, copy_into, to_device, to_host
 from ops.launch import note_participant
+from ops import pointwise
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
-ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "softmax", None)
-RELU_FAMILY = ("relu", "leaky_relu")
+# the pointwise activations of ops.pointwise.TABLE, and softmax (not pointwise: a row's)
+ACTIVATIONS = pointwise.LAYER_ACTIVATIONS + ("softmax", None)
 FORMAT_VERSION = 1
 CONFIG_KEY = "__config__"
 TRAINING_PREFIX = "train/"   # what `python -m engine.train --save` adds beside the model
@@ -80,6 +81,8 @@ def _check_input_dtype(where, given, dtype):
 
 
 def _activate(x, name, alpha):
+    """``x`` through the activation ``name``, unfused: Activation, and the activations whose
+    derivative a Dense or Conv2D kernel cannot take from its output (softmax, gelu)."""
     if name is None:
         return x
     if name == "leaky_relu":
@@ -234,9 +237,9 @@ class Dense(Layer):
             raise ValueError(f"{self.name} {self!r}: expects input of shape (None, {features}), "
                              f"got {x.shape}")
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
-        fused = None if self.activation == "softmax" else self.activation
+        fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
         y = apply(dense.Dense, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
-        return F.softmax(y, axis=-1) if self.activation == "softmax" else y
+        return y if fused == self.activation else _activate(y, self.activation, self.alpha)
 
     def get_config(self):
         config = {"units": self.units, "activation": self.activation}
@@ -247,7 +250,8 @@ def _kernel_initializer(chosen, activation):
     """The initialiser a layer with a kernel uses: the one chosen, else He for the relu
     family and Xavier otherwise."""
     if chosen is None:
-        chosen = init.he_normal if activation in RELU_FAMILY else init.xavier_uniform
+        entry = pointwise.BY_NAME.get(activation)
+        chosen = entry.initializer if entry is not None else "xavier_uniform"
     return init.get(chosen)
 
 
@@ -266,7 +270,8 @@ def _weighted_config(layer):
 
 
 class Activation(Layer):
-    """An activation by name as a layer: "relu", "leaky_relu", "sigmoid", "tanh", "softmax"."""
+    """An activation by name as a layer: one of ``ACTIVATIONS`` ("relu", "gelu", "softmax",
+    ...)."""
 
     def __init__(self, activation, alpha=0.01, input_shape=None):
         super().__init__(input_shape)
@@ -377,7 +382,8 @@ class Conv2D(Layer):
     int or a pair. The kernel defaults to He initialisation for the relu family and Xavier
     otherwise, asked of the initialiser in Keras's layout ``(KH, KW, channels / groups,
     filters)`` (so ``fan_in`` is ``KH·KW·channels / groups`` and ``fan_out`` the filters);
-    the bias starts at zero. Activations: those the kernel fuses (no softmax)."""
+    the bias starts at zero. Activations: ``ops.pointwise.LAYER_ACTIVATIONS`` (no softmax);
+    those whose derivative is not exact from the output (gelu) run after the kernel."""
 
     def __init__(self, filters, kernel_size, stride=1, padding="valid", activation=None,
                  dilation=1, groups=1, use_bias=True, kernel_initializer=None, alpha=0.01,
@@ -385,9 +391,9 @@ class Conv2D(Layer):
         super().__init__(input_shape)
         if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters <= 0:
             raise ValueError(f"Conv2D: filters must be a positive int, got {filters!r}")
-        if activation not in FUSED_ACTIVATIONS:
+        if activation not in pointwise.LAYER_ACTIVATIONS + (None,):
             raise ValueError(f"Conv2D: unknown activation {activation!r}; expected one of "
-                             f"{tuple(FUSED_ACTIVATIONS)}")
+                             f"{pointwise.LAYER_ACTIVATIONS + (None,)}")
         if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
             raise ValueError(f"Conv2D: groups must be a positive int, got {groups!r}")
         if filters % groups:
@@ -447,9 +453,11 @@ class Conv2D(Layer):
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         inputs = (x, self.weight) + ((self.bias,) if self.use_bias else ())
-        return _run_op(self, conv_op.Conv2D, *inputs, stride=self.stride, padding=self.padding,
-                       dilation=self.dilation, groups=self.groups, activation=self.activation,
-                       alpha=self.alpha)
+        fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
+        y = _run_op(self, conv_op.Conv2D, *inputs, stride=self.stride, padding=self.padding,
+                    dilation=self.dilation, groups=self.groups, activation=fused,
+                    alpha=self.alpha)
+        return y if fused == self.activation else _activate(y, self.activation, self.alpha)
 
     def get_config(self):
         config = {"filters": self.filters, "kernel_size": _compact(self.kernel_size),

@@ -8,7 +8,8 @@ The graph has one input, ``input`` (``[batch, *model.input_shape]``, the batch d
 open), and one output, ``output``; each layer becomes the ONNX operators that compute what
 its forward pass computes in eval mode: ``Dense`` a ``Gemm`` (``x @ W + b``, ``W`` stored as
 the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu``,
-``Sigmoid``, ``Tanh``, ``Softmax`` over the last axis), ``Activation`` that operator,
+``Sigmoid``, ``Tanh``, ``Gelu`` from opset 20 and its erf composition before,
+``Softmax`` over the last axis), ``Activation`` that operator,
 ``Flatten`` a ``Flatten`` from axis 1, ``Dropout`` an ``Identity``; ``Conv2D`` a ``Conv``
 (the weight in the layout both share, ``(filters, in / groups, kh, kw)``, the padding as
 explicit ``pads``, so "same" with an even kernel keeps its extra row at the bottom) and its
@@ -46,13 +47,16 @@ import numpy as np
 import engine
 from engine import archive, nn
 from engine.interop import sequential
+from ops import pointwise
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
 INPUT, OUTPUT = "input", "output"
 INSTALL_HINT = "pip install -e '.[onnx]'"
-ACTIVATIONS = {"relu": "Relu", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid",
-               "tanh": "Tanh", "softmax": "Softmax"}
+# the layers' pointwise activations (their ONNX operator in ops.pointwise.TABLE) and softmax
+ACTIVATIONS = {**{entry.name: entry.onnx for entry in pointwise.TABLE if entry.activation},
+               "softmax": "Softmax"}
+GELU_OPSET = 20   # ONNX's Gelu operator; an older opset gets x * 0.5 * (1 + erf(x / sqrt 2))
 
 
 def _onnx():
@@ -67,9 +71,10 @@ class _Graph:
     """The nodes and initializers of the graph being built; ``value`` names what the last
     node computed, ``input_dtype`` is the graph input's."""
 
-    def __init__(self, onnx, input_dtype):
+    def __init__(self, onnx, input_dtype, dtype, opset):
         self.onnx, self.nodes, self.initializers = onnx, [], []
         self.value, self.input_dtype = INPUT, np.dtype(input_dtype)
+        self.dtype, self.opset = np.dtype(dtype), opset   # the model's float dtype
 
     def weight(self, name, array):
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
@@ -84,9 +89,23 @@ class _Graph:
     def activation(self, layer):
         if layer.activation is None:
             return
+        if layer.activation == "gelu" and self.opset < GELU_OPSET:
+            self.gelu_composition(layer.name)
+            return
         attributes = ({"alpha": layer.alpha} if layer.activation == "leaky_relu"
                       else {"axis": -1} if layer.activation == "softmax" else {})
         self.node(ACTIVATIONS[layer.activation], layer.name, **attributes)
+
+    def gelu_composition(self, name):
+        """x * 0.5 * (1 + erf(x / sqrt 2)): GELU in the operators of any opset."""
+        x = self.value
+        constant = {key: self.weight(f"{name}.gelu_{key}", np.asarray(value, self.dtype))
+                    for key, value in (("sqrt2", math.sqrt(2)), ("one", 1), ("half", 0.5))}
+        self.node("Div", f"{name}/gelu", (constant["sqrt2"],))
+        self.node("Erf", f"{name}/gelu")
+        self.node("Add", f"{name}/gelu", (constant["one"],))
+        self.node("Mul", f"{name}/gelu", (x,))
+        self.node("Mul", f"{name}/gelu_half", (constant["half"],))
 
 
 def _dense(graph, layer):
@@ -214,7 +233,7 @@ def to_onnx(model, opset=None, normalize=None):
     dtype = _check_model(model)
     # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
     raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
-    graph = _Graph(onnx, np.uint8 if raw else dtype)
+    graph = _Graph(onnx, np.uint8 if raw else dtype, dtype, opset)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -591,6 +610,9 @@ def _import_activation(reader, node, layers, shape, dtype):
     config = {"activation": name}
     if name == "leaky_relu":
         config["alpha"] = _short(a.get("alpha", 0.01))
+    if name == "gelu" and a.get("approximate", b"none") not in (b"none", "none"):
+        raise reader.fail(node, f"Gelu approximate={a['approximate']!r}; the layers compute "
+                                "the exact (\"none\") form")
     if name == "softmax" and a.get("axis", -1) not in (-1, len(shape)):
         raise reader.fail(node, f"softmax over axis {a['axis']} of a {len(shape) + 1}-D "
                                 "value; the engine's is over the last axis")

@@ -232,7 +232,7 @@ def _activate(destination, source, shift, act, alpha):
         _activate_run(destination, source, shift, SIGMOID, alpha)
     elif act == TANH:
         _activate_run(destination, source, shift, TANH, alpha)
-    else:
+    elif act == IDENTITY:
         _activate_run(destination, source, shift, IDENTITY, alpha)
 
 
@@ -253,12 +253,29 @@ def _gradient(destination, grad_out, y, act, alpha):
         _gradient_run(destination, grad_out, y, SIGMOID, alpha)
     elif act == TANH:
         _gradient_run(destination, grad_out, y, TANH, alpha)
-    else:
+    elif act == IDENTITY:
         _gradient_run(destination, grad_out, y, IDENTITY, alpha)
+
+
+# the codes ``_activate`` and ``_gradient`` have a loop for; each CPU kernel refuses any
+# other before its parallel loop (a raise inside a prange loop serialises it)
+CPU_FUSED = (IDENTITY, RELU, LEAKY_RELU, SIGMOID, TANH)
+if set(CPU_FUSED) != set(ACTIVATIONS.values()):
+    raise ImportError("ops/conv.py: the CPU conv's activation loops (_activate, _gradient, "
+                      f"CPU_FUSED {CPU_FUSED}) do not cover ops.pointwise.ACTIVATIONS "
+                      f"{ACTIVATIONS}: add a branch for each fused code")
+
+
+@njit(inline="always")
+def _check_fused(act):
+    if act not in CPU_FUSED:
+        raise ValueError("conv2d: this activation code has no fused CPU loop "
+                         "(ops/conv.py CPU_FUSED); run the activation after the conv")
 
 
 @njit(cache=True, parallel=True)
 def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
+    _check_fused(act)
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
     has_bias = meta[HAS_BIAS_AT]
@@ -283,6 +300,7 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, al
                         needs_x, needs_w, needs_b):
     """The gradients the flags ask for; the buffer of one not asked for is a placeholder
     that is never written."""
+    _check_fused(act)
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
     positions = oh_n * ow_n

@@ -236,6 +236,7 @@ AddScalar, MulScalar = UNARY_OPS["add_scalar"], UNARY_OPS["mul_scalar"]
 RSubScalar, RDivScalar, PowScalar = (UNARY_OPS[n] for n in ("rsub_scalar", "rdiv_scalar",
                                                             "pow_scalar"))
 Abs, DivScalar = UNARY_OPS["abs"], UNARY_OPS["div_scalar"]
+Gelu, GeluTanh = UNARY_OPS["gelu"], UNARY_OPS["gelu_tanh"]
 
 
 # ------------------------------------------------------------------ clip
