@@ -40,7 +40,7 @@ import types
 
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS = ("adam", "adamw", "rmsprop", "sgd")
 SCHEDULES = ("cosine", "constant")
 PROG = "engine-train"
 
@@ -98,8 +98,8 @@ def build_parser():
     add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     add("--schedule", default="cosine", help="learning rate over the epochs: cosine (from "
         "--lr down to 0 at the last epoch) or constant (default cosine)")
-    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, sgd) or decoupled "
-        "decay (adamw) (default 0)")
+    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, rmsprop, sgd) or "
+        "decoupled decay (adamw) (default 0)")
     add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
         "(default 0: off)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
@@ -417,6 +417,8 @@ def build_optimizer(name, parameters, lr, momentum, weight_decay):
         return optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adamw":
         return optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    if name == "rmsprop":   # torch's defaults otherwise: no momentum (--momentum is SGD's)
+        return optim.RMSprop(parameters, lr=lr, weight_decay=weight_decay)
     return optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
 
 

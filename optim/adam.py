@@ -156,7 +156,7 @@ class Adam(Optimizer):
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def _update_args(self, param, grad, buffers, counts, hyper):
-        exp_avg, exp_avg_sq = buffers
+        exp_avg, exp_avg_sq = buffers["exp_avg"], buffers["exp_avg_sq"]
         return (param, grad, exp_avg, exp_avg_sq, counts, hyper, self.decoupled_weight_decay,
                 float(np.finfo(param.dtype).tiny))
 

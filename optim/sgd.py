@@ -118,6 +118,6 @@ class SGD(Optimizer):
                 group["nesterov"])
 
     def _update_args(self, param, grad, buffers, counts, hyper):
-        momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
+        momentum_buffer = buffers.get("momentum_buffer", param)   # untouched without momentum
         return (param, grad, momentum_buffer, counts, hyper,
                 float(np.finfo(momentum_buffer.dtype).tiny))

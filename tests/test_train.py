@@ -181,7 +181,7 @@ def test_command_logs_json_records_and_plots(tmp_path, capsys):
         assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop", "sgd"])
 def test_save_and_resume_continue_the_run_exactly(tmp_path, capsys, optimizer):
     """Bit for bit, as the README promises: the same records, weights and optimizer state as
     the run that was never interrupted."""
@@ -335,7 +335,7 @@ BAD_INPUTS = [
     (["--hidden", "256,0"], "--hidden"),
     (["--lr", "0"], "--lr"),
     (["--weight-decay", "-1"], "--weight-decay"),
-    (["--optimizer", "rmsprop"], "unknown optimizer"),
+    (["--optimizer", "lbfgs"], "unknown optimizer"),
     (["--device", "tpu"], "device"),
     (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent/fashion"], "fashion-mnist"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "mnist"),
