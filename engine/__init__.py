@@ -108,7 +108,7 @@ _apply_default_blas_threads()
 _LAZY_NAMES = {
     "engine.autograd": ("AnomalyError", "detect_anomaly", "enable_grad", "is_grad_enabled",
                         "no_grad", "set_grad_enabled"),
-    "engine.convolution": ("avg_pool2d", "batch_norm", "conv2d", "max_pool2d"),
+    "engine.convolution": ("avg_pool2d", "batch_norm", "conv1d", "conv2d", "max_pool2d"),
     "engine.functional": ("abs", "add", "argmax", "argmin", "astype", "cat", "clamp", "clip",
                           "div", "eq", "exp", "flatten", "ge", "gelu", "gt", "le",
                           "leaky_relu", "log", "log_softmax", "lt", "matmul", "max", "mean",

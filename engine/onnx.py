@@ -123,14 +123,14 @@ def _dropout(graph, layer):   # the identity in eval mode, which is what an expo
     graph.node("Identity", layer.name)
 
 
-def _conv2d(graph, layer):
-    (top, bottom), (left, right) = layer.paddings
+def _conv(graph, layer):   # Conv1D and Conv2D: ONNX's Conv takes any rank
     weights = [graph.weight(f"{layer.name}.weight", layer.weight.numpy())]
     if layer.use_bias:
         weights.append(graph.weight(f"{layer.name}.bias", layer.bias.numpy()))
     graph.node("Conv", layer.name, weights, kernel_shape=list(layer.kernel_size),
                strides=list(layer.stride), dilations=list(layer.dilation), group=layer.groups,
-               pads=[top, left, bottom, right])
+               pads=[before for before, _ in layer.paddings]
+               + [after for _, after in layer.paddings])
     graph.activation(layer)
 
 
@@ -178,7 +178,7 @@ def _normalization(graph, layer):   # Keras's floor on the standard deviation, a
 
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
              "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten,
-             "Dropout": _dropout, "Conv2D": _conv2d,
+             "Dropout": _dropout, "Conv1D": _conv, "Conv2D": _conv,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
 
