@@ -31,6 +31,7 @@ The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoi
 are re-exported here (``from engine.train import fit, evaluate`` is public API).
 """
 import argparse
+import functools
 import glob
 import importlib.util
 import math
@@ -720,9 +721,11 @@ def train(args, setup, is_root):
     # reads anyway, so the captured steps between them still replay as one graph launch
     terminate = TerminateOnNaN(step_interval=1 if args.device == "cpu" else PROGRESS_EVERY,
                                verbose=False)
+    clip = (functools.partial(optim.clip_grad_norm_, max_norm=args.clip_norm)
+            if args.clip_norm else None)
     try:
         fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
-            test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
+            test_loader=setup.test_loader, scheduler=setup.scheduler, clip=clip,
             callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
             progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
             history=history, step_losses=step_losses, capture=not args.no_capture,
