@@ -95,3 +95,22 @@ def test_rmsprop_defaults_are_torchs():
     defaults = optim.RMSprop(make_params("cpu")).defaults
     assert defaults == dict(lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0,
                             centered=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[-1]], ids=_option_id)
+def test_rmsprop_on_a_million_parameters_matches_torch_on_the_gpu(options):
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1 << 20).astype(np.float32)
+    ours = engine.tensor(start, device="cuda", requires_grad=True)
+    theirs = torch.tensor(start, device="cuda", requires_grad=True)
+    opt = optim.RMSprop([ours], lr=1e-3, **options)
+    reference = torch.optim.RMSprop([theirs], lr=1e-3, **options)
+    for _ in range(5):
+        grad = rng.standard_normal(start.size).astype(np.float32)
+        ours.grad = engine.tensor(grad, device="cuda")
+        theirs.grad = torch.tensor(grad, device="cuda")
+        opt.step()
+        reference.step()
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().cpu().numpy(), rtol=1e-5,
+                               atol=1e-6)
