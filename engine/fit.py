@@ -22,6 +22,7 @@ configuration and the engine's RNG state, encoded by ``engine.archive`` and writ
 atomically. Reading one checks every value, so a damaged or crafted file is a ``ValueError``
 saying what is wrong, never a crash later in training.
 """
+import inspect
 import json
 import math
 import os
@@ -409,6 +410,8 @@ def _fit(state, model, loader, optimizer, loss_fn, epochs, test_loader=None, sch
 
 fit = _Fit()
 fit.__doc__ = _fit.__doc__
+fit.__signature__ = inspect.signature(_fit).replace(   # help(fit) without the state
+    parameters=list(inspect.signature(_fit).parameters.values())[1:])
 
 
 # ------------------------------------------------------------------ checkpoints
