@@ -1,7 +1,4 @@
-"""Kernels written once, per element: ``twin(fn)`` and ``element_kernel``.
-
-``twin(fn)`` is the pair every shared device function needs: ``fn`` inlined into CPU
-kernels (``njit(inline="always")``, IEEE division) and as a CUDA device function.
+"""Kernels written once, per element: ``element_kernel``.
 
 ``element_kernel(name, element)`` makes the whole twin kernel from one function
 ``element(i, a, b, ...)`` that updates position ``i`` of its arrays: the CPU loop over every
@@ -26,11 +23,7 @@ from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
 from ops.step_counter import SKIPPED
 from ops.subnormals import flush_begin, flush_end
-
-
-def twin(fn):
-    """``fn`` compiled as an inlined CPU function and as a CUDA device function."""
-    return njit(inline="always", error_model="numpy")(fn), cuda.jit(device=True)(fn)
+from ops.twin import twin
 
 
 _SOURCE = """

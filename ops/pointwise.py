@@ -20,9 +20,7 @@ raises ZeroDivisionError in Python for p = 0); the derivative of ``abs`` at 0 is
 import math
 from typing import NamedTuple
 
-from numba import njit
-
-from ops.cuda_backend import cuda
+from ops.twin import twin
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
@@ -158,7 +156,5 @@ def derivative(code, x, y, p):
     return zero + 1   # IDENTITY, ADD_SCALAR
 
 
-value_cpu = njit(inline="always", error_model="numpy")(value)
-derivative_cpu = njit(inline="always", error_model="numpy")(derivative)
-value_cuda = cuda.jit(device=True)(value)
-derivative_cuda = cuda.jit(device=True)(derivative)
+value_cpu, value_cuda = twin(value)
+derivative_cpu, derivative_cuda = twin(derivative)

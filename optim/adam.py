@@ -8,6 +8,7 @@ from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
 from ops.step_counter import SKIPPED, T
 from ops.subnormals import flush_begin, flush_end
+from ops.twin import twin
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -55,8 +56,7 @@ def _adam_scalars(counts, hyper, decoupled, tiny, scalars):
 
 
 SCALARS = 9
-_adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
-_adam_element_cuda = cuda.jit(device=True)(_adam_element)
+_adam_element_cpu, _adam_element_cuda = twin(_adam_element)
 _adam_scalars_cpu = njit(inline="always")(_adam_scalars)
 _adam_scalars_cuda = cuda.jit(device=True)(_adam_scalars)
 
