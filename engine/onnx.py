@@ -540,27 +540,36 @@ def _import_add(reader, node, layers, shape, dtype):
 
 
 def _import_conv(reader, node, layers, shape, dtype):
-    _image_input(reader, node, shape)
+    """``Conv`` of a 3-D weight as ``Conv1D``, of a 4-D one as ``Conv2D``."""
     a = reader.attributes(node)
     weight = reader.value(node.input[1], node)
-    if weight.ndim != 4:
+    if weight.ndim not in (3, 4):
         raise reader.fail(node, f"a weight of {weight.ndim} dimensions; the engine imports "
-                                "2-D convolutions (a 4-D weight)")
+                                "1-D and 2-D convolutions (a 3-D or 4-D weight)")
+    rank = weight.ndim - 2
+    layer = "Conv1D" if rank == 1 else "Conv2D"
+    if len(shape) != rank + 1:
+        raise reader.fail(node, f"a {layer} takes inputs of {rank + 2} dimensions, got "
+                                f"features of shape {shape}")
     kernel = tuple(a.get("kernel_shape", weight.shape[2:]))
-    stride, dilation = tuple(a.get("strides", (1, 1))), tuple(a.get("dilations", (1, 1)))
+    stride = tuple(a.get("strides", (1,) * rank))
+    dilation = tuple(a.get("dilations", (1,) * rank))
     auto_pad = a.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    same = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
-    same = [same[0], same[1]] + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, same)]
-    pads = {"VALID": [0, 0, 0, 0], "SAME_UPPER": same}.get(auto_pad, a.get("pads", [0] * 4))
+    before = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
+    same = before + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, before)]
+    pads = {"VALID": [0] * (2 * rank), "SAME_UPPER": same}.get(auto_pad,
+                                                               a.get("pads", [0] * (2 * rank)))
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER"):
         raise reader.fail(node, f"auto_pad {auto_pad!r}: the engine pads 'same' with the extra "
                                 "row at the bottom (SAME_UPPER)")
-    top, left, bottom, right = pads
-    if stride == (1, 1) and list(pads) == same and (top, left) != (bottom, right):
+    if stride == (1,) * rank and list(pads) == same and pads[:rank] != pads[rank:]:
         padding = "same"
+    elif list(pads[:rank]) != list(pads[rank:]):
+        raise reader.fail(node, f"pads {list(pads)} are not symmetric; the engine's {layer} "
+                                "pads each side alike")
     else:
-        padding = list(_symmetric_pads(reader, node, pads, "Conv2D"))
+        padding = list(pads[:rank])
     config = {"filters": int(weight.shape[0]), "kernel_size": list(kernel),
               "stride": list(stride), "padding": padding, "dilation": list(dilation),
               "groups": int(a.get("group", 1))}
@@ -569,7 +578,7 @@ def _import_conv(reader, node, layers, shape, dtype):
         weights["bias"] = reader.value(node.input[2], node)
     else:
         config["use_bias"] = False
-    return sequential.layer("Conv2D", config, **weights)
+    return sequential.layer(layer, config, **weights)
 
 
 def _import_pool(class_name):

@@ -120,6 +120,21 @@ def test_conv1d_exports_to_onnx_and_runs_in_onnxruntime(tmp_path):
     np.testing.assert_allclose(out, model(engine.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv1d_reads_back_from_onnx(tmp_path, dtype):
+    pytest.importorskip("onnx")
+    model = nn.Sequential([nn.Conv1D(4, 4, padding="same", input_shape=(3, 9), dtype=dtype),
+                           nn.Activation("relu"),
+                           nn.Conv1D(2, 3, stride=2, padding=1, groups=2, dtype=dtype)])
+    path = tmp_path / "conv1d.onnx"
+    engine.onnx.export(model, path)
+    loaded = engine.onnx.load(path)
+    assert [type(layer).__name__ for layer in loaded.layers] == ["Conv1D", "Conv1D"]
+    assert loaded.layers[0].activation == "relu"   # the Activation fused back into the conv
+    x = engine.tensor(RNG.standard_normal((2, 3, 9)), dtype=dtype)
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.gpu
 def test_conv1d_on_a_long_signal_matches_torch_on_the_gpu():
     x = RNG.standard_normal((16, 32, 4096)).astype(np.float32)
