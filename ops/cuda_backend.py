@@ -234,7 +234,7 @@ _configs = {}
 
 def launch(kernel, grid, block, args):
     """Launch the ``@cuda.jit`` ``kernel`` on ``grid`` blocks of ``block`` threads."""
-    function = direct_function(kernel, args)
+    function = direct_function(kernel, args)   # a shipped kernel too (see below)
     if not function:
         kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
         signature = None if SIMULATOR else _signature(args)
@@ -249,12 +249,16 @@ def launch(kernel, grid, block, args):
 
 
 def direct_function(kernel, args):
-    """The cuda.core kernel Numba compiled for the types of ``args``, once it has run them
-    (None before, and always in the simulator or for arguments only Numba can pass)."""
+    """The cuda.core kernel Numba compiled for the types of ``args``, once it has run them,
+    or the one shipped for them (``python -m ops.build_kernels``); None before, and always in
+    the simulator or for arguments only Numba can pass."""
     if SIMULATOR:
         return None
     signature = _signature(args)
-    return _compiled.get((kernel, signature)) if signature is not None else None
+    if signature is None:
+        return None
+    function = _compiled.get((kernel, signature))
+    return _shipped_function(kernel, args) if function is None else function
 
 
 def kernel_params(args):
@@ -421,3 +425,194 @@ def engine_stream():
     """The cuda.core Stream the engine's kernels launch on, for work that must follow them in
     order without a host sync (NCCL collectives in ``engine.distributed``)."""
     return _default_stream()
+
+
+# ------------------------------------------------------------------ shipped kernels
+#
+# A cold start compiles every kernel a step launches: 11.4-12.4 s for the first CUDA step of
+# the MLP or the CNN on the H200 with an empty Numba cache (issue 32), nearly all of it
+# Numba's typing and lowering. `python -m ops.build_kernels` compiles the variants the CLI's
+# models launch ahead of time into ops/kernels/ (a cubin per compute capability, named by a
+# content hash); the first launch of a (kernel, argument types) pair looks for one there and
+# loads it through cuda.core, without asking Numba to compile. The hash covers everything
+# the kernel's code is made from (its source and that of every function it calls, the
+# constants and closure values they read, its compile options, the numba and numba-cuda
+# versions), so an artifact built from other code is never found: it cannot run. A variant
+# not shipped compiles just in time, as before. ENGINE_SHIPPED_KERNELS=0 turns the lookup
+# off.
+
+SHIPPED_KERNELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+MANIFEST_NAME = "manifest.json"
+_PROJECT_PACKAGES = ("ops", "optim", "engine", "data")
+_shipped = {}             # (kernel, signature) -> cuda.core kernel, or None: not shipped
+_fingerprints = {}        # id of a function or dispatcher -> (the object, its content hash)
+
+
+def shipped_kernels_enabled():
+    return os.environ.get("ENGINE_SHIPPED_KERNELS", "1") != "0"
+
+
+@functools.cache
+def shipped_manifest():
+    """The manifest of ops/kernels/ (``{"kernels": {key: entry}}``), or None without one."""
+    import json
+    try:
+        with open(os.path.join(SHIPPED_KERNELS_DIR, MANIFEST_NAME)) as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return None
+
+
+def artifact_key(kernel, argtypes):
+    """The content hash that names the artifact of ``kernel`` (a ``@cuda.jit`` dispatcher)
+    compiled for ``argtypes`` (Numba types): the kernel's fingerprint, the argument types and
+    the numba and numba-cuda versions it was compiled with."""
+    import hashlib
+    import importlib.metadata
+    import numba
+    versions = f"numba {numba.__version__} numba-cuda {importlib.metadata.version('numba-cuda')}"
+    text = "\n".join((fingerprint(kernel), repr(tuple(str(t) for t in argtypes)), versions))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def fingerprint(function):
+    """A hash of what the code of ``function`` (a Python function or a ``@cuda.jit``
+    dispatcher) is made from: its source; its compile options; and, recursively, the values of
+    its closure cells and of the globals its code names (functions and dispatchers by their
+    own fingerprint, the project's modules by the attributes the code names, other modules by
+    name, constants by value). A value without a stable description (an object's default repr
+    holds its address) gives a hash no other process reproduces: never a false match."""
+    known = _fingerprints.get(id(function))
+    if known is None or known[0] is not function:
+        import hashlib
+        text = _function_description(function, set())
+        known = _fingerprints[id(function)] = (function,
+                                               hashlib.sha256(text.encode()).hexdigest())
+    return known[1]
+
+
+def _function_description(function, active):
+    import inspect
+    import textwrap
+    python_function = getattr(function, "py_func", function)
+    if id(python_function) in active:   # recursion: the outer description holds it
+        return f"<recursive {python_function.__qualname__}>"
+    active = active | {id(python_function)}
+    code = python_function.__code__
+    try:
+        source = textwrap.dedent(inspect.getsource(python_function))
+    except (OSError, TypeError):   # no source file: the bytecode stands for it
+        source = repr(code.co_code) + repr(code.co_consts)
+    parts = [f"{python_function.__module__}.{python_function.__qualname__}", source]
+    options = getattr(function, "targetoptions", None)
+    if options is not None:
+        parts.append(repr(sorted((key, repr(value)) for key, value in options.items()
+                                 if key != "cache")))
+    for name, cell in zip(code.co_freevars, python_function.__closure__ or ()):
+        parts.append(f"closure {name} = {_value_description(cell.cell_contents, active)}")
+    names = _code_names(code)
+    module_globals = python_function.__globals__
+    for name in sorted(names):
+        if name in module_globals:
+            value = module_globals[name]
+            parts.append(f"global {name} = {_value_description(value, active, names)}")
+    return "\n".join(parts)
+
+
+def _code_names(code):
+    """Every global and attribute name the code and its nested code objects use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _code_names(constant)
+    return names
+
+
+def _value_description(value, active, names=()):
+    import types
+    if isinstance(value, types.ModuleType):
+        if value.__name__.split(".")[0] not in _PROJECT_PACKAGES:
+            return f"module {value.__name__}"   # numba, math, numpy: their versions count
+        attributes = [f"{name}: {_value_description(getattr(value, name), active)}"
+                      for name in sorted(names) if hasattr(value, name)]
+        return f"module {value.__name__} {{{', '.join(attributes)}}}"
+    if isinstance(value, types.FunctionType) or hasattr(value, "py_func"):
+        if value.__module__.split(".")[0] not in _PROJECT_PACKAGES and not hasattr(
+                value, "py_func"):
+            return f"function {value.__module__}.{value.__qualname__}"
+        return "{" + _function_description(value, active) + "}"
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        inner = ", ".join(_value_description(item, active) for item in value)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {_value_description(item, active)}"
+                               for key, item in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _shipped_function(kernel, args):
+    """The cuda.core kernel shipped for ``kernel`` and the types of ``args``, loaded once;
+    None when there is none (lookup off, no manifest, no artifact for this device's compute
+    capability, or arguments only Numba can pass)."""
+    signature = _signature(args)
+    if signature is None or not shipped_kernels_enabled():
+        return None
+    try:
+        return _shipped[(kernel, signature)]
+    except KeyError:
+        pass
+    function = None
+    manifest = shipped_manifest()
+    if manifest is not None:
+        entry = manifest["kernels"].get(artifact_key(kernel, tuple(kernel.typeof_pyval(a)
+                                                                  for a in args)))
+        if entry is not None:
+            try:
+                function = _load_artifact(entry)
+            except Exception as error:   # a driver that refuses the cubin: compile instead
+                import warnings
+                warnings.warn(f"ops.cuda_backend: the shipped kernel {entry['name']} did not "
+                              f"load ({error}); Numba compiles it instead", stacklevel=2)
+    _shipped[(kernel, signature)] = function
+    if function is not None:
+        _compiled[(kernel, signature)] = function
+    return function
+
+
+def _load_artifact(entry):
+    """The cuda.core kernel of a manifest entry, from its cubin for this device's compute
+    capability; None when it has none for this one."""
+    from cuda.core import ObjectCode
+    major, minor = cuda.get_current_device().compute_capability
+    name = entry["cubins"].get(f"sm_{major}{minor}")
+    if name is None:
+        return None
+    with open(os.path.join(SHIPPED_KERNELS_DIR, name), "rb") as file:
+        code = ObjectCode.from_cubin(file.read())
+    return code.get_kernel(entry["entry"])
+
+
+def compile_artifact(kernel, argtypes, compute_capability):
+    """``(entry name, cubin bytes, PTX text)`` of ``kernel`` compiled for ``argtypes`` and
+    ``compute_capability`` (major, minor) exactly as Numba compiles it at a first launch (its
+    options, max_registers included), without a GPU: for ``python -m ops.build_kernels``.
+    None for a kernel that only Numba's launch can run (cooperative, linked files,
+    extensions, debug)."""
+    import types
+    from numba.cuda import dispatcher as cuda_dispatcher
+    device = types.SimpleNamespace(compute_capability=tuple(compute_capability))
+    found = cuda_dispatcher.get_current_device
+    cuda_dispatcher.get_current_device = lambda: device
+    try:
+        compiled = cuda_dispatcher._Kernel(kernel.py_func, tuple(argtypes),
+                                           **kernel.targetoptions)
+    finally:
+        cuda_dispatcher.get_current_device = found
+    library = compiled._codelibrary
+    if (compiled.debug or compiled.cooperative or compiled.extensions
+            or library._linking_files):
+        return None
+    return (compiled.entry_name, bytes(library.get_cubin(cc=tuple(compute_capability))),
+            library.get_asm_str(cc=tuple(compute_capability)))
