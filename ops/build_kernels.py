@@ -220,7 +220,7 @@ def build(directory=cuda_backend.SHIPPED_KERNELS_DIR, log=print):
             compiled = cuda_backend.compile_artifact(kernel, argtypes, capability)
             if compiled is None:
                 break
-            entry_name, cubin, _ = compiled
+            entry_name, cubin = compiled
             file_name = f"{key}.sm_{capability[0]}{capability[1]}.cubin"
             with open(os.path.join(directory, file_name), "wb") as file:
                 file.write(cubin)

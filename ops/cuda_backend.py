@@ -468,11 +468,16 @@ def artifact_key(kernel, argtypes):
     compiled for ``argtypes`` (Numba types): the kernel's fingerprint, the argument types and
     the numba and numba-cuda versions it was compiled with."""
     import hashlib
+    text = "\n".join((fingerprint(kernel), repr(tuple(str(t) for t in argtypes)),
+                      _compiler_versions()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _compiler_versions():
     import importlib.metadata
     import numba
-    versions = f"numba {numba.__version__} numba-cuda {importlib.metadata.version('numba-cuda')}"
-    text = "\n".join((fingerprint(kernel), repr(tuple(str(t) for t in argtypes)), versions))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return f"numba {numba.__version__} numba-cuda {importlib.metadata.version('numba-cuda')}"
 
 
 def fingerprint(function):
@@ -482,43 +487,66 @@ def fingerprint(function):
     own fingerprint, the project's modules by the attributes the code names, other modules by
     name, constants by value). A value without a stable description (an object's default repr
     holds its address) gives a hash no other process reproduces: never a false match."""
+    return _fingerprint(function, frozenset(), [False])
+
+
+def _fingerprint(function, active, cyclic):
+    """``fingerprint`` inside the descriptions of the functions in ``active`` (a function
+    that reaches itself again is described by name there, and its hash, which then depends on
+    where the walk began, is not kept: ``cyclic[0]`` says so)."""
     known = _fingerprints.get(id(function))
-    if known is None or known[0] is not function:
-        import hashlib
-        text = _function_description(function, set())
-        known = _fingerprints[id(function)] = (function,
-                                               hashlib.sha256(text.encode()).hexdigest())
-    return known[1]
+    if known is not None and known[0] is function:
+        return known[1]
+    python_function = getattr(function, "py_func", function)
+    if id(python_function) in active:
+        cyclic[0] = True
+        return f"<recursive {python_function.__qualname__}>"
+    import hashlib
+    inner_cyclic = [False]
+    text = _function_description(function, active | {id(python_function)}, inner_cyclic)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if inner_cyclic[0]:
+        cyclic[0] = True
+    else:
+        _fingerprints[id(function)] = (function, digest)
+    return digest
 
 
-def _function_description(function, active):
+@functools.lru_cache(maxsize=None)
+def _source(code):
+    """The dedented source of a code object (one per ``def``, shared by every closure made
+    from it: the GEMM template's dozen device functions per tiling are read once)."""
     import inspect
     import textwrap
-    python_function = getattr(function, "py_func", function)
-    if id(python_function) in active:   # recursion: the outer description holds it
-        return f"<recursive {python_function.__qualname__}>"
-    active = active | {id(python_function)}
-    code = python_function.__code__
     try:
-        source = textwrap.dedent(inspect.getsource(python_function))
+        return textwrap.dedent(inspect.getsource(code))
     except (OSError, TypeError):   # no source file: the bytecode stands for it
-        source = repr(code.co_code) + repr(code.co_consts)
-    parts = [f"{python_function.__module__}.{python_function.__qualname__}", source]
+        return repr(code.co_code) + repr(code.co_consts)
+
+
+def _function_description(function, active, cyclic):
+    python_function = getattr(function, "py_func", function)
+    code = python_function.__code__
+    parts = [f"{python_function.__module__}.{python_function.__qualname__}", _source(code)]
     options = getattr(function, "targetoptions", None)
-    if options is not None:
+    if options is not None:   # not how it is cached or linked: numba-cuda sets lto where it
+        # finds nvJitLink, which a CPU machine lacks; the code linked is the same
         parts.append(repr(sorted((key, repr(value)) for key, value in options.items()
-                                 if key != "cache")))
+                                 if key not in ("cache", "lto"))))
     for name, cell in zip(code.co_freevars, python_function.__closure__ or ()):
-        parts.append(f"closure {name} = {_value_description(cell.cell_contents, active)}")
+        parts.append(f"closure {name} = "
+                     f"{_value_description(cell.cell_contents, active, cyclic)}")
     names = _code_names(code)
     module_globals = python_function.__globals__
     for name in sorted(names):
         if name in module_globals:
             value = module_globals[name]
-            parts.append(f"global {name} = {_value_description(value, active, names)}")
+            parts.append(f"global {name} = "
+                         f"{_value_description(value, active, cyclic, names)}")
     return "\n".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def _code_names(code):
     """Every global and attribute name the code and its nested code objects use."""
     names = set(code.co_names)
@@ -528,24 +556,24 @@ def _code_names(code):
     return names
 
 
-def _value_description(value, active, names=()):
+def _value_description(value, active, cyclic, names=()):
     import types
     if isinstance(value, types.ModuleType):
         if value.__name__.split(".")[0] not in _PROJECT_PACKAGES:
             return f"module {value.__name__}"   # numba, math, numpy: their versions count
-        attributes = [f"{name}: {_value_description(getattr(value, name), active)}"
+        attributes = [f"{name}: {_value_description(getattr(value, name), active, cyclic)}"
                       for name in sorted(names) if hasattr(value, name)]
         return f"module {value.__name__} {{{', '.join(attributes)}}}"
-    if isinstance(value, types.FunctionType) or hasattr(value, "py_func"):
-        if value.__module__.split(".")[0] not in _PROJECT_PACKAGES and not hasattr(
-                value, "py_func"):
-            return f"function {value.__module__}.{value.__qualname__}"
-        return "{" + _function_description(value, active) + "}"
+    if hasattr(value, "py_func") or (isinstance(value, types.FunctionType)
+                                     and value.__module__.split(".")[0] in _PROJECT_PACKAGES):
+        return f"function {_fingerprint(value, active, cyclic)}"
+    if isinstance(value, types.FunctionType):
+        return f"function {value.__module__}.{value.__qualname__}"
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        inner = ", ".join(_value_description(item, active) for item in value)
+        inner = ", ".join(_value_description(item, active, cyclic) for item in value)
         return f"{type(value).__name__}({inner})"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{key!r}: {_value_description(item, active)}"
+        return "{" + ", ".join(f"{key!r}: {_value_description(item, active, cyclic)}"
                                for key, item in sorted(value.items(), key=repr)) + "}"
     if isinstance(value, type):
         return f"class {value.__module__}.{value.__qualname__}"
@@ -595,24 +623,27 @@ def _load_artifact(entry):
 
 
 def compile_artifact(kernel, argtypes, compute_capability):
-    """``(entry name, cubin bytes, PTX text)`` of ``kernel`` compiled for ``argtypes`` and
-    ``compute_capability`` (major, minor) exactly as Numba compiles it at a first launch (its
-    options, max_registers included), without a GPU: for ``python -m ops.build_kernels``.
-    None for a kernel that only Numba's launch can run (cooperative, linked files,
-    extensions, debug)."""
+    """``(entry name, cubin bytes)`` of ``kernel`` compiled for ``argtypes`` and
+    ``compute_capability`` (major, minor) as Numba compiles it at a first launch on such a
+    GPU (its options, max_registers included; sm_90 and later as Numba's arch-specific
+    ``sm_XYa``), without a GPU: for ``python -m ops.build_kernels``. None for a kernel that
+    only Numba's launch can run (cooperative, debug, extensions, launch-config sensitive)."""
     import types
+    from numba.cuda import codegen as cuda_codegen
     from numba.cuda import dispatcher as cuda_dispatcher
-    device = types.SimpleNamespace(compute_capability=tuple(compute_capability))
-    found = cuda_dispatcher.get_current_device
+    major, minor = compute_capability
+    target = (major, minor, "a" if (major, minor) >= (9, 0) else "")   # Numba's _ensure_cc
+    device = types.SimpleNamespace(compute_capability=(major, minor))
+    found = cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc
     cuda_dispatcher.get_current_device = lambda: device
+    cuda_codegen.CUDACodeLibrary._ensure_cc = lambda library, cc: target if cc is None else cc
     try:
         compiled = cuda_dispatcher._Kernel(kernel.py_func, tuple(argtypes),
                                            **kernel.targetoptions)
+        if (compiled.debug or compiled.cooperative or compiled.extensions
+                or compiled.launch_config_sensitive):
+            return None
+        cubin = compiled._codelibrary.get_cubin(cc=target)   # a cuda.core ObjectCode
+        return compiled.entry_name, bytes(getattr(cubin, "code", cubin))
     finally:
-        cuda_dispatcher.get_current_device = found
-    library = compiled._codelibrary
-    if (compiled.debug or compiled.cooperative or compiled.extensions
-            or library._linking_files):
-        return None
-    return (compiled.entry_name, bytes(library.get_cubin(cc=tuple(compute_capability))),
-            library.get_asm_str(cc=tuple(compute_capability)))
+        cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc = found
