@@ -215,25 +215,25 @@ def build(directory=cuda_backend.SHIPPED_KERNELS_DIR, log=print):
     manifest = {"kernels": {}}
     for number, (key, (kernel, argtypes)) in enumerate(sorted(entries.items()), 1):
         name = f"{kernel.py_func.__module__}.{kernel.py_func.__qualname__}"
-        cubins, entry_name = {}, None
+        cubins = {}
         for capability in COMPUTE_CAPABILITIES:
             compiled = cuda_backend.compile_artifact(kernel, argtypes, capability)
             if compiled is None:
                 break
-            entry_name, cubin = compiled
-            file_name = f"{key}.sm_{capability[0]}{capability[1]}.cubin"
+            entry_name, cubin = compiled   # each compile names its entry point anew
+            arch = f"sm_{capability[0]}{capability[1]}"
+            file_name = f"{key}.{arch}.cubin"
             with open(os.path.join(directory, file_name), "wb") as file:
                 file.write(cubin)
-            cubins[f"sm_{capability[0]}{capability[1]}"] = file_name
+            cubins[arch] = {"file": file_name, "entry": entry_name}
         if cubins:
-            manifest["kernels"][key] = {"name": name,
-                                        "argtypes": [str(t) for t in argtypes],
-                                        "entry": entry_name, "cubins": cubins}
+            manifest["kernels"][key] = {"name": name, "argtypes": [str(t) for t in argtypes],
+                                        "cubins": cubins}
         log(f"  {number}/{len(entries)} {name} {tuple(str(t) for t in argtypes)}"
             f"{'' if cubins else ': only Numba launches it, not shipped'} "
             f"({time.perf_counter() - started:.0f} s)")
-    kept = {MANIFEST_FILE} | {file for entry in manifest["kernels"].values()
-                              for file in entry["cubins"].values()}
+    kept = {MANIFEST_FILE} | {cubin["file"] for entry in manifest["kernels"].values()
+                              for cubin in entry["cubins"].values()}
     for file in os.listdir(directory):
         if file not in kept and file.endswith(".cubin"):
             os.remove(os.path.join(directory, file))

@@ -454,7 +454,8 @@ def shipped_kernels_enabled():
 
 @functools.cache
 def shipped_manifest():
-    """The manifest of ops/kernels/ (``{"kernels": {key: entry}}``), or None without one."""
+    """The manifest of ops/kernels/, or None without one: ``{"kernels": {key: {"name",
+    "argtypes", "cubins": {"sm_90": {"file", "entry"}, ...}}}}``."""
     import json
     try:
         with open(os.path.join(SHIPPED_KERNELS_DIR, MANIFEST_NAME)) as file:
@@ -614,12 +615,12 @@ def _load_artifact(entry):
     capability; None when it has none for this one."""
     from cuda.core import ObjectCode
     major, minor = cuda.get_current_device().compute_capability
-    name = entry["cubins"].get(f"sm_{major}{minor}")
-    if name is None:
+    cubin = entry["cubins"].get(f"sm_{major}{minor}")
+    if cubin is None:
         return None
-    with open(os.path.join(SHIPPED_KERNELS_DIR, name), "rb") as file:
+    with open(os.path.join(SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
         code = ObjectCode.from_cubin(file.read())
-    return code.get_kernel(entry["entry"])
+    return code.get_kernel(cubin["entry"])
 
 
 def compile_artifact(kernel, argtypes, compute_capability):

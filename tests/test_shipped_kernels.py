@@ -42,9 +42,10 @@ def test_the_manifest_names_files_that_are_shipped():
     assert manifest is not None and manifest["kernels"], "ops/kernels/manifest.json is missing"
     for key, entry in manifest["kernels"].items():
         assert set(entry["cubins"]) == {"sm_80", "sm_90"}, (key, entry)
-        for file in entry["cubins"].values():
-            path = os.path.join(cuda_backend.SHIPPED_KERNELS_DIR, file)
-            assert file.startswith(key) and os.path.getsize(path) > 0, path
+        for cubin in entry["cubins"].values():   # the entry point get_kernel asks for is in it
+            with open(os.path.join(cuda_backend.SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
+                assert cubin["file"].startswith(key), cubin
+                assert cubin["entry"].encode() in file.read(), cubin
 
 
 @needs_real_numba_cuda
