@@ -283,7 +283,11 @@ def main(argv=None):
             return 1
         print("ops/kernels/ matches the kernels")
         return 0
-    build()
+    try:
+        build()
+    except RuntimeError as error:   # the dry run failed, or no compiler libraries: one line
+        print(f"python -m ops.build_kernels: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

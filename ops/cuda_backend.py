@@ -638,6 +638,7 @@ def compile_artifact(kernel, argtypes, compute_capability):
     found = cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc
     cuda_dispatcher.get_current_device = lambda: device
     cuda_codegen.CUDACodeLibrary._ensure_cc = lambda library, cc: target if cc is None else cc
+    from cuda.pathfinder import DynamicLibNotFoundError
     try:
         compiled = cuda_dispatcher._Kernel(kernel.py_func, tuple(argtypes),
                                            **kernel.targetoptions)
@@ -646,5 +647,9 @@ def compile_artifact(kernel, argtypes, compute_capability):
             return None
         cubin = compiled._codelibrary.get_cubin(cc=target)   # a cuda.core ObjectCode
         return compiled.entry_name, bytes(getattr(cubin, "code", cubin))
+    except DynamicLibNotFoundError as error:
+        raise RuntimeError(f"compiling a kernel needs NVVM, NVRTC and nvJitLink, not found "
+                           f"here ({str(error).splitlines()[0]}): install them and set "
+                           f"CUDA_HOME as ops/README.md, 'Shipped kernels', says") from None
     finally:
         cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc = found
