@@ -143,15 +143,18 @@ _STEP = """
         losses.append(float(loss.item()))
     weights = [p.numpy().tolist() for p in model.parameters()]
     shipped = sum(1 for f in cuda_backend._shipped.values() if f is not None)
-    print(json.dumps({"losses": losses, "weights": weights, "shipped": shipped}))
+    unshipped = sorted(kernel.py_func.__qualname__
+                       for (kernel, _), f in cuda_backend._shipped.items() if f is None)
+    print(json.dumps({"losses": losses, "weights": weights, "shipped": shipped,
+                      "unshipped": unshipped}))
     """
 
 
 @pytest.mark.gpu
 def test_a_step_through_shipped_kernels_equals_numbas_own_compiles(tmp_path):
     """Three MLP steps from an empty Numba cache, with the shipped kernels and without them:
-    the same losses and weights, and the first run loaded kernels from ops/kernels/ (the
-    second none). Not asked bit for bit: the GPU machine's NVVM, which compiles the second
+    the same losses and weights, and the first run loaded every kernel it launched from
+    ops/kernels/ (the second none). Not asked bit for bit: the GPU machine's NVVM, which compiles the second
     run, may contract a multiply-add into an FMA where the build's did not."""
     results = []
     for shipped in ("1", "0"):
@@ -161,6 +164,7 @@ def test_a_step_through_shipped_kernels_equals_numbas_own_compiles(tmp_path):
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
     with_shipped, without = results
     assert with_shipped["shipped"] > 0 and without["shipped"] == 0
+    assert with_shipped["unshipped"] == []   # the dry run found what this GPU launches
     np.testing.assert_allclose(with_shipped["losses"], without["losses"], rtol=1e-6)
     for a, b in zip(with_shipped["weights"], without["weights"]):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-7)
