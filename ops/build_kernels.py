@@ -37,6 +37,7 @@ from ops import cuda_backend
 # multiprocessor count decides split-K and tile choices of the launch plans.
 TARGETS = {"H200": ((9, 0), 132), "A100": ((8, 0), 108)}
 COMPUTE_CAPABILITIES = ((8, 0), (9, 0))
+MANIFEST_FILE = cuda_backend.MANIFEST_NAME
 # The CLI runs whose kernels are shipped: the models of engine.train with each optimizer
 RUNS = (["--model", "mlp", "--optimizer", "adam"],
         ["--model", "cnn", "--optimizer", "adam"],
@@ -245,8 +246,6 @@ def build(directory=cuda_backend.SHIPPED_KERNELS_DIR, log=print):
         f"{len(kept) - 1} cubins, {size / 1e6:.1f} MB, in {time.perf_counter() - started:.0f} s")
     return manifest
 
-
-MANIFEST_FILE = cuda_backend.MANIFEST_NAME
 
 
 def stale_entries(manifest=None):

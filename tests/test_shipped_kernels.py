@@ -43,8 +43,8 @@ def test_the_manifest_names_files_that_are_shipped():
     for key, entry in manifest["kernels"].items():
         assert set(entry["cubins"]) == {"sm_80", "sm_90"}, (key, entry)
         for cubin in entry["cubins"].values():   # the entry point get_kernel asks for is in it
+            assert cubin["file"].startswith(key), cubin
             with open(os.path.join(cuda_backend.SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
-                assert cubin["file"].startswith(key), cubin
                 assert cubin["entry"].encode() in file.read(), cubin
 
 
@@ -154,8 +154,9 @@ _STEP = """
 def test_a_step_through_shipped_kernels_equals_numbas_own_compiles(tmp_path):
     """Three MLP steps from an empty Numba cache, with the shipped kernels and without them:
     the same losses and weights, and the first run loaded every kernel it launched from
-    ops/kernels/ (the second none). Not asked bit for bit: the GPU machine's NVVM, which compiles the second
-    run, may contract a multiply-add into an FMA where the build's did not."""
+    ops/kernels/ (the second none). Not asked bit for bit: the GPU machine's NVVM, which
+    compiles the second run, may contract a multiply-add into an FMA where the build's did
+    not."""
     results = []
     for shipped in ("1", "0"):
         cache = tmp_path / f"cache{shipped}"
