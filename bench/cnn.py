@@ -18,6 +18,9 @@ Where jax is importable (``pip install -e '.[bench]'``; on a GPU ``jax[cuda12]``
 the same network, weights and batches in JAX, fp32 ("highest" precision): the step under
 ``jit``, and each epoch's full batches as one ``lax.scan`` under ``jit``.
 
+Also measured: the first training steps' times in fresh processes, from a cold Numba cache
+and a warm one (on CUDA also cold without the shipped kernels), as bench.mlp measures them.
+
 Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 """
 import argparse
@@ -27,8 +30,8 @@ import time
 
 import numpy as np
 
-from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, engine_training,
-                       machine_description, torch_step)
+from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, compile_times,
+                       engine_training, format_first_steps, machine_description, torch_step)
 from bench.report import emit, require_device
 
 
@@ -322,6 +325,8 @@ def format_table(result):
             eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
             ratio += f", {eager:.2f}x eager"
         lines += ["", ratio]
+    if "jit" in result:
+        lines += [""] + format_first_steps(result["jit"])
     return "\n".join(lines)
 
 
@@ -334,11 +339,15 @@ def main(argv=None):
     parser.add_argument("--no-eager", action="store_true",
                         help="leave out the engine's fit(capture=False) row")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--no-compile-time", action="store_true",
+                        help="skip the cold/warm first-step subprocesses")
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
     require_device(parser, args.device)
     result = run(args.device, args.epochs, args.limit, eager=not args.no_eager)
+    if not args.no_compile_time:   # bench.mlp's first-step runs, each in a fresh process
+        result["jit"] = compile_times(args.device, "cnn")
     return emit(result, format_table(result), args.json)
 
 

@@ -43,7 +43,8 @@ def test_bench_mlp_smoke(tmp_path, capsys):
 
 def test_bench_cnn_smoke(tmp_path, capsys):
     path = tmp_path / "cnn.json"
-    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--json", str(path)])
+    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--no-compile-time",
+              "--json", str(path)])
     result = json.loads(path.read_text())
     rows = result["results"]
     assert len(rows["engine"]["epoch_s"]) == 1 and rows["engine"]["s_per_epoch"] > 0
@@ -53,6 +54,18 @@ def test_bench_cnn_smoke(tmp_path, capsys):
         assert abs(rows["torch"]["test_acc"] - rows["engine"]["test_acc"]) <= 2 / 128
     output = capsys.readouterr().out
     assert "| engine, fit (captured step) |" in output and "| framework | s/epoch |" in output
+
+
+@pytest.mark.parametrize("model", ["mlp:16", "cnn"])
+def test_first_step_times_of_both_models(model):
+    """What each fresh process of ``compile_times`` runs and reports (here in this process:
+    the fresh processes are the benchmark's, not a test's)."""
+    import time
+    timing = mlp.time_first_steps("cpu", model, time.perf_counter())
+    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s"}
+    assert all(seconds > 0 for seconds in timing.values())
+    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5}})
+    assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
 
 
 @pytest.mark.torch
