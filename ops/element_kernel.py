@@ -8,13 +8,16 @@ first one an array whose size is the loop's). Numba's CUDA kernels take no ``*ar
 (numba issue 6891), so the two kernels are generated as source with ``element``'s
 argument names; they are compiled as if written in ``element``'s own file (its name and
 line), so Numba's on-disk cache keys on, and goes stale with, the file that defines the
-arithmetic.
+arithmetic. The template's own text is in their qualified names (a digest), which Numba's
+cache files and the shipped kernels' keys are named by: a changed template compiles anew
+instead of reloading a kernel built from the old one.
 
 ``skip_if`` names an argument holding an optimizer's device step counts
 (``ops.step_counter``): while its ``SKIPPED`` word is set (a bad input this step) the kernel
 changes nothing. ``flush_subnormals`` runs the CPU loop with subnormal results flushed to
 zero (``ops.subnormals``; on CUDA, flushing is the compiler's default for float32).
 """
+import hashlib
 import inspect
 
 from numba import njit
@@ -41,6 +44,7 @@ def {name}_cuda({arguments}):
     if i < {size}.size and not ({skipped}):
         element_cuda(i, {arguments})
 """
+_TEMPLATE_DIGEST = hashlib.sha1(_SOURCE.encode()).hexdigest()[:12]
 
 
 def element_kernel(name, element, skip_if=None, flush_subnormals=False):
@@ -65,6 +69,8 @@ def element_kernel(name, element, skip_if=None, flush_subnormals=False):
     # line numbers as in element's file, so a traceback and the cache point at its module
     line = element.__code__.co_firstlineno
     exec(compile("\n" * (line - 1) + source, inspect.getfile(element), "exec"), namespace)
+    for side in ("cpu", "cuda"):
+        namespace[f"{name}_{side}"].__qualname__ = f"{name}_{side}_{_TEMPLATE_DIGEST}"
     cpu = njit(cache=True, error_model="numpy")(namespace[f"{name}_cpu"])
     gpu = cuda.jit(cache=True)(namespace[f"{name}_cuda"])
     return Kernel(name, cpu, gpu, elements(0))
