@@ -18,6 +18,9 @@ Where jax is importable (``pip install -e '.[bench]'``; on a GPU ``jax[cuda12]``
 the same network, weights and batches in JAX, fp32 ("highest" precision): the step under
 ``jit``, and each epoch's full batches as one ``lax.scan`` under ``jit``.
 
+Also measured: the first training steps' times in fresh processes, from a cold Numba cache
+and a warm one (on CUDA also cold without the shipped kernels), as bench.mlp measures them.
+
 Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 """
 import argparse
@@ -29,8 +32,8 @@ import time
 import numpy as np
 
 from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, alternating_epochs,
-                       beside_a_busy_neighbour, engine_training, machine_description,
-                       torch_step)
+                       beside_a_busy_neighbour, compile_times, engine_training,
+                       format_first_steps, machine_description, torch_step)
 from bench.report import emit, require_device
 
 
@@ -54,6 +57,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
     batch runs eagerly."""
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
+    torch.backends.cudnn.allow_tf32 = False   # fp32 as the engine and JAX's "highest"
     mean, std = normalize
 
     def standardised(images):
@@ -338,6 +342,8 @@ def format_table(result):
                                for name, row in rows.items()))
     lines.append(f"engine threads {result['engine_threads']}, 1-minute load average at the "
                  f"end {result['load_average'][0]:.2f}")
+    if "jit" in result:
+        lines += [""] + format_first_steps(result["jit"])
     return "\n".join(lines)
 
 
@@ -353,12 +359,16 @@ def main(argv=None):
     parser.add_argument("--busy-neighbour", action="store_true",
                         help="time the epochs again beside a busy process (one core) that the "
                              "run starts and stops")
+    parser.add_argument("--no-compile-time", action="store_true",
+                        help="skip the cold/warm first-step subprocesses")
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
     require_device(parser, args.device)
     result = run(args.device, args.epochs, args.limit, eager=not args.no_eager,
                  loaded=args.busy_neighbour)
+    if not args.no_compile_time:   # bench.mlp's first-step runs, each in a fresh process
+        result["jit"] = compile_times(args.device, "cnn")
     return emit(result, format_table(result), args.json)
 
 

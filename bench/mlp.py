@@ -12,8 +12,9 @@ per-step bookkeeping of the loop.
 Also measured: kernel launches per training step (CUDA: counted by an
 ``ops.launch.LaunchRecorder`` during one instrumented epoch), driver allocations of the
 CUDA caching allocator across steady-state steps, the autograd tape's size between steps,
-and JIT compile time with a cold cache (a fresh ``NUMBA_CACHE_DIR``, in a subprocess) and a
-warm one (the same directory again).
+and the first training steps' times from a cold cache (a fresh ``NUMBA_CACHE_DIR``, in a
+subprocess) and a warm one (the same directory again); on CUDA also cold without the shipped
+kernels of ops/kernels/ (``ENGINE_SHIPPED_KERNELS=0``).
 """
 import argparse
 import importlib.util
@@ -219,21 +220,25 @@ def _torch_usable(device):
 
 # ------------------------------------------------------------------ JIT compile time
 
-def time_first_steps(device, hidden, process_start):
+def time_first_steps(device, model, process_start):
     """Run in a subprocess: seconds to import the engine and build a model and loader, and to
     run each of the first two training steps (the first compiles every kernel it needs, or
-    loads it from the cache)."""
+    loads it from Numba's cache or the shipped kernels). ``model``: ``"mlp:256,128"`` (the
+    hidden widths) or ``"cnn"`` (``engine.train.build_cnn``)."""
     import engine
     import data
     import optim
     from engine.losses import cross_entropy
-    from engine.train import build_mlp
+    from engine.train import build_cnn, build_mlp
 
     engine.manual_seed(0)
     images = np.random.default_rng(0).integers(0, 256, (2 * BATCH_SIZE, 28, 28), dtype=np.uint8)
     labels = np.arange(2 * BATCH_SIZE) % 10
-    model = build_mlp(images.shape[1:], hidden, 10).to(device)
-    optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    kind, _, widths = model.partition(":")
+    network = (build_cnn(images.shape[1:], 10) if kind == "cnn" else
+               build_mlp(images.shape[1:], tuple(map(int, widths.split(","))), 10))
+    network = network.to(device)
+    optimizer = optim.Adam(network.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(images, labels, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device=device, normalize=(0.13, 0.31))
     step_seconds = []
@@ -242,7 +247,7 @@ def time_first_steps(device, hidden, process_start):
         start = time.perf_counter()
         inputs, targets = next(batches)
         optimizer.zero_grad()
-        loss = cross_entropy(model(inputs), targets)
+        loss = cross_entropy(network(inputs), targets)
         loss.backward()
         optimizer.step()
         loss.item()   # waits for the GPU
@@ -251,26 +256,44 @@ def time_first_steps(device, hidden, process_start):
             "first_step_s": step_seconds[0], "second_step_s": step_seconds[1]}
 
 
-def compile_times(device, hidden):
-    """``{"cold": ..., "warm": ...}``: first-step timings in fresh processes sharing one new
-    ``NUMBA_CACHE_DIR``, empty for the first (cold) and filled for the second (warm)."""
+# each a fresh process; the cold ones with an empty NUMBA_CACHE_DIR, the warm one with the
+# cache the cold one filled; on CUDA a second cold run without the shipped kernels
+# (ENGINE_SHIPPED_KERNELS=0), which compiles every kernel as a fresh install without them did
+FIRST_STEP_RUNS = {"cpu": (("cold", "1"), ("warm", "1")),
+                   "cuda": (("cold", "1"), ("warm", "1"), ("cold, no shipped kernels", "0"))}
+
+
+def compile_times(device, model):
+    """``{"cold": ..., "warm": ..., ...}``: first-step timings (``time_first_steps``) of
+    ``model`` in fresh processes, as ``FIRST_STEP_RUNS`` lists them, and how long each whole
+    process took."""
     code = ("import time; start = time.perf_counter(); import json, sys; "
             "from bench.mlp import time_first_steps; "
-            "hidden = tuple(map(int, sys.argv[2].split(','))); "
-            "print(json.dumps(time_first_steps(sys.argv[1], hidden, start)))")
+            "print(json.dumps(time_first_steps(sys.argv[1], sys.argv[2], start)))")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
-        environment = {**os.environ, "NUMBA_CACHE_DIR": cache}
-        for label in ("cold", "warm"):
+    with tempfile.TemporaryDirectory(prefix="numba-cache-") as root:
+        for label, shipped in FIRST_STEP_RUNS[device]:
+            # the warm run reuses the first cold run's cache; every other run starts empty
+            cache = os.path.join(root, "cold" if label == "warm" else label.replace(" ", "_"))
+            environment = {**os.environ, "NUMBA_CACHE_DIR": cache,
+                           "ENGINE_SHIPPED_KERNELS": shipped}
             started = time.perf_counter()
-            child = subprocess.run([sys.executable, "-c", code, device, ",".join(map(str, hidden))],
+            child = subprocess.run([sys.executable, "-c", code, device, model],
                                    cwd=REPO_ROOT, env=environment, capture_output=True, text=True)
             if child.returncode != 0:
-                raise RuntimeError(f"bench.mlp: the {label}-cache subprocess failed:\n"
+                raise RuntimeError(f"bench: the {label}-cache first-step subprocess failed:\n"
                                    f"{child.stderr}")
             results[label] = {**json.loads(child.stdout.strip().splitlines()[-1]),
                               "process_s": time.perf_counter() - started}
     return results
+
+
+def format_first_steps(jit):
+    """The lines of ``compile_times``' result, one per run."""
+    return [f"first step, {label} cache: {row['first_step_s']:.2f} s (second "
+            f"{1000 * row['second_step_s']:.1f} ms), import and setup "
+            f"{row['import_and_setup_s']:.2f} s, whole process {row['process_s']:.1f} s"
+            for label, row in jit.items()]
 
 
 # ------------------------------------------------------------------ the run
@@ -370,7 +393,7 @@ def run(device, epochs, hidden, limit, measure_compile, loaded=False):
               "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
                                     if torch_version else None)}
     if measure_compile:
-        result["jit"] = compile_times(device, hidden)
+        result["jit"] = compile_times(device, "mlp:" + ",".join(map(str, hidden)))
     return result
 
 
@@ -412,12 +435,7 @@ def format_table(result):
         lines.append(f"CUDA driver allocations over {engine['steady_steps']} steady-state steps: "
                      f"{engine['driver_allocations_steady_steps']}")
     if "jit" in result:
-        for label in ("cold", "warm"):
-            jit = result["jit"][label]
-            lines.append(f"JIT, {label} cache: first step {jit['first_step_s']:.2f} s "
-                         f"(second {1000 * jit['second_step_s']:.1f} ms), import and setup "
-                         f"{jit['import_and_setup_s']:.2f} s, "
-                         f"whole process {jit['process_s']:.1f} s")
+        lines += format_first_steps(result["jit"])
     return "\n".join(lines)
 
 

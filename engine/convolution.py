@@ -26,6 +26,28 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                  groups=groups)
 
 
+def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """``conv(x, w) + b`` as ``torch.nn.functional.conv1d``: x (N, C, L), w (O, C / groups,
+    K), b (O,) or None; ``padding`` an int, "valid" or "same" (stride 1). Runs conv2d's
+    kernels on views of height 1."""
+    shapes = f"x {tuple(x.shape)}, w {tuple(w.shape)}"
+    if x.ndim != 3 or w.ndim != 3:
+        raise ValueError(f"conv1d: expects x (N, C, L) and w (O, C/groups, K), got {shapes}")
+    along_length = {}
+    for name, value in (("stride", stride), ("dilation", dilation)):
+        along_length[name] = (1,) + conv_op.sizes(value, 1, name, "conv1d", 1)
+    if not isinstance(padding, str):
+        padding = (0,) + conv_op.sizes(padding, 1, "padding", "conv1d", 0)
+    x4 = x.reshape(x.shape[0], x.shape[1], 1, x.shape[2])
+    w4 = w.reshape(w.shape[0], w.shape[1], 1, w.shape[2])
+    inputs = (x4, w4) if b is None else (x4, w4, b)
+    try:
+        y = apply(conv_op.Conv2D, *inputs, padding=padding, groups=groups, **along_length)
+    except ValueError as error:   # its message is about the height-1 views
+        raise ValueError(f"conv1d (conv2d over (N, C, 1, L) views): {error}") from None
+    return y.reshape(y.shape[0], y.shape[1], y.shape[3])
+
+
 def max_pool2d(x, kernel_size, stride=None, padding=0):
     """The maximum of each window (``stride`` defaults to ``kernel_size``; padding never
     wins), as ``torch.nn.functional.max_pool2d``."""

@@ -22,6 +22,7 @@ configuration and the engine's RNG state, encoded by ``engine.archive`` and writ
 atomically. Reading one checks every value, so a damaged or crafted file is a ``ValueError``
 saying what is wrong, never a crash later in training.
 """
+import inspect
 import json
 import math
 import os
@@ -30,8 +31,6 @@ import weakref
 
 import numpy as np
 
-import optim
-from data.loader import DataLoader
 from engine import archive, nn
 from engine import distributed as dist
 from engine.autograd import no_grad
@@ -96,11 +95,11 @@ def _read_losses(arrays):
     return np.concatenate([np.ravel(to_host(array)) for array in arrays]).astype(np.float64)
 
 
-def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distributed):
+def _train_step(model, optimizer, loss_fn, parameters, clip, metrics, distributed):
     """The function of one training step that ``fit`` captures (``engine.capture``): on the
     GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device.
     With ``distributed`` the gradients are averaged over the ranks between backward and
-    clipping (``engine.distributed.all_reduce_gradients``)."""
+    ``clip`` (``engine.distributed.all_reduce_gradients``)."""
     def train_step(inputs, labels):
         optimizer.zero_grad()
         logits = model(inputs)
@@ -108,8 +107,8 @@ def _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distr
         loss.backward()
         if distributed:
             dist.all_reduce_gradients(model)
-        if clip_norm:
-            optim.clip_grad_norm_(parameters, clip_norm)
+        if clip is not None:
+            clip(parameters)
         optimizer.step()
         metrics.add(loss.data, logits.data, labels.data)
         return loss
@@ -125,34 +124,41 @@ def _cursor_step(cursor, train_step):
     return train_step_at_cursor
 
 
-_steps = weakref.WeakKeyDictionary()   # optimizer -> (what the step was made for, step, metrics)
+class _Steps:
+    """The captured training steps ``fit`` keeps between its calls, by optimizer: a step is
+    reused by the next call for the same model, optimizer, loss, clipping, distribution and
+    loader cursor (its recordings then carry over: a loop of one-epoch ``fit`` calls records
+    once)."""
 
+    def __init__(self):
+        # optimizer -> (what the step was made for, step, metrics)
+        self.kept = weakref.WeakKeyDictionary()
 
-def _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture, distributed,
-              cursor):
-    """The training step and its metrics; a captured one is kept for the next ``fit`` call of
-    the same model, optimizer, loss, clipping, distribution and loader cursor (its
-    recordings then carry over: a loop of one-epoch ``fit`` calls records once)."""
-    made_for = (id(model), loss_fn, float(clip_norm), capture, distributed,
-                tuple(id(p) for p in parameters), parameters[0].device if parameters else "cpu",
-                id(cursor))
-    kept = _steps.get(optimizer)
-    if kept is not None and kept[0] == made_for:
-        return kept[1], kept[2]
-    metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
-    step = _train_step(model, optimizer, loss_fn, parameters, clip_norm, metrics, distributed)
-    if cursor is not None:
-        step = _cursor_step(cursor, step)
-    if capture:
-        step = engine_capture(step)
-        _steps[optimizer] = (made_for, step, metrics)
-    return step, metrics
+    def step_for(self, model, optimizer, loss_fn, parameters, clip, capture, distributed,
+                 cursor):
+        """The training step and its metrics."""
+        made_for = (id(model), loss_fn, clip, capture, distributed,
+                    tuple(id(p) for p in parameters),
+                    parameters[0].device if parameters else "cpu", id(cursor))
+        kept = self.kept.get(optimizer)
+        if kept is not None and kept[0] == made_for:
+            return kept[1], kept[2]
+        metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
+        step = _train_step(model, optimizer, loss_fn, parameters, clip, metrics, distributed)
+        if cursor is not None:
+            step = _cursor_step(cursor, step)
+        if capture:
+            step = engine_capture(step)
+            self.kept[optimizer] = (made_for, step, metrics)
+        return step, metrics
 
 
 def _epoch_cursor(loader, capture):
     """The loader's device cursor when the captured step can fetch its own batches (a
-    ``DataLoader`` without a transform), else None: the loop iterates the loader."""
-    if capture and isinstance(loader, DataLoader) and loader.transform is None:
+    loader with an ``epoch_cursor()``, ``data.DataLoader``'s, and no per-batch
+    ``transform``), else None: the loop iterates the loader."""
+    if (capture and callable(getattr(loader, "epoch_cursor", None))
+            and getattr(loader, "transform", None) is None):
         return loader.epoch_cursor()
     return None
 
@@ -290,15 +296,28 @@ def _callbacks(callbacks, progress, verbose, log_json):
     return [callback for callback in built_in if callback is not None] + list(callbacks)
 
 
-def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
-        clip_norm=0.0, callbacks=(), on_epoch_end=(), progress=True, verbose=True,
-        log_json=None, start_epoch=0, history=None, step_losses=None, capture=True,
-        distributed=False):
+class _Fit:
+    """``fit``: the function below, and what it keeps between calls (the captured steps,
+    ``last_eager_reason``)."""
+
+    def __init__(self):
+        self.steps = _Steps()
+        self.last_eager_reason = None   # why the last fit's step ran eagerly, or None
+
+    def __call__(self, *args, **kwargs):
+        return _fit(self, *args, **kwargs)
+
+
+def _fit(state, model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
+         clip=None, callbacks=(), on_epoch_end=(), progress=True, verbose=True,
+         log_json=None, start_epoch=0, history=None, step_losses=None, capture=True,
+         distributed=False):
     """Train ``model`` for epochs ``start_epoch + 1 .. epochs``; returns the list of records.
 
     Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, with
-    ``distributed`` the gradient all-reduce, gradient clipping to ``clip_norm`` (0: none),
-    ``optimizer.step()``. After each epoch: ``scheduler.step()``, the test loss and accuracy
+    ``distributed`` the gradient all-reduce, ``clip(parameters)`` when given (gradient
+    clipping: ``functools.partial(optim.clip_grad_norm_, max_norm=1.0)``; the same object
+    in a loop of ``fit`` calls lets them share one recorded step), ``optimizer.step()``. After each epoch: ``scheduler.step()``, the test loss and accuracy
     on ``test_loader``, then the record ``{"epoch", "loss", "train_acc", "test_loss",
     "test_acc", "seconds", "samples_per_s"}`` (accuracies as fractions, None when the labels
     are not class indices; test values None without a ``test_loader``; ``seconds`` is
@@ -334,8 +353,10 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
         raise ValueError(f"fit: start_epoch must be between 0 and epochs={epochs}, "
                          f"got {start_epoch!r}")
-    if clip_norm < 0:
-        raise ValueError(f"fit: clip_norm must be >= 0 (0 turns clipping off), got {clip_norm}")
+    if clip is not None and not callable(clip):
+        raise TypeError(f"fit: clip must be a function of the parameters, e.g. "
+                        f"functools.partial(optim.clip_grad_norm_, max_norm=1.0), or None; "
+                        f"got {clip!r}")
     if distributed:
         _check_shard(loader)
     callbacks = _callbacks(callbacks, progress, verbose, log_json)
@@ -343,8 +364,8 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     history = [] if history is None else history
     parameters = model.parameters()
     cursor = _epoch_cursor(loader, capture)
-    step, metrics = _step_for(model, optimizer, loss_fn, parameters, clip_norm, capture,
-                              distributed, cursor)
+    step, metrics = state.steps.step_for(model, optimizer, loss_fn, parameters, clip, capture,
+                                         distributed, cursor)
     run = Run(model, optimizer, epochs, start_epoch, _length(loader), history,
               test_loader is not None)
     for callback in callbacks:
@@ -362,7 +383,7 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
             model.train()
             record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses,
                                   cursor)
-            fit.last_eager_reason = getattr(step, "eager_reason", None)
+            state.last_eager_reason = getattr(step, "eager_reason", None)
             if record is None:   # stopped inside the epoch: no record, no on_epoch_end
                 break
             if distributed:
@@ -387,7 +408,10 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     return history
 
 
-fit.last_eager_reason = None
+fit = _Fit()
+fit.__doc__ = _fit.__doc__
+fit.__signature__ = inspect.signature(_fit).replace(   # help(fit) without the state
+    parameters=list(inspect.signature(_fit).parameters.values())[1:])
 
 
 # ------------------------------------------------------------------ checkpoints

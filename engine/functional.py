@@ -136,6 +136,16 @@ def tanh(x):
     return apply(ew.Tanh, x)
 
 
+def gelu(x, approximate="none"):
+    """x·Phi(x), Phi the standard normal CDF (``approximate="none"``), or its tanh form
+    (``"tanh"``), as ``torch.nn.functional.gelu``."""
+    forms = {"none": ew.Gelu, "tanh": ew.GeluTanh}
+    if approximate not in forms:
+        raise ValueError(f"gelu: approximate must be \"none\" or \"tanh\" (torch's values), "
+                         f"got {approximate!r}")
+    return apply(forms[approximate], x)
+
+
 def abs(x):
     return apply(ew.Abs, x)
 

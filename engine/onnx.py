@@ -8,7 +8,8 @@ The graph has one input, ``input`` (``[batch, *model.input_shape]``, the batch d
 open), and one output, ``output``; each layer becomes the ONNX operators that compute what
 its forward pass computes in eval mode: ``Dense`` a ``Gemm`` (``x @ W + b``, ``W`` stored as
 the engine holds it, ``(in, units)``) and its activation (``Relu``, ``LeakyRelu``,
-``Sigmoid``, ``Tanh``, ``Softmax`` over the last axis), ``Activation`` that operator,
+``Sigmoid``, ``Tanh``, ``Gelu`` from opset 20 and its erf composition before,
+``Softmax`` over the last axis), ``Activation`` that operator,
 ``Flatten`` a ``Flatten`` from axis 1, ``Dropout`` an ``Identity``; ``Conv2D`` a ``Conv``
 (the weight in the layout both share, ``(filters, in / groups, kh, kw)``, the padding as
 explicit ``pads``, so "same" with an even kernel keeps its extra row at the bottom) and its
@@ -46,13 +47,16 @@ import numpy as np
 import engine
 from engine import archive, nn
 from engine.interop import sequential
+from ops import pointwise
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13   # Softmax over one axis (the engine's softmax(axis=-1)) from opset 13 on
 INPUT, OUTPUT = "input", "output"
 INSTALL_HINT = "pip install -e '.[onnx]'"
-ACTIVATIONS = {"relu": "Relu", "leaky_relu": "LeakyRelu", "sigmoid": "Sigmoid",
-               "tanh": "Tanh", "softmax": "Softmax"}
+# the layers' pointwise activations (their ONNX operator in ops.pointwise.TABLE) and softmax
+ACTIVATIONS = {**{entry.name: entry.onnx for entry in pointwise.TABLE if entry.activation},
+               "softmax": "Softmax"}
+GELU_OPSET = 20   # ONNX's Gelu operator; an older opset gets x * 0.5 * (1 + erf(x / sqrt 2))
 
 
 def _onnx():
@@ -67,9 +71,10 @@ class _Graph:
     """The nodes and initializers of the graph being built; ``value`` names what the last
     node computed, ``input_dtype`` is the graph input's."""
 
-    def __init__(self, onnx, input_dtype):
+    def __init__(self, onnx, input_dtype, dtype, opset):
         self.onnx, self.nodes, self.initializers = onnx, [], []
         self.value, self.input_dtype = INPUT, np.dtype(input_dtype)
+        self.dtype, self.opset = np.dtype(dtype), opset   # the model's float dtype
 
     def weight(self, name, array):
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
@@ -84,9 +89,23 @@ class _Graph:
     def activation(self, layer):
         if layer.activation is None:
             return
+        if layer.activation == "gelu" and self.opset < GELU_OPSET:
+            self.gelu_composition(layer.name)
+            return
         attributes = ({"alpha": layer.alpha} if layer.activation == "leaky_relu"
                       else {"axis": -1} if layer.activation == "softmax" else {})
         self.node(ACTIVATIONS[layer.activation], layer.name, **attributes)
+
+    def gelu_composition(self, name):
+        """x * 0.5 * (1 + erf(x / sqrt 2)): GELU in the operators of any opset."""
+        x = self.value
+        constant = {key: self.weight(f"{name}.gelu_{key}", np.asarray(value, self.dtype))
+                    for key, value in (("sqrt2", math.sqrt(2)), ("one", 1), ("half", 0.5))}
+        self.node("Div", f"{name}/gelu", (constant["sqrt2"],))
+        self.node("Erf", f"{name}/gelu")
+        self.node("Add", f"{name}/gelu", (constant["one"],))
+        self.node("Mul", f"{name}/gelu", (x,))
+        self.node("Mul", f"{name}/gelu_half", (constant["half"],))
 
 
 def _dense(graph, layer):
@@ -104,14 +123,14 @@ def _dropout(graph, layer):   # the identity in eval mode, which is what an expo
     graph.node("Identity", layer.name)
 
 
-def _conv2d(graph, layer):
-    (top, bottom), (left, right) = layer.paddings
+def _conv(graph, layer):   # Conv1D and Conv2D: ONNX's Conv takes any rank
     weights = [graph.weight(f"{layer.name}.weight", layer.weight.numpy())]
     if layer.use_bias:
         weights.append(graph.weight(f"{layer.name}.bias", layer.bias.numpy()))
     graph.node("Conv", layer.name, weights, kernel_shape=list(layer.kernel_size),
                strides=list(layer.stride), dilations=list(layer.dilation), group=layer.groups,
-               pads=[top, left, bottom, right])
+               pads=[before for before, _ in layer.paddings]
+               + [after for _, after in layer.paddings])
     graph.activation(layer)
 
 
@@ -159,7 +178,7 @@ def _normalization(graph, layer):   # Keras's floor on the standard deviation, a
 
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
              "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten,
-             "Dropout": _dropout, "Conv2D": _conv2d,
+             "Dropout": _dropout, "Conv1D": _conv, "Conv2D": _conv,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
              "BatchNorm": _batch_norm, "Reshape": _reshape}
 
@@ -214,7 +233,7 @@ def to_onnx(model, opset=None, normalize=None):
     dtype = _check_model(model)
     # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
     raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
-    graph = _Graph(onnx, np.uint8 if raw else dtype)
+    graph = _Graph(onnx, np.uint8 if raw else dtype, dtype, opset)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -521,27 +540,36 @@ def _import_add(reader, node, layers, shape, dtype):
 
 
 def _import_conv(reader, node, layers, shape, dtype):
-    _image_input(reader, node, shape)
+    """``Conv`` of a 3-D weight as ``Conv1D``, of a 4-D one as ``Conv2D``."""
     a = reader.attributes(node)
     weight = reader.value(node.input[1], node)
-    if weight.ndim != 4:
+    if weight.ndim not in (3, 4):
         raise reader.fail(node, f"a weight of {weight.ndim} dimensions; the engine imports "
-                                "2-D convolutions (a 4-D weight)")
+                                "1-D and 2-D convolutions (a 3-D or 4-D weight)")
+    rank = weight.ndim - 2
+    layer = "Conv1D" if rank == 1 else "Conv2D"
+    if len(shape) != rank + 1:
+        raise reader.fail(node, f"a {layer} takes inputs of {rank + 2} dimensions, got "
+                                f"features of shape {shape}")
     kernel = tuple(a.get("kernel_shape", weight.shape[2:]))
-    stride, dilation = tuple(a.get("strides", (1, 1))), tuple(a.get("dilations", (1, 1)))
+    stride = tuple(a.get("strides", (1,) * rank))
+    dilation = tuple(a.get("dilations", (1,) * rank))
     auto_pad = a.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    same = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
-    same = [same[0], same[1]] + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, same)]
-    pads = {"VALID": [0, 0, 0, 0], "SAME_UPPER": same}.get(auto_pad, a.get("pads", [0] * 4))
+    before = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
+    same = before + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, before)]
+    pads = {"VALID": [0] * (2 * rank), "SAME_UPPER": same}.get(auto_pad,
+                                                               a.get("pads", [0] * (2 * rank)))
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER"):
         raise reader.fail(node, f"auto_pad {auto_pad!r}: the engine pads 'same' with the extra "
                                 "row at the bottom (SAME_UPPER)")
-    top, left, bottom, right = pads
-    if stride == (1, 1) and list(pads) == same and (top, left) != (bottom, right):
+    if stride == (1,) * rank and list(pads) == same and pads[:rank] != pads[rank:]:
         padding = "same"
+    elif list(pads[:rank]) != list(pads[rank:]):
+        raise reader.fail(node, f"pads {list(pads)} are not symmetric; the engine's {layer} "
+                                "pads each side alike")
     else:
-        padding = list(_symmetric_pads(reader, node, pads, "Conv2D"))
+        padding = list(pads[:rank])
     config = {"filters": int(weight.shape[0]), "kernel_size": list(kernel),
               "stride": list(stride), "padding": padding, "dilation": list(dilation),
               "groups": int(a.get("group", 1))}
@@ -550,7 +578,7 @@ def _import_conv(reader, node, layers, shape, dtype):
         weights["bias"] = reader.value(node.input[2], node)
     else:
         config["use_bias"] = False
-    return sequential.layer("Conv2D", config, **weights)
+    return sequential.layer(layer, config, **weights)
 
 
 def _import_pool(class_name):
@@ -591,6 +619,9 @@ def _import_activation(reader, node, layers, shape, dtype):
     config = {"activation": name}
     if name == "leaky_relu":
         config["alpha"] = _short(a.get("alpha", 0.01))
+    if name == "gelu" and a.get("approximate", b"none") not in (b"none", "none"):
+        raise reader.fail(node, f"Gelu approximate={a['approximate']!r}; the layers compute "
+                                "the exact (\"none\") form")
     if name == "softmax" and a.get("axis", -1) not in (-1, len(shape)):
         raise reader.fail(node, f"softmax over axis {a['axis']} of a {len(shape) + 1}-D "
                                 "value; the engine's is over the last axis")

@@ -287,6 +287,9 @@ class Tensor(Value):
     def tanh(self):
         return F.tanh(self)
 
+    def gelu(self, approximate="none"):
+        return F.gelu(self, approximate)
+
     def softmax(self, axis=None, *, dim=None):
         return F.softmax(self, axis, dim=dim)
 

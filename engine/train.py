@@ -31,6 +31,7 @@ The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoi
 are re-exported here (``from engine.train import fit, evaluate`` is public API).
 """
 import argparse
+import functools
 import glob
 import importlib.util
 import math
@@ -40,7 +41,7 @@ import types
 
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
-OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS = ("adam", "adamw", "rmsprop", "sgd")
 SCHEDULES = ("cosine", "constant")
 PROG = "engine-train"
 
@@ -98,8 +99,8 @@ def build_parser():
     add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     add("--schedule", default="cosine", help="learning rate over the epochs: cosine (from "
         "--lr down to 0 at the last epoch) or constant (default cosine)")
-    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, sgd) or decoupled "
-        "decay (adamw) (default 0)")
+    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, rmsprop, sgd) or "
+        "decoupled decay (adamw) (default 0)")
     add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
         "(default 0: off)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
@@ -419,6 +420,8 @@ def build_optimizer(name, parameters, lr, momentum, weight_decay):
         return optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adamw":
         return optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    if name == "rmsprop":   # torch's defaults otherwise: no momentum (--momentum is SGD's)
+        return optim.RMSprop(parameters, lr=lr, weight_decay=weight_decay)
     return optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
 
 
@@ -720,9 +723,11 @@ def train(args, setup, is_root):
     # reads anyway, so the captured steps between them still replay as one graph launch
     terminate = TerminateOnNaN(step_interval=1 if args.device == "cpu" else PROGRESS_EVERY,
                                verbose=False)
+    clip = (functools.partial(optim.clip_grad_norm_, max_norm=args.clip_norm)
+            if args.clip_norm else None)
     try:
         fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
-            test_loader=setup.test_loader, scheduler=setup.scheduler, clip_norm=args.clip_norm,
+            test_loader=setup.test_loader, scheduler=setup.scheduler, clip=clip,
             callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
             progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
             history=history, step_losses=step_losses, capture=not args.no_capture,

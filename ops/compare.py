@@ -24,6 +24,7 @@ from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offse
                         broadcast_shape, broadcast_strides, coalesce, flat)
 from ops.reduce import REDUCE, SUM, sum_to_shape
 from ops.registry import Op, register
+from ops.twin import twin
 
 LT, LE, GT, GE, EQ, NE = range(6)
 NAMES = {LT: "lt", LE: "le", GT: "gt", GE: "ge", EQ: "eq", NE: "ne"}
@@ -43,8 +44,7 @@ def _compare(code, x, y):
     return x != y
 
 
-_compare_cpu = njit(inline="always", error_model="numpy")(_compare)
-_compare_cuda = cuda.jit(device=True)(_compare)
+_compare_cpu, _compare_cuda = twin(_compare)
 
 
 def _compare_kernels(code):
@@ -169,8 +169,7 @@ def _where_offsets(i, meta):
     return at_cond, at_a, at_b
 
 
-_where_offsets_cpu = njit(inline="always", error_model="numpy")(_where_offsets)
-_where_offsets_cuda = cuda.jit(device=True)(_where_offsets)
+_where_offsets_cpu, _where_offsets_cuda = twin(_where_offsets)
 
 
 @njit(cache=True, error_model="numpy")

@@ -72,15 +72,22 @@ BACKWARD_TASKS = 8   # batch slices of the CPU backward: a few per thread, few p
 # ------------------------------------------------------------------ geometry
 
 
-def pair(value, what, op_name, minimum):
-    """``value`` (an int or a pair of ints) as a pair of ints ``>= minimum``."""
-    values = (value, value) if isinstance(value, (int, np.integer)) else value
-    if not isinstance(values, (tuple, list)) or len(values) != 2 or not all(
+def sizes(value, rank, what, op_name, minimum):
+    """``value`` (an int, or ``rank`` ints: one per spatial dimension) as a tuple of ``rank``
+    ints ``>= minimum``."""
+    values = (value,) * rank if isinstance(value, (int, np.integer)) else value
+    if not isinstance(values, (tuple, list)) or len(values) != rank or not all(
             isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        raise ValueError(f"{op_name}: {what} must be an int or a pair of ints, got {value!r}")
+        several = "a pair of ints" if rank == 2 else f"a tuple of {rank}"
+        raise ValueError(f"{op_name}: {what} must be an int or {several}, got {value!r}")
     if min(values) < minimum:
         raise ValueError(f"{op_name}: {what} must be >= {minimum}, got {value!r}")
-    return int(values[0]), int(values[1])
+    return tuple(int(v) for v in values)
+
+
+def pair(value, what, op_name, minimum):
+    """``value`` (an int or a pair of ints) as a pair of ints ``>= minimum``."""
+    return sizes(value, 2, what, op_name, minimum)
 
 
 def window_output_size(size, kernel, stride, dilation, pad_before, pad_after):
@@ -88,6 +95,22 @@ def window_output_size(size, kernel, stride, dilation, pad_before, pad_after):
     span = dilation * (kernel - 1) + 1
     padded = size + pad_before + pad_after
     return (padded - span) // stride + 1 if padded >= span else 0
+
+
+def conv_output_sizes(spatial, kernel, stride, dilation, paddings, op_name):
+    """The output size along each spatial dimension of a convolution (``paddings``: (before,
+    after) per dimension); a ValueError naming ``op_name`` where the dilated kernel does not
+    fit in the padded input. The layers' shape inference and the op's check both ask here."""
+    out = tuple(window_output_size(size, k, s, d, before, after)
+                for size, k, s, d, (before, after) in zip(spatial, kernel, stride, dilation,
+                                                          paddings))
+    if min(out) < 1:
+        padded = "x".join(str(size + before + after)
+                          for size, (before, after) in zip(spatial, paddings))
+        span = "x".join(str(d * (k - 1) + 1) for k, d in zip(kernel, dilation))
+        raise ValueError(f"{op_name}: the padded input ({padded}) is smaller than the dilated "
+                         f"kernel ({span})")
+    return out
 
 
 def conv_padding(padding, kernel, dilation, stride, op_name):
@@ -233,7 +256,7 @@ def _activate(destination, source, shift, act, alpha):
         _activate_run(destination, source, shift, SIGMOID, alpha)
     elif act == TANH:
         _activate_run(destination, source, shift, TANH, alpha)
-    else:
+    elif act == IDENTITY:
         _activate_run(destination, source, shift, IDENTITY, alpha)
 
 
@@ -254,12 +277,29 @@ def _gradient(destination, grad_out, y, act, alpha):
         _gradient_run(destination, grad_out, y, SIGMOID, alpha)
     elif act == TANH:
         _gradient_run(destination, grad_out, y, TANH, alpha)
-    else:
+    elif act == IDENTITY:
         _gradient_run(destination, grad_out, y, IDENTITY, alpha)
+
+
+# the codes ``_activate`` and ``_gradient`` have a loop for; each CPU kernel refuses any
+# other before its parallel loop (a raise inside a prange loop serialises it)
+CPU_FUSED = (IDENTITY, RELU, LEAKY_RELU, SIGMOID, TANH)
+if set(CPU_FUSED) != set(ACTIVATIONS.values()):
+    raise ImportError("ops/conv.py: the CPU conv's activation loops (_activate, _gradient, "
+                      f"CPU_FUSED {CPU_FUSED}) do not cover ops.pointwise.ACTIVATIONS "
+                      f"{ACTIVATIONS}: add a branch for each fused code")
+
+
+@njit(inline="always")
+def _check_fused(act):
+    if act not in CPU_FUSED:
+        raise ValueError("conv2d: this activation code has no fused CPU loop "
+                         "(ops/conv.py CPU_FUSED); run the activation after the conv")
 
 
 @njit(cache=True, parallel=True)
 def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
+    _check_fused(act)
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
     has_bias = meta[HAS_BIAS_AT]
@@ -284,6 +324,7 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, al
                         needs_x, needs_w, needs_b):
     """The gradients the flags ask for; the buffer of one not asked for is a placeholder
     that is never written."""
+    _check_fused(act)
     geometry = _geometry_cpu(meta)
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
     positions = oh_n * ow_n
@@ -411,15 +452,12 @@ class Conv2D(Op):
             raise ValueError(f"conv2d: empty kernel; got {shapes}")
         stride = pair(params.get("stride", 1), "stride", "conv2d", 1)
         dilation = pair(params.get("dilation", 1), "dilation", "conv2d", 1)
-        (pt, pb), (pl, pr) = conv_padding(params.get("padding", 0), (kh, kw), dilation, stride,
-                                          "conv2d")
-        oh = window_output_size(h, kh, stride[0], dilation[0], pt, pb)
-        ow = window_output_size(w_in, kw, stride[1], dilation[1], pl, pr)
-        if oh < 1 or ow < 1:
-            raise ValueError(f"conv2d: the padded input ({h + pt + pb}x{w_in + pl + pr}) is "
-                             f"smaller than the dilated kernel "
-                             f"({dilation[0] * (kh - 1) + 1}x{dilation[1] * (kw - 1) + 1}); "
-                             f"got {shapes}")
+        paddings = conv_padding(params.get("padding", 0), (kh, kw), dilation, stride, "conv2d")
+        (pt, _), (pl, _) = paddings
+        try:
+            oh, ow = conv_output_sizes((h, w_in), (kh, kw), stride, dilation, paddings, "conv2d")
+        except ValueError as error:
+            raise ValueError(f"{error}; got {shapes}") from None
         self.out_shape = (nb, o_out, oh, ow)
         self.meta = tuple(int(v) for v in (nb, c_in, h, w_in, o_out, oh, ow, kh, kw) + stride
                           + (pt, pl) + dilation + (groups, b is not None))

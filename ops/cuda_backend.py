@@ -234,7 +234,7 @@ _configs = {}
 
 def launch(kernel, grid, block, args):
     """Launch the ``@cuda.jit`` ``kernel`` on ``grid`` blocks of ``block`` threads."""
-    function = direct_function(kernel, args)
+    function = direct_function(kernel, args)   # a shipped kernel too (see below)
     if not function:
         kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
         signature = None if SIMULATOR else _signature(args)
@@ -249,12 +249,16 @@ def launch(kernel, grid, block, args):
 
 
 def direct_function(kernel, args):
-    """The cuda.core kernel Numba compiled for the types of ``args``, once it has run them
-    (None before, and always in the simulator or for arguments only Numba can pass)."""
+    """The cuda.core kernel Numba compiled for the types of ``args``, once it has run them,
+    or the one shipped for them (``python -m ops.build_kernels``); None before, and always in
+    the simulator or for arguments only Numba can pass."""
     if SIMULATOR:
         return None
     signature = _signature(args)
-    return _compiled.get((kernel, signature)) if signature is not None else None
+    if signature is None:
+        return None
+    function = _compiled.get((kernel, signature))
+    return _shipped_function(kernel, args) if function is None else function
 
 
 def kernel_params(args):
@@ -421,3 +425,242 @@ def engine_stream():
     """The cuda.core Stream the engine's kernels launch on, for work that must follow them in
     order without a host sync (NCCL collectives in ``engine.distributed``)."""
     return _default_stream()
+
+
+# ------------------------------------------------------------------ inline PTX
+
+def inline_ptx_api():
+    """numba-cuda's ``intrinsic`` decorator and its ``types``, for ``ops.tensor_core``'s
+    inline-PTX instructions (imported there, on first use: only tensor-core kernels need
+    them)."""
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+    return intrinsic, types
+
+
+# ------------------------------------------------------------------ shipped kernels
+#
+# A cold start compiles every kernel a step launches: 11.4-12.4 s for the first CUDA step of
+# the MLP or the CNN on the H200 with an empty Numba cache (issue 32), nearly all of it
+# Numba's typing and lowering. `python -m ops.build_kernels` compiles the variants the CLI's
+# models launch ahead of time into ops/kernels/ (a cubin per compute capability, named by a
+# content hash); the first launch of a (kernel, argument types) pair looks for one there and
+# loads it through cuda.core, without asking Numba to compile. The hash covers everything
+# the kernel's code is made from (its source and that of every function it calls, the
+# constants and closure values they read, its compile options, the numba and numba-cuda
+# versions), so an artifact built from other code is never found: it cannot run. A variant
+# not shipped compiles just in time, as before. ENGINE_SHIPPED_KERNELS=0 turns the lookup
+# off.
+
+SHIPPED_KERNELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+MANIFEST_NAME = "manifest.json"
+_PROJECT_PACKAGES = ("ops", "optim", "engine", "data")
+_shipped = {}             # (kernel, signature) -> cuda.core kernel, or None: not shipped
+_fingerprints = {}        # id of a function or dispatcher -> (the object, its content hash)
+
+
+def shipped_kernels_enabled():
+    return os.environ.get("ENGINE_SHIPPED_KERNELS", "1") != "0"
+
+
+@functools.cache
+def shipped_manifest():
+    """The manifest of ops/kernels/, or None without one: ``{"kernels": {key: {"name",
+    "argtypes", "cubins": {"sm_90": {"file", "entry"}, ...}}}}``."""
+    import json
+    try:
+        with open(os.path.join(SHIPPED_KERNELS_DIR, MANIFEST_NAME)) as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return None
+
+
+def artifact_key(kernel, argtypes):
+    """The content hash that names the artifact of ``kernel`` (a ``@cuda.jit`` dispatcher)
+    compiled for ``argtypes`` (Numba types): the kernel's fingerprint, the argument types and
+    the numba and numba-cuda versions it was compiled with."""
+    import hashlib
+    text = "\n".join((fingerprint(kernel), repr(tuple(str(t) for t in argtypes)),
+                      _compiler_versions()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _compiler_versions():
+    import importlib.metadata
+    import numba
+    return f"numba {numba.__version__} numba-cuda {importlib.metadata.version('numba-cuda')}"
+
+
+def fingerprint(function):
+    """A hash of what the code of ``function`` (a Python function or a ``@cuda.jit``
+    dispatcher) is made from: its source; its compile options; and, recursively, the values of
+    its closure cells and of the globals its code names (functions and dispatchers by their
+    own fingerprint, the project's modules by the attributes the code names, other modules by
+    name, constants by value). A value without a stable description (an object's default repr
+    holds its address) gives a hash no other process reproduces: never a false match."""
+    return _fingerprint(function, frozenset(), [False])
+
+
+def _fingerprint(function, active, cyclic):
+    """``fingerprint`` inside the descriptions of the functions in ``active`` (a function
+    that reaches itself again is described by name there, and its hash, which then depends on
+    where the walk began, is not kept: ``cyclic[0]`` says so)."""
+    known = _fingerprints.get(id(function))
+    if known is not None and known[0] is function:
+        return known[1]
+    python_function = getattr(function, "py_func", function)
+    if id(python_function) in active:
+        cyclic[0] = True
+        return f"<recursive {python_function.__qualname__}>"
+    import hashlib
+    inner_cyclic = [False]
+    text = _function_description(function, active | {id(python_function)}, inner_cyclic)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if inner_cyclic[0]:
+        cyclic[0] = True
+    else:
+        _fingerprints[id(function)] = (function, digest)
+    return digest
+
+
+@functools.lru_cache(maxsize=None)
+def _source(code):
+    """The dedented source of a code object (one per ``def``, shared by every closure made
+    from it: the GEMM template's dozen device functions per tiling are read once)."""
+    import inspect
+    import textwrap
+    try:
+        return textwrap.dedent(inspect.getsource(code))
+    except (OSError, TypeError):   # no source file: the bytecode stands for it
+        return repr(code.co_code) + repr(code.co_consts)
+
+
+def _function_description(function, active, cyclic):
+    python_function = getattr(function, "py_func", function)
+    code = python_function.__code__
+    parts = [f"{python_function.__module__}.{python_function.__qualname__}", _source(code)]
+    options = getattr(function, "targetoptions", None)
+    if options is not None:   # not how it is cached or linked: numba-cuda sets lto where it
+        # finds nvJitLink, which a CPU machine lacks; the code linked is the same
+        parts.append(repr(sorted((key, repr(value)) for key, value in options.items()
+                                 if key not in ("cache", "lto"))))
+    for name, cell in zip(code.co_freevars, python_function.__closure__ or ()):
+        parts.append(f"closure {name} = "
+                     f"{_value_description(cell.cell_contents, active, cyclic)}")
+    names = _code_names(code)
+    module_globals = python_function.__globals__
+    for name in sorted(names):
+        if name in module_globals:
+            value = module_globals[name]
+            parts.append(f"global {name} = "
+                         f"{_value_description(value, active, cyclic, names)}")
+    return "\n".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_names(code):
+    """Every global and attribute name the code and its nested code objects use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _code_names(constant)
+    return names
+
+
+def _value_description(value, active, cyclic, names=()):
+    import types
+    if isinstance(value, types.ModuleType):
+        if value.__name__.split(".")[0] not in _PROJECT_PACKAGES:
+            return f"module {value.__name__}"   # numba, math, numpy: their versions count
+        attributes = [f"{name}: {_value_description(getattr(value, name), active, cyclic)}"
+                      for name in sorted(names) if hasattr(value, name)]
+        return f"module {value.__name__} {{{', '.join(attributes)}}}"
+    if hasattr(value, "py_func") or (isinstance(value, types.FunctionType)
+                                     and value.__module__.split(".")[0] in _PROJECT_PACKAGES):
+        return f"function {_fingerprint(value, active, cyclic)}"
+    if isinstance(value, types.FunctionType):
+        return f"function {value.__module__}.{value.__qualname__}"
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        inner = ", ".join(_value_description(item, active, cyclic) for item in value)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {_value_description(item, active, cyclic)}"
+                               for key, item in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _shipped_function(kernel, args):
+    """The cuda.core kernel shipped for ``kernel`` and the types of ``args``, loaded once;
+    None when there is none (lookup off, no manifest, no artifact for this device's compute
+    capability, or arguments only Numba can pass)."""
+    signature = _signature(args)
+    if signature is None or not shipped_kernels_enabled():
+        return None
+    try:
+        return _shipped[(kernel, signature)]
+    except KeyError:
+        pass
+    function = None
+    manifest = shipped_manifest()
+    if manifest is not None:
+        entry = manifest["kernels"].get(artifact_key(kernel, tuple(kernel.typeof_pyval(a)
+                                                                  for a in args)))
+        if entry is not None:
+            try:
+                function = _load_artifact(entry)
+            except Exception as error:   # a driver that refuses the cubin: compile instead
+                import warnings
+                warnings.warn(f"ops.cuda_backend: the shipped kernel {entry['name']} did not "
+                              f"load ({error}); Numba compiles it instead", stacklevel=2)
+    _shipped[(kernel, signature)] = function
+    if function is not None:
+        _compiled[(kernel, signature)] = function
+    return function
+
+
+def _load_artifact(entry):
+    """The cuda.core kernel of a manifest entry, from its cubin for this device's compute
+    capability; None when it has none for this one."""
+    from cuda.core import ObjectCode
+    major, minor = cuda.get_current_device().compute_capability
+    cubin = entry["cubins"].get(f"sm_{major}{minor}")
+    if cubin is None:
+        return None
+    with open(os.path.join(SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
+        code = ObjectCode.from_cubin(file.read())
+    return code.get_kernel(cubin["entry"])
+
+
+def compile_artifact(kernel, argtypes, compute_capability):
+    """``(entry name, cubin bytes)`` of ``kernel`` compiled for ``argtypes`` and
+    ``compute_capability`` (major, minor) as Numba compiles it at a first launch on such a
+    GPU (its options, max_registers included; sm_90 and later as Numba's arch-specific
+    ``sm_XYa``), without a GPU: for ``python -m ops.build_kernels``. None for a kernel that
+    only Numba's launch can run (cooperative, debug, extensions, launch-config sensitive)."""
+    import types
+    from numba.cuda import codegen as cuda_codegen
+    from numba.cuda import dispatcher as cuda_dispatcher
+    major, minor = compute_capability
+    target = (major, minor, "a" if (major, minor) >= (9, 0) else "")   # Numba's _ensure_cc
+    device = types.SimpleNamespace(compute_capability=(major, minor))
+    found = cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc
+    cuda_dispatcher.get_current_device = lambda: device
+    cuda_codegen.CUDACodeLibrary._ensure_cc = lambda library, cc: target if cc is None else cc
+    from cuda.pathfinder import DynamicLibNotFoundError
+    try:
+        compiled = cuda_dispatcher._Kernel(kernel.py_func, tuple(argtypes),
+                                           **kernel.targetoptions)
+        if (compiled.debug or compiled.cooperative or compiled.extensions
+                or compiled.launch_config_sensitive):
+            return None
+        cubin = compiled._codelibrary.get_cubin(cc=target)   # a cuda.core ObjectCode
+        return compiled.entry_name, bytes(getattr(cubin, "code", cubin))
+    except DynamicLibNotFoundError as error:
+        raise RuntimeError(f"compiling a kernel needs NVVM, NVRTC and nvJitLink, not found "
+                           f"here ({str(error).splitlines()[0]}): install them and set "
+                           f"CUDA_HOME as ops/README.md, 'Shipped kernels', says") from None
+    finally:
+        cuda_dispatcher.get_current_device, cuda_codegen.CUDACodeLibrary._ensure_cc = found

@@ -25,6 +25,7 @@ from ops.pointwise import (NEG, TABLE, derivative_cpu, derivative_cuda, value_cp
                            value_cuda)
 from ops.reduce import REDUCE, SUM, sum_to_shape
 from ops.registry import Op, register
+from ops.twin import twin
 
 # ------------------------------------------------------------------ binary kernels
 
@@ -42,8 +43,7 @@ def _binary_value(code, x, y):
     return x / y   # DIV: IEEE (inf, nan), never an exception
 
 
-_binary_value_cpu = njit(inline="always", error_model="numpy")(_binary_value)
-_binary_value_cuda = cuda.jit(device=True)(_binary_value)
+_binary_value_cpu, _binary_value_cuda = twin(_binary_value)
 
 
 def _binary_kernel(code):
@@ -236,6 +236,7 @@ AddScalar, MulScalar = UNARY_OPS["add_scalar"], UNARY_OPS["mul_scalar"]
 RSubScalar, RDivScalar, PowScalar = (UNARY_OPS[n] for n in ("rsub_scalar", "rdiv_scalar",
                                                             "pow_scalar"))
 Abs, DivScalar = UNARY_OPS["abs"], UNARY_OPS["div_scalar"]
+Gelu, GeluTanh = UNARY_OPS["gelu"], UNARY_OPS["gelu_tanh"]
 
 
 # ------------------------------------------------------------------ clip
@@ -251,10 +252,8 @@ def _inside(x, low, high):
     return low <= x <= high
 
 
-_clipped_cpu = njit(inline="always", error_model="numpy")(_clipped)
-_clipped_cuda = cuda.jit(device=True)(_clipped)
-_inside_cpu = njit(inline="always", error_model="numpy")(_inside)
-_inside_cuda = cuda.jit(device=True)(_inside)
+_clipped_cpu, _clipped_cuda = twin(_clipped)
+_inside_cpu, _inside_cuda = twin(_inside)
 
 
 @njit(cache=True, error_model="numpy")

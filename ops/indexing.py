@@ -48,6 +48,7 @@ from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offse
 from ops.memory import empty
 from ops.registry import register
 from ops.shape import Movement
+from ops.twin import twin
 
 
 # ------------------------------------------------------------------ the plan
@@ -224,8 +225,7 @@ def _pack_one(value, p, indices, row, size, axis, bad):
     indices[row, p] = index
 
 
-_pack_one_cpu = njit(inline="always", error_model="numpy")(_pack_one)
-_pack_one_cuda = cuda.jit(device=True)(_pack_one)
+_pack_one_cpu, _pack_one_cuda = twin(_pack_one)
 
 
 @njit(cache=True, error_model="numpy")
@@ -279,10 +279,8 @@ def _b_offsets(b, indices, meta):
     return at_x, at_source
 
 
-_r_offsets_cpu = njit(inline="always", error_model="numpy")(_r_offsets)
-_r_offsets_cuda = cuda.jit(device=True)(_r_offsets)
-_b_offsets_cpu = njit(inline="always", error_model="numpy")(_b_offsets)
-_b_offsets_cuda = cuda.jit(device=True)(_b_offsets)
+_r_offsets_cpu, _r_offsets_cuda = twin(_r_offsets)
+_b_offsets_cpu, _b_offsets_cuda = twin(_b_offsets)
 
 
 @njit(cache=True, error_model="numpy")

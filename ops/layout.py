@@ -20,10 +20,10 @@ import math
 from collections import OrderedDict
 
 import numpy as np
-from numba import njit
 
-from ops.cuda_backend import cuda, device_reshape
+from ops.cuda_backend import device_reshape
 from ops.device import to_device
+from ops.twin import twin
 
 _DEVICE_META_CACHE_SIZE = 4096
 _device_meta = OrderedDict()
@@ -189,7 +189,5 @@ def _offset(index, meta, first, ndim):
     return offset
 
 
-broadcast_offsets_cpu = njit(inline="always", error_model="numpy")(_broadcast_offsets)
-broadcast_offsets_cuda = cuda.jit(device=True)(_broadcast_offsets)
-offset_cpu = njit(inline="always", error_model="numpy")(_offset)
-offset_cuda = cuda.jit(device=True)(_offset)
+broadcast_offsets_cpu, broadcast_offsets_cuda = twin(_broadcast_offsets)
+offset_cpu, offset_cuda = twin(_offset)

@@ -20,18 +20,28 @@ raises ZeroDivisionError in Python for p = 0); the derivative of ``abs`` at 0 is
 import math
 from typing import NamedTuple
 
-from numba import njit
-
-from ops.cuda_backend import cuda
+from ops.twin import twin
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
- ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR) = range(16)
+ ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
+ GELU, GELU_TANH) = range(18)
+
+SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
+INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor
+SQRT_TWO_OVER_PI = 0.7978845608028654   # sqrt(2 / pi): GELU's tanh form (torch's constants)
+GELU_CUBIC = 0.044715
 
 
 class Pointwise(NamedTuple):
+    """One function, and everything the layers above it need to know about it."""
     name: str
     code: int
-    reads_input: bool   # the derivative needs x itself, not just y (or the sign of x)
+    reads_input: bool          # the derivative needs x itself, not just y (or the sign of x)
+    activation: bool = False   # a name nn's layers take (nn.Activation, Dense, Conv2D)
+    fuses: bool = False        # Dense/Conv2D kernels apply it in their epilogue: the
+    #                            derivative is exact from y for every parameter a layer allows
+    onnx: str = None           # the ONNX operator an activation exports to
+    initializer: str = "xavier_uniform"   # a layer's default kernel initialiser with it
 
 
 TABLE = (
@@ -40,10 +50,11 @@ TABLE = (
     Pointwise("exp", EXP, False),
     Pointwise("log", LOG, True),
     Pointwise("sqrt", SQRT, False),
-    Pointwise("relu", RELU, False),
-    Pointwise("leaky_relu", LEAKY_RELU, True),       # p = alpha; y's sign is x's only if p >= 0
-    Pointwise("sigmoid", SIGMOID, False),
-    Pointwise("tanh", TANH, False),
+    Pointwise("relu", RELU, False, True, True, "Relu", "he_normal"),
+    # p = alpha; y's sign is x's only if p >= 0, which the layers require
+    Pointwise("leaky_relu", LEAKY_RELU, True, True, True, "LeakyRelu", "he_normal"),
+    Pointwise("sigmoid", SIGMOID, False, True, True, "Sigmoid"),
+    Pointwise("tanh", TANH, False, True, True, "Tanh"),
     Pointwise("add_scalar", ADD_SCALAR, False),      # x + p
     Pointwise("mul_scalar", MUL_SCALAR, False),      # x * p
     Pointwise("rsub_scalar", RSUB_SCALAR, False),    # p - x
@@ -51,11 +62,17 @@ TABLE = (
     Pointwise("pow_scalar", POW_SCALAR, True),       # x ** p
     Pointwise("abs", ABS, True),                     # |x|: the sign of x is not in y
     Pointwise("div_scalar", DIV_SCALAR, False),      # x / p
+    # x Phi(x), torch's approximate="none"; its derivative Phi(x) + x phi(x) is not a function
+    # of y (y has a minimum at x = -0.75), so a layer runs it after its kernel, keeping x
+    Pointwise("gelu", GELU, True, True, False, "Gelu", "he_normal"),
+    Pointwise("gelu_tanh", GELU_TANH, True),         # torch's approximate="tanh"
 )
+BY_NAME = {entry.name: entry for entry in TABLE}
 
-# the activations a Dense layer fuses into its GEMM, by the names nn.Dense takes
-ACTIVATIONS = {None: IDENTITY, "relu": RELU, "leaky_relu": LEAKY_RELU, "sigmoid": SIGMOID,
-               "tanh": TANH}
+# the activations Dense and Conv2D fuse into their kernels, by the names the layers take
+ACTIVATIONS = {None: IDENTITY, **{entry.name: entry.code for entry in TABLE if entry.fuses}}
+# every activation name a layer takes, fused or run after the layer's kernel
+LAYER_ACTIVATIONS = tuple(entry.name for entry in TABLE if entry.activation)
 
 
 def value(code, x, p):
@@ -93,6 +110,10 @@ def value(code, x, p):
         return abs(x)
     if code == DIV_SCALAR:
         return x / p
+    if code == GELU:
+        return 0.5 * x * (1 + math.erf(x * SQRT_HALF))
+    if code == GELU_TANH:
+        return 0.5 * x * (1 + math.tanh(SQRT_TWO_OVER_PI * (x + GELU_CUBIC * x * x * x)))
     return x ** p   # POW_SCALAR
 
 
@@ -126,10 +147,14 @@ def derivative(code, x, y, p):
         return zero + 1 if x > 0 else (zero - 1 if x < 0 else x - x)
     if code == DIV_SCALAR:   # not from ``zero``: p may be +-inf (x / inf), where p - p is nan
         return 1.0 / p
+    if code == GELU:   # Phi(x) + x phi(x)
+        return 0.5 * (1 + math.erf(x * SQRT_HALF)) + x * INV_SQRT_TWO_PI * math.exp(-0.5 * x * x)
+    if code == GELU_TANH:
+        t = math.tanh(SQRT_TWO_OVER_PI * (x + GELU_CUBIC * x * x * x))
+        return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQRT_TWO_OVER_PI * (
+            1 + 3 * GELU_CUBIC * x * x)
     return zero + 1   # IDENTITY, ADD_SCALAR
 
 
-value_cpu = njit(inline="always", error_model="numpy")(value)
-derivative_cpu = njit(inline="always", error_model="numpy")(derivative)
-value_cuda = cuda.jit(device=True)(value)
-derivative_cuda = cuda.jit(device=True)(derivative)
+value_cpu, value_cuda = twin(value)
+derivative_cpu, derivative_cuda = twin(derivative)

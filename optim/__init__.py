@@ -9,4 +9,5 @@ from optim import lr_scheduler  # noqa: F401
 from optim.adam import Adam, AdamW  # noqa: F401
 from optim.clip import clip_grad_norm_, clip_grad_value_  # noqa: F401
 from optim.optimizer import Optimizer  # noqa: F401
+from optim.rmsprop import RMSprop  # noqa: F401
 from optim.sgd import SGD  # noqa: F401

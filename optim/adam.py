@@ -8,6 +8,7 @@ from ops.cuda_backend import cuda
 from ops.launch import Kernel, elements
 from ops.step_counter import SKIPPED, T
 from ops.subnormals import flush_begin, flush_end
+from ops.twin import twin
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -55,8 +56,7 @@ def _adam_scalars(counts, hyper, decoupled, tiny, scalars):
 
 
 SCALARS = 9
-_adam_element_cpu = njit(inline="always", error_model="numpy")(_adam_element)
-_adam_element_cuda = cuda.jit(device=True)(_adam_element)
+_adam_element_cpu, _adam_element_cuda = twin(_adam_element)
 _adam_scalars_cpu = njit(inline="always")(_adam_scalars)
 _adam_scalars_cuda = cuda.jit(device=True)(_adam_scalars)
 
@@ -156,7 +156,7 @@ class Adam(Optimizer):
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def _update_args(self, param, grad, buffers, counts, hyper):
-        exp_avg, exp_avg_sq = buffers
+        exp_avg, exp_avg_sq = buffers["exp_avg"], buffers["exp_avg_sq"]
         return (param, grad, exp_avg, exp_avg_sq, counts, hyper, self.decoupled_weight_decay,
                 float(np.finfo(param.dtype).tiny))
 

@@ -31,6 +31,7 @@ from ops.device import device_of, to_host
 from ops.launch import Kernel, blocks_of, elements
 from ops.layout import flat
 from ops.memory import empty
+from ops.twin import twin
 from optim.optimizer import whole_flat_buffer
 
 MAX_NORM_BLOCKS = 4 if SIMULATOR else 512   # partials per gradient array, at most
@@ -72,14 +73,10 @@ def _clip_coefficient(total, max_norm):
     return coefficient
 
 
-_accumulate_cpu = njit(inline="always", error_model="numpy")(_accumulate)
-_combine_code_cpu = njit(inline="always", error_model="numpy")(_combine_code)
-_finish_cpu = njit(inline="always", error_model="numpy")(_finish)
-_coefficient_cpu = njit(inline="always", error_model="numpy")(_clip_coefficient)
-_accumulate_cuda = cuda.jit(device=True)(_accumulate)
-_combine_code_cuda = cuda.jit(device=True)(_combine_code)
-_finish_cuda = cuda.jit(device=True)(_finish)
-_coefficient_cuda = cuda.jit(device=True)(_clip_coefficient)
+_accumulate_cpu, _accumulate_cuda = twin(_accumulate)
+_combine_code_cpu, _combine_code_cuda = twin(_combine_code)
+_finish_cpu, _finish_cuda = twin(_finish)
+_coefficient_cpu, _coefficient_cuda = twin(_clip_coefficient)
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
@@ -152,8 +149,7 @@ def _clamp(value, bound):
     return value
 
 
-_clamp_cpu = njit(inline="always", error_model="numpy")(_clamp)
-_clamp_cuda = cuda.jit(device=True)(_clamp)
+_clamp_cpu, _clamp_cuda = twin(_clamp)
 
 
 @njit(cache=True, error_model="numpy")

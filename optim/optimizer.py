@@ -143,8 +143,8 @@ class Optimizer:
         raise NotImplementedError
 
     def _update_args(self, param, grad, buffers, counts, hyper):
-        """The arguments of ``update_kernel`` for 1-D arrays: ``buffers`` in ``_state_names``
-        order, ``counts`` the unit's device step counts, ``hyper`` the group's device array of
+        """The arguments of ``update_kernel`` for 1-D arrays: ``buffers`` by their
+        ``_state_names`` (a rule whose buffers come and go finds each by name), ``counts`` the unit's device step counts, ``hyper`` the group's device array of
         ``_hyper_values`` (subclasses)."""
         raise NotImplementedError
 
@@ -205,7 +205,8 @@ class Optimizer:
         counts = self._counts[unit]
         hyper = self._hyper(index, group, device)
         advance_steps(counts, fault_words(device))
-        self.update_kernel(*self._update_args(param, grad, buffers, counts, hyper))
+        named = dict(zip(self._state_names(group), buffers))
+        self.update_kernel(*self._update_args(param, grad, named, counts, hyper))
 
     def _hyper(self, index, group, device):
         """The group's hyper-parameters on ``device``, synced from ``param_groups``."""

@@ -2,17 +2,18 @@
 import math
 
 import numpy as np
-from numba import njit
 
-from ops.cuda_backend import cuda
-from ops.launch import Kernel, elements
-from ops.step_counter import BUFFER_UPDATES, SKIPPED
+from ops.element_kernel import element_kernel
+from ops.step_counter import BUFFER_UPDATES
 from optim.optimizer import Optimizer, check_non_negative
 
 
-def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weight_decay,
-                 nesterov, first_step, tiny):
-    # float64 arithmetic whatever the storage dtype; one rounding per stored value
+def _sgd_element(i, param, grad, momentum_buffer, counts, hyper, tiny):
+    # hyper: [lr, momentum, dampening, weight_decay, nesterov]; the momentum buffer starts
+    # from the first gradient it sees (torch's clone), so the element reads whether this is
+    # that step. float64 arithmetic whatever the storage dtype; one rounding per stored value
+    lr, momentum, dampening, weight_decay = hyper[0], hyper[1], hyper[2], hyper[3]
+    nesterov, first_step = hyper[4] != 0.0, counts[BUFFER_UPDATES] == 1
     d_p = float(grad[i]) + weight_decay * float(param[i])
     if momentum != 0.0:
         if first_step:
@@ -30,31 +31,8 @@ def _sgd_element(i, param, grad, momentum_buffer, lr, momentum, dampening, weigh
     param[i] = float(param[i]) - lr * d_p
 
 
-_sgd_element_cpu = njit(inline="always", error_model="numpy")(_sgd_element)
-_sgd_element_cuda = cuda.jit(device=True)(_sgd_element)
-
-
-# hyper: [lr, momentum, dampening, weight_decay, nesterov]; the momentum buffer starts from
-# the first gradient it sees (torch's clone), so the kernel reads whether this is that step
-@njit(cache=True, error_model="numpy")
-def sgd_cpu(param, grad, momentum_buffer, counts, hyper, tiny):
-    if counts[SKIPPED]:   # a bad input this step (ops.flag_buffer): nothing changes
-        return
-    first_step = counts[BUFFER_UPDATES] == 1
-    for i in range(param.size):
-        _sgd_element_cpu(i, param, grad, momentum_buffer, hyper[0], hyper[1], hyper[2],
-                         hyper[3], hyper[4] != 0.0, first_step, tiny)
-
-
-@cuda.jit(cache=True)
-def sgd_cuda(param, grad, momentum_buffer, counts, hyper, tiny):
-    i = cuda.grid(1)
-    if i < param.size and not counts[SKIPPED]:
-        _sgd_element_cuda(i, param, grad, momentum_buffer, hyper[0], hyper[1], hyper[2],
-                          hyper[3], hyper[4] != 0.0, counts[BUFFER_UPDATES] == 1, tiny)
-
-
-SGD_UPDATE = Kernel("sgd", sgd_cpu, sgd_cuda, elements(0))
+SGD_UPDATE = element_kernel("sgd", _sgd_element, skip_if="counts")
+sgd_cpu, sgd_cuda = SGD_UPDATE.cpu, SGD_UPDATE.cuda   # the compiled kernels, by their names
 
 
 class SGD(Optimizer):
@@ -118,6 +96,6 @@ class SGD(Optimizer):
                 group["nesterov"])
 
     def _update_args(self, param, grad, buffers, counts, hyper):
-        momentum_buffer = buffers[0] if buffers else param   # never touched without momentum
+        momentum_buffer = buffers.get("momentum_buffer", param)   # untouched without momentum
         return (param, grad, momentum_buffer, counts, hyper,
                 float(np.finfo(momentum_buffer.dtype).tiny))

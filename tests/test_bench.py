@@ -1,5 +1,6 @@
 """Smoke tests of the benchmark scripts on tiny data (they measure nothing here) and of the
 launch recorder bench.mlp counts with."""
+import functools
 import importlib.util
 import json
 
@@ -62,7 +63,8 @@ def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
 
 def test_bench_cnn_smoke(tmp_path, capsys):
     path = tmp_path / "cnn.json"
-    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--json", str(path)])
+    cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--no-compile-time",
+              "--json", str(path)])
     result = json.loads(path.read_text())
     rows = result["results"]
     assert len(rows["engine"]["epoch_s"]) == 1 and rows["engine"]["s_per_epoch"] > 0
@@ -72,6 +74,18 @@ def test_bench_cnn_smoke(tmp_path, capsys):
         assert abs(rows["torch"]["test_acc"] - rows["engine"]["test_acc"]) <= 2 / 128
     output = capsys.readouterr().out
     assert "| engine, fit (captured step) |" in output and "| framework | s/epoch |" in output
+
+
+@pytest.mark.parametrize("model", ["mlp:16", "cnn"])
+def test_first_step_times_of_both_models(model):
+    """What each fresh process of ``compile_times`` runs and reports (here in this process:
+    the fresh processes are the benchmark's, not a test's)."""
+    import time
+    timing = mlp.time_first_steps("cpu", model, time.perf_counter())
+    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s"}
+    assert all(seconds > 0 for seconds in timing.values())
+    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5}})
+    assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
 
 
 @pytest.mark.torch
@@ -127,12 +141,13 @@ def test_a_training_step_launches_at_most_16_kernels_and_leaves_the_tape_empty()
     optimizer = optim.Adam(model.parameters())
     loader = data.DataLoader(images, np.arange(32) % 10, batch_size=16, shuffle=True, seed=0,
                              device="cuda", normalize=(0.5, 0.3))
+    clip = functools.partial(optim.clip_grad_norm_, max_norm=1.0)
     for capture, most in ((False, 16), (True, 1)):
         # the first fit warms up (and, captured, records); the second is counted
-        fit(model, loader, optimizer, cross_entropy, 1, clip_norm=1.0, progress=False,
+        fit(model, loader, optimizer, cross_entropy, 1, clip=clip, progress=False,
             verbose=False, capture=capture)
         with engine.debug.poison(False), LaunchRecorder() as recorder:
-            fit(model, loader, optimizer, cross_entropy, 2, start_epoch=1, clip_norm=1.0,
+            fit(model, loader, optimizer, cross_entropy, 2, start_epoch=1, clip=clip,
                 progress=False, verbose=False, capture=capture)
         # the metrics' zeroing fills run once a pass, outside the steps
         fills = sum(1 for run in recorder.runs if run.kernel.name == "fill")

@@ -14,6 +14,7 @@ OPTIMIZERS = {
     "adam": lambda params: optim.Adam(params, lr=1e-2),
     "adamw": lambda params: optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd": lambda params: optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop": lambda params: optim.RMSprop(params, lr=1e-2, momentum=0.5, centered=True),
 }
 
 
@@ -54,7 +55,7 @@ def _train(device, captured, kind="adam", clip=False, epochs=3, lr_changes=True)
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_captured_training_equals_eager_bit_for_bit(device, kind):
     if device == "cuda" and kind != "adam" and SIMULATOR:
-        pytest.skip("one optimizer in the slow simulator; the gpu run takes all three")
+        pytest.skip("one optimizer in the slow simulator; the gpu run takes them all")
     eager_losses, eager_weights, eager_opt, _ = _train(device, False, kind)
     losses, weights, opt, step = _train(device, True, kind)
     assert step.eager_reason is None and step.recordings == 2   # full and partial batches

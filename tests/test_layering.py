@@ -89,9 +89,9 @@ def test_the_ops_runtime_floor_in_order():
     """The floor under the op families: each imports only those before it (numba-cuda only
     through ops.cuda_backend)."""
     graph = import_graph("ops")
-    order = ["ops.cuda_backend", "ops.out_of_memory", "ops.launch", "ops.flag_buffer",
-             "ops.array_copy", "ops.device", "ops.fill", "ops.cuda_pool", "ops.memory",
-             "ops.layout", "ops.dispatch", "ops.block_reduce"]
+    order = ["ops.cuda_backend", "ops.twin", "ops.out_of_memory", "ops.launch",
+             "ops.flag_buffer", "ops.array_copy", "ops.device", "ops.fill", "ops.cuda_pool",
+             "ops.memory", "ops.layout", "ops.dispatch", "ops.block_reduce"]
     for position, module in enumerate(order):
         assert graph[module] <= set(order[:position]), (module, graph[module])
 
@@ -133,3 +133,24 @@ def test_no_colliding_helper_names():
               if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "copy_into"]
     assert copies == ["ops/device.py"]
     assert not hasattr(engine.tensor, "add")
+
+
+def _imports_of(path):
+    """The top-level package of every module ``path`` imports, anywhere in its code."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_command_imports_optim_or_data_in_engine():
+    """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
+    composer (engine/train.py) wires them in (fit is handed clipping, and finds a loader's
+    cursor by its epoch_cursor method)."""
+    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
+                       if _imports_of(path) & {"optim", "data"})
+    assert importers == ["engine/train.py"], importers

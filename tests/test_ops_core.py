@@ -1,4 +1,6 @@
 """Elementwise, reduction and shape ops through ``check_op`` on every backend."""
+import math
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,14 @@ from tests.op_check import Case, check_op
 
 def _sigmoid(x):
     return 1 / (1 + np.exp(-x))
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
 BROADCAST_PAIRS = [((3, 5), (3, 5)), ((3, 5), (5,)), ((2, 1, 3), (4, 1)), ((), (3,)), ((7,), ())]
@@ -36,6 +46,9 @@ CASES = (
              lambda a: np.where(a > 0, a, 0.2 * a)),
         Case("sigmoid", ((2, 1, 3),), lambda a: a.sigmoid(), _sigmoid, low=-30, high=30),
         Case("tanh", ((3, 5),), lambda a: a.tanh(), np.tanh),
+        Case("gelu", ((3, 5),), lambda a: a.gelu(), _gelu, low=-4, high=4),
+        Case("gelu_tanh", ((7,),), lambda a: engine.gelu(a, approximate="tanh"), _gelu_tanh,
+             low=-4, high=4),
         Case("sum", ((3, 5),), lambda a: a.sum(), np.sum),
         Case("sum", ((2, 1, 3),), lambda a: a.sum(axis=(0, 2), keepdims=True),
              lambda a: a.sum(axis=(0, 2), keepdims=True)),

@@ -1,0 +1,65 @@
+"""Keras-style layers and the ``Sequential`` model.
+
+Shapes are inferred when a layer is added: the first layer declares ``input_shape=`` (without
+the batch dimension) and every later layer is built from its predecessor's output shape, so
+a layer that cannot take that shape fails at ``add`` time, not in the middle of training.
+
+A built model keeps its parameters in one flat data buffer and one flat gradient buffer per
+device and dtype (``engine.parameter.FlatBuffer``); each Parameter is a view. Optimizers run
+one kernel over each buffer and ``model.to(device)`` moves each in one copy.
+
+``model.save(path)`` writes one ``.npz``: the architecture as JSON text under
+``CONFIG_KEY`` and the weights by name, through ``engine.archive.atomic_write`` (an
+interrupted save leaves the previous file intact). ``load`` reads it with
+``engine.archive.read_npz``: arrays and text only, never pickles, so a model file can never
+run code, and any damage is a ``ValueError`` naming the file. ``load`` rebuilds the layers
+by class name from ``LAYERS``: the built-in ones and those a user registers with
+``@nn.register``.
+
+The package: ``engine.nn.layers`` (``Layer`` and the layers), ``engine.nn.convolutional``
+(the convolution layers of any rank), ``engine.nn.model`` (``Sequential`` and ``load``) and
+``engine.nn.serialization`` (the model file's format). Every public name is here.
+"""
+import importlib
+
+from engine.nn.convolutional import Conv1D, Conv2D, _Conv  # noqa: F401
+from engine.nn.layers import (ACTIVATIONS, Activation, AvgPool2D, BatchNorm, Dense,  # noqa: F401
+                              Dropout, Flatten, Layer, MaxPool2D, Normalization, Rescaling,
+                              Reshape, batch_shape)
+from engine.nn.model import LAYERS, Sequential, load, register  # noqa: F401
+from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
+                                     TRAINING_PREFIX)
+
+# ------------------------------------------------------------------ losses
+
+_LOSSES = ("CrossEntropyLoss", "BCELoss", "MSELoss")
+
+
+# PyTorch's names that the engine spells its own (Keras's) way
+TORCH_EQUIVALENTS = {
+    "Linear": "nn.Dense(units, activation=None) (the input size is inferred)",
+    "Conv1d": "nn.Conv1D(filters, kernel_size, stride=1, padding='valid')",
+    "Conv2d": "nn.Conv2D(filters, kernel_size, stride=1, padding='valid')",
+    "GELU": "nn.Activation('gelu')",
+    "ReLU": "nn.Activation('relu'), or nn.Dense(units, activation='relu')",
+    "Sigmoid": "nn.Activation('sigmoid')",
+    "Tanh": "nn.Activation('tanh')",
+    "Softmax": "nn.Activation('softmax')",
+    "LeakyReLU": "nn.Activation('leaky_relu', alpha=0.01)",
+    "MaxPool2d": "nn.MaxPool2D(pool_size)",
+    "AvgPool2d": "nn.AvgPool2D(pool_size)",
+    "BatchNorm1d": "nn.BatchNorm()",
+    "BatchNorm2d": "nn.BatchNorm()",
+    "Module": "nn.Layer (a layer: build, forward, get_config) inside an nn.Sequential",
+}
+
+
+def __getattr__(name):
+    """``nn.CrossEntropyLoss`` and friends are ``engine.losses``'s, imported on first use;
+    PyTorch's names of layers the engine spells otherwise name the engine's."""
+    if name in _LOSSES:
+        return getattr(importlib.import_module("engine.losses"), name)
+    if name in TORCH_EQUIVALENTS:
+        raise AttributeError(f"module 'engine.nn' has no attribute {name!r}; the engine's "
+                             f"equivalent is {TORCH_EQUIVALENTS[name]}")
+    raise AttributeError(f"module 'engine.nn' has no attribute {name!r}")

@@ -1,0 +1,81 @@
+"""Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``).
+
+numba-cuda has no tensor-core API. These are user intrinsics that emit inline PTX through
+llvmlite's ``InlineAsm``, the extension route numba-cuda itself takes for its cache-hint loads
+(``numba.cuda.cache_hints``); a ``cache=True`` kernel that calls them reloads from Numba's disk
+cache like any other. They run on sm_80 and newer (the H200 is sm_90), not in the simulator.
+
+Fragments, per the PTX ISA ("Matrix fragments for mma.m16n8k8" and "...m16n8k16"): a warp's
+lane is ``4·group + index`` (group = lane // 4 in 0..7, index = lane % 4 in 0..3); every lane
+holds these elements of the row-major A (16xK), the column-major B (Kx8) and C = D (16x8):
+
+- ``mma_tf32`` (K = 8), each operand register one TF32 value (``to_tf32``):
+  a0 = A[group, index], a1 = A[group + 8, index], a2 = A[group, index + 4],
+  a3 = A[group + 8, index + 4]; b0 = B[index, group], b1 = B[index + 4, group].
+- ``mma_bf16`` (K = 16), each operand register two bf16 values (``pack_bf16``: the lower
+  column or row index in the low half): a0 = A[group, 2·index : 2·index + 2],
+  a1 = A[group + 8, 2·index : +2], a2 = A[group, 2·index + 8 : +2], a3 = A[group + 8,
+  2·index + 8 : +2]; b0 = B[2·index : +2, group], b1 = B[2·index + 8 : +2, group].
+- both: c0 = C[group, 2·index], c1 = C[group, 2·index + 1], c2 = C[group + 8, 2·index],
+  c3 = C[group + 8, 2·index + 1]; the product accumulates in float32.
+
+Every lane of the warp must call an ``mma`` together (``.sync.aligned``).
+"""
+from llvmlite import ir
+
+from ops.cuda_backend import inline_ptx_api
+
+intrinsic, types = inline_ptx_api()
+
+_FOUR_FLOATS = types.UniTuple(types.float32, 4)
+
+
+def _asm(builder, result_type, operand_types, text, constraints, operands):
+    function_type = ir.FunctionType(result_type, operand_types)
+    return builder.call(ir.InlineAsm(function_type, text, constraints), operands)
+
+
+@intrinsic
+def to_tf32(typingctx, value):
+    """float32 -> the TF32 value nearest to it (ties away from zero, ``cvt.rna``), as the bits
+    of a float32 (10 mantissa bits kept) in a uint32: an operand register of ``mma_tf32``."""
+    def codegen(context, builder, signature, args):
+        return _asm(builder, ir.IntType(32), [ir.FloatType()], "cvt.rna.tf32.f32 $0, $1;",
+                    "=r,f", args)
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def pack_bf16(typingctx, low, high):
+    """Two float32 -> two bf16 (round to nearest even, ``cvt.rn.bf16x2``) in one uint32,
+    ``low`` in the low half: an operand register of ``mma_bf16``."""
+    def codegen(context, builder, signature, args):
+        # cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower
+        return _asm(builder, ir.IntType(32), [ir.FloatType(), ir.FloatType()],
+                    "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [args[1], args[0]])
+    return types.uint32(types.float32, types.float32), codegen
+
+
+def _mma(name, shape_and_types, doc):
+    text = (f"mma.sync.aligned.{shape_and_types} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+            f"{{$8, $9}}, {{$10, $11, $12, $13}};")
+    constraints = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+
+    def typer(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def codegen(context, builder, signature, args):
+            floats = ir.LiteralStructType([ir.FloatType()] * 4)
+            result = _asm(builder, floats, [ir.IntType(32)] * 6 + [ir.FloatType()] * 4, text,
+                          constraints, args)
+            return context.make_tuple(builder, _FOUR_FLOATS,
+                                      [builder.extract_value(result, i) for i in range(4)])
+        return _FOUR_FLOATS(*([types.uint32] * 6 + [types.float32] * 4)), codegen
+    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
+    return intrinsic(typer)
+
+
+mma_tf32 = _mma("mma_tf32", "m16n8k8.row.col.f32.tf32.tf32.f32", """(a0, a1, a2, a3, b0, b1,
+c0, c1, c2, c3) -> (d0, d1, d2, d3): D = A·B + C for one warp's 16x8x8 tile in TF32, float32
+accumulation (fragments: the module doc).""")
+mma_bf16 = _mma("mma_bf16", "m16n8k16.row.col.f32.bf16.bf16.f32", """(a0, a1, a2, a3, b0, b1,
+c0, c1, c2, c3) -> (d0, d1, d2, d3): D = A·B + C for one warp's 16x8x16 tile in bf16, float32
+accumulation (fragments: the module doc).""")

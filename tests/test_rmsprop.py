@@ -1,0 +1,116 @@
+"""RMSprop step by step against ``torch.optim.RMSprop`` in float64 for every option
+combination, on both devices, on the flat and the per-parameter paths; its hyper-parameter
+checks; and its state_dict resume. Capture: tests/test_capture.py; the CLI:
+tests/test_train.py."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+import optim
+from tests.test_optim import N_STEPS, grad_steps, make_params, run
+
+OPTIONS = [dict(weight_decay=wd, momentum=momentum, centered=centered, alpha=alpha)
+           for wd, momentum, centered, alpha in itertools.product(
+               (0, 0.1), (0, 0.9), (False, True), (0.99, 0.5))]
+
+
+def _option_id(options):
+    return ",".join(f"{key}={value}" for key, value in options.items())
+
+
+def _torch_run(options, steps, lr=0.01):
+    values = [p.numpy() for p in make_params("cpu")]
+    params = [torch.tensor(v, requires_grad=True) for v in values]
+    opt = torch.optim.RMSprop(params, lr=lr, **options)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+    return [p.detach().numpy() for p in params]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
+def test_rmsprop_matches_torch_step_by_step_in_float64(options, flat, device):
+    steps = grad_steps()
+    for n in range(1, N_STEPS + 1, N_STEPS - 1):   # after the first step and after all
+        mine = run(lambda params: optim.RMSprop(params, lr=0.01, **options),
+                   make_params(device, flat=flat), steps[:n])
+        theirs = _torch_run(options, steps[:n])
+        for k, (a, b) in enumerate(zip(mine, theirs)):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15,
+                                       err_msg=f"parameter {k} after {n} steps")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", OPTIONS[5::6], ids=_option_id)
+def test_rmsprop_float32_cpu_equals_cuda(options):
+    steps = grad_steps(dtype=np.float32)
+    results = [run(lambda params: optim.RMSprop(params, lr=0.01, **options),
+                   make_params(device, dtype=np.float32), steps) for device in ("cpu", "cuda")]
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_rmsprop_keeps_torchs_state_names_and_resumes_bit_for_bit(device):
+    steps = grad_steps(6)
+    options = dict(lr=0.01, momentum=0.5, centered=True)
+    straight = run(lambda params: optim.RMSprop(params, **options), make_params(device), steps)
+    params = make_params(device)
+    first = optim.RMSprop(params, **options)
+    for grads in steps[:3]:
+        for p, g in zip(params, grads):
+            p.grad = engine.tensor(g, device=device)
+        first.step()
+    saved = first.state_dict()
+    assert set(saved["state"][0]) == {"step", "square_avg", "momentum_buffer", "grad_avg"}
+    second = optim.RMSprop(params, lr=0.5)
+    second.load_state_dict(saved)
+    assert second.param_groups[0]["lr"] == 0.01   # the saved hyper-parameters win, as torch
+    resumed = run(lambda _: second, params, steps[3:])
+    for a, b in zip(resumed, straight):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("argument, value, error, match", [
+    ("lr", -1.0, ValueError, "invalid lr: -1.0"),
+    ("lr", float("inf"), ValueError, "invalid lr: inf"),
+    ("alpha", 1.5, ValueError, r"invalid alpha: 1.5 \(must be in \[0, 1\]\)"),
+    ("alpha", -0.1, ValueError, "invalid alpha"),
+    ("eps", -1e-8, ValueError, "invalid eps"),
+    ("weight_decay", -0.1, ValueError, "invalid weight_decay"),
+    ("momentum", float("nan"), ValueError, "invalid momentum"),
+    ("momentum", "0.9", TypeError, "momentum must be a number"),
+    ("centered", 1, TypeError, "centered must be True or False"),
+])
+def test_rmsprop_validates_every_hyper_parameter(argument, value, error, match):
+    with pytest.raises(error, match=f"RMSprop: {match}"):
+        optim.RMSprop(make_params("cpu"), **{argument: value})
+
+
+def test_rmsprop_defaults_are_torchs():
+    defaults = optim.RMSprop(make_params("cpu")).defaults
+    assert defaults == dict(lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0,
+                            centered=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[-1]], ids=_option_id)
+def test_rmsprop_on_a_million_parameters_matches_torch_on_the_gpu(options):
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1 << 20).astype(np.float32)
+    ours = engine.tensor(start, device="cuda", requires_grad=True)
+    theirs = torch.tensor(start, device="cuda", requires_grad=True)
+    opt = optim.RMSprop([ours], lr=1e-3, **options)
+    reference = torch.optim.RMSprop([theirs], lr=1e-3, **options)
+    for _ in range(5):
+        grad = rng.standard_normal(start.size).astype(np.float32)
+        ours.grad = engine.tensor(grad, device="cuda")
+        theirs.grad = torch.tensor(grad, device="cuda")
+        opt.step()
+        reference.step()
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().cpu().numpy(), rtol=1e-5,
+                               atol=1e-6)
