@@ -27,9 +27,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-# Measured on the 2-core Zen 3 machine (python -m bench.gemm_split, medians, load <= 0.3):
-# 128x784x256 (25.7M multiply-adds, the MLP's first layer) 629 -> 3xx us on two threads;
-# below ~4M the pool's wake-up (20-40 us) eats the gain.
+# The MLP's first layer (128x784x256, 25.7M multiply-adds) splits, its 4.2M second layer
+# does not: on the 2-core Zen 3 machine a split Dense forward of the first layer ran 443-478
+# us against 649-740 on one thread (the previous branch's quiet figure); at 4.2M, beside
+# other processes (load 1.5), two blocks took 124 us against 92 for one call (the pool's
+# wake-up is tens of us). Not yet measured on a quiet machine: python -m bench.cpu_split.
 SPLIT_MIN_MACS = 8 << 20
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
