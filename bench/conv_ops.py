@@ -29,9 +29,9 @@ dw), every candidate config of ``SWEEP_CANDIDATES`` forced through
 ``ops.matmul.CONV_CHOICES``, and prints the winners as entries to paste there; each output
 is compared with the one the rule's config gives (max relative difference).
 
-``--threads N`` runs the engine's parallel CPU loops (``numba.set_num_threads``) and torch's
-intra-op pool on N threads each; by default each library keeps its own (Numba: one thread
-per core). The engine's BLAS calls keep ``engine.blas_threads``' count inside each loop.
+``--threads N`` runs the engine's parallel CPU loops (``engine.set_num_threads``) and torch's
+intra-op pool on N threads each; by default the engine follows the usable CPUs and their
+load, torch keeps its own.
 """
 import argparse
 import importlib.util
@@ -196,11 +196,9 @@ def _flops(name, x_shape, params, phase):
 
 
 def run(device, quick=False, threads=None):
-    import numba
-
-    import engine  # noqa: F401  (sets the BLAS threads of the engine's CPU GEMMs)
+    import engine
     if threads is not None:
-        numba.set_num_threads(threads)
+        engine.set_num_threads(threads)
     has_torch = importlib.util.find_spec("torch") is not None
     torch_device, torch_threads = None, None
     if has_torch:
@@ -261,7 +259,7 @@ def run(device, quick=False, threads=None):
                          "gflops": None if flops is None else
                          {k: flops / v / 1e9 for k, v in
                           (gpu_seconds if gpu_timers else seconds).items()}})
-    return {"device": device, "engine_threads": numba.get_num_threads(),
+    return {"device": device, "engine_threads": engine.get_num_threads(),
             "torch_threads": torch_threads, "rows": rows}
 
 
