@@ -22,14 +22,39 @@ def _run(code, simulator):
     return result.stdout.split()
 
 
-def test_a_cpu_training_step_imports_no_numba_cuda():
+CUDA_MODULES = "('numba', 'numba.cuda', 'cuda.core', 'ml_dtypes')"
+
+
+def test_a_first_cpu_tensor_imports_no_numba_cuda():
     imported = _run(
         "import sys, engine\n"
         "x = engine.tensor([1., 2.], requires_grad=True)\n"
         "(x * x).sum().backward()\n"
         "print(x.grad.numpy().tolist() == [2.0, 4.0],\n"
-        "      *(name in sys.modules for name in ('numba', 'numba.cuda', 'cuda.core',\n"
-        "                                         'ml_dtypes')))\n", simulator=False)
+        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
+    assert imported == ["True", "True", "False", "False", "False"]
+
+
+def test_captured_cpu_training_steps_import_no_numba_cuda():
+    imported = _run(
+        "import sys, numpy as np, engine, optim\n"
+        "from engine import nn\n"
+        "from engine.losses import cross_entropy\n"
+        "model = nn.Sequential([nn.Dense(8, activation='relu', input_shape=(5,)),\n"
+        "                       nn.Dropout(0.1), nn.Dense(3)])\n"
+        "opt = optim.Adam(model.parameters(), lr=1e-2)\n"
+        "@engine.capture\n"
+        "def step(xb, yb):\n"
+        "    opt.zero_grad()\n"
+        "    loss = cross_entropy(model(xb), yb)\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    return loss\n"
+        "xb, yb = engine.randn(6, 5), engine.tensor(np.arange(6) % 3)\n"
+        "for _ in range(4):\n"
+        "    step(xb, yb)\n"
+        "print(step.eager_reason is None,\n"
+        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
     assert imported == ["True", "True", "False", "False", "False"]
 
 
