@@ -74,15 +74,16 @@ class _DeferredCuda:
     """``numba.cuda`` as the kernel modules see it at import (see above)."""
 
     def jit(self, function_or_signature=None, **options):
-        if _numba_cuda is not None:
-            return _numba_cuda.jit(function_or_signature, **options)
         if function_or_signature is None:
             return lambda function: self.jit(function, **options)
         if not callable(function_or_signature):   # a signature: Numba compiles it right away
             return import_numba_cuda().jit(function_or_signature, **options)
-        kernel = LazyKernel(function_or_signature, options)
-        _lazy_kernels.append(kernel)
-        return kernel
+        with _import_lock:   # a module imported in another thread during the import
+            if _numba_cuda is None:
+                kernel = LazyKernel(function_or_signature, options)
+                _lazy_kernels.append(kernel)
+                return kernel
+        return _numba_cuda.jit(function_or_signature, **options)
 
     def __getattr__(self, name):
         return getattr(import_numba_cuda(), name)
