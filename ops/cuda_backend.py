@@ -4,7 +4,8 @@ It gives the kernel modules the ``cuda`` API they are written against (``@cuda.j
 ``cuda.grid``, shared and local arrays) and holds every numba-cuda internal the engine relies
 on: the launch fast path (the kernel parameter layout, ``_to_core_stream``, ``_codelibrary``),
 device arrays built without a context lookup, mapped host memory, and the memory-manager base
-class of the caching allocator.
+class of the caching allocator. It imports numba-cuda on the first CUDA use, not at import
+(the section below), so CPU work never pays for it.
 
 numba-cuda is in maintenance mode; its successor numba-cuda-mlir keeps ``@cuda.jit`` but has
 no simulator and no GraphBuilder launch. No other file imports ``numba.cuda``, so moving is a
@@ -14,22 +15,139 @@ import ctypes
 import functools
 import math
 import os
+import sys
 import threading
 
 import numpy as np
-from numba import config
-from numba import cuda  # noqa: F401  (re-exported: the kernel modules' CUDA API)
-from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
-# Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning for it.
-config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 
-if not SIMULATOR:
-    from cuda.core import LaunchConfig
-    from cuda.core import launch as _core_launch
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    from numba.cuda.cudadrv.driver import _to_core_stream
+
+# ------------------------------------------------------------------ numba-cuda, imported late
+#
+# Importing numba.cuda costs 1.5 s on the 2-core CPU machine (1.0 s of it ml_dtypes, which it
+# imports when onnx has installed it), and every op module defines its @cuda.jit kernels at
+# import. So the kernel modules get ``cuda``, a stand-in whose ``jit`` records the function
+# and its options (a ``LazyKernel``), and numba-cuda is imported the first time anything
+# else is asked of it: a launch, a device array, ``cuda.is_available()``. Numba reads a
+# kernel's globals and closure cells when it types the kernel, and the simulator swaps the
+# globals that *are* numba.cuda while a kernel runs, so that first import makes every lazy
+# kernel a real dispatcher and puts the real objects into every module global and closure
+# cell that held the stand-ins, before any kernel is typed or run. A LazyKernel that some
+# object still holds (an ops.launch ``Kernel``) forwards to its dispatcher.
+
+_import_lock = threading.RLock()
+_numba_cuda = None        # the numba.cuda module once imported
+_lazy_kernels = []        # the LazyKernels made before that
+_on_import = []           # what runs right after that import (the caching allocator's install)
+
+
+class LazyKernel:
+    """What ``cuda.jit`` gives before numba-cuda is imported: the function and the jit
+    options; indexing (a launch), calling or any attribute imports numba-cuda and uses the
+    real dispatcher."""
+
+    __slots__ = ("_function", "_options", "_dispatcher")
+
+    def __init__(self, function, options):
+        self._function, self._options, self._dispatcher = function, options, None
+
+    def real(self):
+        if self._dispatcher is None:
+            import_numba_cuda()
+        return self._dispatcher
+
+    def __getitem__(self, launch_config):
+        return self.real()[launch_config]
+
+    def __call__(self, *args, **kwargs):
+        return self.real()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real(), name)
+
+    def __repr__(self):
+        return f"LazyKernel({self._function.__qualname__})"
+
+
+class _DeferredCuda:
+    """``numba.cuda`` as the kernel modules see it at import (see above)."""
+
+    def jit(self, function_or_signature=None, **options):
+        if function_or_signature is None:
+            return lambda function: self.jit(function, **options)
+        if not callable(function_or_signature):   # a signature: Numba compiles it right away
+            return import_numba_cuda().jit(function_or_signature, **options)
+        with _import_lock:   # a module imported in another thread during the import
+            if _numba_cuda is None:
+                kernel = LazyKernel(function_or_signature, options)
+                _lazy_kernels.append(kernel)
+                return kernel
+        return _numba_cuda.jit(function_or_signature, **options)
+
+    def __getattr__(self, name):
+        return getattr(import_numba_cuda(), name)
+
+
+cuda = _DeferredCuda()   # the kernel modules' CUDA API; the real numba.cuda once imported
+
+
+def when_numba_cuda_imported(callback):
+    """Run ``callback()`` right after numba-cuda's import (now, if it is imported already)."""
+    with _import_lock:
+        if _numba_cuda is None:
+            _on_import.append(callback)
+            return
+    callback()
+
+
+def import_numba_cuda():
+    """numba.cuda, imported on first call; the lazy kernels become real dispatchers."""
+    global _numba_cuda, LaunchConfig, _core_launch, DeviceNDArray, _to_core_stream
+    with _import_lock:
+        if _numba_cuda is not None:
+            return _numba_cuda
+        from numba import config
+        from numba import cuda as numba_cuda
+        # Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning.
+        config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+        if not SIMULATOR:
+            from cuda.core import LaunchConfig
+            from cuda.core import launch as _core_launch
+            from numba.cuda.cudadrv.devicearray import DeviceNDArray
+            from numba.cuda.cudadrv.driver import _to_core_stream
+        for kernel in _lazy_kernels:
+            kernel._dispatcher = numba_cuda.jit(**kernel._options)(kernel._function)
+        # by id: the stand-ins forward attribute look-ups, so no look-up may touch them
+        real = {id(kernel): kernel._dispatcher for kernel in _lazy_kernels}
+        real[id(cuda)] = numba_cuda
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict):
+                for name, value in list(namespace.items()):
+                    if id(value) in real:
+                        namespace[name] = real[id(value)]
+        for kernel in _lazy_kernels:
+            for cell in kernel._function.__closure__ or ():
+                try:
+                    contents = cell.cell_contents
+                except ValueError:   # a cell not yet filled
+                    continue
+                if id(contents) in real:
+                    cell.cell_contents = real[id(contents)]
+        _lazy_kernels.clear()
+        _numba_cuda = numba_cuda
+        for callback in _on_import:
+            callback()
+        _on_import.clear()
+        return numba_cuda
+
+
+def is_cuda_ndarray(array):
+    """numba.cuda's own test (``numba.cuda.cudadrv.devicearray``), without importing it: no
+    device array exists before numba-cuda is imported."""
+    return getattr(array, "__cuda_ndarray__", False)
+
 
 _thread = threading.local()
 
@@ -209,11 +327,18 @@ def current_memory_manager():
     return cuda.current_context().memory_manager
 
 
-if not SIMULATOR:
-    MemoryManagerBase = cuda.cudadrv.driver.NumbaCUDAMemoryManager
-    MemoryPointer = cuda.cudadrv.driver.MemoryPointer
-    CudaAPIError = cuda.cudadrv.driver.CudaAPIError
-    OUT_OF_MEMORY = cuda.cudadrv.driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+def __getattr__(name):
+    """The driver's memory-manager names (``ops.cuda_pool`` subclasses and raises them), from
+    numba-cuda's driver when first asked for (module ``__getattr__``, PEP 562). Not through
+    ``import_numba_cuda``: its callbacks install ``ops.cuda_pool``'s allocator, which would
+    then be imported from inside its own import."""
+    if SIMULATOR or name not in ("MemoryManagerBase", "MemoryPointer", "CudaAPIError",
+                                 "OUT_OF_MEMORY"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from numba.cuda.cudadrv import driver
+    return {"MemoryManagerBase": driver.NumbaCUDAMemoryManager,
+            "MemoryPointer": driver.MemoryPointer, "CudaAPIError": driver.CudaAPIError,
+            "OUT_OF_MEMORY": driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY}[name]
 
 
 # ------------------------------------------------------------------ launching
@@ -413,7 +538,10 @@ def _launch_config(grid, block):
 
 
 def is_cuda_kernel(kernel):
-    """True for a ``@cuda.jit`` dispatcher (the simulator's fake one in the simulator)."""
+    """True for a ``@cuda.jit`` dispatcher (the simulator's fake one in the simulator), lazy
+    or real."""
+    if isinstance(kernel, LazyKernel):
+        kernel = kernel.real()
     if SIMULATOR:
         from numba.cuda.simulator.kernel import FakeCUDAKernel
         return isinstance(kernel, FakeCUDAKernel)

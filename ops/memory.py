@@ -58,9 +58,15 @@ def empty(shape, dtype, device):
 # ---------------------------------------------------------------- caching allocator
 
 _POOL_ENABLED = not SIMULATOR and os.environ.get("ENGINE_CUDA_POOL", "1") != "0"
-if _POOL_ENABLED:   # the simulator has no memory manager to replace
+
+
+def _install_caching_allocator():
     from ops.cuda_pool import CachingMemoryManager
     cuda_backend.install_memory_manager(CachingMemoryManager)
+
+
+if _POOL_ENABLED:   # the simulator has no memory manager to replace
+    cuda_backend.when_numba_cuda_imported(_install_caching_allocator)   # before any context
 
 
 def allocator_stats():

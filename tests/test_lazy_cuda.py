@@ -1,0 +1,97 @@
+"""numba-cuda is imported when CUDA is first used, not by ``import engine`` or CPU work.
+
+Each case runs in a fresh process: the test process itself has imported numba-cuda long ago.
+``ops.cuda_backend`` explains the mechanism (the kernel modules' ``cuda`` is a stand-in until
+then; the first use puts the real dispatchers into module globals and closure cells)."""
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(code, simulator):
+    environment = {name: value for name, value in os.environ.items()
+                   if name != "NUMBA_ENABLE_CUDASIM"}
+    if simulator:
+        environment["NUMBA_ENABLE_CUDASIM"] = "1"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+CUDA_MODULES = "('numba', 'numba.cuda', 'cuda.core', 'ml_dtypes')"
+
+
+def test_a_first_cpu_tensor_imports_no_numba_cuda():
+    imported = _run(
+        "import sys, engine\n"
+        "x = engine.tensor([1., 2.], requires_grad=True)\n"
+        "(x * x).sum().backward()\n"
+        "print(x.grad.numpy().tolist() == [2.0, 4.0],\n"
+        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
+    assert imported == ["True", "True", "False", "False", "False"]
+
+
+def test_captured_cpu_training_steps_import_no_numba_cuda():
+    imported = _run(
+        "import sys, numpy as np, engine, optim\n"
+        "from engine import nn\n"
+        "from engine.losses import cross_entropy\n"
+        "model = nn.Sequential([nn.Dense(8, activation='relu', input_shape=(5,)),\n"
+        "                       nn.Dropout(0.1), nn.Dense(3)])\n"
+        "opt = optim.Adam(model.parameters(), lr=1e-2)\n"
+        "@engine.capture\n"
+        "def step(xb, yb):\n"
+        "    opt.zero_grad()\n"
+        "    loss = cross_entropy(model(xb), yb)\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    return loss\n"
+        "xb, yb = engine.randn(6, 5), engine.tensor(np.arange(6) % 3)\n"
+        "for _ in range(4):\n"
+        "    step(xb, yb)\n"
+        "print(step.eager_reason is None,\n"
+        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
+    assert imported == ["True", "True", "False", "False", "False"]
+
+
+def test_the_first_cuda_tensor_makes_the_module_kernels_real():
+    # the simulator stands in for a GPU; the kernels were lazy until the CUDA tensor
+    result = _run(
+        "import sys, engine, ops.elementwise as elementwise\n"
+        "from ops.cuda_backend import LazyKernel\n"
+        "lazy = isinstance(elementwise.BINARY[elementwise.MUL].cuda, LazyKernel)\n"
+        "x = engine.tensor([1., 2., 3.], device='cuda', requires_grad=True)\n"
+        "(x * x).sum().backward()\n"
+        "from numba import cuda\n"
+        "print(lazy, x.grad.numpy().tolist() == [2.0, 4.0, 6.0], elementwise.cuda is cuda,\n"
+        "      not any(isinstance(value, LazyKernel) for value in vars(elementwise).values()))\n",
+        simulator=True)
+    assert result == ["True", "True", "True", "True"]
+
+
+def test_device_functions_held_in_closures_are_made_real_before_the_kernel_runs():
+    result = _run(
+        "import numpy as np\n"
+        "from ops.cuda_backend import LazyKernel, cuda\n"
+        "def make(factor):\n"
+        "    @cuda.jit(device=True)\n"
+        "    def scaled(value):\n"
+        "        return factor * value\n"
+        "    @cuda.jit\n"
+        "    def kernel(out):\n"
+        "        i = cuda.grid(1)\n"
+        "        if i < out.size:\n"
+        "            out[i] = scaled(out[i])\n"
+        "    return kernel\n"
+        "kernel = make(3.0)\n"
+        "lazy = isinstance(kernel, LazyKernel)\n"
+        "out = cuda.to_device(np.arange(5.0))\n"
+        "kernel[1, 8](out)\n"
+        "after = make(2.0)\n"
+        "print(lazy, out.copy_to_host().tolist() == [0.0, 3.0, 6.0, 9.0, 12.0],\n"
+        "      isinstance(after, LazyKernel))\n", simulator=True)
+    assert result == ["True", "True", "False"]
