@@ -121,12 +121,18 @@ def import_numba_cuda():
         # by id: the stand-ins forward attribute look-ups, so no look-up may touch them
         real = {id(kernel): kernel._dispatcher for kernel in _lazy_kernels}
         real[id(cuda)] = numba_cuda
+        # the modules' globals, and the globals of kernels made from generated source
+        # (ops.element_kernel execs its kernels in a namespace of their own)
+        namespaces = {id(kernel._function.__globals__): kernel._function.__globals__
+                      for kernel in _lazy_kernels}
         for module in list(sys.modules.values()):
             namespace = getattr(module, "__dict__", None)
             if isinstance(namespace, dict):
-                for name, value in list(namespace.items()):
-                    if id(value) in real:
-                        namespace[name] = real[id(value)]
+                namespaces[id(namespace)] = namespace
+        for namespace in namespaces.values():
+            for name, value in list(namespace.items()):
+                if id(value) in real:
+                    namespace[name] = real[id(value)]
         for kernel in _lazy_kernels:
             for cell in kernel._function.__closure__ or ():
                 try:
