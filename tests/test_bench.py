@@ -41,8 +41,9 @@ def test_bench_mlp_smoke(tmp_path, capsys):
     assert "| engine, fit(capture=False) |" in output
 
 
-def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
-        tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def neighbours(monkeypatch):
+    """The busy processes bench.mlp.busy_neighbour starts (bench.cnn's too), as started."""
     started = []
     real_neighbour = mlp.busy_neighbour
 
@@ -51,14 +52,19 @@ def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
         return started[-1]
 
     monkeypatch.setattr(mlp, "busy_neighbour", recorded_neighbour)
+    return started
+
+
+def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
+        tmp_path, capsys, neighbours):
     path = tmp_path / "mlp.json"
     mlp.main(["--device", "cpu", "--epochs", "1", "--limit", "256", "--hidden", "16",
               "--no-compile-time", "--busy-neighbour", "--json", str(path)])
     row = json.loads(path.read_text())["results"]["engine"]
     assert len(row["loaded_epoch_s"]) == 1 and row["loaded_s_per_epoch"] > 0
     assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
-    assert len(started) == 1 and started[0].poll() is not None   # stopped at the end
-    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
+    assert len(neighbours) == 1 and neighbours[0].poll() is not None   # stopped at the end
+    assert "beside a busy process (neighbours and stopped by this run" in capsys.readouterr().out
 
 
 def test_bench_cnn_smoke(tmp_path, capsys):
@@ -156,15 +162,7 @@ def test_a_training_step_launches_at_most_16_kernels_and_leaves_the_tape_empty()
 
 
 def test_bench_cnn_busy_neighbour_times_the_epochs_again_and_stops_its_process(
-        tmp_path, capsys, monkeypatch):
-    started = []
-    real_neighbour = mlp.busy_neighbour
-
-    def recorded_neighbour():
-        started.append(real_neighbour())
-        return started[-1]
-
-    monkeypatch.setattr(mlp, "busy_neighbour", recorded_neighbour)
+        tmp_path, capsys, neighbours):
     path = tmp_path / "cnn.json"
     cnn.main(["--device", "cpu", "--epochs", "1", "--limit", "128", "--no-eager",
               "--no-compile-time", "--busy-neighbour", "--json", str(path)])
@@ -173,8 +171,8 @@ def test_bench_cnn_busy_neighbour_times_the_epochs_again_and_stops_its_process(
     assert len(row["loaded_epoch_s"]) == 1 and row["loaded_s_per_epoch"] > 0
     assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
     assert result["engine_threads_loaded"] >= 1
-    assert len(started) == 1 and started[0].poll() is not None   # stopped at the end
-    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
+    assert len(neighbours) == 1 and neighbours[0].poll() is not None   # stopped at the end
+    assert "beside a busy process (neighbours and stopped by this run" in capsys.readouterr().out
 
 
 def test_bench_cpu_split_times_each_layer_at_1_and_2_threads_and_restores_the_default(capsys):
