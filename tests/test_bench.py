@@ -64,7 +64,7 @@ def test_bench_mlp_busy_neighbour_times_the_epochs_again_and_stops_its_process(
     assert len(row["loaded_epoch_s"]) == 1 and row["loaded_s_per_epoch"] > 0
     assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
     assert len(neighbours) == 1 and neighbours[0].poll() is not None   # stopped at the end
-    assert "beside a busy process (neighbours and stopped by this run" in capsys.readouterr().out
+    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
 
 
 def test_bench_cnn_smoke(tmp_path, capsys):
@@ -172,7 +172,7 @@ def test_bench_cnn_busy_neighbour_times_the_epochs_again_and_stops_its_process(
     assert row["loaded_over_quiet"] == row["loaded_s_per_epoch"] / row["s_per_epoch"]
     assert result["engine_threads_loaded"] >= 1
     assert len(neighbours) == 1 and neighbours[0].poll() is not None   # stopped at the end
-    assert "beside a busy process (neighbours and stopped by this run" in capsys.readouterr().out
+    assert "beside a busy process (started and stopped by this run" in capsys.readouterr().out
 
 
 def test_bench_cpu_split_times_each_layer_at_1_and_2_threads_and_restores_the_default(capsys):
