@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, alternating_epochs,
-                       beside_a_busy_neighbour, compile_times, engine_training,
-                       format_first_steps, machine_description, torch_step)
+                       beside_a_busy_neighbour, busy_neighbour_line, compile_times,
+                       engine_training, format_first_steps, machine_description, torch_step)
 from bench.report import emit, require_device
 
 
@@ -334,12 +334,9 @@ def format_table(result):
             eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
             ratio += f", {eager:.2f}x eager"
         lines += ["", ratio]
-    if "loaded_s_per_epoch" in rows["engine"]:
-        lines.append(f"beside a busy process (started and stopped by this run; engine threads "
-                     f"{result['engine_threads_loaded']}), s/epoch: " +
-                     ", ".join(f"{name} {row['loaded_s_per_epoch']:.2f} "
-                               f"({row['loaded_over_quiet']:.2f}x its quiet epoch)"
-                               for name, row in rows.items()))
+    loaded = busy_neighbour_line(result, rows, 2)
+    if loaded is not None:
+        lines.append(loaded)
     lines.append(f"engine threads {result['engine_threads']}, 1-minute load average at the "
                  f"end {result['load_average'][0]:.2f}")
     if "jit" in result:

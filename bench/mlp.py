@@ -338,6 +338,18 @@ def beside_a_busy_neighbour(frameworks, epochs):
         neighbour.wait()
 
 
+def busy_neighbour_line(result, rows, digits):
+    """The table's line of the epochs beside a busy process (``--busy-neighbour``), s/epoch
+    to ``digits`` decimals; None when the run had none."""
+    if "loaded_s_per_epoch" not in rows["engine"]:
+        return None
+    return (f"beside a busy process (started and stopped by this run; engine threads "
+            f"{result['engine_threads_loaded']}), s/epoch: " +
+            ", ".join(f"{name} {row['loaded_s_per_epoch']:.{digits}f} "
+                      f"({row['loaded_over_quiet']:.2f}x its quiet epoch)"
+                      for name, row in rows.items()))
+
+
 def run(device, epochs, hidden, limit, measure_compile, loaded=False):
     import engine
     from engine.train import load_dataset, pixel_statistics
@@ -422,12 +434,9 @@ def format_table(result):
         eager = rows["engine eager"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
         lines.append(f"engine / torch eager s/epoch: {result['engine_over_torch']:.2f}x "
                      f"captured, {eager:.2f}x eager")
-    if "loaded_s_per_epoch" in rows["engine"]:
-        lines.append(f"beside a busy process (started and stopped by this run; engine threads "
-                     f"{result['engine_threads_loaded']}), s/epoch: " +
-                     ", ".join(f"{name} {row['loaded_s_per_epoch']:.3f} "
-                               f"({row['loaded_over_quiet']:.2f}x its quiet epoch)"
-                               for name, row in rows.items()))
+    loaded = busy_neighbour_line(result, rows, 3)
+    if loaded is not None:
+        lines.append(loaded)
     engine = rows["engine"]
     lines.append("autograd tape between steps: at most "
                  f"{engine['tape_nodes_between_steps_max']} nodes")

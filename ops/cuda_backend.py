@@ -389,7 +389,7 @@ def direct_function(kernel, args):
     if signature is None:
         return None
     function = _compiled.get((kernel, signature))
-    return _shipped_function(kernel, args) if function is None else function
+    return _shipped_function(kernel, args, signature) if function is None else function
 
 
 def kernel_params(args):
@@ -726,12 +726,11 @@ def _value_description(value, active, cyclic, names=()):
     return f"{type(value).__name__} {value!r}"
 
 
-def _shipped_function(kernel, args):
-    """The cuda.core kernel shipped for ``kernel`` and the types of ``args``, loaded once;
-    None when there is none (lookup off, no manifest, no artifact for this device's compute
-    capability, or arguments only Numba can pass)."""
-    signature = _signature(args)
-    if signature is None or not shipped_kernels_enabled():
+def _shipped_function(kernel, args, signature):
+    """The cuda.core kernel shipped for ``kernel`` and the types of ``args`` (``signature``,
+    ``_signature``'s key of them), loaded once; None when there is none (lookup off, no
+    manifest, no artifact for this device's compute capability)."""
+    if not shipped_kernels_enabled():
         return None
     try:
         return _shipped[(kernel, signature)]
