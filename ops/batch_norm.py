@@ -440,14 +440,20 @@ def _cuda_kernels(inner):
     return statistics_cuda, normalise_cuda, gradient_sums_cuda, gradients_cuda
 
 
+def _chunk_partials(nb, channels, inner, used=True):
+    """The launches' block count, the chunks' rows, and the two float64 partials of each
+    block (one placeholder element where nothing writes them: eval's forward)."""
+    chunks, rows = batch_chunks(nb, inner)
+    blocks = channels * chunks
+    return blocks, rows, empty(2 * blocks if used else 1, np.float64, "cuda")
+
+
 def _forward_plan(args):
     x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd, meta = args[:9]
     momentum, eps = args[9:]
     nb, channels, inner, training, has_weight, has_bias = meta
     statistics, normalise = _cuda_kernels(inner)[:2]
-    chunks, rows = batch_chunks(nb, inner)
-    blocks = channels * chunks
-    partials = empty(2 * blocks, np.float64, "cuda")
+    blocks, rows, partials = _chunk_partials(nb, channels, inner, used=training)
     launches = [(statistics, blocks, REDUCE_THREADS, (x, partials, channels, rows))] \
         if training else []
     return launches + [(normalise, blocks, REDUCE_THREADS,
@@ -460,9 +466,7 @@ def _backward_plan(args):
     x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w, grad_b, meta = args
     nb, channels, inner, training, has_weight, _, needs_x, needs_w, needs_b = meta
     gradient_sums, gradients = _cuda_kernels(inner)[2:]
-    chunks, rows = batch_chunks(nb, inner)
-    blocks = channels * chunks
-    partials = empty(2 * blocks, np.float64, "cuda")
+    blocks, rows, partials = _chunk_partials(nb, channels, inner)
     return [(gradient_sums, blocks, REDUCE_THREADS, (x, saved_mean, grad_out, partials, rows)),
             (gradients, blocks, REDUCE_THREADS,
              (x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w, grad_b, partials,
