@@ -36,6 +36,7 @@ SPLIT_MIN_MACS = 8 << 20
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
+STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a stall
 # a BLAS thread count chosen in the environment (BLAS reads these itself) is left to BLAS,
 # which then threads the GEMMs: the engine's own count is 1 until set_threads
 USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -182,11 +183,33 @@ def run_blocks(calls):
                     old.shutdown(wait=False)
     futures = [_pool.submit(function, *args) for function, args in calls[1:]]
     function, args = calls[0]
+    start = time.perf_counter()
     try:
         function(*args)
     finally:
+        own = time.perf_counter() - start
         for future in futures:
             future.result()
+    if split_stalled(own, time.perf_counter() - start - own):
+        _fall_back_to_one_thread()
+
+
+def split_stalled(own_s, waited_s):
+    """A split whose workers finished ``waited_s`` after this thread's own block (which took
+    ``own_s``) waited on a worker that was not running: equal blocks on free cores end
+    together (the wake-up of a worker is tens of us), one waiting for a core ends a scheduler
+    slice (milliseconds) later."""
+    return waited_s > max(own_s, STALL_MIN_S)
+
+
+def _fall_back_to_one_thread():
+    """While following the load: one thread until the next reading of the load, which a
+    stalled split shows before ``/proc/stat`` does (a neighbour started since the last
+    reading, or one the reading's average hid)."""
+    global _count, _next_reading
+    if _chosen is None:
+        with _lock:
+            _count, _next_reading = 1, time.monotonic() + LOAD_INTERVAL_S
 
 
 # ------------------------------------------------------------------ Numba's prange loops

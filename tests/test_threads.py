@@ -136,3 +136,38 @@ def test_a_gemm_repeats_bit_for_bit_at_a_fixed_thread_count(threads, follow_the_
     first = gemm(a, b)
     assert all(np.array_equal(gemm(a, b), first) for _ in range(5))
     np.testing.assert_allclose(first, a.astype(np.float64) @ b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("own, waited, stalled", [(300e-6, 20e-6, False), (300e-6, 290e-6, False),
+                                                  (300e-6, 4e-3, True), (50e-6, 150e-6, False),
+                                                  (50e-6, 250e-6, True)])
+def test_a_split_stalled_when_its_workers_ended_a_block_s_time_after_its_own(own, waited,
+                                                                              stalled):
+    assert cpu_threads.split_stalled(own, waited) == stalled
+
+
+def _sleep(seconds):
+    __import__("time").sleep(seconds)
+
+
+def test_a_stalled_split_drops_the_default_to_one_thread_until_the_next_reading(
+        monkeypatch, follow_the_load_after):
+    cpu_threads.set_threads(None)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_now", lambda self: 0.0)
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_busy", lambda self: 0.0)
+    now = [1000.0]
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: now[0])
+    assert engine.get_num_threads() == 2
+    cpu_threads.run_blocks([(_sleep, (0.0,)), (_sleep, (0.05,))])   # a worker 50 ms late
+    assert engine.get_num_threads() == 1
+    now[0] += cpu_threads.LOAD_INTERVAL_S / 2
+    assert engine.get_num_threads() == 1   # not read again yet
+    now[0] += cpu_threads.LOAD_INTERVAL_S
+    assert engine.get_num_threads() == 2   # the reading finds the machine quiet
+
+
+def test_a_stalled_split_leaves_a_count_that_set_num_threads_fixed(follow_the_load_after):
+    engine.set_num_threads(2)
+    cpu_threads.run_blocks([(_sleep, (0.0,)), (_sleep, (0.05,))])
+    assert engine.get_num_threads() == 2
