@@ -1,6 +1,6 @@
 """The CPU GEMMs of the reference MLP split across the engine's threads, against one call.
 
-    python -m bench.cpu_split [--rounds 300] [--json results.json]
+    python -m bench.cpu_split [--rounds 300] [--busy-neighbour] [--json results.json]
 
 Each product of the 784-256-128-10 MLP's step at batch 128 (the fused Dense forward, and its
 backward: G, dX and dW) runs at 1 and 2 engine threads (``engine.set_num_threads``), the two
@@ -8,7 +8,9 @@ counts alternating call by call so that both see the same machine; the table giv
 median and mean microseconds per call, and where ``ops.cpu_threads.SPLIT_MIN_MACS`` puts the
 split. The machine's 1-minute load average is printed with it: beside busy processes two
 threads lose (a block waits for its core), which the engine's default avoids by following
-the load.
+the load. With ``--busy-neighbour`` every call is timed again beside a busy process that the
+run starts and stops (``bench.mlp.busy_neighbour``): what two fixed threads lose there, and
+one thread, against the quiet figures.
 """
 import argparse
 import os
@@ -41,29 +43,45 @@ def _layer_calls(batch, inputs, units, needs_x):
                                              alpha, needs_x, True)}
 
 
-def run(rounds):
+def _alternating(call, rounds):
+    """Seconds of each call of ``call`` at 1 and 2 engine threads, the counts alternating."""
     import engine
+    seconds = {1: [], 2: []}
+    for _ in range(rounds):
+        for threads in (1, 2):
+            engine.set_num_threads(threads)
+            start = time.perf_counter()
+            call()
+            seconds[threads].append(time.perf_counter() - start)
+    return seconds
+
+
+def _statistics(seconds, prefix=""):
+    return {f"{prefix}{stat}_us_{threads}": 1e6 * f(seconds[threads]) for threads in (1, 2)
+            for stat, f in (("median", statistics.median), ("mean", statistics.mean))}
+
+
+def run(rounds, loaded=False):
+    import engine
+    from bench.mlp import busy_neighbour
     from ops import cpu_threads
     rows = []
     try:
         for name, batch, inputs, units, needs_x in LAYERS:
             for part, call in _layer_calls(batch, inputs, units, needs_x).items():
-                seconds = {1: [], 2: []}
                 for threads in (1, 2):   # compile and start the pool outside the timing
                     engine.set_num_threads(threads)
                     call()
-                for _ in range(rounds):
-                    for threads in (1, 2):
-                        engine.set_num_threads(threads)
-                        start = time.perf_counter()
-                        call()
-                        seconds[threads].append(time.perf_counter() - start)
                 macs = batch * inputs * units * (1 if part == "forward" else 1 + needs_x)
                 rows.append({"layer": name, "part": part, "macs": macs,
-                             **{f"{stat}_us_{threads}": 1e6 * f(seconds[threads])
-                                for threads in (1, 2)
-                                for stat, f in (("median", statistics.median),
-                                                ("mean", statistics.mean))}})
+                             **_statistics(_alternating(call, rounds))})
+                if loaded:
+                    neighbour = busy_neighbour()
+                    try:
+                        rows[-1].update(_statistics(_alternating(call, rounds), "loaded_"))
+                    finally:
+                        neighbour.kill()
+                        neighbour.wait()
     finally:
         cpu_threads.set_threads(None)
     return {"rounds": rounds, "split_min_macs": cpu_threads.SPLIT_MIN_MACS,
@@ -76,11 +94,20 @@ def format_table(result):
              f"multiply-adds per GEMM; 1-minute load average {result['load_average'][0]:.2f}",
              "", "| layer | part | MACs | 1 thread median / mean us | 2 threads median / mean us "
              "| 2 / 1 (median) |", "|---|---|---:|---:|---:|---:|"]
+    loaded = "loaded_median_us_1" in result["rows"][0]
+    if loaded:
+        lines[-2] += " beside a busy process: 1 thread | 2 threads | 2 / 1 |"
+        lines[-1] += "---:|---:|---:|"
     for row in result["rows"]:
-        lines.append(f"| {row['layer']} | {row['part']} | {row['macs'] / 1e6:.1f}M | "
-                     f"{row['median_us_1']:.0f} / {row['mean_us_1']:.0f} | "
-                     f"{row['median_us_2']:.0f} / {row['mean_us_2']:.0f} | "
-                     f"{row['median_us_2'] / row['median_us_1']:.2f} |")
+        line = (f"| {row['layer']} | {row['part']} | {row['macs'] / 1e6:.1f}M | "
+                f"{row['median_us_1']:.0f} / {row['mean_us_1']:.0f} | "
+                f"{row['median_us_2']:.0f} / {row['mean_us_2']:.0f} | "
+                f"{row['median_us_2'] / row['median_us_1']:.2f} |")
+        if loaded:
+            line += (f" {row['loaded_median_us_1']:.0f} / {row['loaded_mean_us_1']:.0f} | "
+                     f"{row['loaded_median_us_2']:.0f} / {row['loaded_mean_us_2']:.0f} | "
+                     f"{row['loaded_median_us_2'] / row['loaded_median_us_1']:.2f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -89,10 +116,13 @@ def main(argv=None):
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=300, help="calls per thread count")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--busy-neighbour", action="store_true",
+                        help="time every call again beside a busy process (one core) that "
+                             "the run starts and stops")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be positive")
-    result = run(args.rounds)
+    result = run(args.rounds, args.busy_neighbour)
     return emit(result, format_table(result), args.json)
 
 

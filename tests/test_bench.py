@@ -184,3 +184,14 @@ def test_bench_cpu_split_times_each_layer_at_1_and_2_threads_and_restores_the_de
     assert all(row["median_us_1"] > 0 and row["median_us_2"] > 0 for row in result["rows"])
     assert cpu_threads.following_load()
     assert "| dense 784->256 | forward | 25.7M |" in capsys.readouterr().out
+
+
+def test_bench_cpu_split_busy_neighbour_times_each_call_again_and_stops_its_process(
+        capsys, neighbours):
+    from bench import cpu_split
+    result = cpu_split.main(["--rounds", "2", "--busy-neighbour"])
+    assert all(row["loaded_median_us_1"] > 0 and row["loaded_median_us_2"] > 0
+               for row in result["rows"])
+    assert len(neighbours) == len(result["rows"])
+    assert all(neighbour.poll() is not None for neighbour in neighbours)   # each stopped
+    assert "beside a busy process: 1 thread | 2 threads | 2 / 1 |" in capsys.readouterr().out
