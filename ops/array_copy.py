@@ -8,10 +8,10 @@ instead; copies between the host and the device are refused inside a recording.
 from numba import njit
 
 from ops.cuda_backend import cuda
-from ops.launch import Kernel, elements
+from ops.launch import CPU_KERNEL, Kernel, elements
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def copy_cpu(source, destination):
     for i in range(destination.size):
         destination[i] = source[i]

@@ -38,7 +38,7 @@ from ops.cpu_threads import engine_threads
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Out, run
 from ops.elementwise import BINARY, MUL, SUB, binary
-from ops.launch import Kernel, elements
+from ops.launch import CPU_KERNEL, Kernel, elements
 from ops.layout import flat
 from ops.memory import empty
 from ops.reduce import REDUCE, reduce
@@ -53,7 +53,7 @@ from ops.registry import Op, register
 # ------------------------------------------------------------------ CPU kernels
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
                      meta, momentum, eps):
     """The (N, C) forward: rows outer and channels inner (contiguous), each channel's sums
@@ -93,7 +93,7 @@ def _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean, 
             destination[c] = (source[c] - typed_mean[c]) * scale[c] + shift[c]
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
                               grad_b, meta):
     """The (N, C) backward, rows outer and channels inner (see ``_batch_norm_rows``)."""
@@ -127,7 +127,7 @@ def _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, gra
                                             - xhat * mean_dy_xhat[c])
 
 
-@njit(cache=True, parallel=True)
+@njit(**CPU_KERNEL, parallel=True)
 def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
                    meta, momentum, eps):
     nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
@@ -168,7 +168,7 @@ def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, sa
                 destination[s] = (source[s] - typed_mean) * typed_scale + typed_shift
 
 
-@njit(cache=True, parallel=True)
+@njit(**CPU_KERNEL, parallel=True)
 def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
                             grad_b, meta):
     nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
@@ -568,7 +568,7 @@ class BatchNorm(Op):
 # result (tests/test_distributed.py compares them).
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def sync_running_update_cpu(running_mean, running_var, mean, var, momentum, unbias):
     for c in range(mean.size):
         running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean[c]
@@ -595,7 +595,7 @@ _sync_grad_x_cpu = njit(inline="always")(_sync_grad_x)
 _sync_grad_x_cuda = cuda.jit(device=True)(_sync_grad_x)
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def sync_grad_x_cpu(x, grad_out, weight, mean, invstd, means, grad_x, inner, has_weight):
     for i in range(grad_x.size):
         _sync_grad_x_cpu(x, grad_out, weight, mean, invstd, means, grad_x, inner, has_weight, i)
@@ -609,7 +609,7 @@ def sync_grad_x_cuda(x, grad_out, weight, mean, invstd, means, grad_x, inner, ha
                           i)
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def sync_means_cpu(sum_dy, sum_dy_xhat, means, inverse_count):
     for c in range(sum_dy.size):
         means[c] = sum_dy[c] * inverse_count

@@ -58,7 +58,7 @@ from numba import njit, prange
 
 from ops.cpu_threads import engine_threads
 from ops.dispatch import Out, run
-from ops.launch import Kernel
+from ops.launch import CPU_KERNEL, Kernel
 from ops.layout import flat
 from ops.matmul import (CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT, ConvGeometry,
                         conv_gemm_plan)
@@ -162,7 +162,7 @@ def _is_shift(geometry):
     return geometry[9] == 1 and geometry[10] == 1 and geometry[6] == geometry[3]
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def _im2col(x, n, g, geometry, cols, column):
     """cols[(c·KH + i)·KW + j, column + oh·OW + ow] = x[n, g·Cg + c, ih, iw], 0 in the
     padding."""
@@ -201,7 +201,7 @@ def _im2col(x, n, g, geometry, cols, column):
                                                else zero)
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def _col2im_add(cols, column, grad_x, n, g, geometry):
     """grad_x[n, g·Cg + c, ih, iw] += cols[(c·KH + i)·KW + j, column + oh·OW + ow] over the
     taps inside the input: the adjoint of ``_im2col``, in a fixed order. Zeroes the padding
@@ -297,7 +297,7 @@ def _check_fused(act):
                          "(ops/conv.py CPU_FUSED); run the activation after the conv")
 
 
-@njit(cache=True, parallel=True)
+@njit(**CPU_KERNEL, parallel=True)
 def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
     _check_fused(act)
     geometry = _geometry_cpu(meta)
@@ -319,7 +319,7 @@ def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
                           bias[o] if has_bias else alpha - alpha, act, alpha)
 
 
-@njit(cache=True, parallel=True)
+@njit(**CPU_KERNEL, parallel=True)
 def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
                         needs_x, needs_w, needs_b):
     """The gradients the flags ask for; the buffer of one not asked for is a placeholder

@@ -28,7 +28,7 @@ from numba import njit
 
 from ops.cpu_threads import row_blocks, run_blocks
 from ops.dispatch import Out, run
-from ops.launch import Kernel
+from ops.launch import CPU_KERNEL, Kernel
 from ops.matmul import FORWARD, GRAD_A, GRAD_B, gemm_plan
 from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
 from ops.registry import Op, register
@@ -40,7 +40,7 @@ def _dense_kernels(act):
     compiler folds the activation and vectorises them (the relu epilogue over 128x256:
     32 us with a runtime code, 6 us folded); the CUDA side is the GEMM template's."""
 
-    @njit(cache=True, nogil=True)
+    @njit(**CPU_KERNEL, nogil=True)
     def dense_forward_cpu(x, w, bias, out, alpha):
         np.dot(x, w, out)
         rows, cols = out.shape
@@ -48,7 +48,7 @@ def _dense_kernels(act):
             for j in range(cols):
                 out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
 
-    @njit(cache=True, nogil=True)
+    @njit(**CPU_KERNEL, nogil=True)
     def dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, gradient,
                            weights, bias):
         """What the flags ask for: ``gradient``, G = grad_out * act'(y) (BLAS needs it in

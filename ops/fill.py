@@ -2,10 +2,10 @@
 from numba import njit
 
 from ops.cuda_backend import cuda
-from ops.launch import Kernel, elements
+from ops.launch import CPU_KERNEL, Kernel, elements
 
 
-@njit(cache=True, error_model="numpy")
+@njit(**CPU_KERNEL, error_model="numpy")
 def fill_cpu(out, value):
     for i in range(out.size):
         out[i] = value

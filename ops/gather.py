@@ -17,11 +17,11 @@ from ops.cuda_backend import cuda
 from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
-from ops.launch import Kernel
+from ops.launch import CPU_KERNEL, Kernel
 from ops.step_counter import new_counter
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def gather_rows_cpu(x, y, order, cursor, start, x_out, y_out, flags):
     first = cursor[0] + start
     if first < 0 or first + x_out.shape[0] > order.shape[0]:   # a cursor run past the order

@@ -21,6 +21,12 @@ from ops import cuda_backend
 from ops.cuda_backend import SIMULATOR, is_device_array
 
 THREADS_PER_BLOCK = 256
+# The options of a CPU kernel (``@njit(**CPU_KERNEL)``): cached, and without the C-callable
+# wrapper Numba otherwise builds for every compiled signature, which only a dispatcher passed
+# as a first-class function value calls (kernels are called from Python, helpers inlined):
+# 15-20 ms of every cold compile (thread CPU time: fill 0.075 -> 0.060 s, the batch gather
+# 0.314 -> 0.295).
+CPU_KERNEL = {"cache": True, "no_cfunc_wrapper": True}
 _thread = threading.local()
 
 

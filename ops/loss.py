@@ -29,7 +29,7 @@ from ops.cuda_backend import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
-from ops.launch import Kernel, blocks_of, elements
+from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements
 from ops.layout import flat
 from ops.registry import Op, register
 
@@ -70,7 +70,7 @@ _row_loss_cpu = njit(inline="always")(_row_loss)
 _row_loss_cuda = cuda.jit(device=True)(_row_loss)
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def cross_entropy_cpu(logits, labels, probs, loss, bad_label):
     rows = labels.size
     classes = probs.size // rows
@@ -104,7 +104,7 @@ _cross_entropy_grad_cpu = njit(inline="always")(_cross_entropy_grad)
 _cross_entropy_grad_cuda = cuda.jit(device=True)(_cross_entropy_grad)
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def cross_entropy_grad_cpu(probs, labels, grad_out, grad_logits):
     for k in range(probs.size):
         _cross_entropy_grad_cpu(k, probs, labels, grad_out, grad_logits)
@@ -217,7 +217,7 @@ _pair_term_cpu, _pair_grads_cpu = _pair_math(njit(inline="always"))
 _pair_term_cuda, _pair_grads_cuda = _pair_math(cuda.jit(device=True))
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def pair_loss_cpu(code, p, t, loss):
     total = 0.0
     for k in range(p.size):
@@ -236,7 +236,7 @@ def pair_loss_cuda(code, p, t, loss):
         loss[0] = total / p.size
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def pair_grad_cpu(code, p, t, grad_out, grad_p, grad_t, which):
     scale = grad_out[0] / p.size
     for k in range(p.size):

@@ -29,7 +29,7 @@ from ops.conv import pair, valid_range, window_output_size
 from ops.cpu_threads import engine_threads
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Out, run
-from ops.launch import THREADS_PER_BLOCK, Kernel
+from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel
 from ops.layout import flat
 from ops.registry import Op, register
 
@@ -116,7 +116,7 @@ def _avg_grad_at(grad_out, plane, ih, iw, geometry, scale):
 # ------------------------------------------------------------------ kernels
 
 
-@njit(cache=True, error_model="numpy", parallel=True)
+@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
 def max_pool_cpu(x, out, argmax, meta):
     planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
     for plane in prange(planes):
@@ -139,7 +139,7 @@ def max_pool_cpu(x, out, argmax, meta):
                 best[ow], best_at[ow] = top, top_at
 
 
-@njit(cache=True, error_model="numpy", parallel=True)
+@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
 def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
     """Scatters each window's gradient to its argmax, windows in row-major order: each input
     element sums its windows in the order of the CUDA gather."""
@@ -154,7 +154,7 @@ def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
             target[argmax[o]] += grad_out[o]
 
 
-@njit(cache=True, error_model="numpy", parallel=True)
+@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
 def avg_pool_cpu(x, out, meta, scale):
     planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
     zero = scale - scale
@@ -175,7 +175,7 @@ def avg_pool_cpu(x, out, meta, scale):
                 total[ow] *= scale
 
 
-@njit(cache=True, error_model="numpy", parallel=True)
+@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
 def avg_pool_grad_cpu(grad_out, grad_in, meta, scale):
     """Scatters each window's gradient over it, then scales: every input element adds its
     windows in row-major window order (j descending is ow ascending), as the CUDA gather."""

@@ -15,11 +15,11 @@ from numba import njit
 
 from ops.cuda_backend import cuda
 from ops.fill import fill
-from ops.launch import Kernel, unrecorded
+from ops.launch import CPU_KERNEL, Kernel, unrecorded
 from ops.memory import empty
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def advance_cpu(counter, amount):
     counter[0] += amount
 
@@ -53,7 +53,7 @@ def set_counter(counter, value):
 T, BUFFER_UPDATES, SKIPPED = 0, 1, 2   # the words of ``new_step_counts``
 
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def advance_steps_cpu(counts, faults):
     for k in range(0, faults.size, 4):
         if faults[k] != 0:   # a bad input this step: the update that follows leaves all as it was
@@ -103,7 +103,7 @@ def advance_steps(counts, faults):
 
 # ------------------------------------------------------------------ values written by the host
 
-@njit(cache=True)
+@njit(**CPU_KERNEL)
 def store_values_cpu(out, count, v0, v1, v2, v3, v4, v5, v6, v7):
     for i in range(count):
         out[i] = (v0, v1, v2, v3, v4, v5, v6, v7)[i]
