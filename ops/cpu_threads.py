@@ -19,7 +19,9 @@ Following the load reads no clock in a thread of its own: at most once every
 used on average since the last reading (``others_busy``). Two threads beside one busy
 process wait on each other (a parallel step waits for its slower half, which waits a
 scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on two threads
-against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1.
+against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1. A split
+sees that wait itself before the next reading does: when its workers end more than its own
+block's time after it (``split_stalled``), the count drops to one thread until that reading.
 """
 import functools
 import os
