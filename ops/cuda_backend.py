@@ -323,6 +323,11 @@ def multiprocessor_count():
     return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def compute_capability():
+    """(major, minor) of the current GPU; (0, 0) in the simulator, which runs no PTX."""
+    return (0, 0) if SIMULATOR else tuple(cuda.get_current_device().compute_capability)
+
+
 # ------------------------------------------------------------------ memory managers
 
 def install_memory_manager(manager_class):
