@@ -34,6 +34,8 @@ import numpy as np
 from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, alternating_epochs,
                        beside_a_busy_neighbour, busy_neighbour_line, compile_times,
                        engine_training, format_first_steps, machine_description, torch_step)
+from bench.precision import add_option, set_for_engine, set_for_torch
+from ops.matmul_precision import get_float32_matmul_precision
 from bench.report import emit, require_device
 
 
@@ -57,7 +59,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
     batch runs eagerly."""
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
-    torch.backends.cudnn.allow_tf32 = False   # fp32 as the engine and JAX's "highest"
+    set_for_torch(torch)   # the engine's matmul precision ("highest": fp32, as JAX's rows)
     mean, std = normalize
 
     def standardised(images):
@@ -271,7 +273,7 @@ def run(device, epochs, limit, eager=True, loaded=False):
                 x_train, y_train, x_test, y_test, normalize, device, loader.order,
                 initial_state, cuda_graph=cuda_graph)
     jax_version = None
-    if _jax_usable(device):
+    if _jax_usable(device) and get_float32_matmul_precision() == "highest":   # fp32 rows
         for name, scan in (("jax", False), ("jax scan", True)):
             frameworks[name], accuracies[name], jax_version = _jax_run(
                 x_train, y_train, x_test, y_test, normalize, device, loader.order,
@@ -304,6 +306,7 @@ def run(device, epochs, limit, eager=True, loaded=False):
             "train_samples": len(x_train), "test_samples": len(x_test),
             "steps_per_epoch": steps, "timed_epochs": epochs, "epochs_trained": epochs + 1,
             "engine_threads": threads, "engine_threads_loaded": loaded_threads,
+              "matmul_precision": get_float32_matmul_precision(),
             "load_average": os.getloadavg(), "results": rows,
             "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
                                   if torch_version else None)}
@@ -315,7 +318,8 @@ def format_table(result):
              f"{result['batch_size']}, MNIST {result['train_samples']} samples "
              f"({result['steps_per_epoch']} steps/epoch), device {result['device']} "
              f"({result['machine']}); median of {result['timed_epochs']} epochs after 1 "
-             f"warm-up, the rows alternating epoch by epoch; test accuracy on "
+             f"warm-up, the rows alternating epoch by epoch; float32 matmul precision "
+             f"{result.get('matmul_precision', 'highest')!r} (engine and torch); test accuracy on "
              f"{result['test_samples']} images after all {result['epochs_trained']} epochs", "",
              "| framework | s/epoch | ms/step | samples/s | test acc |",
              "|---|---:|---:|---:|---:|"]
@@ -358,10 +362,12 @@ def main(argv=None):
                              "run starts and stops")
     parser.add_argument("--no-compile-time", action="store_true",
                         help="skip the cold/warm first-step subprocesses")
+    add_option(parser)
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
     require_device(parser, args.device)
+    set_for_engine(args.matmul_precision)
     result = run(args.device, args.epochs, args.limit, eager=not args.no_eager,
                  loaded=args.busy_neighbour)
     if not args.no_compile_time:   # bench.mlp's first-step runs, each in a fresh process

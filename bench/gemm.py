@@ -5,6 +5,14 @@ their backward products.
     python -m bench.gemm                 # every device found; CUDA part skipped without a GPU
     python -m bench.gemm --device cpu    # CPU only (no GPU, no torch needed)
     python -m bench.gemm --device cuda --sweep   # every candidate GEMM config per MLP shape
+    python -m bench.gemm --device cuda --precision highest,high,medium   # fp32, TF32, bf16
+
+``--precision``: the CUDA table once per float32 matmul precision
+(``engine.set_float32_matmul_precision``), cuBLAS beside at the same setting: "high" with
+``torch.backends.cuda.matmul.allow_tf32``, "medium" as torch.matmul of bf16 copies of the
+operands (bf16 inputs, float32 accumulation inside cuBLAS; its bf16 output is what torch
+returns). The error column is against the float64 product of the float32 operands, so it
+shows each format's rounding.
 
 Times are wall-clock per call, launch and Python wrapper included: ``iters`` calls back to
 back, then one synchronisation, best of ``repeats``. GFLOP/s counts 2*M*N*K per call. On
@@ -87,17 +95,27 @@ def _header(*names):
             f"|---------------|------------------|{rule}|---------:|")
 
 
-def bench_cuda(shapes):
+PRECISION_NAMES = {"highest": ("fp32", "TF32 off"), "high": ("TF32", "TF32 on"),
+                   "medium": ("bf16", "bf16 inputs")}
+
+
+def bench_cuda(shapes, precision="highest"):
     from ops.cuda_backend import cuda
 
     from ops.device import to_device
     from ops.matmul import gemm
+    from ops.matmul_precision import set_float32_matmul_precision
 
+    set_float32_matmul_precision(precision)
     torch = _torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = precision == "high"
+    ours_name, cublas_name = PRECISION_NAMES[precision]
     name = getattr(cuda.get_current_device(), "name", "the CUDA simulator")
     name = name.decode() if isinstance(name, bytes) else name
-    versus = "torch.matmul (cuBLAS, TF32 off)" if torch else "nothing (torch not installed)"
-    print(f"\n## CUDA on {name}: ours vs {versus}\n")
+    versus = (f"torch.matmul (cuBLAS, {cublas_name})" if torch else
+              "nothing (torch not installed)")
+    print(f"\n## CUDA on {name}, precision {precision!r}: ours ({ours_name}) vs {versus}\n")
     print("wall = per call, launch included; gpu = kernel time alone\n")
     print(_header("ours wall", "ours gpu", "cuBLAS wall", "cuBLAS gpu"))
     rng = np.random.default_rng(0)
@@ -119,8 +137,10 @@ def bench_cuda(shapes):
         ref = ref_gpu = None
         if torch is not None:
             ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+            if precision == "medium":
+                ta, tb = ta.bfloat16(), tb.bfloat16()
             ta, tb = (ta.t() if trans_a else ta), (tb.t() if trans_b else tb)
-            tc = torch.empty((m, n), device="cuda")
+            tc = torch.empty((m, n), device="cuda", dtype=ta.dtype)
 
             def torch_call():
                 torch.matmul(ta, tb, out=tc)
@@ -330,7 +350,14 @@ def main(argv=None):
     parser.add_argument("--no-4096", action="store_true", help="skip the 4096³ product")
     parser.add_argument("--sweep", action="store_true",
                         help="time every candidate GEMM config at the MLP shapes (CUDA only)")
+    parser.add_argument("--precision", default="highest",
+                        help="comma-separated float32 matmul precisions for the CUDA table: "
+                             "highest (fp32), high (TF32), medium (bf16)")
     args = parser.parse_args(argv)
+    precisions = args.precision.split(",")
+    unknown = [p for p in precisions if p not in PRECISION_NAMES]
+    if unknown:
+        parser.error(f"--precision: {', '.join(unknown)}: not one of highest, high, medium")
     if args.sweep:
         from ops.device import SIMULATOR, cuda_available
         if not cuda_available() or SIMULATOR:
@@ -341,7 +368,8 @@ def main(argv=None):
     if args.device in ("all", "cuda"):
         from ops.device import SIMULATOR, cuda_available
         if cuda_available() and not SIMULATOR:
-            bench_cuda(shapes)
+            for precision in precisions:
+                bench_cuda(shapes, precision)
         else:
             print("\n(no CUDA GPU: CUDA part skipped)")
     if args.device in ("all", "cpu"):

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from bench.precision import add_option, set_for_engine, set_for_torch
+from ops.matmul_precision import get_float32_matmul_precision
 from bench.report import emit, require_device
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +163,7 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, hidden, orde
     import torch
     torch_device = "cuda" if device == "cuda" else "cpu"
     torch.manual_seed(0)
+    set_for_torch(torch)
     mean, std = normalize
 
     def standardised(images):
@@ -400,6 +403,7 @@ def run(device, epochs, hidden, limit, measure_compile, loaded=False):
               "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
               "train_samples": len(x_train), "steps_per_epoch": steps, "timed_epochs": epochs,
               "engine_threads": threads, "engine_threads_loaded": loaded_threads,
+              "matmul_precision": get_float32_matmul_precision(),
               "load_average": os.getloadavg(),
               "results": rows,
               "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
@@ -416,7 +420,9 @@ def format_table(result):
              f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
              f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
              f"epochs after 1 warm-up, the rows alternating epoch by epoch; engine threads "
-             f"{result['engine_threads']}, 1-minute load average at the end "
+             f"{result['engine_threads']}, float32 matmul precision "
+             f"{result.get('matmul_precision', 'highest')!r} (engine and torch), 1-minute load "
+             f"average at the end "
              f"{result['load_average'][0]:.2f}; launches/step: the "
              "kernels of one eager step (a captured step replays them in one graph launch)", "",
              "| framework | s/epoch | us/step | samples/s | test acc | launches/step |",
@@ -460,9 +466,11 @@ def main(argv=None):
     parser.add_argument("--busy-neighbour", action="store_true",
                         help="time the epochs again beside a busy process (one core) that the "
                              "run starts and stops")
+    add_option(parser)
     args = parser.parse_args(argv)
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
+    set_for_engine(args.matmul_precision)
     from engine.models import parse_widths
     try:
         hidden = parse_widths(args.hidden)

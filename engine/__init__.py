@@ -123,6 +123,7 @@ _LAZY_NAMES = {
     "engine.tensor": ("Tensor", "arange", "from_dlpack", "from_numpy", "full", "ones", "rand",
                       "randn", "tensor", "zeros"),
     "ops.device": ("cuda_available",),
+    "ops.matmul_precision": ("get_float32_matmul_precision", "set_float32_matmul_precision"),
     "ops.out_of_memory": ("OutOfMemoryError",),
 }
 _LAZY_SOURCE = {name: module for module, names in _LAZY_NAMES.items() for name in names}

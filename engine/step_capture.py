@@ -58,6 +58,7 @@ import numpy as np
 from engine.tensor import Tensor
 from ops import cuda_backend
 from ops.array_copy import copy_array
+from ops.matmul_precision import get_float32_matmul_precision
 from ops.device import device_of, to_device
 from ops.flag_buffer import note_launcher, raise_pending
 from ops.launch import LaunchRecorder, unrecorded
@@ -299,7 +300,9 @@ def _host_key(participants):
 
 
 def _signature(args):
-    parts = []
+    # the float32 matmul precision picks the GEMM kernels a step launches: a step recorded
+    # under one precision is not replayed under another
+    parts = [("matmul precision", get_float32_matmul_precision())]
     for arg in args:
         if isinstance(arg, Tensor):
             parts.append((arg.shape, arg.dtype.str, arg.device))

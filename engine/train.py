@@ -127,6 +127,9 @@ def build_parser():
         "split GEMMs and the convolutions' parallel loops; BLAS stays on one), set with "
         "engine.set_num_threads (default: the usable CPUs less those other processes keep "
         "busy, see engine.blas_threads)")
+    add("--matmul-precision", default="highest", help="float32 GEMMs and convolutions on the GPU: highest (float32), high (TF32 tensor "
+        "cores) or medium (bf16 tensor cores), float32 accumulation either way; "
+        "engine.set_float32_matmul_precision (the CPU ignores it)")
     add("--early-stopping", type=int, metavar="PATIENCE", help="stop once the test loss has "
         "not improved for PATIENCE epochs; the model keeps its best epoch's weights (what "
         "--export-onnx writes; --save keeps the last epoch's state, to resume)")
@@ -191,6 +194,7 @@ from engine.models import (CNN_DESCRIPTION, build_model, parse_widths,  # noqa: 
                            preprocessing)
 from engine.random import manual_seed  # noqa: E402
 from ops.device import SIMULATOR, check_device  # noqa: E402
+from ops.matmul_precision import PRECISIONS  # noqa: E402
 
 
 def parse_hidden(text):
@@ -267,6 +271,9 @@ def check_arguments(args, outputs=True):
     if args.optimizer not in OPTIMIZERS:
         raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of "
                        f"{', '.join(OPTIMIZERS)}")
+    if args.matmul_precision not in PRECISIONS:
+        raise BadInput(f"unknown --matmul-precision {args.matmul_precision!r}: expected one "
+                       f"of {', '.join(PRECISIONS)}")
     if args.schedule not in SCHEDULES:
         raise BadInput(f"unknown schedule {args.schedule!r}: expected one of "
                        f"{', '.join(SCHEDULES)}")
@@ -494,6 +501,7 @@ def prepare(args, is_root):
     if args.batch_size % ranks:
         raise BadInput(f"--batch-size {args.batch_size}: with --distributed it is the global "
                        f"batch, split evenly over the ranks; give a multiple of {ranks}")
+    engine.set_float32_matmul_precision(args.matmul_precision)
     if args.threads is not None:
         try:
             engine.set_num_threads(args.threads)

@@ -120,6 +120,7 @@ class DryDevice:
                 cuda_backend.direct_function: lambda kernel, args: None,
                 cuda_backend.gpu_usable: lambda: True,
                 cuda_backend.multiprocessor_count: lambda: self.multiprocessors,
+                cuda_backend.compute_capability: lambda: (9, 0),
                 cuda_backend.current_device_id: lambda: 0}
 
     @contextlib.contextmanager

@@ -323,6 +323,11 @@ def multiprocessor_count():
     return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def compute_capability():
+    """(major, minor) of the current GPU; (0, 0) in the simulator, which runs no PTX."""
+    return (0, 0) if SIMULATOR else tuple(cuda.get_current_device().compute_capability)
+
+
 # ------------------------------------------------------------------ memory managers
 
 def install_memory_manager(manager_class):
@@ -612,7 +617,7 @@ def shipped_manifest():
 def artifact_key(kernel, argtypes):
     """The content hash that names the artifact of ``kernel`` (a ``@cuda.jit`` dispatcher)
     compiled for ``argtypes`` (Numba types): the kernel's fingerprint, the argument types and
-    the numba and numba-cuda versions it was compiled with."""
+    the numba and numba-cuda release series it was compiled with."""
     import hashlib
     text = "\n".join((fingerprint(kernel), repr(tuple(str(t) for t in argtypes)),
                       _compiler_versions()))
@@ -621,9 +626,18 @@ def artifact_key(kernel, argtypes):
 
 @functools.cache
 def _compiler_versions():
+    """The numba and numba-cuda release series (major.minor) the key holds. A cubin is
+    machine code: what must match at run time is the argument layout of Numba's data model,
+    which changes only between minor releases. Full versions matched nothing on the H200,
+    whose image has numba 0.68.0 where the build had 0.68.1: every kernel compiled just in
+    time again (0 of 16 lookups found)."""
     import importlib.metadata
     import numba
-    return f"numba {numba.__version__} numba-cuda {importlib.metadata.version('numba-cuda')}"
+
+    def series(version):
+        return ".".join(version.split(".")[:2])
+    return (f"numba {series(numba.__version__)} "
+            f"numba-cuda {series(importlib.metadata.version('numba-cuda'))}")
 
 
 def fingerprint(function):

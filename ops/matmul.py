@@ -44,10 +44,11 @@ from collections import namedtuple
 
 import numpy as np
 from numba import njit
+from numba import uint32
 from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
-from ops import cuda_backend
+from ops import cuda_backend, matmul_precision
 from ops.cpu_threads import row_blocks, run_blocks
 from ops.cuda_backend import SIMULATOR, cuda, device_reshape
 from ops.dispatch import Out, run
@@ -101,7 +102,8 @@ gemm_split_cpu.__wrapped__ = gemm_cpu
 # one-element-per-thread SMALL tiling BK=32 beat 64 and 128. LARGE is capped at 128 registers
 # (two blocks per multiprocessor instead of one): it took 4096³ from 22.0 to 25.0 TFLOP/s when
 # the kernel needed more; it now needs 121 (ptxas).
-Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers", defaults=(False, None))
+Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers mma",
+                    defaults=(False, None, None))
 LARGE = Tiling(128, 128, 8, 8, 8, True, 128)
 MEDIUM = Tiling(64, 64, 16, 4, 4, True)
 SMALL = Tiling(16, 16, 32, 1, 1)
@@ -121,6 +123,24 @@ WIDE = Tiling(32, 64, 32, 2, 4, True)    # 32x64 for 256 threads
 TALL = Tiling(64, 32, 32, 4, 2, True)    # 64x32 for 256 threads
 MEDIUM_K32 = Tiling(64, 64, 32, 4, 4, True)
 MEDIUM_128 = Tiling(64, 64, 16, 8, 4, True)   # 128 threads, 8x4 per thread
+
+# Tensor-core tilings (``mma``: "tf32" or "bf16", ops.tensor_core), for float32 products
+# under engine.set_float32_matmul_precision("high"/"medium"): each warp computes an (8·TM) x
+# (4·TN) part of the tile from m16n8 fragments, a thread holding TM x TN accumulators in the
+# fragments' layout (acc_position); the shared tiles, their double buffering and the fetches
+# are the FMA tilings'. TF32 rounds each element once, as it is stashed; bf16 packs pairs as
+# the fragments are read.
+TF32_LARGE = Tiling(128, 128, 16, 8, 8, mma="tf32")   # 8 warps of 64x32
+TF32_MEDIUM = Tiling(64, 64, 16, 4, 8, mma="tf32")    # 4 warps of 32x32
+TF32_WIDE = Tiling(32, 128, 16, 4, 8, mma="tf32")     # 4 warps of 32x32: a conv's 32 filters
+BF16_LARGE = Tiling(128, 128, 16, 8, 8, mma="bf16")
+BF16_MEDIUM = Tiling(64, 64, 16, 4, 8, mma="bf16")
+BF16_WIDE = Tiling(32, 128, 16, 4, 8, mma="bf16")
+MmaTilings = namedtuple("MmaTilings", "large medium wide")
+MMA_TILINGS = {"tf32": MmaTilings(TF32_LARGE, TF32_MEDIUM, TF32_WIDE),
+               "bf16": MmaTilings(BF16_LARGE, BF16_MEDIUM, BF16_WIDE)}
+MMA_K = {"tf32": 8, "bf16": 16}   # the K of one mma.sync
+MMA_MIN_CAPABILITY = (8, 0)   # mma.sync's TF32 and bf16 shapes: Ampere and newer
 
 # every tiling by the name the sweep and GEMM_CHOICES use
 TILINGS = {name: tiling for name, tiling in globals().items() if isinstance(tiling, Tiling)}
@@ -143,9 +163,17 @@ def threads_of(tiling):
     return (tiling.BM // tiling.TM) * (tiling.BN // tiling.TN)
 
 
+def pad_of(tiling):
+    """Shared-memory row padding in elements. A TF32 fragment's 32 reads are rows k0 + index
+    (0..3) at columns r0 + group (0..7): a row of 8 (mod 32) words puts them in 32 distinct
+    banks. bf16 reads rows k0 + 2·index: 4 (mod 32), as the FMA tilings' PAD."""
+    return 8 if tiling.mma == "tf32" else PAD
+
+
 def shared_bytes(tiling, dtype):
     """Static shared memory of a block: A's and B's tiles, double-buffered and padded."""
-    return 2 * tiling.BK * (tiling.BM + tiling.BN + 2 * PAD) * np.dtype(dtype).itemsize
+    return (2 * tiling.BK * (tiling.BM + tiling.BN + 2 * pad_of(tiling))
+            * np.dtype(dtype).itemsize)
 
 
 def vec_run(per_thread, vec):
@@ -172,11 +200,50 @@ def check_tiling(tiling, dtype=np.float32):
         raise ValueError(f"matmul: {tiling}: the A tile ({BM}x{BK}) and the B tile ({BK}x{BN}) "
                          f"must each be a whole number of loads per thread for {threads} "
                          f"threads")
+    if tiling.mma is not None:
+        _check_mma_tiling(tiling, dtype)
     needed = shared_bytes(tiling, dtype)
     if needed > STATIC_SHARED_BYTES:
         raise ValueError(f"matmul: {tiling}: {needed} bytes of shared memory for "
                          f"{np.dtype(dtype).name}, more than the {STATIC_SHARED_BYTES} a block "
                          f"may hold statically")
+
+
+def _check_mma_tiling(tiling, dtype):
+    BM, BN, BK, TM, TN = tiling[:5]
+    if tiling.mma not in MMA_K:
+        raise ValueError(f"matmul: {tiling}: mma is 'tf32', 'bf16' or None")
+    if np.dtype(dtype) != np.float32:
+        raise ValueError(f"matmul: {tiling}: tensor-core tilings multiply float32, not "
+                         f"{np.dtype(dtype).name}")
+    if TM % 2 or TN % 2 or BM % (8 * TM) or BN % (4 * TN):
+        raise ValueError(f"matmul: {tiling}: a warp's part is (8·TM) x (4·TN) of m16n8 "
+                         f"fragments: TM and TN even, and BM, BN whole numbers of such parts")
+    if BK % MMA_K[tiling.mma]:
+        raise ValueError(f"matmul: {tiling}: BK must be a multiple of {tiling.mma}'s mma K "
+                         f"({MMA_K[tiling.mma]})")
+
+
+def mma_format(dtype):
+    """The tensor-core format (``"tf32"``, ``"bf16"``) that products of ``dtype`` take now:
+    the float32 matmul precision's (ops.matmul_precision), for float32 on a GPU that has the
+    instructions; None otherwise (the FMA tilings)."""
+    format_ = matmul_precision.tensor_core_format()
+    if (format_ is None or SIMULATOR or np.dtype(dtype) != np.float32
+            or cuda_backend.compute_capability() < MMA_MIN_CAPABILITY):
+        return None
+    return format_
+
+
+def pick_mma_tiling(m, n, mma):
+    """The tensor-core tiling of an (m, n) output: 128x128 when it alone gives every
+    multiprocessor a block, 32x128 for outputs of at most 32 rows (a conv's filters), else
+    64x64. A guess until a sweep has measured them."""
+    tilings = MMA_TILINGS[mma]
+    if m > tilings.medium.BM and -(-m // tilings.large.BM) * -(-n // tilings.large.BN) \
+            >= _multiprocessors():
+        return tilings.large
+    return tilings.wide if m <= tilings.wide.BM else tilings.medium
 
 
 def pick_tiling(m, n):
@@ -229,17 +296,19 @@ SPLIT_MIN_K = 128
 SPLIT_BLOCKS_PER_SM = 2
 
 
-def pick_config(m, n, k, trans_a, trans_b, extra_rows=0):
+def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None):
     """The tiling and split count for op(A) (m, k) @ op(B) (k, n): the table's measured choice,
-    else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row)."""
+    else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row). ``mma``: a
+    tensor-core format, whose tilings the table (float32 FMA measurements) does not hold."""
     key = (m, n, k, bool(trans_a), bool(trans_b))
-    choice = GEMM_CHOICES.get(key)
+    choice = None if mma else GEMM_CHOICES.get(key)
     if choice is not None:
         if choice.split < 1:
             raise ValueError(f"matmul: GEMM_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1")
         return choice
-    tiling = pick_tiling(m + extra_rows, n)
+    tiling = (pick_mma_tiling(m + extra_rows, n, mma) if mma else
+              pick_tiling(m + extra_rows, n))
     tiles = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN)
     split = 1
     if tiles < _multiprocessors():   # never in the simulator: it counts one multiprocessor
@@ -294,18 +363,58 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
     ONES_ROW = mode == GRAD_B   # A gets a virtual last row of ones: that output row is db
     EXTRA_ROWS = 1 if ONES_ROW else 0
     PARTIAL = partial
-    A_ROW, B_ROW = BM + PAD, BN + PAD   # shared-memory elements from one k row to the next
+    A_ROW, B_ROW = BM + pad_of(tiling), BN + pad_of(tiling)   # elements from one k row to the next
     A_BUFFER, B_BUFFER = BK * A_ROW, BK * B_ROW
     A_TILE, B_TILE = 2 * A_BUFFER, 2 * B_BUFFER   # two buffers each, as constants
     ACC = (TM, TN)
     RUN_M, RUN_N = vec_run(TM, tiling.vec), vec_run(TN, tiling.vec)
     ALIGN = None if SIMULATOR else 16   # bytes; the simulator takes no alignment
+    MMA = tiling.mma
+    TF32 = MMA == "tf32"
+    round_tf32 = _tensor_core().round_tf32 if TF32 else None
 
     @cuda.jit(device=True)
     def owned(t, i, count, run):
         """The i-th row (column) of the tile owned by the thread at position t of count, in
         runs of ``run`` adjacent ones (unsigned: t is, and i a constant once unrolled)."""
         return t * U(run) + U((i // run) * (count * run) + i % run)
+
+    if MMA:
+        multiply_buffer, acc_position = _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER,
+                                                   B_BUFFER)
+    else:
+        @cuda.jit(device=True)
+        def acc_position(tid, i, j):
+            """(row, column) in the block's tile of the thread's acc[i, j]."""
+            return owned(tid // U(TX), i, TY, RUN_M), owned(tid % U(TX), j, TX, RUN_N)
+
+        @cuda.jit(device=True)
+        def multiply_buffer(a_tile, b_tile, cur, acc, tid):
+            """acc += the thread's sub-tile of buffer ``cur``'s A (BM x BK) @ B (BK x BN)."""
+            a_frag = cuda.local.array(TM, numba_type)
+            b_frag = cuda.local.array(TN, numba_type)
+            # Unsigned flat offsets and a while loop: a[cur, kk, owned(...)] over range(BK)
+            # was left rolled, and its signed 64-bit index arithmetic (Numba's negative-index
+            # wraparound and floor-division fix-ups) was most of the loop: ~20 integer
+            # instructions per 8 multiply-adds in the PTX, 6.5 instructions per multiply-add
+            # under ncu at dW1. Now the loop unrolls by 4 into vector shared loads at constant
+            # offsets and multiply-adds (TALL: 2 loads per 8), the registers fell from 128 to
+            # 63, and the MLP step's GEMM kernels went from 72.7 to 51.6 us of H200 time.
+            a_at = cur * U(A_BUFFER) + owned(tid // U(TX), 0, TY, RUN_M)
+            b_at = cur * U(B_BUFFER) + owned(tid % U(TX), 0, TX, RUN_N)
+            kk = U(0)
+            while kk < U(BK):   # not range(): its iterator's bookkeeping stops the unrolling
+                # without vec, thread (ty, tx) owns rows ty + i*TY and columns tx + j*TX:
+                # a warp reads consecutive shared words (no bank conflicts), stores coalesce
+                a_row, b_row = a_at + kk * U(A_ROW), b_at + kk * U(B_ROW)
+                for i in range(TM):
+                    a_frag[i] = a_tile[a_row + owned(U(0), i, TY, RUN_M)]
+                for j in range(TN):
+                    b_frag[j] = b_tile[b_row + owned(U(0), j, TX, RUN_N)]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += a_frag[i] * b_frag[j]
+                kk += U(1)
 
     # The derivative prologue is applied as a tile is stashed, not as it is fetched: a
     # comparison right after its load made each load wait for the one before (relu's dW1 took
@@ -354,6 +463,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             if A_PROLOGUE:   # a zero fetched outside a keeps zero: act' is finite at 0
                 y = aux_regs[load]
                 value = value * numba_type(derivative_cuda(act, y, y, alpha))
+            if TF32:
+                value = round_tf32(value)
             tile[buffer + kk * U(A_ROW) + r] = value
 
     @cuda.jit(device=True)
@@ -377,6 +488,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             if B_PROLOGUE:
                 y = aux_regs[load]
                 value = value * numba_type(derivative_cuda(act, y, y, alpha))
+            if TF32:
+                value = round_tf32(value)
             tile[buffer + kk * U(B_ROW) + c] = value
 
     if conv is not None:
@@ -394,10 +507,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         b_regs = cuda.local.array(B_LOADS, numba_type)
         a_aux_regs = cuda.local.array(A_AUX_LOADS, numba_type)   # y under the prologue
         b_aux_regs = cuda.local.array(B_AUX_LOADS, numba_type)
-        a_frag = cuda.local.array(TM, numba_type)
-        b_frag = cuda.local.array(TN, numba_type)
         tid = U(cuda.threadIdx.x)
-        ty, tx = tid // U(TX), tid % U(TX)
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = ZERO
@@ -407,7 +517,6 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         stash_b(b_tile, U(0), b_regs, b_aux_regs, tid, alpha)
         cuda.syncthreads()
         steps = (k_end - k_begin + U(BK - 1)) // U(BK)
-        a_first, b_first = owned(ty, 0, TY, RUN_M), owned(tx, 0, TX, RUN_N)
         for step in range(steps):
             cur = step % U(2)
             more = step + U(1) < steps
@@ -415,28 +524,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
                 k_next = k_begin + (step + U(1)) * U(BK)
                 fetch_a(a, aux, a_regs, a_aux_regs, k_next, row0, m_data, k_end, tid, group)
                 fetch_b(b, aux, b_regs, b_aux_regs, k_next, col0, n_size, k_end, tid, group)
-            # Unsigned flat offsets and a while loop: a[cur, kk, owned(...)] over range(BK)
-            # was left rolled, and its signed 64-bit index arithmetic (Numba's negative-index
-            # wraparound and floor-division fix-ups) was most of the loop: ~20 integer
-            # instructions per 8 multiply-adds in the PTX, 6.5 instructions per multiply-add
-            # under ncu at dW1. Now the loop unrolls by 4 into vector shared loads at constant
-            # offsets and multiply-adds (TALL: 2 loads per 8), the registers fell from 128 to
-            # 63, and the MLP step's GEMM kernels went from 72.7 to 51.6 us of H200 time.
-            a_at = cur * U(A_BUFFER) + a_first
-            b_at = cur * U(B_BUFFER) + b_first
-            kk = U(0)
-            while kk < U(BK):   # not range(): its iterator's bookkeeping stops the unrolling
-                # without vec, thread (ty, tx) owns rows ty + i*TY and columns tx + j*TX:
-                # a warp reads consecutive shared words (no bank conflicts), stores coalesce
-                a_row, b_row = a_at + kk * U(A_ROW), b_at + kk * U(B_ROW)
-                for i in range(TM):
-                    a_frag[i] = a_tile[a_row + owned(U(0), i, TY, RUN_M)]
-                for j in range(TN):
-                    b_frag[j] = b_tile[b_row + owned(U(0), j, TX, RUN_N)]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += a_frag[i] * b_frag[j]
-                kk += U(1)
+            multiply_buffer(a_tile, b_tile, cur, acc, tid)
             if more:
                 stash_a(a_tile, (U(1) - cur) * U(A_BUFFER), a_regs, a_aux_regs, tid, alpha)
                 stash_b(b_tile, (U(1) - cur) * U(B_BUFFER), b_regs, b_aux_regs, tid, alpha)
@@ -450,14 +538,13 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         return k_begin, min(k_begin + per_slice * U(BK), k_size)
 
     if conv is not None:
-        return _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, tiling,
-                           numba_type)
+        return _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, acc_position,
+                           tiling, numba_type)
 
     @cuda.jit(device=True)
     def tile_product(a, b, out, aux, side, bias, alpha):
         acc = cuda.local.array(ACC, numba_type)
         tid = U(cuda.threadIdx.x)
-        ty, tx = tid // U(TX), tid % U(TX)
         row0, col0 = U(cuda.blockIdx.y) * U(BM), U(cuda.blockIdx.x) * U(BN)
         if trans_a:
             k_size, m_data = U(a.shape[0]), U(a.shape[1])
@@ -467,9 +554,9 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         k_begin, k_end = k_range(k_size, U(cuda.blockIdx.z), U(cuda.gridDim.z))
         accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, U(0), alpha)
         for i in range(TM):
-            m = row0 + owned(ty, i, TY, RUN_M)
             for j in range(TN):
-                n = col0 + owned(tx, j, TX, RUN_N)
+                r, c = acc_position(tid, i, j)
+                m, n = row0 + r, col0 + c
                 if n < n_size:
                     if PARTIAL:
                         if m < m_data + U(EXTRA_ROWS):
@@ -518,6 +605,84 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
     def dense_grad_params_cuda(x, g, y, grad_w, grad_b, alpha):
         tile_product(x, g, grad_w, y, grad_b, grad_b, alpha)
     return dense_grad_params_cuda
+
+
+@functools.cache
+def _tensor_core():
+    from ops import tensor_core   # numba-cuda's extension API: tensor-core kernels only
+    return tensor_core
+
+
+def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
+    """``multiply_buffer`` and ``acc_position`` of a tensor-core tiling. Warp w takes rows
+    (w // WARPS_N)·WM and columns (w % WARPS_N)·WN of the tile, FM x FN fragments of m16n8;
+    its lane 4·group + index holds, of fragment (f, g), acc[2f + h, 2g + v] = C[16f + 8h +
+    group, 8g + 2·index + v] (the PTX ISA's accumulator layout: ops.tensor_core)."""
+    BM, BN, BK, TM, TN = tiling[:5]
+    WM, WN = 8 * TM, 4 * TN
+    WARPS_N = BN // WN
+    FM, FN = TM // 2, TN // 2
+    tensor_core = _tensor_core()
+    mma_tf32, mma_bf16, pack_bf16 = tensor_core.mma_tf32, tensor_core.mma_bf16, tensor_core.pack_bf16
+    TF32 = tiling.mma == "tf32"
+    K_STEP = MMA_K[tiling.mma]
+    # a lane's first k row: index (TF32's a0 = A[group, index]) or 2·index (bf16's pairs)
+    INDEX_ROWS = 1 if TF32 else 2
+    A_FRAGMENT, B_FRAGMENT = 4 * FM, 2 * FN
+    register_type = numba_type if TF32 else uint32
+
+    @cuda.jit(device=True)
+    def acc_position(tid, i, j):
+        """(row, column) in the block's tile of the thread's acc[i, j]."""
+        warp, lane = tid // U(32), tid % U(32)
+        return ((warp // U(WARPS_N)) * U(WM) + U((i // 2) * 16 + (i % 2) * 8) + lane // U(4),
+                (warp % U(WARPS_N)) * U(WN) + U((j // 2) * 8 + j % 2) + U(2) * (lane % U(4)))
+
+    @cuda.jit(device=True)
+    def multiply_buffer(a_tile, b_tile, cur, acc, tid):
+        """acc += the warp's fragments of buffer ``cur``'s A (BM x BK) @ B (BK x BN)."""
+        a_frag = cuda.local.array(A_FRAGMENT, register_type)
+        b_frag = cuda.local.array(B_FRAGMENT, register_type)
+        warp, lane = tid // U(32), tid % U(32)
+        group, index = lane // U(4), lane % U(4)
+        a_at = (cur * U(A_BUFFER) + index * U(INDEX_ROWS * A_ROW)
+                + (warp // U(WARPS_N)) * U(WM) + group)
+        b_at = (cur * U(B_BUFFER) + index * U(INDEX_ROWS * B_ROW)
+                + (warp % U(WARPS_N)) * U(WN) + group)
+        kk = U(0)
+        while kk < U(BK):
+            a_row, b_row = a_at + kk * U(A_ROW), b_at + kk * U(B_ROW)
+            for f in range(FM):   # rows 16f + group (+ 8) of the warp's part
+                for h in range(4):   # a0..a3: (+8 rows) x (+4 k rows, or +8 under bf16)
+                    at = a_row + U(16 * f + 8 * (h % 2) + (h // 2) * (K_STEP // 2) * A_ROW)
+                    if TF32:
+                        a_frag[4 * f + h] = a_tile[at]
+                    else:   # the pair of k rows at and at + A_ROW, the lower in the low half
+                        a_frag[4 * f + h] = pack_bf16(a_tile[at], a_tile[at + U(A_ROW)])
+            for g in range(FN):
+                for h in range(2):   # b0, b1: (+4 k rows, or +8 under bf16)
+                    at = b_row + U(8 * g + h * (K_STEP // 2) * B_ROW)
+                    if TF32:
+                        b_frag[2 * g + h] = b_tile[at]
+                    else:
+                        b_frag[2 * g + h] = pack_bf16(b_tile[at], b_tile[at + U(B_ROW)])
+            for f in range(FM):
+                for g in range(FN):
+                    if TF32:
+                        d = mma_tf32(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
+                                     a_frag[4 * f + 3], b_frag[2 * g], b_frag[2 * g + 1],
+                                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1],
+                                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1])
+                    else:
+                        d = mma_bf16(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
+                                     a_frag[4 * f + 3], b_frag[2 * g], b_frag[2 * g + 1],
+                                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1],
+                                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1])
+                    acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1] = d[0], d[1]
+                    acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1] = d[2], d[3]
+            kk += U(K_STEP)
+
+    return multiply_buffer, acc_position
 
 
 # ------------------------------------------------------------------ convolutions as implicit GEMMs
@@ -626,7 +791,7 @@ def _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot, b_slot):
     return fetch_a, fetch_b
 
 
-def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, tiling,
+def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, acc_position, tiling,
                 numba_type):
     """The ``@cuda.jit`` entry point of a CONV_ mode: block (x, y) takes a tile of one
     group's GEMM, block z its group and K slice (z = slice·GROUPS + group), and the epilogue
@@ -635,8 +800,6 @@ def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, til
     TAPS, CG, OG = KH * KW, C // GROUPS, O // GROUPS
     P_OUT, P_IN, NK = OH * OW, H * W, C // GROUPS * KH * KW
     BM, BN, BK, TM, TN = tiling[:5]
-    TY, TX = BM // TM, BN // TN
-    RUN_M, RUN_N = vec_run(TM, tiling.vec), vec_run(TN, tiling.vec)
     ACC = (TM, TN)
     COLUMNS = NK + (1 if BIAS else 0)   # dw's columns, db's included
 
@@ -644,7 +807,6 @@ def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, til
     def conv_tile_product(a, b, out, aux, side, bias, alpha):
         acc = cuda.local.array(ACC, numba_type)
         tid = U(cuda.threadIdx.x)
-        ty, tx = tid // U(TX), tid % U(TX)
         row0, col0 = U(cuda.blockIdx.y) * U(BM), U(cuda.blockIdx.x) * U(BN)
         z = U(cuda.blockIdx.z)
         group, slice_index = z % U(GROUPS), z // U(GROUPS)
@@ -657,9 +819,9 @@ def _conv_entry(conv, mode, partial, act, entry, accumulate, k_range, owned, til
         k_begin, k_end = k_range(k_size, slice_index, U(cuda.gridDim.z) // U(GROUPS))
         accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, group, alpha)
         for i in range(TM):
-            m = row0 + owned(ty, i, TY, RUN_M)
             for j in range(TN):
-                n = col0 + owned(tx, j, TX, RUN_N)
+                r, c = acc_position(tid, i, j)
+                m, n = row0 + r, col0 + c
                 if m < m_data and n < n_size:
                     value = acc[i, j]
                     if mode == CONV_FORWARD:
@@ -775,7 +937,7 @@ def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
     dtype = np.dtype(dtype)
     extra_rows = 1 if mode == GRAD_B else 0
     rows = m + extra_rows
-    tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows)
+    tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows, mma_format(dtype))
     if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:
         # GEMM_CHOICES holds float32 measurements; a wider dtype whose tiles would not fit in
         # shared memory (float64 under WIDE, say) takes the rule's tiling at that shape
@@ -856,18 +1018,18 @@ def pick_conv_tiling(m, n, k):
     return WIDE if k >= WIDE.BK else COMPACT
 
 
-def pick_conv_config(mode, m, n, k, groups):
+def pick_conv_config(mode, m, n, k, groups, mma=None):
     """The tiling and split count of one group's conv GEMM (m, n, k): the table's measured
     choice, else the rule (the weight gradient splits K as pick_config does, counting every
-    group's tiles)."""
+    group's tiles). ``mma``: a tensor-core format (pick_mma_tiling's tilings)."""
     key = (CONV_MODE_NAMES[mode], m, n, k)
-    choice = CONV_CHOICES.get(key)
+    choice = None if mma else CONV_CHOICES.get(key)
     if choice is not None:
         if choice.split < 1 or (choice.split > 1 and mode != CONV_GRAD_WEIGHT):
             raise ValueError(f"matmul: CONV_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1, and only grad_weight splits K")
         return choice
-    tiling = pick_conv_tiling(m, n, k)
+    tiling = pick_mma_tiling(m, n, mma) if mma else pick_conv_tiling(m, n, k)
     tiles = -(-m // tiling.BM) * -(-n // tiling.BN) * groups
     split = 1
     if mode == CONV_GRAD_WEIGHT and tiles < _multiprocessors():
@@ -882,7 +1044,7 @@ def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
     and their sum."""
     dtype = np.dtype(dtype)
     m, n, k = conv_gemm_shape(mode, geometry, batch)
-    tiling, split = pick_conv_config(mode, m, n, k, geometry.GROUPS)
+    tiling, split = pick_conv_config(mode, m, n, k, geometry.GROUPS, mma_format(dtype))
     if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:   # a float32 choice, run in float64
         tiling = MEDIUM if m > COMPACT.BM else COMPACT   # both fit any dtype up to 8 bytes
     slices = k_slices(k, split, tiling.BK)

@@ -9,7 +9,8 @@ Fragments, per the PTX ISA ("Matrix fragments for mma.m16n8k8" and "...m16n8k16"
 lane is ``4·group + index`` (group = lane // 4 in 0..7, index = lane % 4 in 0..3); every lane
 holds these elements of the row-major A (16xK), the column-major B (Kx8) and C = D (16x8):
 
-- ``mma_tf32`` (K = 8), each operand register one TF32 value (``to_tf32``):
+- ``mma_tf32`` (K = 8), each operand register one TF32 value (``to_tf32``, or a float32
+  from ``round_tf32``):
   a0 = A[group, index], a1 = A[group + 8, index], a2 = A[group, index + 4],
   a3 = A[group + 8, index + 4]; b0 = B[index, group], b1 = B[index + 4, group].
 - ``mma_bf16`` (K = 16), each operand register two bf16 values (``pack_bf16``: the lower
@@ -46,6 +47,18 @@ def to_tf32(typingctx, value):
 
 
 @intrinsic
+def round_tf32(typingctx, value):
+    """float32 -> the TF32 value nearest to it (``cvt.rna``, as ``to_tf32``) as a float32: for
+    values rounded once as they are stored (a GEMM's shared-memory tile), which ``mma_tf32``
+    then takes as they are."""
+    def codegen(context, builder, signature, args):
+        bits = _asm(builder, ir.IntType(32), [ir.FloatType()], "cvt.rna.tf32.f32 $0, $1;",
+                    "=r,f", args)
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
 def pack_bf16(typingctx, low, high):
     """Two float32 -> two bf16 (round to nearest even, ``cvt.rn.bf16x2``) in one uint32,
     ``low`` in the low half: an operand register of ``mma_bf16``."""
@@ -62,13 +75,20 @@ def _mma(name, shape_and_types, doc):
     constraints = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
 
     def typer(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        # an operand register is a uint32 (to_tf32, pack_bf16) or a float32 whose bits are
+        # the operand (round_tf32's), passed as they are
+        operand_types = tuple(types.float32 if t == types.float32 else types.uint32
+                              for t in (a0, a1, a2, a3, b0, b1))
+
         def codegen(context, builder, signature, args):
             floats = ir.LiteralStructType([ir.FloatType()] * 4)
+            operands = [builder.bitcast(arg, ir.IntType(32)) if t == types.float32 else arg
+                        for arg, t in zip(args[:6], operand_types)] + list(args[6:])
             result = _asm(builder, floats, [ir.IntType(32)] * 6 + [ir.FloatType()] * 4, text,
-                          constraints, args)
+                          constraints, operands)
             return context.make_tuple(builder, _FOUR_FLOATS,
                                       [builder.extract_value(result, i) for i in range(4)])
-        return _FOUR_FLOATS(*([types.uint32] * 6 + [types.float32] * 4)), codegen
+        return _FOUR_FLOATS(*(operand_types + (types.float32,) * 4)), codegen
     typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
     return intrinsic(typer)
 

@@ -86,3 +86,145 @@ def test_one_warp_tile_matches_numpy_on_the_rounded_inputs(precision, k):
     # and the rounding is really there: fp32 inputs would differ by about the rounding error
     exact = a.astype(np.float64) @ b.astype(np.float64)
     assert np.abs(got - exact).max() > 1e-6 * np.abs(exact).max()
+
+
+# ------------------------------------------------------------------ the GEMM template's tensor-core tilings
+
+ROUNDINGS = {"high": _round_tf32, "medium": _round_bf16}
+
+
+@pytest.fixture
+def precision(request):
+    """Runs the test under engine.set_float32_matmul_precision(request.param), then restores
+    the default."""
+    import engine
+    engine.set_float32_matmul_precision(request.param)
+    yield request.param
+    engine.set_float32_matmul_precision("highest")
+
+
+def _assert_product_of_rounded(got, want, magnitude, k, what):
+    """``got`` equals ``want`` (the float64 product of the rounded operands) within float32
+    accumulation of k terms (``magnitude``: the product of the operands' absolute values)."""
+    tolerance = 4e-7 * np.sqrt(k) * magnitude + 1e-30
+    excess = np.abs(got - want) / tolerance
+    assert excess.max() <= 1, (f"{what}: {np.unravel_index(excess.argmax(), excess.shape)} off "
+                               f"by {excess.max():.1f}x float32 accumulation")
+
+
+# (m, k, n, trans_a, trans_b): odd edges in every extent, each layout, and 1024³ for the
+# 128x128 tiling (it alone fills the GPU there)
+TENSOR_CORE_SHAPES = [(130, 77, 257, False, False), (64, 128, 96, True, False),
+                      (200, 33, 70, False, True), (17, 300, 9, True, True),
+                      (1024, 1024, 1024, False, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
+@pytest.mark.parametrize("m, k, n, trans_a, trans_b", TENSOR_CORE_SHAPES)
+def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, trans_b):
+    from ops.cuda_backend import cuda
+    from ops.device import to_device
+    from ops.matmul import gemm, mma_format
+    assert mma_format(np.float32) == {"high": "tf32", "medium": "bf16"}[precision]
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    out = cuda.device_array((m, n), np.float32)
+    gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=out)
+    got = out.copy_to_host()
+    rounding = ROUNDINGS[precision]
+
+    def operand(x, transposed):
+        x = rounding(x).astype(np.float64)
+        return x.T if transposed else x
+    ra, rb = operand(a, trans_a), operand(b, trans_b)
+    _assert_product_of_rounded(got, ra @ rb, np.abs(ra) @ np.abs(rb), k, f"{precision} gemm")
+    exact = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b)
+    assert np.abs(got - exact).max() > 1e-5 * np.abs(exact).max(), "no rounding: not TF32/bf16"
+    again = cuda.device_array((m, n), np.float32)
+    gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=again)
+    np.testing.assert_array_equal(again.copy_to_host(), got)   # a fixed order: deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
+@pytest.mark.parametrize("batch, fan_in, fan_out", [(128, 784, 256), (37, 45, 70)])
+def test_dense_forward_and_backward_take_the_rounded_operands(precision, batch, fan_in,
+                                                              fan_out):
+    """The fused Dense kernels under tensor cores: y = relu(x·W + b) from rounded x and W; the
+    backward's G = grad_out·relu'(y), rounded as the kernels stash it, gives dX = G·Wᵀ,
+    dW = xᵀ·G and db = Σ G."""
+    import engine
+    from engine import nn
+    rng = np.random.default_rng(batch)
+    model = nn.Sequential([nn.Dense(fan_out, activation="relu", input_shape=(fan_in,))])
+    model.to("cuda")
+    layer = model.layers[0]
+    x = engine.tensor(rng.standard_normal((batch, fan_in)).astype(np.float32), device="cuda",
+                      requires_grad=True)
+    grad_out = rng.standard_normal((batch, fan_out)).astype(np.float32)
+    y = layer(x)
+    (y * engine.tensor(grad_out, device="cuda")).sum().backward()
+    rounding = ROUNDINGS[precision]
+    w, bias = layer.weight.numpy(), layer.bias.numpy()
+    rx, rw = rounding(x.numpy()).astype(np.float64), rounding(w).astype(np.float64)
+    z = rx @ rw
+    _assert_product_of_rounded(y.numpy(), np.maximum(z + bias, 0),
+                               np.abs(rx) @ np.abs(rw) + np.abs(bias), fan_in, "forward")
+    g = rounding(grad_out * (y.numpy() > 0)).astype(np.float64)
+    _assert_product_of_rounded(x.grad.numpy(), g @ rw.T, np.abs(g) @ np.abs(rw.T), fan_out,
+                               "dX")
+    _assert_product_of_rounded(layer.weight.grad.numpy(), rx.T @ g, np.abs(rx.T) @ np.abs(g),
+                               batch, "dW")
+    _assert_product_of_rounded(layer.bias.grad.numpy(), g.sum(0), np.abs(g).sum(0), batch,
+                               "db")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
+@pytest.mark.parametrize("n, c, size, o, stride, padding", [(3, 5, 11, 7, 1, 1),
+                                                            (4, 3, 13, 32, 2, 0),
+                                                            (2, 16, 12, 96, 1, 1)])
+def test_conv2d_forward_and_backward_take_the_rounded_operands(precision, n, c, size, o,
+                                                                stride, padding):
+    """The implicit-GEMM convolutions under tensor cores against torch's float64 convolution
+    of the rounded operands (x and w; grad_out for the backward, as the kernels stash it)."""
+    torch = pytest.importorskip("torch")
+    import engine
+    rng = np.random.default_rng(o)
+    x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+    w = rng.standard_normal((o, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    ex = engine.tensor(x, device="cuda", requires_grad=True)
+    ew = engine.tensor(w, device="cuda", requires_grad=True)
+    eb = engine.tensor(b, device="cuda", requires_grad=True)
+    y = engine.conv2d(ex, ew, eb, stride=stride, padding=padding)
+    grad_out = rng.standard_normal(y.shape).astype(np.float32)
+    (y * engine.tensor(grad_out, device="cuda")).sum().backward()
+    rounding = ROUNDINGS[precision]
+
+    def reference(*arrays):
+        return [torch.tensor(rounding(a).astype(np.float64), requires_grad=True)
+                for a in arrays]
+    tx, tw = reference(x, w)
+    tb = torch.tensor(b.astype(np.float64), requires_grad=True)
+    ty = torch.nn.functional.conv2d(tx, tw, tb, stride=stride, padding=padding)
+    ty.backward(torch.tensor(rounding(grad_out).astype(np.float64)))
+    # the magnitudes: the same convolutions of the absolute values
+    ax, aw, ag = (torch.tensor(np.abs(rounding(a)).astype(np.float64))
+                  for a in (x, w, grad_out))
+    forward_scale = (torch.nn.functional.conv2d(ax, aw, stride=stride, padding=padding)
+                     + torch.tensor(np.abs(b).astype(np.float64))[:, None, None])
+    aax, aaw = ax.clone().requires_grad_(), aw.clone().requires_grad_()
+    torch.nn.functional.conv2d(aax, aaw, stride=stride, padding=padding).backward(ag)
+    taps = c * 9
+    _assert_product_of_rounded(y.numpy(), ty.detach().numpy(), forward_scale.numpy(), taps,
+                               "forward")
+    _assert_product_of_rounded(ex.grad.numpy(), tx.grad.numpy(), aax.grad.numpy(), o * 9,
+                               "grad_input")
+    positions = y.shape[0] * y.shape[2] * y.shape[3]
+    _assert_product_of_rounded(ew.grad.numpy(), tw.grad.numpy(), aaw.grad.numpy(), positions,
+                               "grad_weight")
+    _assert_product_of_rounded(eb.grad.numpy(), tb.grad.numpy(),
+                               np.abs(rounding(grad_out)).sum((0, 2, 3)), positions, "grad_bias")
