@@ -2,7 +2,7 @@
 
     python -m bench.cnn --device cpu|cuda [--epochs 3] [--limit N] [--json results.json]
 
-The network is ``python -m engine.train --model cnn``'s (``engine.train.build_cnn``, the one
+The network is ``python -m engine.train --model cnn``'s (``engine.models.build_cnn``, the one
 of API.md's "Convolutional networks"): Conv2D 32 3x3 same relu, MaxPool2D 2, Conv2D 64 3x3
 same relu, BatchNorm, AvgPool2D 2, Dense 128 relu, Dense 10, on MNIST standardised as by
 the command, Adam (lr 1e-3), batch 128. PyTorch's copy starts from the engine model's
@@ -10,7 +10,7 @@ initial weights (conv layouts agree; Dense kernels are transposed into ``nn.Line
 sees the same batches in the same order (the engine loader's permutation of each epoch).
 After one warm-up epoch each, timed epochs alternate engine, engine eager, torch, ... so all
 share the machine's state; s/epoch is the median. The engine epochs are
-``engine.train.fit`` (captured step, and ``capture=False``), what users run. Test accuracy is
+``engine.fit.fit`` (captured step, and ``capture=False``), what users run. Test accuracy is
 measured after the last epoch, in eval mode (BatchNorm on its running statistics).
 
 On CUDA a row runs PyTorch's step as one CUDA graph (``torch.cuda.graph``, as bench.mlp's).
@@ -41,7 +41,7 @@ from bench.report import emit, require_device
 
 def _engine_run(x_train, y_train, x_test, y_test, normalize, device, capture=True):
     import engine
-    from engine.train import build_cnn
+    from engine.models import build_cnn
 
     engine.manual_seed(0)
     model = build_cnn(x_train.shape[1:], 10).to(device)
@@ -253,7 +253,7 @@ def _jax_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epoch
 
 def run(device, epochs, limit, eager=True, loaded=False):
     import engine
-    from engine.train import load_dataset, pixel_statistics
+    from data.datasets import load_dataset, pixel_statistics
     (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
     normalize = pixel_statistics(x_train)
     steps = -(-len(x_train) // BATCH_SIZE)

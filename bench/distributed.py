@@ -45,9 +45,10 @@ def rank_run(device, hidden, steps, batch_size, threads):
     import data
     import engine
     import optim
+    from data.datasets import load_dataset, pixel_statistics
     from engine import distributed as dist
     from engine.losses import cross_entropy
-    from engine.train import build_mlp, load_dataset, pixel_statistics
+    from engine.models import build_mlp
     from ops.cuda_backend import cuda
 
     dist.init(device=device)

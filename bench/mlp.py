@@ -6,7 +6,7 @@ Model 784-256-128-10 with ReLU, Adam (lr 1e-3), batch 128, MNIST standardised as
 ``python -m engine.train``; both frameworks see the same batches in the same order (the
 engine loader's permutation of each epoch). After one warm-up epoch each, timed epochs
 alternate engine, torch, engine, torch, ... so both share the machine's state; s/epoch is
-the median. The engine epoch is ``engine.train.fit`` (what users run), so it includes the
+the median. The engine epoch is ``engine.fit.fit`` (what users run), so it includes the
 per-step bookkeeping of the loop.
 
 Also measured: kernel launches per training step (CUDA: counted by an
@@ -42,13 +42,13 @@ LEARNING_RATE = 1e-3
 
 def engine_training(model, x_train, y_train, x_test, y_test, normalize, device, capture):
     """The engine's side of a benchmark, as users run it: Adam on ``model`` through
-    ``engine.train.fit``, one epoch per call of ``train_epoch()`` (its training seconds),
+    ``engine.fit.fit``, one epoch per call of ``train_epoch()`` (its training seconds),
     over shuffled batches of ``BATCH_SIZE``. Returns ``(optimizer, loader, train_epoch,
     test_accuracy)``."""
     import data
     import optim
     from engine.losses import cross_entropy
-    from engine.train import evaluate, fit
+    from engine.fit import evaluate, fit
 
     optimizer = optim.Adam(model.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
@@ -74,7 +74,7 @@ def engine_training(model, x_train, y_train, x_test, y_test, normalize, device, 
 def _engine_run(x_train, y_train, x_test, y_test, normalize, device, hidden, capture=True):
     import engine
     from engine.losses import cross_entropy
-    from engine.train import build_mlp
+    from engine.models import build_mlp
 
     engine.manual_seed(0)
     model = build_mlp(x_train.shape[1:], hidden, 10).to(device)
@@ -227,12 +227,12 @@ def time_first_steps(device, model, process_start):
     """Run in a subprocess: seconds to import the engine and build a model and loader, and to
     run each of the first two training steps (the first compiles every kernel it needs, or
     loads it from Numba's cache or the shipped kernels). ``model``: ``"mlp:256,128"`` (the
-    hidden widths) or ``"cnn"`` (``engine.train.build_cnn``)."""
+    hidden widths) or ``"cnn"`` (``engine.models.build_cnn``)."""
     import engine
     import data
     import optim
     from engine.losses import cross_entropy
-    from engine.train import build_cnn, build_mlp
+    from engine.models import build_cnn, build_mlp
 
     engine.manual_seed(0)
     images = np.random.default_rng(0).integers(0, 256, (2 * BATCH_SIZE, 28, 28), dtype=np.uint8)
@@ -355,7 +355,7 @@ def busy_neighbour_line(result, rows, digits):
 
 def run(device, epochs, hidden, limit, measure_compile, loaded=False):
     import engine
-    from engine.train import load_dataset, pixel_statistics
+    from data.datasets import load_dataset, pixel_statistics
     (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
     normalize = pixel_statistics(x_train)
     steps = -(-len(x_train) // BATCH_SIZE)
@@ -471,11 +471,11 @@ def main(argv=None):
     if args.epochs < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--epochs and --limit must be positive")
     set_for_engine(args.matmul_precision)
-    from engine.train import BadInput, parse_hidden
+    from engine.models import parse_widths
     try:
-        hidden = parse_hidden(args.hidden)
-    except BadInput as error:
-        parser.error(str(error))
+        hidden = parse_widths(args.hidden)
+    except ValueError as error:
+        parser.error(f"--hidden {error}")
     require_device(parser, args.device)
     result = run(args.device, args.epochs, hidden, args.limit, not args.no_compile_time,
                  args.busy_neighbour)

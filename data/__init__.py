@@ -7,7 +7,7 @@ loader = data.DataLoader(x_train, y_train, batch_size=128, shuffle=True, seed=0,
 for xb, yb in loader: ...                                      # float32 in [0, 1], int64 labels
 ```
 """
-from data import fashion_mnist, mnist  # noqa: F401
+from data import datasets, fashion_mnist, mnist  # noqa: F401
 from data.idx import read_idx, write_idx  # noqa: F401
 from data.loader import DataLoader  # noqa: F401
 from data.synthetic import blobs, spirals, xor  # noqa: F401

@@ -150,7 +150,9 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
 
 
 def __dir__():   # the lazy names too, for tab completion
-    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES))
+    functional = sys.modules.get("engine.functional")
+    generated = set(functional.POINTWISE) if functional is not None else set()
+    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES) | generated)
 
 
 def __getattr__(name):
@@ -173,4 +175,9 @@ def __getattr__(name):
         return globals()[name]
     if importlib.util.find_spec(f"engine.{name}") is not None:   # engine.debug, engine.autograd
         return importlib.import_module(f"engine.{name}")
+    if not name.startswith("_"):   # a pointwise function generated from ops.pointwise.TABLE
+        generated = importlib.import_module("engine.functional").POINTWISE
+        if name in generated:
+            globals()[name] = generated[name]
+            return generated[name]
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -26,6 +26,7 @@ from ops import softmax as sm
 from ops.fill import fill
 from ops.layout import normalize_axes
 from ops.memory import empty
+from ops.pointwise import TABLE
 from ops.registry import FLOAT_DTYPES
 
 
@@ -104,36 +105,27 @@ def pow(x, exponent):
     return apply(ew.PowScalar, x, p=float(exponent))
 
 
-def neg(x):
-    return apply(ew.Neg, x)
+def _pointwise_function(entry):
+    """``engine.<name>(x)`` of a parameter-free ``ops.pointwise`` entry, with its doc."""
+    op_class = ew.UNARY_OPS[entry.name]
+
+    def function(x):
+        return apply(op_class, x)
+    function.__name__ = function.__qualname__ = entry.name
+    function.__doc__ = entry.doc
+    return function
 
 
-def exp(x):
-    return apply(ew.Exp, x)
-
-
-def log(x):
-    return apply(ew.Log, x)
-
-
-def sqrt(x):
-    return apply(ew.Sqrt, x)
-
-
-def relu(x):
-    return apply(ew.Relu, x)
+# neg, exp, log, sqrt, relu, sigmoid, tanh, abs, ...: every entry with a doc (Tensor binds
+# the same functions as its methods)
+POINTWISE = {entry.name: _pointwise_function(entry) for entry in TABLE if entry.doc}
+globals().update(POINTWISE)
 
 
 def leaky_relu(x, alpha=0.01):
+    """``x`` where ``x > 0``, else ``alpha * x``, elementwise, as
+    ``torch.nn.functional.leaky_relu`` (``negative_slope``)."""
     return apply(ew.LeakyRelu, x, p=float(alpha))
-
-
-def sigmoid(x):
-    return apply(ew.Sigmoid, x)
-
-
-def tanh(x):
-    return apply(ew.Tanh, x)
 
 
 def gelu(x, approximate="none"):
@@ -144,10 +136,6 @@ def gelu(x, approximate="none"):
         raise ValueError(f"gelu: approximate must be \"none\" or \"tanh\" (torch's values), "
                          f"got {approximate!r}")
     return apply(forms[approximate], x)
-
-
-def abs(x):
-    return apply(ew.Abs, x)
 
 
 def clip(x, low=None, high=None, *, min=None, max=None):

@@ -43,6 +43,15 @@ def check_dtype(dtype, where="tensor"):
     return dtype
 
 
+def _with_pointwise_methods(cls):
+    """``x.relu()``, ``x.exp()``, ``x.abs()``, ...: the parameter-free functions that
+    ``engine.functional`` generates from ``ops.pointwise.TABLE``, bound as methods."""
+    for name, function in F.POINTWISE.items():
+        setattr(cls, name, function)
+    return cls
+
+
+@_with_pointwise_methods
 class Tensor(Value):
     __array_priority__ = 1000   # NumPy defers to our reflected operators
     __hash__ = object.__hash__   # by identity, as torch: == is elementwise, tensors stay keys
@@ -258,34 +267,13 @@ class Tensor(Value):
     def argmin(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         return F.argmin(self, axis, keepdims, dim=dim, keepdim=keepdim)
 
-    def abs(self):
-        return F.abs(self)
-
     def clip(self, low=None, high=None, *, min=None, max=None):
         return F.clip(self, low, high, min=min, max=max)
 
     clamp = clip
 
-    def exp(self):
-        return F.exp(self)
-
-    def log(self):
-        return F.log(self)
-
-    def sqrt(self):
-        return F.sqrt(self)
-
-    def relu(self):
-        return F.relu(self)
-
     def leaky_relu(self, alpha=0.01):
         return F.leaky_relu(self, alpha)
-
-    def sigmoid(self):
-        return F.sigmoid(self)
-
-    def tanh(self):
-        return F.tanh(self)
 
     def gelu(self, approximate="none"):
         return F.gelu(self, approximate)

@@ -28,7 +28,9 @@ MPICH adds its own line saying so). Processes of ``mpiexec -n N`` without ``--di
 are refused alike (each would train alone and write the same files).
 
 The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoint functions
-are re-exported here (``from engine.train import fit, evaluate`` is public API).
+are re-exported here (``from engine.train import fit, evaluate`` is public API). The model
+recipes live in ``engine.models``, the data recipes (a data set by name, its pixel
+statistics) in ``data.datasets``: this module parses, checks and wires.
 """
 import argparse
 import functools
@@ -39,6 +41,8 @@ import os
 import sys
 import types
 
+# data.datasets.DATASETS and engine.models.MODELS (tests/test_models.py checks they agree):
+# the help answered before Numba is imported names them
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("adam", "adamw", "rmsprop", "sgd")
@@ -177,8 +181,8 @@ import data  # noqa: E402
 import engine  # noqa: E402
 import ops  # noqa: E402
 import optim  # noqa: E402
+from data.datasets import load_dataset, pixel_statistics  # noqa: E402
 from engine import distributed as dist  # noqa: E402
-from engine import nn  # noqa: E402
 from engine import onnx as onnx_export  # noqa: E402
 from engine.archive import atomic_write, probe_writable  # noqa: E402
 from engine.callbacks import (PROGRESS_EVERY, EarlyStopping, TensorBoard,  # noqa: E402
@@ -186,6 +190,8 @@ from engine.callbacks import (PROGRESS_EVERY, EarlyStopping, TensorBoard,  # noq
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit,  # noqa: F401, E402
                         format_record, read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy  # noqa: E402
+from engine.models import (CNN_DESCRIPTION, build_model, parse_widths,  # noqa: E402
+                           preprocessing)
 from engine.random import manual_seed  # noqa: E402
 from ops.device import SIMULATOR, check_device  # noqa: E402
 from ops.matmul_precision import PRECISIONS  # noqa: E402
@@ -193,13 +199,9 @@ from ops.matmul_precision import PRECISIONS  # noqa: E402
 
 def parse_hidden(text):
     try:
-        widths = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
-        raise BadInput(f"--hidden {text!r}: expected positive layer widths separated by "
-                       "commas, like 256,128")
-    return widths
+        return parse_widths(text)
+    except ValueError as error:
+        raise BadInput(f"--hidden {error}") from None
 
 
 def cosine_schedule(optimizer, epochs, start_epoch=0):
@@ -335,91 +337,6 @@ def checkpoint_path(args):
     if args.no_save:
         return None
     return args.save or args.resume or f"{args.dataset}-{args.model}.npz"
-
-
-def load_dataset(name, data_dir=None, limit=None):
-    """``(x_train, y_train), (x_test, y_test)`` as the data set ships them (uint8 images),
-    the first ``limit`` samples of each split."""
-    module = data.mnist if name == "mnist" else data.fashion_mnist
-    try:
-        (x_train, y_train), (x_test, y_test) = (module.load(root=data_dir) if data_dir
-                                                else module.load())
-    except (OSError, ValueError) as error:
-        where = f" from {data_dir}" if data_dir else ""
-        raise BadInput(f"cannot load {name}{where}: {error}") from None
-    where = f"{name} in {data_dir}" if data_dir else name
-    for split, images in (("training", x_train), ("test", x_test)):
-        if images.size == 0:
-            raise BadInput(f"{where}: the {split} images {images.shape} hold no samples")
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise BadInput(f"{where}: training images {x_train.shape[1:]} and test images "
-                       f"{x_test.shape[1:]} differ in shape")
-    if limit:
-        return (x_train[:limit], y_train[:limit]), (x_test[:limit], y_test[:limit])
-    return (x_train, y_train), (x_test, y_test)
-
-
-def pixel_statistics(images):
-    """Mean and standard deviation of uint8 ``images`` scaled to [0, 1], exact, from a
-    histogram (no float copy of the data set). Float images are taken as already scaled."""
-    if images.dtype != np.uint8:
-        mean, std = float(images.mean(dtype=np.float64)), float(images.std(dtype=np.float64))
-        return mean, (std if std > 0 else 1.0)
-    counts = np.bincount(images.reshape(-1), minlength=256).astype(np.float64)
-    levels = np.arange(256) / 255.0
-    mean = float(counts @ levels / counts.sum())
-    std = float(np.sqrt(counts @ (levels - mean) ** 2 / counts.sum()))
-    return mean, (std if std > 0 else 1.0)
-
-
-def preprocessing(images, normalize):
-    """The layers that take ``images`` as the data set ships them to what the network trains
-    on: ``Rescaling(1 / 255)`` for uint8 (the loader's scaling), then ``Normalization`` with
-    the training images' ``normalize=(mean, std)``. The CLI's models start with them, so the
-    saved model and its ONNX export both take raw images."""
-    scale = 1 / 255 if images.dtype == np.uint8 else 1.0
-    mean, std = normalize
-    return [nn.Rescaling(scale, input_shape=images.shape[1:]), nn.Normalization(mean, std ** 2)]
-
-
-def build_mlp(input_shape, hidden, classes, first_layers=()):
-    """``first_layers`` (``preprocessing``), Flatten, then a ReLU Dense layer per hidden
-    width, then a linear Dense to ``classes``."""
-    layers = list(first_layers) + [nn.Flatten(input_shape=None if first_layers
-                                              else tuple(input_shape))]
-    layers += [nn.Dense(width, activation="relu") for width in hidden]
-    layers.append(nn.Dense(classes))
-    return nn.Sequential(layers)
-
-
-def build_cnn(input_shape, classes, first_layers=()):
-    """``first_layers`` (``preprocessing``), then the network of engine/API.md's
-    "Convolutional networks" for images of ``input_shape`` (height, width), as one channel."""
-    return nn.Sequential(list(first_layers) + [
-        nn.Reshape((1,) + tuple(input_shape),
-                   input_shape=None if first_layers else tuple(input_shape)),
-        nn.Conv2D(32, 3, padding="same", activation="relu"),
-        nn.MaxPool2D(2),
-        nn.Conv2D(64, 3, padding="same", activation="relu"),
-        nn.BatchNorm(),
-        nn.AvgPool2D(2),
-        nn.Flatten(),
-        nn.Dense(128, activation="relu"),
-        nn.Dense(classes),
-    ])
-
-
-CNN_DESCRIPTION = "conv32-maxpool-conv64-batchnorm-avgpool-128"
-
-
-def build_model(name, input_shape, hidden, classes, first_layers=()):
-    """``build_mlp`` or ``build_cnn`` by ``--model`` name."""
-    if name == "cnn":
-        if len(input_shape) != 2:
-            raise BadInput(f"--model cnn takes images of (height, width), got samples of "
-                           f"shape {tuple(input_shape)}")
-        return build_cnn(input_shape, classes, first_layers)
-    return build_mlp(input_shape, hidden, classes, first_layers)
 
 
 def build_optimizer(name, parameters, lr, momentum, weight_decay):
@@ -610,14 +527,22 @@ def prepare(args, is_root):
             raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
                            f"{checkpoint['config']}, this run asks for {config}")
 
-    (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir, args.limit)
+    try:
+        (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir,
+                                                            args.limit)
+    except ValueError as error:
+        raise BadInput(str(error)) from None
     manual_seed(args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
     # the model takes the images as they ship (its first layers scale and standardise them
     # with the training images' statistics), so the saved file and the ONNX export take them
     normalize = pixel_statistics(x_train)
-    model = build_model(args.model, x_train.shape[1:], args.hidden, classes,
-                        preprocessing(x_train, normalize)).to(args.device)
+    try:
+        model = build_model(args.model, x_train.shape[1:], args.hidden, classes,
+                            preprocessing(x_train, normalize))
+    except ValueError as error:   # a cnn on samples that are not images
+        raise BadInput(f"--model {error}") from None
+    model = model.to(args.device)
     optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum,
                                 args.weight_decay)
     start_epoch, history = 0, []

@@ -4,27 +4,18 @@ A copy made by ``memcpy`` (NumPy's ``copyto``, a device-to-device ``copy_to_devi
 kernel, so a captured step (``engine.capture``) would not record it and its replays would
 skip it. The engine's same-device copies (``to_device``, gradient slots) run this kernel
 instead; copies between the host and the device are refused inside a recording.
+
+The kernel converts as it copies (NumPy's ``astype``: floats to integers truncate toward
+zero, integers wrap), so it is also ``ops.cast``'s kernel.
 """
-from numba import njit
-
-from ops.cuda_backend import cuda
-from ops.launch import CPU_KERNEL, Kernel, elements
+from ops.element_kernel import element_kernel
 
 
-@njit(**CPU_KERNEL)
-def copy_cpu(source, destination):
-    for i in range(destination.size):
-        destination[i] = source[i]
+def _copy_element(i, source, destination):
+    destination[i] = source[i]
 
 
-@cuda.jit(cache=True)
-def copy_cuda(source, destination):
-    i = cuda.grid(1)
-    if i < destination.size:
-        destination[i] = source[i]
-
-
-COPY = Kernel("copy", copy_cpu, copy_cuda, elements(1))
+COPY = element_kernel("copy", _copy_element)
 
 
 def copy_array(destination, source):

@@ -11,11 +11,11 @@ needs a bool array type, and a bool output is allocated as uint8 (poison mode's 
 bool value).
 """
 import numpy as np
-from numba import njit
 
-from ops.cuda_backend import cuda, device_view
+from ops.array_copy import COPY
+from ops.cuda_backend import device_view
 from ops.dispatch import Out, run
-from ops.launch import Kernel, elements
+from ops.element_kernel import element_kernel
 from ops.layout import flat
 from ops.registry import Op, register
 
@@ -33,34 +33,11 @@ def same_memory_as(array, dtype):
     return array.view(dtype) if isinstance(array, np.ndarray) else device_view(array, dtype)
 
 
-@njit(cache=True, error_model="numpy")
-def cast_cpu(x, out):
-    for i in range(out.size):
-        out[i] = x[i]
+def _nonzero_element(i, x, out):
+    out[i] = 1 if x[i] != 0 else 0
 
 
-@cuda.jit(cache=True)
-def cast_cuda(x, out):
-    i = cuda.grid(1)
-    if i < out.size:
-        out[i] = x[i]
-
-
-@njit(cache=True, error_model="numpy")
-def cast_to_bool_cpu(x, out):
-    for i in range(out.size):
-        out[i] = 1 if x[i] != 0 else 0
-
-
-@cuda.jit(cache=True)
-def cast_to_bool_cuda(x, out):
-    i = cuda.grid(1)
-    if i < out.size:
-        out[i] = 1 if x[i] != 0 else 0
-
-
-CAST = Kernel("cast", cast_cpu, cast_cuda, elements(1))
-CAST_TO_BOOL = Kernel("cast_to_bool", cast_to_bool_cpu, cast_to_bool_cuda, elements(1))
+CAST_TO_BOOL = element_kernel("cast_to_bool", _nonzero_element)
 
 
 def cast(x, dtype):
@@ -69,7 +46,7 @@ def cast(x, dtype):
     source = flat(as_bytes(x))
     if dtype == BOOL:
         return same_memory_as(run(CAST_TO_BOOL, source, Out(x.shape, BYTE)), BOOL)
-    return run(CAST, source, Out(x.shape, dtype))
+    return run(COPY, source, Out(x.shape, dtype))   # the copy kernel converts as it copies
 
 
 @register
@@ -77,7 +54,7 @@ class Cast(Op):
     """``x`` as ``params["dtype"]``; takes every storage dtype (labels and masks cast too).
     Only float-to-float casts are recorded for autograd (``engine.functional.astype``)."""
     name = "cast"
-    kernels = (CAST, CAST_TO_BOOL)
+    kernels = (COPY, CAST_TO_BOOL)
 
     def __call__(self, x):
         # the registry's checks refuse bool inputs, which a cast exists to convert

@@ -21,7 +21,8 @@ from ops.cuda_backend import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
-                        broadcast_shape, broadcast_strides, coalesce, flat)
+                        broadcast_shape, broadcast_strides, coalesce, flat,
+                        unravel_offsets_cpu, unravel_offsets_cuda)
 from ops.reduce import REDUCE, SUM, sum_to_shape
 from ops.registry import Op, register
 from ops.twin import twin
@@ -152,33 +153,13 @@ def where_layout(shape, cond_shape, a_shape, b_shape):
     return (len(merged),) + merged + strides[0] + strides[1] + strides[2]
 
 
-def _where_offsets(i, meta):
-    """Offsets into cond, a and b of output element ``i`` of a where layout."""
-    ndim = meta[0]
-    at_cond = 0
-    at_a = 0
-    at_b = 0
-    rest = i
-    for k in range(ndim - 1, -1, -1):
-        size = meta[1 + k]
-        coord = rest % size
-        rest //= size
-        at_cond += coord * meta[1 + ndim + k]
-        at_a += coord * meta[1 + 2 * ndim + k]
-        at_b += coord * meta[1 + 3 * ndim + k]
-    return at_cond, at_a, at_b
-
-
-_where_offsets_cpu, _where_offsets_cuda = twin(_where_offsets)
-
-
 @njit(cache=True, error_model="numpy")
 def where_cpu(cond, a, b, out, meta):
     for i in range(out.size):
         if meta[0] == 0:
             out[i] = a[i] if cond[i] else b[i]
         else:
-            at_cond, at_a, at_b = _where_offsets_cpu(i, meta)
+            at_cond, at_a, at_b = unravel_offsets_cpu(i, meta, 1, meta[0], 3)
             out[i] = a[at_a] if cond[at_cond] else b[at_b]
 
 
@@ -189,7 +170,7 @@ def where_cuda(cond, a, b, out, meta):
         if meta[0] == 0:
             out[i] = a[i] if cond[i] else b[i]
         else:
-            at_cond, at_a, at_b = _where_offsets_cuda(i, meta)
+            at_cond, at_a, at_b = unravel_offsets_cuda(i, meta, 1, meta[0], 3)
             out[i] = a[at_a] if cond[at_cond] else b[at_b]
 
 
@@ -198,7 +179,7 @@ def where_grad_cpu(cond, grad_out, grad_a, grad_b, meta):
     """grad_a = grad_out where cond holds, else 0; grad_b the rest (both at the output's
     shape; ``meta`` is the where layout, whose a and b strides are not read)."""
     for i in range(grad_out.size):
-        at_cond = i if meta[0] == 0 else _where_offsets_cpu(i, meta)[0]
+        at_cond = i if meta[0] == 0 else unravel_offsets_cpu(i, meta, 1, meta[0], 1)[0]
         g = grad_out[i]
         grad_a[i] = g if cond[at_cond] else 0.0
         grad_b[i] = 0.0 if cond[at_cond] else g
@@ -208,7 +189,7 @@ def where_grad_cpu(cond, grad_out, grad_a, grad_b, meta):
 def where_grad_cuda(cond, grad_out, grad_a, grad_b, meta):
     i = cuda.grid(1)
     if i < grad_out.size:
-        at_cond = i if meta[0] == 0 else _where_offsets_cuda(i, meta)[0]
+        at_cond = i if meta[0] == 0 else unravel_offsets_cuda(i, meta, 1, meta[0], 1)[0]
         g = grad_out[i]
         grad_a[i] = g if cond[at_cond] else 0.0
         grad_b[i] = 0.0 if cond[at_cond] else g

@@ -113,6 +113,34 @@ def conv_output_sizes(spatial, kernel, stride, dilation, paddings, op_name):
     return out
 
 
+def _shown(values):
+    """Per-dimension values in a message: one int when all are equal, else the tuple."""
+    return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def check_pool_padding(kernel, padding, op_name, kernel_name="kernel_size"):
+    """A ValueError naming ``op_name`` where a pooling window's ``padding`` (each side) is
+    over half the window, which torch refuses too (a window of padding alone)."""
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise ValueError(f"{op_name}: padding {_shown(padding)} must be at most half of "
+                         f"{kernel_name} {_shown(kernel)}")
+
+
+def pool_output_sizes(spatial, kernel, stride, padding, op_name, kernel_name="kernel_size"):
+    """The output size along each spatial dimension of a pooling window (``padding`` on each
+    side); a ValueError naming ``op_name`` where the padding is over half the window or the
+    window does not fit in the padded input. The pooling layers' shape inference and the
+    pooling ops' check both ask here (``kernel_name``: the layers' "pool_size")."""
+    check_pool_padding(kernel, padding, op_name, kernel_name)
+    out = tuple(window_output_size(size, k, s, 1, p, p)
+                for size, k, s, p in zip(spatial, kernel, stride, padding))
+    if min(out) < 1:
+        padded = "x".join(str(size + 2 * p) for size, p in zip(spatial, padding))
+        raise ValueError(f"{op_name}: {kernel_name} {_shown(kernel)} does not fit in the "
+                         f"padded input ({padded})")
+    return out
+
+
 def conv_padding(padding, kernel, dilation, stride, op_name):
     """``((top, bottom), (left, right))`` of ``padding``: an int, a pair, "valid" or "same"."""
     if isinstance(padding, str):

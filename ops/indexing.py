@@ -44,7 +44,7 @@ from ops.fill import FILL, fill
 from ops.flag_buffer import flag_buffer
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
-                        broadcast_strides, contiguous_strides, flat)
+                        broadcast_strides, contiguous_strides, flat, unravel_offsets)
 from ops.memory import empty
 from ops.registry import register
 from ops.shape import Movement
@@ -247,40 +247,31 @@ PACK = Kernel("index_pack", pack_cpu, pack_cuda,
               lambda source, indices, *rest: indices.shape[1])
 
 
-def _r_offsets(r, meta):
-    """(x offset, source offset) of R combination ``r`` (``Plan.meta``'s layout)."""
-    n_r = meta[2]
-    at_x = meta[0]
-    at_source = 0
-    for k in range(n_r - 1, -1, -1):
-        size = meta[3 + k]
-        coord = r % size
-        r //= size
-        at_x += coord * meta[3 + n_r + k]
-        at_source += coord * meta[3 + 2 * n_r + k]
-    return at_x, at_source
+def _r_offsets_with(unravel_offsets):
+    def r_offsets(r, meta):
+        """(x offset, source offset) of R combination ``r`` (``Plan.meta``'s layout)."""
+        at_x, at_source, _ = unravel_offsets(r, meta, 3, meta[2], 2)
+        return meta[0] + at_x, at_source
+    return r_offsets
 
 
-def _b_offsets(b, indices, meta):
-    """(x offset, source offset) of element ``b`` of the advanced indices' broadcast shape."""
-    first = 3 + 3 * meta[2]
-    n_b = meta[first]
-    at_source = 0
-    rest = b
-    for k in range(n_b - 1, -1, -1):
-        size = meta[first + 1 + k]
-        coord = rest % size
-        rest //= size
-        at_source += coord * meta[first + 1 + n_b + k]
-    at_x = 0
-    strides = first + 1 + 2 * n_b
-    for j in range(meta[1]):
-        at_x += indices[j, b] * meta[strides + j]
-    return at_x, at_source
+def _b_offsets_with(unravel_offsets):
+    def b_offsets(b, indices, meta):
+        """(x offset, source offset) of element ``b`` of the advanced indices' broadcast
+        shape."""
+        first = 3 + 3 * meta[2]
+        n_b = meta[first]
+        at_source = unravel_offsets(b, meta, first + 1, n_b, 1)[0]
+        at_x = 0
+        strides = first + 1 + 2 * n_b
+        for j in range(meta[1]):
+            at_x += indices[j, b] * meta[strides + j]
+        return at_x, at_source
+    return b_offsets
 
 
-_r_offsets_cpu, _r_offsets_cuda = twin(_r_offsets)
-_b_offsets_cpu, _b_offsets_cuda = twin(_b_offsets)
+_r_offsets_cpu, _r_offsets_cuda = twin(_r_offsets_with, unravel_offsets)
+_b_offsets_cpu, _b_offsets_cuda = twin(_b_offsets_with, unravel_offsets)
 
 
 @njit(cache=True, error_model="numpy")

@@ -13,7 +13,8 @@ CUDA ones. The three layouts:
   as three scalars.
 
 The kernels read the first two through ``broadcast_offsets`` and ``offset``, compiled below
-for both devices.
+for both devices on one index loop, ``unravel_offsets`` (also that of ``ops.compare``'s
+where and ``ops.indexing``'s gathers and scatters).
 """
 import functools
 import math
@@ -163,31 +164,43 @@ def axis_layout(shape, axis, op_name):
 
 # ------------------------------------------------------------------ reading the metadata in kernels
 
-def _broadcast_offsets(i, meta):
-    """Offsets into the two inputs of output element ``i`` of a broadcast layout."""
-    ndim = meta[0]
-    offset_a = 0
-    offset_b = 0
-    rest = i
-    for k in range(ndim - 1, -1, -1):
-        size = meta[1 + k]
-        coord = rest % size
-        rest //= size
-        offset_a += coord * meta[1 + ndim + k]
-        offset_b += coord * meta[1 + 2 * ndim + k]
-    return offset_a, offset_b
-
-
-def _offset(index, meta, first, ndim):
-    """Offset of the ``index``-th combination of the ``ndim`` dims described at meta[first:]
-    (shape, then strides): a reduction layout's kept or reduced part."""
-    offset = 0
+def _unravel_offsets(index, meta, first, ndim, sets):
+    """Offsets of the ``index``-th combination of the ``ndim`` dims described at
+    ``meta[first:]``: their shape, then ``sets`` (1 to 3, a constant at every call) stride
+    sets; one offset per set, the unused ones 0. The one index loop of the broadcast,
+    reduction, where and indexing layouts."""
+    offset_0 = 0
+    offset_1 = 0
+    offset_2 = 0
     for k in range(ndim - 1, -1, -1):
         size = meta[first + k]
-        offset += (index % size) * meta[first + ndim + k]
+        coord = index % size
         index //= size
+        offset_0 += coord * meta[first + ndim + k]
+        if sets > 1:
+            offset_1 += coord * meta[first + 2 * ndim + k]
+        if sets > 2:
+            offset_2 += coord * meta[first + 3 * ndim + k]
+    return offset_0, offset_1, offset_2
+
+
+def _broadcast_offsets_with(unravel_offsets):
+    def broadcast_offsets(i, meta):
+        """Offsets into the two inputs of output element ``i`` of a broadcast layout."""
+        offset_a, offset_b, _ = unravel_offsets(i, meta, 1, meta[0], 2)
+        return offset_a, offset_b
+    return broadcast_offsets
+
+
+def _offset_with(unravel_offsets):
+    def offset(index, meta, first, ndim):
+        """Offset of the ``index``-th combination of the ``ndim`` dims described at
+        meta[first:] (shape, then strides): a reduction layout's kept or reduced part."""
+        return unravel_offsets(index, meta, first, ndim, 1)[0]
     return offset
 
 
-broadcast_offsets_cpu, broadcast_offsets_cuda = twin(_broadcast_offsets)
-offset_cpu, offset_cuda = twin(_offset)
+unravel_offsets = twin(_unravel_offsets)   # the (cpu, cuda) pair, for twin(make, ...)
+unravel_offsets_cpu, unravel_offsets_cuda = unravel_offsets
+broadcast_offsets_cpu, broadcast_offsets_cuda = twin(_broadcast_offsets_with, unravel_offsets)
+offset_cpu, offset_cuda = twin(_offset_with, unravel_offsets)

@@ -43,25 +43,36 @@ class Pointwise(NamedTuple):
     #                            derivative is exact from y for every parameter a layer allows
     onnx: str = None           # the ONNX operator an activation exports to
     initializer: str = "xavier_uniform"   # a layer's default kernel initialiser with it
+    doc: str = None            # a public parameter-free function's docstring: engine.<name>
+    #                            and Tensor.<name> are generated from the entry (functions
+    #                            with a parameter, leaky_relu and gelu, are written by hand)
 
 
 TABLE = (
     Pointwise("identity", IDENTITY, False),
-    Pointwise("neg", NEG, False),
-    Pointwise("exp", EXP, False),
-    Pointwise("log", LOG, True),
-    Pointwise("sqrt", SQRT, False),
-    Pointwise("relu", RELU, False, True, True, "Relu", "he_normal"),
+    Pointwise("neg", NEG, False, doc="``-x`` elementwise, as ``torch.neg``."),
+    Pointwise("exp", EXP, False, doc="``e ** x`` elementwise, as ``torch.exp``."),
+    Pointwise("log", LOG, True, doc="The natural logarithm elementwise, as ``torch.log``: "
+              "-inf at 0, NaN below 0."),
+    Pointwise("sqrt", SQRT, False, doc="The square root elementwise, as ``torch.sqrt``: NaN "
+              "below 0."),
+    Pointwise("relu", RELU, False, True, True, "Relu", "he_normal",
+              doc="``max(x, 0)`` elementwise, as ``torch.relu``: NaN stays NaN, and the "
+              "gradient at 0 is 0."),
     # p = alpha; y's sign is x's only if p >= 0, which the layers require
     Pointwise("leaky_relu", LEAKY_RELU, True, True, True, "LeakyRelu", "he_normal"),
-    Pointwise("sigmoid", SIGMOID, False, True, True, "Sigmoid"),
-    Pointwise("tanh", TANH, False, True, True, "Tanh"),
+    Pointwise("sigmoid", SIGMOID, False, True, True, "Sigmoid",
+              doc="``1 / (1 + exp(-x))`` elementwise, as ``torch.sigmoid`` (no exp of a "
+              "large positive number: no overflow)."),
+    Pointwise("tanh", TANH, False, True, True, "Tanh",
+              doc="The hyperbolic tangent elementwise, as ``torch.tanh``."),
     Pointwise("add_scalar", ADD_SCALAR, False),      # x + p
     Pointwise("mul_scalar", MUL_SCALAR, False),      # x * p
     Pointwise("rsub_scalar", RSUB_SCALAR, False),    # p - x
     Pointwise("rdiv_scalar", RDIV_SCALAR, True),     # p / x
     Pointwise("pow_scalar", POW_SCALAR, True),       # x ** p
-    Pointwise("abs", ABS, True),                     # |x|: the sign of x is not in y
+    Pointwise("abs", ABS, True,                      # |x|: the sign of x is not in y
+              doc="``|x|`` elementwise, as ``torch.abs``; the gradient at 0 is 0, as torch's."),
     Pointwise("div_scalar", DIV_SCALAR, False),      # x / p
     # x Phi(x), torch's approximate="none"; its derivative Phi(x) + x phi(x) is not a function
     # of y (y has a minimum at x = -0.75), so a layer runs it after its kernel, keeping x

@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from ops.conv import pair, valid_range, window_output_size
+from ops.conv import pair, pool_output_sizes, valid_range
 from ops.cpu_threads import engine_threads
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.dispatch import Out, run
@@ -277,16 +277,8 @@ class _Pool2D(Op):
         stride = self.params.get("stride")
         stride = kernel if stride is None else pair(stride, "stride", name, 1)
         padding = pair(self.params.get("padding", 0), "padding", name, 0)
-        if any(2 * p > k for p, k in zip(padding, kernel)):
-            raise ValueError(f"{name}: padding {padding} must be at most half of kernel_size "
-                             f"{kernel}")
         nb, channels, h, w = x.shape
-        oh = window_output_size(h, kernel[0], stride[0], 1, padding[0], padding[0])
-        ow = window_output_size(w, kernel[1], stride[1], 1, padding[1], padding[1])
-        if oh < 1 or ow < 1:
-            raise ValueError(f"{name}: kernel_size {kernel} does not fit in the padded input "
-                             f"({h + 2 * padding[0]}x{w + 2 * padding[1]}) of x "
-                             f"{tuple(x.shape)}")
+        oh, ow = pool_output_sizes((h, w), kernel, stride, padding, name)
         self.x_shape = tuple(x.shape)
         self.out_shape = (nb, channels, oh, ow)
         self.meta = tuple(int(v) for v in (nb * channels, h, w, oh, ow) + kernel + stride

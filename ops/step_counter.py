@@ -14,23 +14,17 @@ import numpy as np
 from numba import njit
 
 from ops.cuda_backend import cuda
+from ops.element_kernel import element_kernel
 from ops.fill import fill
 from ops.launch import CPU_KERNEL, Kernel, unrecorded
 from ops.memory import empty
 
 
-@njit(**CPU_KERNEL)
-def advance_cpu(counter, amount):
-    counter[0] += amount
+def _advance_element(i, counter, amount):
+    counter[i] += amount   # a counter has one element: one thread
 
 
-@cuda.jit(cache=True)
-def advance_cuda(counter, amount):
-    if cuda.grid(1) == 0:
-        counter[0] += amount
-
-
-ADVANCE = Kernel("advance_counter", advance_cpu, advance_cuda, lambda *args: 1)
+ADVANCE = element_kernel("advance_counter", _advance_element)
 
 
 def new_counter(device, value=0):
@@ -103,21 +97,12 @@ def advance_steps(counts, faults):
 
 # ------------------------------------------------------------------ values written by the host
 
-@njit(**CPU_KERNEL)
-def store_values_cpu(out, count, v0, v1, v2, v3, v4, v5, v6, v7):
-    for i in range(count):
-        out[i] = (v0, v1, v2, v3, v4, v5, v6, v7)[i]
-
-
-@cuda.jit(cache=True)
-def store_values_cuda(out, count, v0, v1, v2, v3, v4, v5, v6, v7):
-    i = cuda.grid(1)
+def _store_element(i, out, count, v0, v1, v2, v3, v4, v5, v6, v7):
     if i < count:
         out[i] = (v0, v1, v2, v3, v4, v5, v6, v7)[i]
 
 
-STORE_VALUES = Kernel("store_values", store_values_cpu, store_values_cuda,
-                      lambda out, count, *values: count)
+STORE_VALUES = element_kernel("store_values", _store_element)
 MAX_VALUES = 8
 
 

@@ -2,13 +2,9 @@
 import math
 
 import numpy as np
-from numba import float64, njit
 
-from ops.cuda_backend import cuda
-from ops.launch import Kernel, elements
+from ops.element_kernel import element_kernel
 from ops.step_counter import SKIPPED, T
-from ops.subnormals import flush_begin, flush_end
-from ops.twin import twin
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -52,47 +48,13 @@ def _adam_scalars(counts, hyper, decoupled, tiny, scalars):
     scalars[5] = 1.0 - lr * weight_decay if decoupled else 1.0  # param_decay
     scalars[6] = lr / (1.0 - beta1 ** t)                        # step size
     scalars[7] = math.sqrt(1.0 - beta2 ** t)                    # bias correction 2, sqrt
-    scalars[8] = tiny / (1.0 - beta1)                           # m's floor
+    scalars[8] = tiny                                           # v's floor
+    scalars[9] = tiny / (1.0 - beta1)                           # m's floor
 
 
-SCALARS = 9
-_adam_element_cpu, _adam_element_cuda = twin(_adam_element)
-_adam_scalars_cpu = njit(inline="always")(_adam_scalars)
-_adam_scalars_cuda = cuda.jit(device=True)(_adam_scalars)
-
-
-# error_model="numpy": IEEE division (0/0 is NaN, as on the GPU and in torch, not an
-# exception) without a zero check per division, which kept the loop 3.5x slower
-@njit(cache=True, error_model="numpy")
-def adam_cpu(param, grad, exp_avg, exp_avg_sq, counts, hyper, decoupled, tiny):
-    if counts[SKIPPED]:   # a bad input this step (ops.flag_buffer): nothing changes
-        return
-    mode = flush_begin()   # subnormal intermediates (g * g of a tiny g): ops.subnormals
-    s = np.empty(SCALARS, np.float64)
-    _adam_scalars_cpu(counts, hyper, decoupled, tiny, s)
-    c = param.dtype.type
-    for i in range(param.size):
-        _adam_element_cpu(i, param, grad, exp_avg, exp_avg_sq, c(s[0]), c(s[1]), c(s[2]),
-                          c(s[3]), c(s[4]), c(s[5]), c(s[6]), c(s[7]), c(tiny), c(s[8]))
-    flush_end(mode)
-
-
-@cuda.jit(cache=True)
-def adam_cuda(param, grad, exp_avg, exp_avg_sq, counts, hyper, decoupled, tiny):
-    # the float64 powers and divisions once per block, not per element: every thread doing
-    # them made the update of the MLP's 235k parameters take 9.2 us of H200 time
-    s = cuda.shared.array(SCALARS, float64)
-    if cuda.threadIdx.x == 0:
-        _adam_scalars_cuda(counts, hyper, decoupled, tiny, s)
-    cuda.syncthreads()
-    i = cuda.grid(1)
-    if i < param.size and not counts[SKIPPED]:
-        c = param.dtype.type
-        _adam_element_cuda(i, param, grad, exp_avg, exp_avg_sq, c(s[0]), c(s[1]), c(s[2]),
-                           c(s[3]), c(s[4]), c(s[5]), c(s[6]), c(s[7]), c(tiny), c(s[8]))
-
-
-ADAM_UPDATE = Kernel("adam", adam_cpu, adam_cuda, elements(0))
+# the kernel's arguments: (param, grad, exp_avg, exp_avg_sq, counts, hyper, decoupled, tiny)
+ADAM_UPDATE = element_kernel("adam", _adam_element, skip_if=("counts", SKIPPED),
+                             flush_subnormals=True, scalars=(_adam_scalars, 10))
 
 
 class Adam(Optimizer):

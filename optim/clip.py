@@ -28,7 +28,8 @@ from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combi
                                combine_cuda)
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.device import device_of, to_host
-from ops.launch import Kernel, blocks_of, elements
+from ops.element_kernel import element_kernel
+from ops.launch import Kernel, blocks_of
 from ops.layout import flat
 from ops.memory import empty
 from ops.twin import twin
@@ -140,32 +141,17 @@ SCALE_BY_NORM = Kernel("scale_by_norm", scale_by_norm_cpu, scale_by_norm_cuda,
                                  REDUCE_THREADS))
 
 
-def _clamp(value, bound):
-    """``value`` clamped into [-bound, bound]; NaN stays NaN (min/max might drop it)."""
-    if value > bound:
-        return bound
-    if value < -bound:
-        return -bound
-    return value
+def _clip_value_element(i, grad, clip_value):
+    # clamped into [-clip_value, clip_value]; NaN stays NaN (min/max might drop it)
+    value = grad[i]
+    if value > clip_value:
+        value = clip_value
+    elif value < -clip_value:
+        value = -clip_value
+    grad[i] = value
 
 
-_clamp_cpu, _clamp_cuda = twin(_clamp)
-
-
-@njit(cache=True, error_model="numpy")
-def clip_value_cpu(grad, clip_value):
-    for i in range(grad.size):
-        grad[i] = _clamp_cpu(grad[i], clip_value)
-
-
-@cuda.jit(cache=True)
-def clip_value_cuda(grad, clip_value):
-    i = cuda.grid(1)
-    if i < grad.size:
-        grad[i] = _clamp_cuda(grad[i], clip_value)
-
-
-CLIP_VALUE = Kernel("clip_value", clip_value_cpu, clip_value_cuda, elements(0))
+CLIP_VALUE = element_kernel("clip_value", _clip_value_element)
 
 
 # ------------------------------------------------------------------ public functions

@@ -5,6 +5,7 @@ import math
 import numpy as np
 
 from ops.element_kernel import element_kernel
+from ops.step_counter import SKIPPED
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -39,7 +40,7 @@ def _rmsprop_element(i, param, grad, square_avg, momentum_buffer, grad_avg, coun
         param[i] = float(param[i]) - lr * (g / avg)
 
 
-RMSPROP_UPDATE = element_kernel("rmsprop", _rmsprop_element, skip_if="counts",
+RMSPROP_UPDATE = element_kernel("rmsprop", _rmsprop_element, skip_if=("counts", SKIPPED),
                                 flush_subnormals=True)
 
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from ops.element_kernel import element_kernel
-from ops.step_counter import BUFFER_UPDATES
+from ops.step_counter import BUFFER_UPDATES, SKIPPED
 from optim.optimizer import Optimizer, check_non_negative
 
 
@@ -31,7 +31,7 @@ def _sgd_element(i, param, grad, momentum_buffer, counts, hyper, tiny):
     param[i] = float(param[i]) - lr * d_p
 
 
-SGD_UPDATE = element_kernel("sgd", _sgd_element, skip_if="counts")
+SGD_UPDATE = element_kernel("sgd", _sgd_element, skip_if=("counts", SKIPPED))
 sgd_cpu, sgd_cuda = SGD_UPDATE.cpu, SGD_UPDATE.cuda   # the compiled kernels, by their names
 
 

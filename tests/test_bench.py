@@ -140,7 +140,8 @@ def test_a_training_step_launches_at_most_16_kernels_and_leaves_the_tape_empty()
     import data
     import optim
     from engine.losses import cross_entropy
-    from engine.train import build_mlp, fit
+    from engine.fit import fit
+    from engine.models import build_mlp
 
     images = np.random.default_rng(0).integers(0, 256, (32, 8), dtype=np.uint8)
     model = build_mlp((8,), (4, 4), 10).to("cuda")

@@ -310,7 +310,7 @@ def test_a_captured_cnn_step_equals_the_eager_one_bit_for_bit():
 def test_the_cli_cnn_captured_on_the_gpu_equals_its_eager_fit_bit_for_bit():
     """The network of ``--model cnn`` at batch 128 with a short last batch (the conv GEMMs'
     batch is read from the arrays): its captured fit replays what eager runs, bit for bit."""
-    from engine.train import build_cnn
+    from engine.models import build_cnn
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (300, 28, 28), dtype=np.uint8)
     labels = rng.integers(0, 10, 300)

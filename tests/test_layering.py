@@ -90,8 +90,9 @@ def test_the_ops_runtime_floor_in_order():
     through ops.cuda_backend)."""
     graph = import_graph("ops")
     order = ["ops.cuda_backend", "ops.twin", "ops.out_of_memory", "ops.launch",
-             "ops.flag_buffer", "ops.array_copy", "ops.device", "ops.fill", "ops.cuda_pool",
-             "ops.memory", "ops.layout", "ops.dispatch", "ops.block_reduce"]
+             "ops.subnormals", "ops.element_kernel", "ops.flag_buffer", "ops.array_copy",
+             "ops.device", "ops.fill", "ops.cuda_pool", "ops.memory", "ops.layout",
+             "ops.dispatch", "ops.block_reduce"]
     for position, module in enumerate(order):
         assert graph[module] <= set(order[:position]), (module, graph[module])
 
@@ -135,16 +136,23 @@ def test_no_colliding_helper_names():
     assert not hasattr(engine.tensor, "add")
 
 
-def _imports_of(path):
-    """The top-level package of every module ``path`` imports, anywhere in its code."""
+def _imported_names(path):
+    """Every absolute module name ``path`` imports, anywhere in its code, with the names a
+    ``from`` import takes (``from engine import train`` gives ``engine`` and
+    ``engine.train``)."""
     tree = ast.parse(path.read_text(), str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module is not None and not node.level:
-            names.add(node.module.split(".")[0])
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
     return names
+
+
+def _imports_of(path):
+    """The top-level package of every module ``path`` imports, anywhere in its code."""
+    return {name.split(".")[0] for name in _imported_names(path)}
 
 
 def test_only_the_command_imports_optim_or_data_in_engine():
@@ -154,3 +162,12 @@ def test_only_the_command_imports_optim_or_data_in_engine():
     importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
                        if _imports_of(path) & {"optim", "data"})
     assert importers == ["engine/train.py"], importers
+
+
+def test_the_benchmarks_never_import_the_command():
+    """DESIGN's rule: bench imports the library, the model recipes (engine.models) and the
+    data recipes (data.datasets) too, never the CLI module engine.train."""
+    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "bench").rglob("*.py")
+                       if any(name == "engine.train" or name.startswith("engine.train.")
+                              for name in _imported_names(path)))
+    assert importers == [], importers

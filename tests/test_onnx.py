@@ -12,10 +12,12 @@ import pytest
 import data
 import engine
 import optim
+from data.datasets import pixel_statistics
 from engine import nn
 from engine import onnx as engine_onnx
 from engine.losses import cross_entropy
-from engine.train import build_mlp, fit, pixel_statistics
+from engine.fit import fit
+from engine.models import build_mlp
 
 onnx = pytest.importorskip("onnx", reason="needs onnx: pip install -e '.[onnx]'")
 onnxruntime = pytest.importorskip("onnxruntime",

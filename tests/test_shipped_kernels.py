@@ -126,7 +126,7 @@ _STEP = """
     import numpy as np
     import engine, optim
     from engine.losses import cross_entropy
-    from engine.train import build_mlp
+    from engine.models import build_mlp
     from ops import cuda_backend
     engine.manual_seed(0)
     model = build_mlp((28, 28), (256, 128), 10).to("cuda")

@@ -16,13 +16,15 @@ import pytest
 import data
 import engine
 import optim
+from data.datasets import pixel_statistics
 from engine import nn
 from engine.losses import cross_entropy
 from engine import archive
 from engine.archive import decode, encode
 from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar,
                         read_checkpoint, save_checkpoint, show_progress)
-from engine.train import build_mlp, main, pixel_statistics, plot_history, preprocessing
+from engine.models import build_mlp, preprocessing
+from engine.train import main, plot_history
 from ops.cuda_backend import SIMULATOR
 from ops.device import cuda_available
 

@@ -366,21 +366,13 @@ class _Pool2D(Layer):
         self.stride = (self.pool_size if stride is None
                        else conv_op.pair(stride, "stride", where, 1))
         self.padding = conv_op.pair(padding, "padding", where, 0)
-        if any(2 * p > k for p, k in zip(self.padding, self.pool_size)):
-            raise ValueError(f"{where}: padding {_compact(self.padding)} must be at most half "
-                             f"of pool_size {_compact(self.pool_size)}")
+        conv_op.check_pool_padding(self.pool_size, self.padding, where, "pool_size")
 
     def compute_output_shape(self, input_shape):
         where = type(self).__name__
         channels, height, width = _image_shape(input_shape, where)
-        sizes = [conv_op.window_output_size(size, kernel, stride, 1, pad, pad)
-                 for size, kernel, stride, pad in zip((height, width), self.pool_size,
-                                                      self.stride, self.padding)]
-        if min(sizes) < 1:
-            raise ValueError(f"{where}: pool_size {_compact(self.pool_size)} does not fit in "
-                             f"the padded input ({height + 2 * self.padding[0]}x"
-                             f"{width + 2 * self.padding[1]})")
-        return (channels, sizes[0], sizes[1])
+        return (channels,) + conv_op.pool_output_sizes(
+            (height, width), self.pool_size, self.stride, self.padding, where, "pool_size")
 
     def forward(self, x):
         return _run_op(self, self.op, x, kernel_size=self.pool_size, stride=self.stride,
