@@ -174,6 +174,10 @@ def run_blocks(calls):
     Python code around one) at once: the first on this thread, the rest on the pool's
     workers; returns when all are done and raises what one of them raised."""
     global _pool, _pool_workers, _pool_process
+    if len(calls) == 1:   # a split into one block (Dense's dW over few features): no pool
+        function, args = calls[0]
+        function(*args)
+        return
     if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
         with _lock:
             if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
