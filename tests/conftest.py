@@ -10,26 +10,20 @@ others miss; a real GPU runs them). Every run ends with a count of its skips by 
 import collections
 import importlib.util
 import os
-import sys
 
 import pytest
 
 import engine
 from ops import flag_buffer
 from ops.device import SIMULATOR, cuda_available
+from tests import simulator_threads
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # CUDA tests the simulator leaves to real GPUs: every CUDA kernel line and branch they reach
 # in the simulator, the simulator tests left in reach too (the file says how that is checked)
 SIMULATOR_REPEATS = os.path.join(os.path.dirname(__file__), "simulator_repeats.txt")
-# The simulator runs each CUDA thread as an OS thread while the launching thread polls them in
-# a loop that holds the GIL until Python's switch interval (5 ms) takes it away: a shorter
-# interval hands the GIL on to the kernel's threads sooner. Two simulator tests
-# (test_reduce_blocks' max (149, 2) and test_ops_core's broadcast sub, one process, two runs
-# each at load 5-10) took 10.2 CPU s at 5 ms, 6.3 at 0.5 ms, 5.6 at 0.2 ms, 6.1 at 0.1 ms.
-SIMULATOR_SWITCH_INTERVAL_S = 0.0002
-if SIMULATOR:
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL_S)
+if SIMULATOR:   # a short switch interval, shared arrays under a lock (the module says why)
+    simulator_threads.configure()
 
 
 def simulator_repeats():
