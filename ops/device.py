@@ -1,8 +1,5 @@
 """Where an array lives, and whether a CUDA device (or Numba's simulator) can be used."""
-import ctypes
 import functools
-import os
-import sys
 
 import numpy as np
 
@@ -14,37 +11,11 @@ from ops.launch import note_unrecordable, recording
 DEVICES = ("cpu", "cuda")
 
 
-# The NVIDIA driver library's names and folders, where numba-cuda 0.30 looks for it (its
-# driver.py, locate_driver_and_loader): each name on the loader's search path, then in each
-# folder; loaded as WinDLL on Windows (the only platform that has it), CDLL elsewhere.
-DRIVER_NAMES, DRIVER_FOLDERS = {
-    "win32": (("nvcuda.dll",), ("\\windows\\system32",)),
-    "darwin": (("libcuda.dylib",), ("/usr/local/cuda/lib",)),
-}.get(sys.platform, (("libcuda.so", "libcuda.so.1"), ("/usr/lib", "/usr/lib64")))
-_load_library = getattr(ctypes, "WinDLL", ctypes.CDLL)
-
-
-def driver_library_loads():
-    """Whether the NVIDIA driver library loads, asked without importing numba.cuda: asking
-    numba-cuda (``cuda.is_available()``) imports it first only to find no driver, which made
-    ``check_device("auto")`` take 6.3 s on the 2-core CPU machine at load 9 (0.4 ms now)."""
-    candidates = DRIVER_NAMES + tuple(os.path.join(folder, name)
-                                      for folder in DRIVER_FOLDERS for name in DRIVER_NAMES)
-    for candidate in candidates:
-        try:
-            _load_library(candidate)
-        except OSError:
-            continue
-        return True
-    return False
-
-
 @functools.cache
 def cuda_available():
     """True when CUDA kernels can run: a usable GPU, or Numba's CUDA simulator (which the
-    tests use; ``check_device("auto")`` never picks it). Without an NVIDIA driver library
-    the answer comes without importing numba.cuda."""
-    return SIMULATOR or (driver_library_loads() and gpu_usable())
+    tests use; ``check_device("auto")`` never picks it)."""
+    return SIMULATOR or gpu_usable()
 
 
 def device_of(array):

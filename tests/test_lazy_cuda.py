@@ -102,7 +102,8 @@ def test_device_functions_held_in_closures_are_made_real_before_the_kernel_runs(
 def test_auto_device_without_an_nvidia_driver_imports_no_numba_cuda():
     loads, device, *imported = _run(
         "import sys, engine\n"
-        "from ops.device import check_device, driver_library_loads\n"
+        "from ops.cuda_backend import driver_library_loads\n"
+        "from ops.device import check_device\n"
         "loads = driver_library_loads()\n"
         "print(loads, check_device('auto'), engine.zeros(2, device='auto').device,\n"
         f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
@@ -112,9 +113,10 @@ def test_auto_device_without_an_nvidia_driver_imports_no_numba_cuda():
 
 
 def test_the_driver_library_check_agrees_with_numba_cuda():
-    """ops.device looks for the driver where numba-cuda does, without importing numba.cuda."""
+    """ops.cuda_backend looks for the driver where numba-cuda does, without importing
+    numba.cuda."""
     mine, numbas = _run(
-        "from ops.device import driver_library_loads\n"
+        "from ops.cuda_backend import driver_library_loads\n"
         "mine = driver_library_loads()\n"
         "from numba.cuda.cudadrv import driver\n"
         "try:\n"
