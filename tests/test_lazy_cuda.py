@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -95,3 +97,32 @@ def test_device_functions_held_in_closures_are_made_real_before_the_kernel_runs(
         "print(lazy, out.copy_to_host().tolist() == [0.0, 3.0, 6.0, 9.0, 12.0],\n"
         "      isinstance(after, LazyKernel))\n", simulator=True)
     assert result == ["True", "True", "False"]
+
+
+def test_auto_device_without_an_nvidia_driver_imports_no_numba_cuda():
+    loads, device, *imported = _run(
+        "import sys, engine\n"
+        "from ops.cuda_backend import driver_library_loads\n"
+        "from ops.device import check_device\n"
+        "loads = driver_library_loads()\n"
+        "print(loads, check_device('auto'), engine.zeros(2, device='auto').device,\n"
+        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
+    if loads == "True":
+        pytest.skip("the NVIDIA driver library loads here: the case is a machine without one")
+    assert [device, *imported] == ["cpu", "cpu", "True", "False", "False", "False"]
+
+
+def test_the_driver_library_check_agrees_with_numba_cuda():
+    """ops.cuda_backend looks for the driver where numba-cuda does, without importing
+    numba.cuda."""
+    mine, numbas = _run(
+        "from ops.cuda_backend import driver_library_loads\n"
+        "mine = driver_library_loads()\n"
+        "from numba.cuda.cudadrv import driver\n"
+        "try:\n"
+        "    driver.find_driver()\n"
+        "except driver.CudaSupportError:\n"
+        "    print(mine, False)\n"
+        "else:\n"
+        "    print(mine, True)\n", simulator=False)
+    assert mine == numbas

@@ -53,3 +53,22 @@ def test_every_listed_repeat_is_a_test_of_the_suite():
         if not re.search(rf"^def {function}\(", source, re.M):
             missing.append(test_id)
     assert not missing, f"tests/simulator_repeats.txt names tests that are gone: {missing}"
+
+
+def test_failed_tests_stay_and_the_listing_in_use_is_tried_first(tmp_path):
+    log = tmp_path / "sim.log"
+    log.write_text("FAILED tests/t.py::gone[cuda-(2, 3)] - AssertionError: wrong\n"
+                   "ERROR tests/t.py::broken[cuda]\n")
+    failed = selection.failures(log)
+    assert failed == {"tests/t.py::gone[cuda-(2, 3)]", "tests/t.py::broken[cuda]"}
+    same = {("k", 1, 2)}
+    # a failed test stopped before its other arcs: it stays, however slow
+    arcs = {"tests/t.py::gone[cuda-(2, 3)]": same, "tests/t.py::slow[cuda]": same}
+    seconds = {"tests/t.py::gone[cuda-(2, 3)]": 30.0, "tests/t.py::slow[cuda]": 20.0}
+    assert selection.repeats(arcs, seconds, failed) == ["tests/t.py::slow[cuda]"]
+    # of two tests reaching the same arcs, the listed one goes, not the slower one
+    arcs = {"tests/t.py::slow[cuda]": same, "tests/t.py::listed[cuda]": same}
+    seconds = {"tests/t.py::slow[cuda]": 20.0, "tests/t.py::listed[cuda]": 10.0}
+    assert selection.repeats(arcs, seconds) == ["tests/t.py::slow[cuda]"]
+    assert selection.repeats(arcs, seconds, listed={"tests/t.py::listed[cuda]"}) == [
+        "tests/t.py::listed[cuda]"]
