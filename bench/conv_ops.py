@@ -8,7 +8,7 @@ conv2d + relu 1->32 3x3 "same" on 28x28 (the first layer: its input needs no gra
 max_pool2d 2 on its output, conv2d + relu 32->64 3x3 "same" on 14x14, batch_norm in
 training mode on its output, and avg_pool2d 2. Everything is float32.
 
-The engine runs its ops (``ops.conv.Conv2D``, ``ops.pool``, ``ops.batch_norm``) through
+The engine runs its ops (``ops.conv.Conv2DOp``, ``ops.pool``, ``ops.batch_norm``) through
 their op classes: the forward as ``op(*arrays)``, the backward as ``op.backward`` from a
 fixed upstream gradient with the gradients the network needs; torch runs
 ``torch.nn.functional`` eagerly, its backward as ``torch.autograd.grad`` of the same
@@ -95,21 +95,21 @@ def _arrays(name, x_shape, params, rng):
 
 def _engine_calls(name, arrays, params, device):
     """``(forward, backward)`` calls of the engine's op on ``device``."""
-    from ops.batch_norm import BatchNorm
-    from ops.conv import Conv2D
+    from ops.batch_norm import BatchNormOp
+    from ops.conv import Conv2DOp
     from ops.device import to_device
-    from ops.pool import AvgPool2D, MaxPool2D
+    from ops.pool import AvgPool2DOp, MaxPool2DOp
     data = [to_device(a, device) for a in arrays]
     if name == "conv2d relu":
         def make():
-            return Conv2D(padding="same", activation="relu")
+            return Conv2DOp(padding="same", activation="relu")
         needs = (params["needs_x"], True, True)
     elif name == "batch_norm":
         def make():
-            return BatchNorm(training=True)
+            return BatchNormOp(training=True)
         needs = (True, False, False, True, True)
     else:
-        kind = MaxPool2D if name == "max_pool2d" else AvgPool2D
+        kind = MaxPool2DOp if name == "max_pool2d" else AvgPool2DOp
 
         def make():
             return kind(kernel_size=params["kernel_size"])
@@ -315,7 +315,7 @@ def sweep_cuda(batch=BATCH):
     """Per conv GEMM of the CNN: GPU time of every candidate config, cuDNN's beside; the
     winners as ``CONV_CHOICES`` entries to paste into ops/matmul.py."""
     import ops.matmul as mm
-    from ops.conv import Conv2D
+    from ops.conv import Conv2DOp
     from ops.cuda_backend import cuda
 
     started = time.perf_counter()
@@ -340,7 +340,7 @@ def sweep_cuda(batch=BATCH):
             continue
         x_shape = (batch,) + shape
         arrays = _arrays(layer, x_shape, params, rng)
-        op = Conv2D(padding="same", activation="relu")
+        op = Conv2DOp(padding="same", activation="relu")
         op.check(*arrays)
         geometry = mm.ConvGeometry(*op.meta[1:])
         engine_calls = _engine_calls(layer, arrays, params, "cuda")

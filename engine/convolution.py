@@ -10,19 +10,19 @@ import numpy as np
 
 from engine.autograd import apply
 from engine.tensor import Tensor
-from ops import batch_norm as batch_norm_op
-from ops import conv as conv_op
-from ops import pool as pool_op
+from ops.batch_norm import BatchNormOp
+from ops.conv import Conv2DOp, sizes
 from ops.device import device_of
 from ops.fill import fill
 from ops.memory import empty
+from ops.pool import AvgPool2DOp, MaxPool2DOp
 
 
 def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """``conv(x, w) + b`` as ``torch.nn.functional.conv2d``: x (N, C, H, W), w (O, C / groups,
     KH, KW), b (O,) or None; ``padding`` an int, a pair, "valid" or "same" (stride 1)."""
     inputs = (x, w) if b is None else (x, w, b)
-    return apply(conv_op.Conv2D, *inputs, stride=stride, padding=padding, dilation=dilation,
+    return apply(Conv2DOp, *inputs, stride=stride, padding=padding, dilation=dilation,
                  groups=groups)
 
 
@@ -35,14 +35,14 @@ def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         raise ValueError(f"conv1d: expects x (N, C, L) and w (O, C/groups, K), got {shapes}")
     along_length = {}
     for name, value in (("stride", stride), ("dilation", dilation)):
-        along_length[name] = (1,) + conv_op.sizes(value, 1, name, "conv1d", 1)
+        along_length[name] = (1,) + sizes(value, 1, name, "conv1d", 1)
     if not isinstance(padding, str):
-        padding = (0,) + conv_op.sizes(padding, 1, "padding", "conv1d", 0)
+        padding = (0,) + sizes(padding, 1, "padding", "conv1d", 0)
     x4 = x.reshape(x.shape[0], x.shape[1], 1, x.shape[2])
     w4 = w.reshape(w.shape[0], w.shape[1], 1, w.shape[2])
     inputs = (x4, w4) if b is None else (x4, w4, b)
     try:
-        y = apply(conv_op.Conv2D, *inputs, padding=padding, groups=groups, **along_length)
+        y = apply(Conv2DOp, *inputs, padding=padding, groups=groups, **along_length)
     except ValueError as error:   # its message is about the height-1 views
         raise ValueError(f"conv1d (conv2d over (N, C, 1, L) views): {error}") from None
     return y.reshape(y.shape[0], y.shape[1], y.shape[3])
@@ -51,12 +51,12 @@ def conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
 def max_pool2d(x, kernel_size, stride=None, padding=0):
     """The maximum of each window (``stride`` defaults to ``kernel_size``; padding never
     wins), as ``torch.nn.functional.max_pool2d``."""
-    return apply(pool_op.MaxPool2D, x, kernel_size=kernel_size, stride=stride, padding=padding)
+    return apply(MaxPool2DOp, x, kernel_size=kernel_size, stride=stride, padding=padding)
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0):
     """The mean of each window, padded zeros counted, as ``torch.nn.functional.avg_pool2d``."""
-    return apply(pool_op.AvgPool2D, x, kernel_size=kernel_size, stride=stride, padding=padding)
+    return apply(AvgPool2DOp, x, kernel_size=kernel_size, stride=stride, padding=padding)
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False,
@@ -75,7 +75,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=Fa
     if bias is not None and weight is None:   # the op takes a bias only after a weight
         weight = _filled(x, 1)
     inputs = [x, running_mean, running_var] + [t for t in (weight, bias) if t is not None]
-    return apply(batch_norm_op.BatchNorm, *inputs, training=training, momentum=momentum,
+    return apply(BatchNormOp, *inputs, training=training, momentum=momentum,
                  eps=eps)
 
 

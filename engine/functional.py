@@ -261,7 +261,7 @@ def astype(x, dtype):
 def reshape(x, *shape, op_name="reshape"):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    return apply(sh.Reshape, x, shape=shape, op_name=op_name)
+    return apply(sh.ReshapeOp, x, shape=shape, op_name=op_name)
 
 
 def view(x, *shape):

@@ -482,7 +482,7 @@ BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", engine_threads(batch_norm_ba
 
 
 @register
-class BatchNorm(Op):
+class BatchNormOp(Op):
     """Inputs ``(x, running_mean, running_var)``, then optionally ``weight``, then ``bias``
     (a bias without a weight: pass ones as the weight); params training (default False),
     momentum (default 0.1, in [0, 1]) and eps (default 1e-5, > 0)."""
@@ -631,7 +631,7 @@ SYNC_GRAD_X = Kernel("sync_batch_norm_grad_x", sync_grad_x_cpu, sync_grad_x_cuda
 
 
 @register
-class SyncBatchNorm(BatchNorm):
+class SyncBatchNormOp(BatchNormOp):
     """``BatchNorm`` whose training statistics are the global batch's over the ranks of a
     data-parallel run (see above); params as BatchNorm's, plus ``average`` (in-place mean of
     an array over the ranks) and ``ranks`` (their number). In eval it is BatchNorm."""

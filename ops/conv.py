@@ -444,7 +444,7 @@ CONV2D_BACKWARD = Kernel("conv2d_backward", engine_threads(conv2d_backward_cpu),
 
 
 @register
-class Conv2D(Op):
+class Conv2DOp(Op):
     """``act(conv2d(x, w) + b)``; params stride, padding, dilation, groups (torch's meaning),
     activation (a name of ``ops.pointwise.ACTIVATIONS``) and alpha (leaky_relu, >= 0).
     Inputs ``(x, w)`` or ``(x, w, b)``."""

@@ -134,7 +134,7 @@ DENSE = {code: _dense_kernels(code) for code in ACTIVATIONS.values()}
 
 
 @register
-class Dense(Op):
+class DenseOp(Op):
     """``act(x @ W + b)``, x (N, in), W (in, out), b (out,); params activation, alpha."""
     name = "dense"
     kernels = tuple(kernel for pair in DENSE.values() for kernel in pair)

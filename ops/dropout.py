@@ -161,7 +161,7 @@ def dropout(x, p, seed, out=None):
 
 
 @register
-class Dropout(Op):
+class DropoutOp(Op):
     """Inputs ``(x, seed)``, ``seed`` a one-element int64 array (read on the device, never
     by the host); ``params``: ``p`` (drop probability in [0, 1])."""
     name = "dropout"

@@ -287,7 +287,7 @@ class _Pool2D(Op):
 
 
 @register
-class MaxPool2D(_Pool2D):
+class MaxPool2DOp(_Pool2D):
     """Max over each window; params kernel_size, stride (default kernel_size), padding."""
     name = "max_pool2d"
     kernels = (MAX_POOL, MAX_POOL_GRAD)
@@ -303,7 +303,7 @@ class MaxPool2D(_Pool2D):
 
 
 @register
-class AvgPool2D(_Pool2D):
+class AvgPool2DOp(_Pool2D):
     """Mean of each window, padded zeros counted; params kernel_size, stride, padding."""
     name = "avg_pool2d"
     kernels = (AVG_POOL, AVG_POOL_GRAD)

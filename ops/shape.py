@@ -57,7 +57,7 @@ def resolve_shape(shape, size, op_name="reshape"):
 
 
 @register
-class Reshape(Movement):
+class ReshapeOp(Movement):
     """A view of the same memory: no kernel on either device."""
     name = "reshape"
     is_view = True

@@ -40,7 +40,7 @@ SEED = 0x1234_5678_9ABC_DEF   # high and low halves both non-zero
 
 def _dropout_case(shape, p):
     return Case("dropout", (shape,),
-                lambda a: apply(dropout_op.Dropout, a, dropout_op.seed_array(SEED, a.device), p=p),
+                lambda a: apply(dropout_op.DropoutOp, a, dropout_op.seed_array(SEED, a.device), p=p),
                 lambda a: reference_dropout(a, p, SEED))
 
 
@@ -129,13 +129,13 @@ def test_dropout_rejects_bad_arguments():
                                          "got -1"):
         dropout_op.seed_array(-1, "cpu")
     with pytest.raises(ValueError, match=r"dropout: p must be in \[0, 1\], got 1.5"):
-        apply(dropout_op.Dropout, engine.ones(3), dropout_op.seed_array(1, "cpu"), p=1.5)
+        apply(dropout_op.DropoutOp, engine.ones(3), dropout_op.seed_array(1, "cpu"), p=1.5)
     with pytest.raises(TypeError, match=r"dropout: the seed must be a one-element int64 array, "
                                         r"got int64 \(2,\)"):
-        apply(dropout_op.Dropout, engine.ones(3), np.zeros(2, np.int64), p=0.5)
+        apply(dropout_op.DropoutOp, engine.ones(3), np.zeros(2, np.int64), p=0.5)
     with pytest.raises(TypeError, match=r"dropout: the seed must be a one-element int64 array, "
                                         r"got int32 \(1,\)"):
-        apply(dropout_op.Dropout, engine.ones(3), np.zeros(1, np.int32), p=0.5)
+        apply(dropout_op.DropoutOp, engine.ones(3), np.zeros(1, np.int32), p=0.5)
 
 
 # ------------------------------------------------------------------ building and shapes

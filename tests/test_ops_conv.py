@@ -13,9 +13,9 @@ import engine
 import ops.matmul as mm
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
-from ops.batch_norm import BatchNorm
-from ops.conv import Conv2D
-from ops.pool import AvgPool2D, MaxPool2D
+from ops.batch_norm import BatchNormOp
+from ops.conv import Conv2DOp
+from ops.pool import AvgPool2DOp, MaxPool2DOp
 from ops.cuda_backend import SIMULATOR
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
@@ -111,7 +111,7 @@ def _np_batch_norm(x, running_mean, running_var, weight=None, bias=None, trainin
 
 def _conv_case(x_shape, w_shape, bias=True, grad=None, **params):
     shapes = (x_shape, w_shape) + (((w_shape[0],),) if bias else ())
-    return Case("conv2d", shapes, lambda *t: apply(Conv2D, *t, **params),
+    return Case("conv2d", shapes, lambda *t: apply(Conv2DOp, *t, **params),
                 lambda *a: np_conv2d(*a, **params), grad=grad)
 
 
@@ -129,7 +129,7 @@ CONV_CASES = [
 
 
 def _pool_case(op, x_shape, **params):
-    cls, average = {"max_pool2d": (MaxPool2D, False), "avg_pool2d": (AvgPool2D, True)}[op]
+    cls, average = {"max_pool2d": (MaxPool2DOp, False), "avg_pool2d": (AvgPool2DOp, True)}[op]
     return Case(op, (x_shape,), lambda x: apply(cls, x, **params),
                 lambda x: _np_pool(x, average=average, **params))
 
@@ -141,7 +141,7 @@ POOL_CASES = [
                           ((1, 2, 7, 9), dict(kernel_size=3, stride=1, padding=1))]]
 
 
-def _batch_norm_case(x_shape, training, parameters=2, op=BatchNorm, name="batch_norm",
+def _batch_norm_case(x_shape, training, parameters=2, op=BatchNormOp, name="batch_norm",
                      **options):
     """x, the running statistics, then ``parameters`` of (weight, bias); ``op`` (BatchNorm or
     a variant with the same reference, such as SyncBatchNorm) gets ``options`` too."""
@@ -201,7 +201,7 @@ def _conv_inputs(device, shapes, seed=0, dtype=np.float64):
 def test_conv2d_matches_torch(device, padding, dilation):
     import torch
     x, w, b = _conv_inputs(device, ((2, 3, 7, 9), (4, 3, 3, 2), (4,)))
-    y = apply(Conv2D, x, w, b, padding=padding, dilation=dilation)
+    y = apply(Conv2DOp, x, w, b, padding=padding, dilation=dilation)
     upstream = np.random.default_rng(1).standard_normal(y.shape)
     (y * engine.tensor(upstream, device=device)).sum().backward()
     tx, tw, tb = [torch.tensor(t.numpy(), requires_grad=True) for t in (x, w, b)]
@@ -215,7 +215,7 @@ def test_conv2d_backward_is_bit_reproducible(device):
     results = []
     for _ in range(2):
         x, w, b = _conv_inputs(device, ((3, 4, 7, 9), (6, 2, 3, 2), (6,)), dtype=np.float32)
-        y = apply(Conv2D, x, w, b, stride=2, padding=1, groups=2, activation="relu")
+        y = apply(Conv2DOp, x, w, b, stride=2, padding=1, groups=2, activation="relu")
         y.sum().backward()
         results.append([t.numpy() for t in (y, x.grad, w.grad, b.grad)])
     for first, second in zip(*results):
@@ -233,7 +233,7 @@ def test_conv2d_cpu_gradients_do_not_depend_on_the_thread_count():
             engine.set_num_threads(threads)   # the prange loops run on the engine's count
             x, w, b = _conv_inputs("cpu", ((9, 4, 7, 9), (6, 4, 3, 2), (6,)),
                                    dtype=np.float32)   # 9 samples over 8 batch slices
-            apply(Conv2D, x, w, b, padding=1).sum().backward()
+            apply(Conv2DOp, x, w, b, padding=1).sum().backward()
             assert numba.get_num_threads() == threads
             results.append([t.grad.numpy() for t in (x, w, b)])
     finally:
@@ -248,12 +248,12 @@ def test_conv2d_writes_parameter_grads_into_the_flat_buffer(device):
     b = Parameter(to_device(rng.standard_normal(4), device))
     flat_buffer = FlatBuffer([w, b])
     x = engine.tensor(rng.standard_normal((2, 3, 7, 9)), device=device)
-    apply(Conv2D, x, w, b, padding=1, activation="tanh").sum().backward()
+    apply(Conv2DOp, x, w, b, padding=1, activation="tanh").sum().backward()
     g = 1 - np.tanh(np_conv2d(x.numpy(), w.numpy(), b.numpy(), padding=1)) ** 2
     grads = to_host(flat_buffer.grad)
     np.testing.assert_allclose(grads[w.size:], g.sum(axis=(0, 2, 3)), rtol=1e-12)
     reference = engine.tensor(w.numpy(), requires_grad=True, device=device)
-    apply(Conv2D, x, reference, engine.tensor(b.numpy(), device=device), padding=1,
+    apply(Conv2DOp, x, reference, engine.tensor(b.numpy(), device=device), padding=1,
           activation="tanh").sum().backward()
     np.testing.assert_allclose(grads[:w.size], reference.grad.numpy().ravel(), rtol=1e-12)
     assert x.grad is None
@@ -263,7 +263,7 @@ def test_conv2d_backward_returns_the_destination_buffers(device):
     rng = np.random.default_rng(5)
     x, w, b = [to_device(rng.standard_normal(s), device) for s in ((2, 3, 7, 9), (4, 3, 3, 2),
                                                                    (4,))]
-    op = Conv2D(padding=1)
+    op = Conv2DOp(padding=1)
     op.needs_input_grad = (False, True, True)
     y = op(x, w, b)
     dw = to_device(np.full((4, 3, 3, 2), np.nan), device)
@@ -277,7 +277,7 @@ def _conv_grads(device, arrays, requires, params, dtype=np.float64):
     """y and the gradients ``requires`` asks for, from a fixed upstream gradient."""
     tensors = [engine.tensor(a, dtype=dtype, device=device, requires_grad=r)
                for a, r in zip(arrays, requires)]
-    y = apply(Conv2D, *tensors, **params)
+    y = apply(Conv2DOp, *tensors, **params)
     upstream = np.random.default_rng(1).standard_normal(y.shape)
     (y * engine.tensor(upstream, dtype=dtype, device=device)).sum().backward()
     return [y.numpy()] + [t.grad.numpy() for t in tensors if t.requires_grad]
@@ -369,36 +369,36 @@ def test_conv2d_rejects_bad_arguments(device):
     x = engine.zeros(2, 4, 7, 9, device=device)
     w = engine.zeros(6, 2, 3, 2, device=device)
     with pytest.raises(ValueError, match=r"conv2d: expects x \(N, C, H, W\).*x \(4, 7, 9\)"):
-        apply(Conv2D, engine.zeros(4, 7, 9, device=device), w)
+        apply(Conv2DOp, engine.zeros(4, 7, 9, device=device), w)
     with pytest.raises(ValueError, match=r"groups=1.*x \(2, 4, 7, 9\), w \(6, 2, 3, 2\)"):
-        apply(Conv2D, x, w)
+        apply(Conv2DOp, x, w)
     with pytest.raises(ValueError, match=r"groups=3.*divide"):
-        apply(Conv2D, x, w, groups=3)
+        apply(Conv2DOp, x, w, groups=3)
     with pytest.raises(ValueError, match=r"bias must have shape \(6,\).*b \(5,\)"):
-        apply(Conv2D, x, w, engine.zeros(5, device=device), groups=2)
+        apply(Conv2DOp, x, w, engine.zeros(5, device=device), groups=2)
     with pytest.raises(ValueError, match="padding='same' needs stride 1, got stride \\(2, 2\\)"):
-        apply(Conv2D, x, w, groups=2, padding="same", stride=2)
+        apply(Conv2DOp, x, w, groups=2, padding="same", stride=2)
     with pytest.raises(ValueError, match="padding must be an int, a pair, 'valid' or 'same'"):
-        apply(Conv2D, x, w, groups=2, padding="full")
+        apply(Conv2DOp, x, w, groups=2, padding="full")
     with pytest.raises(ValueError, match="stride must be >= 1, got 0"):
-        apply(Conv2D, x, w, groups=2, stride=0)
+        apply(Conv2DOp, x, w, groups=2, stride=0)
     with pytest.raises(ValueError, match=r"dilation must be an int or a pair of ints"):
-        apply(Conv2D, x, w, groups=2, dilation=(1, 2, 3))
+        apply(Conv2DOp, x, w, groups=2, dilation=(1, 2, 3))
     with pytest.raises(ValueError, match=r"padded input \(7x9\) is smaller than the dilated "
                                          r"kernel \(9x2\)"):
-        apply(Conv2D, x, w, groups=2, dilation=(4, 1))
+        apply(Conv2DOp, x, w, groups=2, dilation=(4, 1))
     with pytest.raises(ValueError, match="conv2d: unknown activation 'gelu'"):
-        apply(Conv2D, x, w, groups=2, activation="gelu")
+        apply(Conv2DOp, x, w, groups=2, activation="gelu")
     with pytest.raises(ValueError, match="alpha must be >= 0"):
-        apply(Conv2D, x, w, groups=2, activation="leaky_relu", alpha=-1)
+        apply(Conv2DOp, x, w, groups=2, activation="leaky_relu", alpha=-1)
     with pytest.raises(TypeError, match="conv2d: inputs have different dtypes"):
-        apply(Conv2D, x, engine.zeros(6, 2, 3, 2, dtype=np.float64, device=device), groups=2)
+        apply(Conv2DOp, x, engine.zeros(6, 2, 3, 2, dtype=np.float64, device=device), groups=2)
 
 
 # ------------------------------------------------------------------ pooling
 
 @pytest.mark.torch
-@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+@pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 def test_pooling_matches_torch_on_ties_and_padding(device, cls):
     import torch
     rng = np.random.default_rng(6)
@@ -409,7 +409,7 @@ def test_pooling_matches_torch_on_ties_and_padding(device, cls):
     upstream = rng.standard_normal(y.shape)
     (y * engine.tensor(upstream, device=device)).sum().backward()
     functional = torch.nn.functional
-    function = functional.max_pool2d if cls is MaxPool2D else functional.avg_pool2d
+    function = functional.max_pool2d if cls is MaxPool2DOp else functional.avg_pool2d
     tx = torch.tensor(x, requires_grad=True)
     ty = function(tx, **params)
     ty.backward(torch.tensor(upstream))
@@ -419,18 +419,18 @@ def test_pooling_matches_torch_on_ties_and_padding(device, cls):
 
 def test_max_pool_gives_a_tied_window_gradient_to_its_first_maximum(device):
     x = engine.tensor(np.ones((1, 1, 2, 3)), device=device, requires_grad=True)
-    apply(MaxPool2D, x, kernel_size=2, stride=1).sum().backward()
+    apply(MaxPool2DOp, x, kernel_size=2, stride=1).sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), [[[[1, 1, 0], [0, 0, 0]]]])
 
 
 def test_max_pool_propagates_nan(device):
     x = np.arange(16.0).reshape(1, 1, 4, 4)
     x[0, 0, 0, 1] = np.nan
-    y = apply(MaxPool2D, engine.tensor(x, device=device), kernel_size=2).numpy()
+    y = apply(MaxPool2DOp, engine.tensor(x, device=device), kernel_size=2).numpy()
     assert np.isnan(y[0, 0, 0, 0]) and not np.isnan(y[0, 0, 1, 1])
 
 
-@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+@pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 def test_pooling_rejects_bad_arguments(device, cls):
     name = cls.name
     x = engine.zeros(2, 3, 7, 9, device=device)
@@ -468,7 +468,7 @@ def test_batch_norm_updates_running_statistics_as_torch(device, shape):
     torch_mean, torch_var = torch.tensor(arrays[1]), torch.tensor(arrays[2])
     for step in range(3):
         batch = engine.tensor(arrays[0] * (step + 1), device=device)
-        y = apply(BatchNorm, batch, running_mean, running_var, weight, bias, training=True,
+        y = apply(BatchNormOp, batch, running_mean, running_var, weight, bias, training=True,
                   momentum=0.3)
         ty = torch.nn.functional.batch_norm(
             torch.tensor(arrays[0] * (step + 1)), torch_mean, torch_var,
@@ -477,7 +477,7 @@ def test_batch_norm_updates_running_statistics_as_torch(device, shape):
     assert running_mean.data is mean_buffer and running_var.data is var_buffer   # in place
     np.testing.assert_allclose(running_mean.numpy(), torch_mean.numpy(), rtol=1e-12)
     np.testing.assert_allclose(running_var.numpy(), torch_var.numpy(), rtol=1e-12)
-    y = apply(BatchNorm, x, running_mean, running_var, weight, bias)   # eval: torch's default
+    y = apply(BatchNormOp, x, running_mean, running_var, weight, bias)   # eval: torch's default
     ty = torch.nn.functional.batch_norm(torch.tensor(arrays[0]), torch_mean, torch_var,
                                         torch.tensor(arrays[3]), torch.tensor(arrays[4]))
     np.testing.assert_allclose(y.numpy(), ty.numpy(), rtol=1e-12, atol=1e-12)
@@ -489,7 +489,7 @@ def test_batch_norm_writes_parameter_grads_into_the_flat_buffer(device):
     weight, bias = (Parameter(to_device(a, device)) for a in arrays[3:])
     flat_buffer = FlatBuffer([weight, bias])
     upstream = np.random.default_rng(8).standard_normal(x.shape)
-    y = apply(BatchNorm, x, running_mean, running_var, weight, bias, training=True)
+    y = apply(BatchNormOp, x, running_mean, running_var, weight, bias, training=True)
     (y * engine.tensor(upstream, device=device)).sum().backward()
     xhat = _np_batch_norm(arrays[0], None, None, training=True)
     np.testing.assert_allclose(to_host(flat_buffer.grad),
@@ -501,21 +501,21 @@ def test_batch_norm_rejects_bad_arguments(device):
     _, (x, running_mean, running_var, weight, bias) = _batch_norm_inputs(device, (3, 2, 5, 7))
     with pytest.raises(ValueError, match=r"batch_norm: expects x \(N, C\) or \(N, C, H, W\), "
                                          r"got shape \(6,\)"):
-        apply(BatchNorm, engine.zeros(6, dtype=np.float64, device=device), running_mean,
+        apply(BatchNormOp, engine.zeros(6, dtype=np.float64, device=device), running_mean,
               running_var)
     with pytest.raises(ValueError, match=r"weight must have shape \(2,\) for x \(3, 2, 5, 7\), "
                                          r"got \(3,\)"):
-        apply(BatchNorm, x, running_mean, running_var,
+        apply(BatchNormOp, x, running_mean, running_var,
               engine.zeros(3, dtype=np.float64, device=device))
     with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\]"):
-        apply(BatchNorm, x, running_mean, running_var, training=True, momentum=None)
+        apply(BatchNormOp, x, running_mean, running_var, training=True, momentum=None)
     with pytest.raises(ValueError, match="eps must be > 0, got 0"):
-        apply(BatchNorm, x, running_mean, running_var, eps=0)
+        apply(BatchNormOp, x, running_mean, running_var, eps=0)
     with pytest.raises(ValueError, match=r"more than one value per channel, got x \(1, 2\)"):
-        apply(BatchNorm, engine.zeros(1, 2, dtype=np.float64, device=device), running_mean,
+        apply(BatchNormOp, engine.zeros(1, 2, dtype=np.float64, device=device), running_mean,
               running_var, training=True)
     with pytest.raises(TypeError, match="batch_norm: inputs have different dtypes"):
-        apply(BatchNorm, x, running_mean, engine.ones(2, device=device))
+        apply(BatchNormOp, x, running_mean, engine.ones(2, device=device))
 
 
 # ------------------------------------------------------------------ large shapes on a real GPU
@@ -558,7 +558,7 @@ def test_conv2d_on_large_shapes_matches_torch_in_float64(x_shape, w_shape, param
               (rng.standard_normal(w_shape) * 0.1).astype(np.float32),
               rng.standard_normal(w_shape[0]).astype(np.float32)]
     (y, *grads), upstream = _run_twice_on_the_gpu(
-        lambda *t: apply(Conv2D, *t, activation="tanh", **params), arrays, (True,) * 3)
+        lambda *t: apply(Conv2DOp, *t, activation="tanh", **params), arrays, (True,) * 3)
     tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
     ty = torch.tanh(torch.nn.functional.conv2d(*tensors, **params))
     ty.backward(torch.tensor(upstream))
@@ -586,7 +586,7 @@ def test_conv2d_every_tiling_matches_torch_in_float64(monkeypatch, tiling, x_sha
     arrays = [rng.standard_normal(x_shape).astype(np.float32),
               (rng.standard_normal(w_shape) * 0.1).astype(np.float32),
               rng.standard_normal(w_shape[0]).astype(np.float32)]
-    op = Conv2D(activation="relu", **params)
+    op = Conv2DOp(activation="relu", **params)
     op.check(*arrays)
     geometry = mm.ConvGeometry(*op.meta[1:])
     for mode, slices in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
@@ -594,7 +594,7 @@ def test_conv2d_every_tiling_matches_torch_in_float64(monkeypatch, tiling, x_sha
         _forcing_conv(monkeypatch, mode, geometry, x_shape[0], slices, mm.TILINGS[tiling])
     with LaunchRecorder() as recorder:
         (y, *grads), upstream = _run_twice_on_the_gpu(
-            lambda *t: apply(Conv2D, *t, activation="relu", **params), arrays, (True,) * 3)
+            lambda *t: apply(Conv2DOp, *t, activation="relu", **params), arrays, (True,) * 3)
     assert "conv2d_grad_weight_partial_cuda" in recorder.cuda_kernel_names()
     tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
     ty = torch.relu(torch.nn.functional.conv2d(*tensors, **params))
@@ -606,7 +606,7 @@ def test_conv2d_every_tiling_matches_torch_in_float64(monkeypatch, tiling, x_sha
 
 @pytest.mark.gpu
 @pytest.mark.torch
-@pytest.mark.parametrize("cls", [MaxPool2D, AvgPool2D])
+@pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 @pytest.mark.parametrize("x_shape,params", [((128, 32, 28, 28), dict(kernel_size=2)),
                                             ((5, 7, 33, 31), dict(kernel_size=(3, 2), stride=2,
                                                                    padding=1))])
@@ -617,7 +617,7 @@ def test_pooling_on_large_shapes_matches_torch_in_float64(cls, x_shape, params):
                                                 (True,))
     functional = torch.nn.functional
     tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    ty = (functional.max_pool2d if cls is MaxPool2D else functional.avg_pool2d)(tx, **params)
+    ty = (functional.max_pool2d if cls is MaxPool2DOp else functional.avg_pool2d)(tx, **params)
     ty.backward(torch.tensor(upstream))
     _gpu_close(y, ty.detach().numpy(), "forward")
     _gpu_close(grad, tx.grad.numpy(), "dx")
@@ -635,7 +635,7 @@ def test_batch_norm_on_large_shapes_matches_torch_in_float64(x_shape):
     running = [engine.tensor(np.zeros(channels), dtype=np.float32, device="cuda"),
                engine.tensor(np.ones(channels), dtype=np.float32, device="cuda")]
     (y, *grads), upstream = _run_twice_on_the_gpu(
-        lambda t, w, b: apply(BatchNorm, t, *running, w, b, training=True),
+        lambda t, w, b: apply(BatchNormOp, t, *running, w, b, training=True),
         [x, weight, bias], (True, True, True))
     tensors = [torch.tensor(a, dtype=torch.float64, requires_grad=True)
                for a in (x, weight, bias)]

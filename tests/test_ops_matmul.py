@@ -16,7 +16,7 @@ from engine import losses, nn
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
 from ops import matmul as mm
-from ops.dense import Dense
+from ops.dense import DenseOp
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from ops.memory import empty
@@ -46,7 +46,7 @@ def _np_log_softmax(x, axis=-1):
 def _dense_case(activation, shapes=((5, 7), (7, 3), (3,)), grad=None, alpha=0.2):
     return Case(
         "dense", shapes,
-        lambda x, w, b: apply(Dense, x, w, b, activation=activation, alpha=alpha),
+        lambda x, w, b: apply(DenseOp, x, w, b, activation=activation, alpha=alpha),
         lambda x, w, b: _np_activation(activation, x @ w + b, alpha), grad=grad)
 
 
@@ -140,7 +140,7 @@ def test_fused_dense_equals_composition(device, activation):
     for fused in (True, False):
         x, w, b = [engine.tensor(a, dtype=np.float64, device=device, requires_grad=True)
                    for a in arrays]
-        y = (apply(Dense, x, w, b, activation=activation, alpha=0.1) if fused
+        y = (apply(DenseOp, x, w, b, activation=activation, alpha=0.1) if fused
              else _composed(x, w, b, activation, 0.1))
         (y * engine.tensor(upstream, dtype=np.float64, device=device)).sum().backward()
         results.append([y.numpy(), x.grad.numpy(), w.grad.numpy(), b.grad.numpy()])
@@ -155,7 +155,7 @@ def test_dense_writes_parameter_grads_into_the_flat_buffer(device):
     b = Parameter(to_device(rng.standard_normal(3), device))
     flat_buffer = FlatBuffer([w, b])
     x = engine.tensor(rng.standard_normal((4, 5)), dtype=np.float64, device=device)
-    apply(Dense, x, w, b, activation="tanh").sum().backward()
+    apply(DenseOp, x, w, b, activation="tanh").sum().backward()
     x_np, w_np, b_np = x.numpy(), w.numpy(), b.numpy()
     g = 1 - np.tanh(x_np @ w_np + b_np) ** 2
     np.testing.assert_allclose(to_host(flat_buffer.grad),
@@ -166,7 +166,7 @@ def test_dense_writes_parameter_grads_into_the_flat_buffer(device):
 def test_dense_backward_returns_the_destination_buffers(device):
     rng = np.random.default_rng(5)
     x, w, b = [to_device(rng.standard_normal(s), device) for s in ((4, 5), (5, 3), (3,))]
-    op = Dense(activation="relu")
+    op = DenseOp(activation="relu")
     op.needs_input_grad = (False, True, True)
     op(x, w, b)
     dw, db = empty((5, 3), np.float64, device), empty((3,), np.float64, device)
@@ -177,11 +177,11 @@ def test_dense_backward_returns_the_destination_buffers(device):
 def test_dense_rejects_bad_arguments(device):
     x, w, b = [engine.zeros(*s, device=device) for s in ((4, 5), (5, 3), (3,))]
     with pytest.raises(ValueError, match="unknown activation 'gelu'"):
-        apply(Dense, x, w, b, activation="gelu")
+        apply(DenseOp, x, w, b, activation="gelu")
     with pytest.raises(ValueError, match=r"\(4, 5\), \(4, 3\), \(3,\)"):
-        apply(Dense, x, engine.zeros(4, 3, device=device), b)
+        apply(DenseOp, x, engine.zeros(4, 3, device=device), b)
     with pytest.raises(ValueError, match="alpha must be >= 0"):
-        apply(Dense, x, w, b, activation="leaky_relu", alpha=-0.5)
+        apply(DenseOp, x, w, b, activation="leaky_relu", alpha=-0.5)
 
 
 # ------------------------------------------------------------------ bad inputs
@@ -293,7 +293,7 @@ def test_gpu_dense_mlp_shapes_against_float64(activation, n, fan_in, fan_out):
     b = rng.standard_normal(fan_out).astype(np.float32)
     upstream = rng.standard_normal((n, fan_out)).astype(np.float32)
     xt, wt, bt = [engine.tensor(v, device="cuda", requires_grad=True) for v in (x, w, b)]
-    y = apply(Dense, xt, wt, bt, activation=activation, alpha=0.1)
+    y = apply(DenseOp, xt, wt, bt, activation=activation, alpha=0.1)
     (y * engine.tensor(upstream, device="cuda")).sum().backward()
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     y64 = _np_activation(activation, x64 @ w64 + b, 0.1)
@@ -380,7 +380,7 @@ def _dense_reference(activation, x, w, b, upstream, alpha, y_seen=None):
 def _dense_step(device, x, w, b, upstream, activation, alpha):
     """Dense forward and backward (all three gradients) on ``device``: the results on the host
     and the CUDA kernels that ran."""
-    op = Dense(activation=activation, alpha=alpha)
+    op = DenseOp(activation=activation, alpha=alpha)
     op.needs_input_grad = (True, True, True)
     with LaunchRecorder() as recorder:
         y = op(*[to_device(v, device) for v in (x, w, b)])

@@ -95,3 +95,16 @@ def test_ops_run_exactly_the_kernels_they_declare(recorded):
         assert not unused, f"{name} declares kernels none of its cases ran on {device}: {unused}"
         assert all(run.device == device for run in recorded.get(name, ())), \
             f"{name}: a kernel ran on another device than its inputs' ({device})"
+
+
+def test_no_op_class_shares_a_name_with_a_layer():
+    """A layer and the op it runs have different names (nn.Dense runs ops.dense.DenseOp), so
+    both import by name, without module aliases."""
+    import inspect
+
+    from engine import nn
+    from ops.registry import REGISTRY
+    layers = {name for name, value in vars(nn).items() if inspect.isclass(value)}
+    ops_classes = {type_.__name__ for type_ in REGISTRY.values() if inspect.isclass(type_)}
+    assert ops_classes and layers
+    assert not layers & ops_classes, sorted(layers & ops_classes)

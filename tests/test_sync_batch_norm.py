@@ -14,7 +14,7 @@ import engine
 from engine import distributed as dist
 from engine import nn
 from engine.autograd import apply
-from ops.batch_norm import BatchNorm, SyncBatchNorm
+from ops.batch_norm import BatchNormOp, SyncBatchNormOp
 from ops.cuda_backend import SIMULATOR
 from ops.device import copy_into, to_host
 from tests.op_check import check_op
@@ -26,7 +26,7 @@ def _alone(array):
 
 
 def _case(x_shape, training, parameters=2):
-    return _batch_norm_case(x_shape, training, parameters, op=SyncBatchNorm,
+    return _batch_norm_case(x_shape, training, parameters, op=SyncBatchNormOp,
                             name="sync_batch_norm", average=_alone, ranks=1)
 
 
@@ -107,10 +107,10 @@ def test_two_ranks_compute_the_global_batch_s_batch_norm(device, shape):
     x, g = rng.normal(2, 3, size=shape), rng.normal(size=shape)
     weight, bias = rng.uniform(0.5, 2, channels), rng.normal(size=channels)
     running = (rng.normal(size=channels), rng.uniform(0.5, 2, channels))
-    whole = _step(BatchNorm, x, g, running, weight, bias, device)
+    whole = _step(BatchNormOp, x, g, running, weight, bias, device)
     ranks = ThreadRanks(2)
     parts = ranks.run(lambda r: _step(
-        SyncBatchNorm, x[r * half:(r + 1) * half], g[r * half:(r + 1) * half], running,
+        SyncBatchNormOp, x[r * half:(r + 1) * half], g[r * half:(r + 1) * half], running,
         weight, bias, device, average=ranks.average_for(r), ranks=2))
     for r, part in enumerate(parts):
         rows = slice(r * half, (r + 1) * half)
@@ -120,7 +120,7 @@ def test_two_ranks_compute_the_global_batch_s_batch_norm(device, shape):
             np.testing.assert_allclose(value, expected, rtol=1e-12, atol=1e-14)
     for k in (2, 3):   # dw and db: each rank's own sums, which add up to the whole batch's
         np.testing.assert_allclose(parts[0][k] + parts[1][k], whole[k], rtol=1e-12, atol=1e-12)
-    alone = _step(BatchNorm, x[:half], g[:half], running, weight, bias, device)
+    alone = _step(BatchNormOp, x[:half], g[:half], running, weight, bias, device)
     assert np.abs(alone[1] - whole[1][:half]).max() > 1e-3   # a rank's own statistics differ
 
 
@@ -155,9 +155,9 @@ def test_two_ranks_on_the_gpu_at_the_cnn_s_shapes():
     x, g = rng.normal(1, 2, size=shape), rng.normal(size=shape)
     weight, bias = rng.uniform(0.5, 2, channels), rng.normal(size=channels)
     running = (np.zeros(channels), np.ones(channels))
-    whole = _step(BatchNorm, x, g, running, weight, bias, "cuda")
+    whole = _step(BatchNormOp, x, g, running, weight, bias, "cuda")
     ranks = ThreadRanks(2)
-    parts = ranks.run(lambda r: _step(SyncBatchNorm, x[r * 64:(r + 1) * 64],
+    parts = ranks.run(lambda r: _step(SyncBatchNormOp, x[r * 64:(r + 1) * 64],
                                       g[r * 64:(r + 1) * 64], running, weight, bias, "cuda",
                                       average=ranks.average_for(r), ranks=2))
     for r, part in enumerate(parts):

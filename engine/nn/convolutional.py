@@ -7,8 +7,8 @@ from engine import init
 from engine.nn.layers import (Layer, _activate, _check_input_dtype, _compact, _kernel_initializer,
                               _run_op, _weighted_config, batch_shape)
 from engine.parameter import Parameter
-from ops import conv as conv_op
 from ops import pointwise
+from ops.conv import Conv2DOp, conv_output_sizes, conv_padding, sizes
 from ops.device import to_device
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
 
@@ -47,13 +47,13 @@ class _Conv(Layer):
         if filters % groups:
             raise ValueError(f"{where}: filters ({filters}) must divide by groups ({groups})")
         self.filters, self.groups = int(filters), int(groups)
-        self.kernel_size = conv_op.sizes(kernel_size, self.rank, "kernel_size", where, 1)
-        self.stride = conv_op.sizes(stride, self.rank, "stride", where, 1)
-        self.dilation = conv_op.sizes(dilation, self.rank, "dilation", where, 1)
+        self.kernel_size = sizes(kernel_size, self.rank, "kernel_size", where, 1)
+        self.stride = sizes(stride, self.rank, "stride", where, 1)
+        self.dilation = sizes(dilation, self.rank, "dilation", where, 1)
         self.padding = (padding if isinstance(padding, str)
-                        else _compact(conv_op.sizes(padding, self.rank, "padding", where, 0)))
+                        else _compact(sizes(padding, self.rank, "padding", where, 0)))
         # (before, after) per spatial dimension
-        self.paddings = conv_op.conv_padding(self._plane_padding(), self._plane(self.kernel_size),
+        self.paddings = conv_padding(self._plane_padding(), self._plane(self.kernel_size),
                                              self._plane(self.dilation), self._plane(self.stride),
                                              where)[2 - self.rank:]
         self.activation = activation
@@ -72,7 +72,7 @@ class _Conv(Layer):
     def _plane_padding(self):
         if isinstance(self.padding, str):
             return self.padding
-        return (0,) * (2 - self.rank) + conv_op.sizes(self.padding, self.rank, "padding",
+        return (0,) * (2 - self.rank) + sizes(self.padding, self.rank, "padding",
                                                       type(self).__name__, 0)
 
     def compute_output_shape(self, input_shape):
@@ -85,7 +85,7 @@ class _Conv(Layer):
         if channels % self.groups:
             raise ValueError(f"{where}: the {channels} input channels must divide by groups "
                              f"({self.groups})")
-        return (self.filters,) + conv_op.conv_output_sizes(
+        return (self.filters,) + conv_output_sizes(
             spatial, self.kernel_size, self.stride, self.dilation, self.paddings, where)
 
     def build(self, input_shape, device="cpu", initialize=True):
@@ -111,7 +111,7 @@ class _Conv(Layer):
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
-        y = _run_op(self, conv_op.Conv2D, *self._plane_inputs(x), stride=self._plane(self.stride),
+        y = _run_op(self, Conv2DOp, *self._plane_inputs(x), stride=self._plane(self.stride),
                     padding=self._plane_padding(), dilation=self._plane(self.dilation),
                     groups=self.groups, activation=fused, alpha=self.alpha)
         if self.rank == 1:

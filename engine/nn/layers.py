@@ -13,14 +13,15 @@ from engine.autograd import apply
 from engine.parameter import Parameter
 from engine.random import generator
 from engine.tensor import Tensor, tensor
-from ops import batch_norm as batch_norm_op
-from ops import conv as conv_op
-from ops import dropout as dropout_op
 from ops import pointwise
-from ops import pool as pool_op
+from ops.batch_norm import BatchNormOp, SyncBatchNormOp
+from ops.conv import check_pool_padding, pair, pool_output_sizes
+from ops.dense import DenseOp
 from ops.device import to_device
+from ops.dropout import SEED_LIMIT, DropoutOp, new_seed_state, next_mask_seed
 from ops.launch import note_participant
 from ops.pointwise import ACTIVATIONS as FUSED_ACTIVATIONS
+from ops.pool import AvgPool2DOp, MaxPool2DOp
 
 
 # the pointwise activations of ops.pointwise.TABLE, and softmax (not pointwise: a row's)
@@ -209,14 +210,13 @@ class Dense(Layer):
         return [("weight", self.weight), ("bias", self.bias)] if self.built else []
 
     def forward(self, x):
-        from ops import dense   # the fused kernels (ops/dense.py)
         features = self.weight.shape[0]
         if x.ndim != 2 or x.shape[1] != features:
             raise ValueError(f"{self.name} {self!r}: expects input of shape (None, {features}), "
                              f"got {x.shape}")
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
-        y = apply(dense.Dense, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
+        y = apply(DenseOp, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
         return y if fused == self.activation else _activate(y, self.activation, self.alpha)
 
     def get_config(self):
@@ -301,10 +301,10 @@ class Dropout(Layer):
         # a model read from a file (initialize=False) gets its seed state from the file and
         # leaves the generator as it was; a file written before Dropout had seed state keeps
         # this one, from the layer's unique name, so its Dropout layers draw different masks
-        base_seed = (int(generator().integers(0, dropout_op.SEED_LIMIT)) if initialize
+        base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
                      else zlib.crc32(self.name.encode()))
         self.seed, self.masks_drawn = (
-            Tensor(array) for array in dropout_op.new_seed_state(base_seed, device))
+            Tensor(array) for array in new_seed_state(base_seed, device))
         return output_shape
 
     def named_buffers(self):
@@ -315,8 +315,8 @@ class Dropout(Layer):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        seed = dropout_op.next_mask_seed(self.seed.data, self.masks_drawn.data)
-        return _run_op(self, dropout_op.Dropout, x, seed, p=self.p)
+        seed = next_mask_seed(self.seed.data, self.masks_drawn.data)
+        return _run_op(self, DropoutOp, x, seed, p=self.p)
 
     def get_config(self):
         return {"p": self.p, **super().get_config()}
@@ -362,16 +362,16 @@ class _Pool2D(Layer):
     def __init__(self, pool_size, stride=None, padding=0, input_shape=None):
         super().__init__(input_shape)
         where = type(self).__name__
-        self.pool_size = conv_op.pair(pool_size, "pool_size", where, 1)
+        self.pool_size = pair(pool_size, "pool_size", where, 1)
         self.stride = (self.pool_size if stride is None
-                       else conv_op.pair(stride, "stride", where, 1))
-        self.padding = conv_op.pair(padding, "padding", where, 0)
-        conv_op.check_pool_padding(self.pool_size, self.padding, where, "pool_size")
+                       else pair(stride, "stride", where, 1))
+        self.padding = pair(padding, "padding", where, 0)
+        check_pool_padding(self.pool_size, self.padding, where, "pool_size")
 
     def compute_output_shape(self, input_shape):
         where = type(self).__name__
         channels, height, width = _image_shape(input_shape, where)
-        return (channels,) + conv_op.pool_output_sizes(
+        return (channels,) + pool_output_sizes(
             (height, width), self.pool_size, self.stride, self.padding, where, "pool_size")
 
     def forward(self, x):
@@ -389,12 +389,12 @@ class _Pool2D(Layer):
 
 class MaxPool2D(_Pool2D):
     """The maximum of each window (padding never wins; ties send the gradient to the first)."""
-    op = pool_op.MaxPool2D
+    op = MaxPool2DOp
 
 
 class AvgPool2D(_Pool2D):
     """The mean of each window, padded zeros counted (torch's ``count_include_pad``)."""
-    op = pool_op.AvgPool2D
+    op = AvgPool2DOp
 
 
 class BatchNorm(Layer):
@@ -450,11 +450,11 @@ class BatchNorm(Layer):
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         if self.training and self.sync and dist.several_ranks():
-            return _run_op(self, batch_norm_op.SyncBatchNorm, x, self.running_mean,
+            return _run_op(self, SyncBatchNormOp, x, self.running_mean,
                            self.running_var, self.weight, self.bias, training=True,
                            momentum=self.momentum, eps=self.eps,
                            average=dist.average_across_ranks, ranks=dist.world_size())
-        return _run_op(self, batch_norm_op.BatchNorm, x, self.running_mean, self.running_var,
+        return _run_op(self, BatchNormOp, x, self.running_mean, self.running_var,
                        self.weight, self.bias, training=self.training, momentum=self.momentum,
                        eps=self.eps)
 
