@@ -304,9 +304,10 @@ def run(device, epochs, limit, eager=True, loaded=False):
             "model": "conv32-maxpool-conv64-batchnorm-avgpool-dense128-10",
             "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
             "train_samples": len(x_train), "test_samples": len(x_test),
-            "steps_per_epoch": steps, "timed_epochs": epochs, "epochs_trained": epochs + 1,
+            "steps_per_epoch": steps, "timed_epochs": epochs,
+            "epochs_trained": epochs * (2 if loaded else 1) + 1,   # the warm-up, the loaded ones
             "engine_threads": threads, "engine_threads_loaded": loaded_threads,
-              "matmul_precision": get_float32_matmul_precision(),
+            "matmul_precision": get_float32_matmul_precision(),
             "load_average": os.getloadavg(), "results": rows,
             "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
                                   if torch_version else None)}

@@ -76,8 +76,10 @@ def test_bench_cnn_smoke_and_busy_neighbour(tmp_path, capsys, neighbours):
     if HAS_TORCH:   # same network, initial weights and batches: the same predictions, nearly
         assert abs(rows["torch"]["test_acc"] - rows["engine"]["test_acc"]) <= 2 / 128
     assert result["engine_threads_loaded"] >= 1
+    assert result["epochs_trained"] == 3   # the warm-up, the timed epoch, the loaded one
     output = capsys.readouterr().out
-    assert "| engine, fit (captured step) |" in output and "| framework | s/epoch |" in output
+    assert "| engine, fit (captured step) |" in output and "after all 3 epochs" in output
+    assert "| framework | s/epoch |" in output
     assert_busy_neighbour_timed_the_epochs_again_and_stopped(rows["engine"], 1, neighbours,
                                                              output)
 
