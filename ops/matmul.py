@@ -156,6 +156,7 @@ PAD = 4   # shared-memory row padding: the transposing tile stores hit distinct 
 
 
 _multiprocessors = functools.cache(cuda_backend.multiprocessor_count)
+_compute_capability = functools.cache(cuda_backend.compute_capability)
 
 
 def threads_of(tiling):
@@ -230,7 +231,7 @@ def mma_format(dtype):
     instructions; None otherwise (the FMA tilings)."""
     format_ = matmul_precision.tensor_core_format()
     if (format_ is None or SIMULATOR or np.dtype(dtype) != np.float32
-            or cuda_backend.compute_capability() < MMA_MIN_CAPABILITY):
+            or _compute_capability() < MMA_MIN_CAPABILITY):
         return None
     return format_
 
@@ -623,8 +624,9 @@ def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
     WARPS_N = BN // WN
     FM, FN = TM // 2, TN // 2
     tensor_core = _tensor_core()
-    mma_tf32, mma_bf16, pack_bf16 = tensor_core.mma_tf32, tensor_core.mma_bf16, tensor_core.pack_bf16
     TF32 = tiling.mma == "tf32"
+    mma = tensor_core.mma_tf32 if TF32 else tensor_core.mma_bf16
+    pack_bf16 = tensor_core.pack_bf16
     K_STEP = MMA_K[tiling.mma]
     # a lane's first k row: index (TF32's a0 = A[group, index]) or 2·index (bf16's pairs)
     INDEX_ROWS = 1 if TF32 else 2
@@ -668,16 +670,10 @@ def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
                         b_frag[2 * g + h] = pack_bf16(b_tile[at], b_tile[at + U(B_ROW)])
             for f in range(FM):
                 for g in range(FN):
-                    if TF32:
-                        d = mma_tf32(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
-                                     a_frag[4 * f + 3], b_frag[2 * g], b_frag[2 * g + 1],
-                                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1],
-                                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1])
-                    else:
-                        d = mma_bf16(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
-                                     a_frag[4 * f + 3], b_frag[2 * g], b_frag[2 * g + 1],
-                                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1],
-                                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1])
+                    d = mma(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
+                            a_frag[4 * f + 3], b_frag[2 * g], b_frag[2 * g + 1],
+                            acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1],
+                            acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1])
                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1] = d[0], d[1]
                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1] = d[2], d[3]
             kk += U(K_STEP)

@@ -71,16 +71,22 @@ def _activate(x, name, alpha):
     return getattr(F, name)(x)
 
 
+def _as_tuple(value, where, what):
+    """``value`` (an int or an iterable of them) as a tuple; a TypeError naming ``what``
+    otherwise. The entries are checked by the caller."""
+    if isinstance(value, (int, np.integer)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{where}: {what} must be a tuple of ints, got {value!r}") from None
+
+
 def _feature_shape(shape, where):
     """``input_shape`` as a tuple of positive ints (an int means a 1-D feature vector)."""
     if shape is None:
         return None
-    if isinstance(shape, (int, np.integer)):
-        shape = (shape,)
-    try:
-        shape = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{where}: input_shape must be a tuple of ints, got {shape!r}") from None
+    shape = _as_tuple(shape, where, "input_shape")
     if not shape or not all(isinstance(s, (int, np.integer)) and s > 0 for s in shape):
         raise ValueError(f"{where}: input_shape must be positive ints without the batch "
                          f"dimension, e.g. (28, 28); got {shape!r}")
@@ -473,12 +479,7 @@ class Reshape(Layer):
 
     def __init__(self, shape, input_shape=None):
         super().__init__(input_shape)
-        if isinstance(shape, (int, np.integer)):
-            shape = (shape,)
-        try:
-            shape = tuple(shape)
-        except TypeError:
-            raise TypeError(f"Reshape: shape must be a tuple of ints, got {shape!r}") from None
+        shape = _as_tuple(shape, "Reshape", "shape")
         if (not shape or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
                                  and (s > 0 or s == -1) for s in shape)
                 or shape.count(-1) > 1):
