@@ -595,3 +595,10 @@ def test_dropout_layers_of_a_file_without_seed_state_draw_different_masks():
     seeds = [int(value[0]) for name, value in loaded.state_dict().items()
              if name.endswith(".seed")]
     assert len(seeds) == 2 and seeds[0] != seeds[1]
+
+
+def test_a_shape_that_is_no_tuple_of_ints_names_the_argument():
+    with pytest.raises(TypeError, match="Reshape: shape must be a tuple of ints, got 2.5"):
+        nn.Reshape(2.5)
+    with pytest.raises(TypeError, match="input_shape must be a tuple of ints, got 2.5"):
+        nn.Dense(3, input_shape=2.5)
