@@ -21,6 +21,7 @@ from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from ops.memory import empty
 from tests.op_check import Case, check_op
+from tests.rounded_operands import ROUNDING_OF_FORMAT, assert_product_of_rounded
 from tests.training_step import cross_entropy_step
 
 ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
@@ -434,6 +435,10 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
 
 
 REAL_TILINGS = [name for name in mm.TILINGS if name != "SIMULATED"]
+# the plain-FMA tilings, held to float32 accuracy; a tensor-core tiling rounds its operands
+# (tests.rounded_operands): the split-K test below compares it with the product of the rounded
+# operands, and tests/test_tensor_core.py checks Dense and the convolutions under it
+FMA_TILINGS = [name for name in REAL_TILINGS if mm.TILINGS[name].mma is None]
 
 
 @pytest.mark.gpu
@@ -453,12 +458,18 @@ def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, t
         out = mm.gemm(to_device(stored_a, "cuda"), to_device(stored_b, "cuda"), trans_a, trans_b)
     assert recorder.cuda_kernel_names() == (["gemm_cuda"] if split == 1 else
                                             ["gemm_partial_cuda", "gemm_sum_cuda"])
-    np.testing.assert_allclose(out.copy_to_host(), a.astype(np.float64) @ b.astype(np.float64),
-                               **_gpu_tolerance(k))
+    mma = mm.TILINGS[tiling].mma
+    if mma is None:
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(out.copy_to_host(), want, **_gpu_tolerance(k))
+    else:
+        ra, rb = (ROUNDING_OF_FORMAT[mma](v).astype(np.float64) for v in (a, b))
+        assert_product_of_rounded(out.copy_to_host(), ra @ rb, np.abs(ra) @ np.abs(rb), k,
+                                  f"{tiling} split {split}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", [name for name in REAL_TILINGS if name != "LARGE"])
+@pytest.mark.parametrize("tiling", [name for name in FMA_TILINGS if name != "LARGE"])
 @pytest.mark.parametrize("split", [1, 3, 8])
 @pytest.mark.parametrize("activation", ["relu", "tanh"])
 def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split, activation):

@@ -10,24 +10,15 @@ import functools
 import numpy as np
 import pytest
 
-
-def _round_tf32(x):
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
-
-
-def _round_bf16(x):
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    tie_to_even = (bits >> np.uint32(16)) & np.uint32(1)
-    return ((bits + np.uint32(0x7FFF) + tie_to_even) & np.uint32(0xFFFF0000)).view(np.float32)
+from tests.rounded_operands import assert_product_of_rounded, round_bf16, round_tf32
 
 
 def test_rounding_references_keep_the_instructions_mantissa_bits():
     # the references themselves: 1 + 2^-11 is a TF32 tie (rounds away), 1 + 2^-8 a bf16 tie
     # (rounds to even: down to 1)
-    assert _round_tf32(np.float32(1 + 2 ** -11)) == np.float32(1 + 2 ** -10)
-    assert _round_bf16(np.float32(1 + 2 ** -8)) == np.float32(1)
-    assert _round_bf16(np.float32(1 + 3 * 2 ** -8)) == np.float32(1 + 2 ** -6)
+    assert round_tf32(np.float32(1 + 2 ** -11)) == np.float32(1 + 2 ** -10)
+    assert round_bf16(np.float32(1 + 2 ** -8)) == np.float32(1)
+    assert round_bf16(np.float32(1 + 3 * 2 ** -8)) == np.float32(1 + 2 ** -6)
 
 
 @functools.cache
@@ -75,8 +66,8 @@ def test_one_warp_tile_matches_numpy_on_the_rounded_inputs(precision, k):
     a = rng.standard_normal((16, k)).astype(np.float32)
     b = rng.standard_normal((k, 8)).astype(np.float32)
     tiles_tf32, tiles_bf16 = _kernels()
-    kernel, rounding = ((tiles_tf32, _round_tf32) if precision == "tf32"
-                        else (tiles_bf16, _round_bf16))
+    kernel, rounding = ((tiles_tf32, round_tf32) if precision == "tf32"
+                        else (tiles_bf16, round_bf16))
     out = cuda.device_array((16, 8), np.float32)
     kernel[1, 32](cuda.to_device(a), cuda.to_device(b), out)
     got = out.copy_to_host()
@@ -90,7 +81,7 @@ def test_one_warp_tile_matches_numpy_on_the_rounded_inputs(precision, k):
 
 # ------------------------------------------------------------------ the GEMM template's tensor-core tilings
 
-ROUNDINGS = {"high": _round_tf32, "medium": _round_bf16}
+ROUNDINGS = {"high": round_tf32, "medium": round_bf16}
 
 
 @pytest.fixture
@@ -101,15 +92,6 @@ def precision(request):
     engine.set_float32_matmul_precision(request.param)
     yield request.param
     engine.set_float32_matmul_precision("highest")
-
-
-def _assert_product_of_rounded(got, want, magnitude, k, what):
-    """``got`` equals ``want`` (the float64 product of the rounded operands) within float32
-    accumulation of k terms (``magnitude``: the product of the operands' absolute values)."""
-    tolerance = 4e-7 * np.sqrt(k) * magnitude + 1e-30
-    excess = np.abs(got - want) / tolerance
-    assert excess.max() <= 1, (f"{what}: {np.unravel_index(excess.argmax(), excess.shape)} off "
-                               f"by {excess.max():.1f}x float32 accumulation")
 
 
 # (m, k, n, trans_a, trans_b): odd edges in every extent, each layout, and 1024³ for the
@@ -139,7 +121,7 @@ def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, tran
         x = rounding(x).astype(np.float64)
         return x.T if transposed else x
     ra, rb = operand(a, trans_a), operand(b, trans_b)
-    _assert_product_of_rounded(got, ra @ rb, np.abs(ra) @ np.abs(rb), k, f"{precision} gemm")
+    assert_product_of_rounded(got, ra @ rb, np.abs(ra) @ np.abs(rb), k, f"{precision} gemm")
     exact = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b)
     assert np.abs(got - exact).max() > 1e-5 * np.abs(exact).max(), "no rounding: not TF32/bf16"
     again = cuda.device_array((m, n), np.float32)
@@ -170,14 +152,14 @@ def test_dense_forward_and_backward_take_the_rounded_operands(precision, batch, 
     w, bias = layer.weight.numpy(), layer.bias.numpy()
     rx, rw = rounding(x.numpy()).astype(np.float64), rounding(w).astype(np.float64)
     z = rx @ rw
-    _assert_product_of_rounded(y.numpy(), np.maximum(z + bias, 0),
+    assert_product_of_rounded(y.numpy(), np.maximum(z + bias, 0),
                                np.abs(rx) @ np.abs(rw) + np.abs(bias), fan_in, "forward")
     g = rounding(grad_out * (y.numpy() > 0)).astype(np.float64)
-    _assert_product_of_rounded(x.grad.numpy(), g @ rw.T, np.abs(g) @ np.abs(rw.T), fan_out,
+    assert_product_of_rounded(x.grad.numpy(), g @ rw.T, np.abs(g) @ np.abs(rw.T), fan_out,
                                "dX")
-    _assert_product_of_rounded(layer.weight.grad.numpy(), rx.T @ g, np.abs(rx.T) @ np.abs(g),
+    assert_product_of_rounded(layer.weight.grad.numpy(), rx.T @ g, np.abs(rx.T) @ np.abs(g),
                                batch, "dW")
-    _assert_product_of_rounded(layer.bias.grad.numpy(), g.sum(0), np.abs(g).sum(0), batch,
+    assert_product_of_rounded(layer.bias.grad.numpy(), g.sum(0), np.abs(g).sum(0), batch,
                                "db")
 
 
@@ -219,12 +201,12 @@ def test_conv2d_forward_and_backward_take_the_rounded_operands(precision, n, c, 
     aax, aaw = ax.clone().requires_grad_(), aw.clone().requires_grad_()
     torch.nn.functional.conv2d(aax, aaw, stride=stride, padding=padding).backward(ag)
     taps = c * 9
-    _assert_product_of_rounded(y.numpy(), ty.detach().numpy(), forward_scale.numpy(), taps,
+    assert_product_of_rounded(y.numpy(), ty.detach().numpy(), forward_scale.numpy(), taps,
                                "forward")
-    _assert_product_of_rounded(ex.grad.numpy(), tx.grad.numpy(), aax.grad.numpy(), o * 9,
+    assert_product_of_rounded(ex.grad.numpy(), tx.grad.numpy(), aax.grad.numpy(), o * 9,
                                "grad_input")
     positions = y.shape[0] * y.shape[2] * y.shape[3]
-    _assert_product_of_rounded(ew.grad.numpy(), tw.grad.numpy(), aaw.grad.numpy(), positions,
+    assert_product_of_rounded(ew.grad.numpy(), tw.grad.numpy(), aaw.grad.numpy(), positions,
                                "grad_weight")
-    _assert_product_of_rounded(eb.grad.numpy(), tb.grad.numpy(),
+    assert_product_of_rounded(eb.grad.numpy(), tb.grad.numpy(),
                                np.abs(rounding(grad_out)).sum((0, 2, 3)), positions, "grad_bias")
