@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 from numba import njit
-from numba import uint32
+from numba import float32, uint32
 from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
@@ -236,6 +236,17 @@ def mma_format(dtype):
     return format_
 
 
+# Below these an output or K fills too little of an m16n8 fragment and a BK of 16 (the CNN's
+# first convolution has K = 9, its weight gradient N = 10): such products keep the FMA
+# tilings and their measured choices. On the H200 the CNN's captured epoch took 0.29 s with
+# every conv GEMM on tensor cores against 0.25 s in fp32.
+MMA_MIN_ROWS, MMA_MIN_COLUMNS, MMA_MIN_K = 32, 32, 64
+
+
+def mma_suits(m, n, k):
+    return m >= MMA_MIN_ROWS and n >= MMA_MIN_COLUMNS and k >= MMA_MIN_K
+
+
 def pick_mma_tiling(m, n, mma):
     """The tensor-core tiling of an (m, n) output: 128x128 when it alone gives every
     multiprocessor a block, 32x128 for outputs of at most 32 rows (a conv's filters), else
@@ -302,6 +313,8 @@ def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None):
     else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row). ``mma``: a
     tensor-core format, whose tilings the table (float32 FMA measurements) does not hold."""
     key = (m, n, k, bool(trans_a), bool(trans_b))
+    if mma and not mma_suits(m + extra_rows, n, k):
+        mma = None
     choice = None if mma else GEMM_CHOICES.get(key)
     if choice is not None:
         if choice.split < 1:
@@ -441,7 +454,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
     # ``group``: the block's group of a convolution (_conv_operands' fetches); one signature
     # for accumulate, unused here
     @cuda.jit(device=True)
-    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group):
+    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group, fast):
         for load in range(A_LOADS):
             kk, r = a_slot(tid, load)
             m, k = row0 + r, k0 + kk
@@ -457,7 +470,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             aux_regs[load if mode == GRAD_A else 0] = y
 
     @cuda.jit(device=True)
-    def stash_a(tile, buffer, regs, aux_regs, tid, alpha):
+    def stash_a(tile, buffer, regs, aux_regs, tid, alpha, fast):
         for load in range(A_LOADS):
             kk, r = a_slot(tid, load)
             value = regs[load]
@@ -469,7 +482,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             tile[buffer + kk * U(A_ROW) + r] = value
 
     @cuda.jit(device=True)
-    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group):
+    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group, fast):
         for load in range(B_LOADS):
             kk, c = b_slot(tid, load)
             n, k = col0 + c, k0 + kk
@@ -482,7 +495,7 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
             aux_regs[load if mode == GRAD_B else 0] = y
 
     @cuda.jit(device=True)
-    def stash_b(tile, buffer, regs, aux_regs, tid, alpha):
+    def stash_b(tile, buffer, regs, aux_regs, tid, alpha, fast):
         for load in range(B_LOADS):
             kk, c = b_slot(tid, load)
             value = regs[load]
@@ -496,6 +509,22 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
     if conv is not None:
         fetch_a, fetch_b = _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot,
                                           b_slot)
+    # 16-byte loads of the tiles that lie wholly inside 16-byte aligned operands
+    # (ops.tensor_core.load_float4): a thread's elements come 4 at a time along the operand's
+    # contiguous dimension, and the per-element bounds checks go. Under tensor cores the
+    # per-element fetch (index arithmetic, two comparisons, a 4-byte load) was most of the
+    # instructions the MMA tilings issued: every tiling swept stopped at 46-52 TFLOP/s at
+    # 4096³ on the H200.
+    VECTOR = (not SIMULATOR and conv is None and numba_type == float32
+              and (MMA is not None or BM * BN >= 64 * 64))
+    VECTOR_A = VECTOR and A_LOADS % 4 == 0 and (trans_a or BK % 8 == 0) and BM % 4 == 0
+    VECTOR_B = VECTOR and B_LOADS % 4 == 0 and (not trans_b or BK % 8 == 0) and BN % 4 == 0
+    fast_tile_a, fetch_a, stash_a = _vector_operand(
+        VECTOR_A, trans_a, BM, BK, A_ROW, A_LOADS, THREADS, mode == GRAD_A, A_PROLOGUE,
+        fetch_a, stash_a, act, numba_type, TF32)
+    fast_tile_b, fetch_b, stash_b = _vector_operand(
+        VECTOR_B, not trans_b, BN, BK, B_ROW, B_LOADS, THREADS, mode == GRAD_B, B_PROLOGUE,
+        fetch_b, stash_b, act, numba_type, TF32)
 
     @cuda.jit(device=True)
     def accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, group, alpha):
@@ -512,23 +541,33 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = ZERO
-        fetch_a(a, aux, a_regs, a_aux_regs, k_begin, row0, m_data, k_end, tid, group)
-        fetch_b(b, aux, b_regs, b_aux_regs, k_begin, col0, n_size, k_end, tid, group)
-        stash_a(a_tile, U(0), a_regs, a_aux_regs, tid, alpha)
-        stash_b(b_tile, U(0), b_regs, b_aux_regs, tid, alpha)
+        a_fast = fast_tile_a(a, aux, row0, m_data)   # whole rows of the tile: 16-byte loads
+        b_fast = fast_tile_b(b, aux, col0, n_size)
+        fast = k_begin + U(BK) <= k_end
+        fetch_a(a, aux, a_regs, a_aux_regs, k_begin, row0, m_data, k_end, tid, group,
+                a_fast and fast)
+        fetch_b(b, aux, b_regs, b_aux_regs, k_begin, col0, n_size, k_end, tid, group,
+                b_fast and fast)
+        stash_a(a_tile, U(0), a_regs, a_aux_regs, tid, alpha, a_fast and fast)
+        stash_b(b_tile, U(0), b_regs, b_aux_regs, tid, alpha, b_fast and fast)
         cuda.syncthreads()
         steps = (k_end - k_begin + U(BK - 1)) // U(BK)
         for step in range(steps):
             cur = step % U(2)
             more = step + U(1) < steps
+            k_next = k_begin + (step + U(1)) * U(BK)
+            fast = k_next + U(BK) <= k_end
             if more:   # global loads of the next slice overlap the math on this one
-                k_next = k_begin + (step + U(1)) * U(BK)
-                fetch_a(a, aux, a_regs, a_aux_regs, k_next, row0, m_data, k_end, tid, group)
-                fetch_b(b, aux, b_regs, b_aux_regs, k_next, col0, n_size, k_end, tid, group)
+                fetch_a(a, aux, a_regs, a_aux_regs, k_next, row0, m_data, k_end, tid, group,
+                        a_fast and fast)
+                fetch_b(b, aux, b_regs, b_aux_regs, k_next, col0, n_size, k_end, tid, group,
+                        b_fast and fast)
             multiply_buffer(a_tile, b_tile, cur, acc, tid)
             if more:
-                stash_a(a_tile, (U(1) - cur) * U(A_BUFFER), a_regs, a_aux_regs, tid, alpha)
-                stash_b(b_tile, (U(1) - cur) * U(B_BUFFER), b_regs, b_aux_regs, tid, alpha)
+                stash_a(a_tile, (U(1) - cur) * U(A_BUFFER), a_regs, a_aux_regs, tid, alpha,
+                        a_fast and fast)
+                stash_b(b_tile, (U(1) - cur) * U(B_BUFFER), b_regs, b_aux_regs, tid, alpha,
+                        b_fast and fast)
             cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -606,6 +645,80 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
     def dense_grad_params_cuda(x, g, y, grad_w, grad_b, alpha):
         tile_product(x, g, grad_w, y, grad_b, grad_b, alpha)
     return dense_grad_params_cuda
+
+
+def _vector_operand(vector, along_rows, ROWS, BK, ROW, LOADS, THREADS, has_aux, prologue,
+                    fetch, stash, act, numba_type, TF32):
+    """``(fast_tile, fetch, stash)`` of one operand (A, or B seen as its transpose: ROWS its
+    tile rows, m or n): the scalar ``fetch``/``stash`` as they are when not ``vector``, else
+    wrapped with the 16-byte path that a ``fast`` step takes. ``along_rows``: the operand's
+    contiguous dimension runs along the tile's rows (A stored (K, M), B stored (K, N)), else
+    along k. ``fast_tile(x, aux, first, size)``: whether the block's rows first.. lie inside
+    x (of ``size`` rows) and x (and the prologue's aux) is 16-byte aligned with rows of a
+    multiple of 4 elements."""
+    if not vector:
+        @cuda.jit(device=True)
+        def fast_tile(x, aux, first, size):
+            return False
+        return fast_tile, fetch, stash
+    tensor_core = _tensor_core()
+    load_float4, address_of = tensor_core.load_float4, tensor_core.address_of
+    round_tf32 = tensor_core.round_tf32
+    VECTORS = LOADS // 4
+
+    @cuda.jit(device=True)
+    def vector_slot(tid, v):
+        """(k, row) of the first of the 4 elements of the thread's v-th vector: along the
+        rows, consecutive threads taking consecutive vectors (coalesced); along k, two threads
+        per row (one 32-byte sector), consecutive pairs on consecutive rows (2-way bank
+        conflicts at the stash instead of 4-way)."""
+        e = tid + U(v * THREADS)
+        if along_rows:
+            return e // U(ROWS // 4), (e % U(ROWS // 4)) * U(4)
+        return (e % U(2) + U(2) * (e // U(2 * ROWS))) * U(4), (e // U(2)) % U(ROWS)
+
+    @cuda.jit(device=True)
+    def fast_tile(x, aux, first, size):
+        aligned = address_of(x) % U(16) == U(0) and U(x.shape[1]) % U(4) == U(0)
+        if has_aux:
+            aligned = aligned and address_of(aux) % U(16) == U(0)
+        return aligned and first + U(ROWS) <= size
+
+    @cuda.jit(device=True)
+    def vector_fetch(x, aux, regs, aux_regs, k0, first, size, k_end, tid, group, fast):
+        if not fast:
+            fetch(x, aux, regs, aux_regs, k0, first, size, k_end, tid, group, fast)
+            return
+        stride = U(x.shape[1])
+        for v in range(VECTORS):
+            kk, r = vector_slot(tid, v)
+            at = ((k0 + kk) * stride + first + r if along_rows else
+                  (first + r) * stride + k0 + kk)
+            regs[4 * v], regs[4 * v + 1], regs[4 * v + 2], regs[4 * v + 3] = load_float4(x, at)
+            if has_aux:
+                (aux_regs[4 * v], aux_regs[4 * v + 1], aux_regs[4 * v + 2],
+                 aux_regs[4 * v + 3]) = load_float4(aux, at)
+
+    @cuda.jit(device=True)
+    def vector_stash(tile, buffer, regs, aux_regs, tid, alpha, fast):
+        if not fast:
+            stash(tile, buffer, regs, aux_regs, tid, alpha, fast)
+            return
+        for v in range(VECTORS):
+            kk, r = vector_slot(tid, v)
+            for j in range(4):
+                value = regs[4 * v + j]
+                if prologue:
+                    y = aux_regs[4 * v + j]
+                    value = value * numba_type(derivative_cuda(act, y, y, alpha))
+                if TF32:
+                    value = round_tf32(value)
+                if along_rows:
+                    tile[buffer + kk * U(ROW) + r + U(j)] = value
+                else:
+                    tile[buffer + (kk + U(j)) * U(ROW) + r] = value
+
+    return fast_tile, vector_fetch, vector_stash
 
 
 @functools.cache
@@ -740,7 +853,7 @@ def _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot, b_slot):
         return ((p // U(P_OUT)) * U(O) + group * U(OG) + o) * U(P_OUT) + p % U(P_OUT)
 
     @cuda.jit(device=True)
-    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group):
+    def fetch_a(a, aux, regs, aux_regs, k0, row0, m_data, k_end, tid, group, fast):
         for load in range(A_LOADS):
             kk, r = a_slot(tid, load)
             m, k = row0 + r, k0 + kk
@@ -759,7 +872,7 @@ def _conv_operands(conv, mode, numba_type, A_LOADS, B_LOADS, a_slot, b_slot):
             aux_regs[load if mode == CONV_GRAD_WEIGHT else 0] = y
 
     @cuda.jit(device=True)
-    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group):
+    def fetch_b(b, aux, regs, aux_regs, k0, col0, n_size, k_end, tid, group, fast):
         for load in range(B_LOADS):
             kk, c = b_slot(tid, load)
             n, k = col0 + c, k0 + kk
@@ -1019,6 +1132,8 @@ def pick_conv_config(mode, m, n, k, groups, mma=None):
     choice, else the rule (the weight gradient splits K as pick_config does, counting every
     group's tiles). ``mma``: a tensor-core format (pick_mma_tiling's tilings)."""
     key = (CONV_MODE_NAMES[mode], m, n, k)
+    if mma and not mma_suits(m, n, k):
+        mma = None
     choice = None if mma else CONV_CHOICES.get(key)
     if choice is not None:
         if choice.split < 1 or (choice.split > 1 and mode != CONV_GRAD_WEIGHT):

@@ -1,4 +1,5 @@
-"""Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``).
+"""Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``),
+and the 16-byte global loads that feed a GEMM's shared tiles.
 
 numba-cuda has no tensor-core API. These are user intrinsics that emit inline PTX through
 llvmlite's ``InlineAsm``, the extension route numba-cuda itself takes for its cache-hint loads
@@ -67,6 +68,38 @@ def pack_bf16(typingctx, low, high):
         return _asm(builder, ir.IntType(32), [ir.FloatType(), ir.FloatType()],
                     "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [args[1], args[0]])
     return types.uint32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def load_float4(typingctx, array, offset):
+    """``array``'s flat elements offset .. offset + 3 (a C-contiguous float32 array in global
+    memory) in one 16-byte load: the address must be a multiple of 16 (``address_of``)."""
+    if not (isinstance(array, types.Array) and array.dtype == types.float32
+            and array.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        index = context.cast(builder, args[1], signature.args[1], types.uint64)
+        vector_type = ir.VectorType(ir.FloatType(), 4)
+        vector = builder.load(builder.bitcast(builder.gep(data, [index]),
+                                              vector_type.as_pointer()), align=16)
+        return context.make_tuple(builder, _FOUR_FLOATS,
+                                  [builder.extract_element(vector, ir.Constant(ir.IntType(32), i))
+                                   for i in range(4)])
+    return _FOUR_FLOATS(array, offset), codegen
+
+
+@intrinsic
+def address_of(typingctx, array):
+    """The address of ``array``'s first element, as a uint64."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+    return types.uint64(array), codegen
 
 
 def _mma(name, shape_and_types, doc):

@@ -94,11 +94,13 @@ def precision(request):
     engine.set_float32_matmul_precision("highest")
 
 
-# (m, k, n, trans_a, trans_b): odd edges in every extent, each layout, and 1024³ for the
-# 128x128 tiling (it alone fills the GPU there)
+# (m, k, n, trans_a, trans_b): odd edges in every extent, each layout, 1024³ for the 128x128
+# tiling (it alone fills the GPU there), 4096x256x4096 whole 16-byte aligned tiles, and a
+# view one element into its buffer (no 16-byte loads: the scalar path)
 TENSOR_CORE_SHAPES = [(130, 77, 257, False, False), (64, 128, 96, True, False),
-                      (200, 33, 70, False, True), (17, 300, 9, True, True),
-                      (1024, 1024, 1024, False, False)]
+                      (200, 70, 33, False, True), (40, 300, 36, True, True),
+                      (1024, 1024, 1024, False, False), (4096, 256, 4096, False, False),
+                      (4096, 256, 4096, True, True)]
 
 
 @pytest.mark.gpu
@@ -115,6 +117,10 @@ def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, tran
     out = cuda.device_array((m, n), np.float32)
     gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=out)
     got = out.copy_to_host()
+    shifted_a = to_device(np.concatenate([[0], a.ravel()]).astype(np.float32), "cuda")
+    shifted = cuda.device_array((m, n), np.float32)   # a 4-byte offset: the scalar fetches
+    gemm(shifted_a[1:].reshape(a.shape), to_device(b, "cuda"), trans_a, trans_b, out=shifted)
+    np.testing.assert_array_equal(shifted.copy_to_host(), got)
     rounding = ROUNDINGS[precision]
 
     def operand(x, transposed):
@@ -130,8 +136,26 @@ def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, tran
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high"], indirect=True)
+def test_products_too_small_for_a_fragment_stay_float32(precision):
+    """K = 9 (the CNN's first convolution) and N = 10 keep the FMA tilings at any precision."""
+    from ops.cuda_backend import cuda
+    from ops.device import to_device
+    from ops.matmul import gemm
+    rng = np.random.default_rng(9)
+    for m, k, n in ((300, 9, 64), (128, 128, 10)):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        out = cuda.device_array((m, n), np.float32)
+        gemm(to_device(a, "cuda"), to_device(b, "cuda"), out=out)
+        exact = a.astype(np.float64) @ b
+        assert_product_of_rounded(out.copy_to_host(), exact, np.abs(a) @ np.abs(b), k,
+                                   f"{m}x{k}x{n} in float32")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
-@pytest.mark.parametrize("batch, fan_in, fan_out", [(128, 784, 256), (37, 45, 70)])
+@pytest.mark.parametrize("batch, fan_in, fan_out", [(128, 784, 256), (70, 75, 66)])
 def test_dense_forward_and_backward_take_the_rounded_operands(precision, batch, fan_in,
                                                               fan_out):
     """The fused Dense kernels under tensor cores: y = relu(x·W + b) from rounded x and W; the
@@ -165,13 +189,15 @@ def test_dense_forward_and_backward_take_the_rounded_operands(precision, batch, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
-@pytest.mark.parametrize("n, c, size, o, stride, padding", [(3, 5, 11, 7, 1, 1),
-                                                            (4, 3, 13, 32, 2, 0),
-                                                            (2, 16, 12, 96, 1, 1)])
+@pytest.mark.parametrize("n, c, size, o, stride, padding", [(2, 32, 9, 40, 1, 1),
+                                                            (4, 33, 13, 64, 2, 0),
+                                                            (2, 48, 12, 96, 1, 1)])
 def test_conv2d_forward_and_backward_take_the_rounded_operands(precision, n, c, size, o,
                                                                 stride, padding):
     """The implicit-GEMM convolutions under tensor cores against torch's float64 convolution
-    of the rounded operands (x and w; grad_out for the backward, as the kernels stash it)."""
+    of the rounded operands (x and w; grad_out for the backward, as the kernels stash it).
+    Every product of these shapes is large enough for tensor cores (``mma_suits``: the weight
+    gradient's K is n·OH·OW, at least 64 here)."""
     torch = pytest.importorskip("torch")
     import engine
     rng = np.random.default_rng(o)
