@@ -251,14 +251,24 @@ def mma_suits(m, n, k):
     return m >= MMA_MIN_ROWS and n >= MMA_MIN_COLUMNS and k >= MMA_MIN_K
 
 
-def pick_mma_tiling(m, n, mma):
-    """The tensor-core tiling of an (m, n) output: 128x128 when it alone gives every
-    multiprocessor a block, 32x128 for outputs of at most 32 rows (a conv's filters), else
-    64x64. A guess until a sweep has measured them."""
+# LARGE over MEDIUM when a split-K can give LARGE's tiles enough blocks, each slice at least
+# this long. On the H200 (TF32, GPU us) at the wide MLP's 128x4096 outputs with K = 4096,
+# LARGE in 8 slices took 68.7 us against MEDIUM's best 93.5 (x·W2) and 78.5 against 105.9
+# (G·W2ᵀ); with K = 784 LARGE lost (30.2 against 27.4 us at 4 slices of 196).
+MMA_LARGE_MIN_SLICE_K = 512
+
+
+def pick_mma_tiling(m, n, mma, k=0):
+    """The tensor-core tiling of an (m, n) output with inner size k: 128x128 when it alone
+    gives every multiprocessor a block, or does in slices of at least MMA_LARGE_MIN_SLICE_K
+    of k (split-K), 32x128 for outputs of at most 32 rows (a conv's filters), else 64x64."""
     tilings = MMA_TILINGS[mma]
-    if m > tilings.medium.BM and -(-m // tilings.large.BM) * -(-n // tilings.large.BN) \
-            >= _multiprocessors():
-        return tilings.large
+    if m > tilings.medium.BM:
+        tiles = -(-m // tilings.large.BM) * -(-n // tilings.large.BN)
+        slices = min(-(-SPLIT_BLOCKS_PER_SM * _multiprocessors() // tiles),
+                     max(1, k // MMA_LARGE_MIN_SLICE_K))
+        if tiles * slices >= _multiprocessors():
+            return tilings.large
     return tilings.wide if m <= tilings.wide.BM else tilings.medium
 
 
@@ -325,7 +335,7 @@ def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None):
             raise ValueError(f"matmul: GEMM_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1")
         return choice
-    tiling = (pick_mma_tiling(m + extra_rows, n, mma) if mma else
+    tiling = (pick_mma_tiling(m + extra_rows, n, mma, k) if mma else
               pick_tiling(m + extra_rows, n))
     tiles = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN)
     split = 1
@@ -1144,7 +1154,9 @@ def pick_conv_config(mode, m, n, k, groups, mma=None):
             raise ValueError(f"matmul: CONV_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1, and only grad_weight splits K")
         return choice
-    tiling = pick_mma_tiling(m, n, mma) if mma else pick_conv_tiling(m, n, k)
+    # only the weight gradient splits K
+    tiling = (pick_mma_tiling(m, n, mma, k if mode == CONV_GRAD_WEIGHT else 0) if mma else
+              pick_conv_tiling(m, n, k))
     tiles = -(-m // tiling.BM) * -(-n // tiling.BN) * groups
     split = 1
     if mode == CONV_GRAD_WEIGHT and tiles < _multiprocessors():

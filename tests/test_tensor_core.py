@@ -236,3 +236,18 @@ def test_conv2d_forward_and_backward_take_the_rounded_operands(precision, n, c, 
                                "grad_weight")
     assert_product_of_rounded(eb.grad.numpy(), tb.grad.numpy(),
                                np.abs(rounding(grad_out)).sum((0, 2, 3)), positions, "grad_bias")
+
+
+@pytest.mark.parametrize("m, n, k, tiling, split", [
+    (4096, 4096, 4096, "TF32_LARGE", 1),    # 1024 tiles: LARGE alone fills the GPU
+    (128, 4096, 4096, "TF32_LARGE", 9),     # 32 tiles in 9 slices of 456: the wide MLP's x·W2
+    (128, 4096, 784, "TF32_MEDIUM", 3),     # slices of 784 // 512 = 1: MEDIUM, split by the rule
+    (1024, 1024, 1024, "TF32_MEDIUM", 1),   # 64 LARGE tiles x 2 slices < 132; 256 MEDIUM ones
+    (32, 300, 4096, "TF32_WIDE", 32),       # at most 32 rows; 3 tiles in 32 slices of 128
+])
+def test_the_tensor_core_plan_takes_large_tiles_when_split_k_fills_the_gpu(monkeypatch, m, n, k,
+                                                                           tiling, split):
+    from ops import matmul as mm
+    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)   # the H200's
+    config = mm.pick_config(m, n, k, False, False, mma="tf32")
+    assert config == mm.GemmConfig(mm.TILINGS[tiling], split)
