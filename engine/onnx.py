@@ -67,7 +67,7 @@ def _onnx():
             from None
 
 
-class _Graph:
+class _OnnxGraphBuilder:
     """The nodes and initializers of the graph being built; ``value`` names what the last
     node computed, ``input_dtype`` is the graph input's."""
 
@@ -233,7 +233,7 @@ def to_onnx(model, opset=None, normalize=None):
     dtype = _check_model(model)
     # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
     raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
-    graph = _Graph(onnx, np.uint8 if raw else dtype, dtype, opset)
+    graph = _OnnxGraphBuilder(onnx, np.uint8 if raw else dtype, dtype, opset)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:

@@ -426,9 +426,9 @@ def _intact(saved_epoch, saved_path, save_path):
     return "no checkpoint was written" + ("" if save_path else " (--no-save)")
 
 
-# ------------------------------------------------------------------ the run
+# ------------------------------------------------------------------ the training
 
-def run(args):
+def train_as_asked(args):
     """Check, prepare and train as ``args`` say; returns the history."""
     is_root = join_world(args) if args.distributed else True
     setup = on_every_rank(lambda: prepare(args, is_root), args.distributed)
@@ -739,7 +739,7 @@ def fail_every_rank(error):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(parse_arguments(argv))
+        train_as_asked(parse_arguments(argv))
     except BadInput as error:   # raised on every rank of a distributed run alike
         _report(error)
         sys.exit(2)
