@@ -37,13 +37,14 @@ import os
 import sys
 import types
 
+import optim
 from engine.cli_failures import PROG, BadInput, report
 
 # data.datasets.DATASETS and engine.models.MODELS (tests/test_models.py checks they agree):
 # the help answered before Numba is imported names them
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
-OPTIMIZERS = ("adam", "adamw", "rmsprop", "sgd")
+OPTIMIZERS = tuple(sorted(optim.OPTIMIZERS))   # importing optim imports no Numba
 SCHEDULES = ("cosine", "constant")
 
 
@@ -77,8 +78,8 @@ def build_parser():
     add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     add("--schedule", default="cosine", help="learning rate over the epochs: cosine (from "
         "--lr down to 0 at the last epoch) or constant (default cosine)")
-    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, rmsprop, sgd) or "
-        "decoupled decay (adamw) (default 0)")
+    add("--weight-decay", type=float, default=0.0, help="L2 penalty added to the gradient "
+        "(adamw: decoupled decay) (default 0)")
     add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
         "(default 0: off)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
@@ -146,7 +147,6 @@ import numpy as np  # noqa: E402
 
 import data  # noqa: E402
 import engine  # noqa: E402
-import optim  # noqa: E402
 from data.datasets import load_dataset, pixel_statistics  # noqa: E402
 from engine import distributed as dist  # noqa: E402
 from engine import onnx as onnx_export  # noqa: E402
@@ -233,13 +233,11 @@ def check_arguments(args, outputs=True):
 
 
 def build_optimizer(name, parameters, lr, momentum, weight_decay):
-    if name == "sgd":
-        return optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adamw":
-        return optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
-    if name == "rmsprop":   # torch's defaults otherwise: no momentum (--momentum is SGD's)
-        return optim.RMSprop(parameters, lr=lr, weight_decay=weight_decay)
-    return optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
+    """``optim.OPTIMIZERS[name]`` with the command's flags; --momentum is SGD's (the others
+    keep torch's defaults: RMSprop no momentum)."""
+    _, class_name = optim.OPTIMIZERS[name]
+    momentum = {"momentum": momentum} if name == "sgd" else {}
+    return getattr(optim, class_name)(parameters, lr=lr, weight_decay=weight_decay, **momentum)
 
 
 # ------------------------------------------------------------------ the training

@@ -997,3 +997,29 @@ def test_the_cpu_update_leaves_the_callers_floating_point_mode_alone():
     opt.step()
     half_of_tiny = np.float32(np.finfo(np.float32).tiny) * np.float32(0.5)
     assert half_of_tiny > 0   # a subnormal result, not flushed to 0 after the kernel
+
+
+# ------------------------------------------------------------------ the registry
+
+def test_every_registered_optimizer_is_its_module_s_class_and_the_command_offers_it():
+    import importlib
+
+    from engine import train
+    for name, (module, class_name) in optim.OPTIMIZERS.items():
+        cls = getattr(importlib.import_module(module), class_name)
+        assert issubclass(cls, optim.Optimizer) and getattr(optim, class_name) is cls, name
+    assert train.OPTIMIZERS == tuple(sorted(optim.OPTIMIZERS))
+    assert set(dir(optim)) >= {"SGD", "Adam", "lr_scheduler", "clip_grad_norm_", "OPTIMIZERS"}
+    with pytest.raises(AttributeError, match="module 'optim' has no attribute 'Lion'"):
+        optim.Lion
+
+
+def test_import_optim_imports_no_numba():
+    """The command's help lists optim.OPTIMIZERS before Numba is imported."""
+    import pathlib
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", "import sys, optim; print('numba' in "
+                             "sys.modules, sorted(optim.OPTIMIZERS))"], capture_output=True,
+                            text=True, cwd=pathlib.Path(__file__).parents[1])
+    assert result.stdout.split()[0] == "False", result.stderr
