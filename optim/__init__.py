@@ -1,5 +1,5 @@
-"""Optimizers whose updates are kernels: SGD (momentum, Nesterov), Adam, AdamW, RMSprop, L2
-weight decay, gradient clipping and learning-rate schedules.
+"""Optimizers whose updates are kernels: SGD (momentum, Nesterov), Adam, AdamW, RMSprop,
+Adagrad, L2 weight decay, gradient clipping and learning-rate schedules.
 
 Each update rule is one ``@njit`` CPU kernel and one ``@cuda.jit`` kernel over flat buffers
 (parameters, gradients, state). For parameters packed in one ``FlatBuffer`` (what
@@ -13,6 +13,7 @@ import importlib
 # every optimizer by the name ``python -m engine.train --optimizer`` takes: (module, class).
 # A new optimizer is its module and one entry here; the command reads its choices from it.
 OPTIMIZERS = {
+    "adagrad": ("optim.adagrad", "Adagrad"),
     "adam": ("optim.adam", "Adam"),
     "adamw": ("optim.adam", "AdamW"),
     "rmsprop": ("optim.rmsprop", "RMSprop"),
