@@ -9,35 +9,22 @@ import torch
 
 import engine
 import optim
-from tests.test_optim import N_STEPS, grad_steps, make_params, run
+from tests.test_optim import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
+                              option_id, run, torch_run)
 
 OPTIONS = [dict(lr_decay=lr_decay, weight_decay=wd, initial_accumulator_value=start, eps=eps)
            for lr_decay, wd, start, eps in itertools.product(
                (0, 0.3), (0, 0.1), (0, 0.5), (1e-10, 0.1))]
 
 
-def _option_id(options):
-    return ",".join(f"{key}={value}" for key, value in options.items())
-
-
-def _torch_run(options, steps, lr=0.1):
-    params = [torch.tensor(p.numpy(), requires_grad=True) for p in make_params("cpu")]
-    opt = torch.optim.Adagrad(params, lr=lr, **options)
-    for grads in steps:
-        for p, g in zip(params, grads):
-            p.grad = torch.tensor(g)
-        opt.step()
-    return [p.detach().numpy() for p in params]
-
-
-@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
 @pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
 def test_adagrad_matches_torch_step_by_step_in_float64(options, flat):
     steps = grad_steps()
     for n in range(1, N_STEPS + 1, N_STEPS - 1):   # after the first step and after all
         mine = run(lambda params: optim.Adagrad(params, lr=0.1, **options),
                    make_params("cpu", flat=flat), steps[:n])
-        theirs = _torch_run(options, steps[:n])
+        theirs = torch_run(torch.optim.Adagrad, steps[:n], lr=0.1, **options)
         for k, (a, b) in enumerate(zip(mine, theirs)):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15,
                                        err_msg=f"parameter {k} after {n} steps")
@@ -51,7 +38,7 @@ def test_adagrad_on_cuda_matches_torch_and_the_cpu():
     steps = grad_steps(3)
     results = [run(lambda params: optim.Adagrad(params, lr=0.1, **options),
                    make_params(device), steps) for device in ("cpu", "cuda")]
-    for a, b, theirs in zip(*results, _torch_run(options, steps)):
+    for a, b, theirs in zip(*results, torch_run(torch.optim.Adagrad, steps, lr=0.1, **options)):
         np.testing.assert_allclose(b, theirs, rtol=1e-13, atol=1e-15)
         np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-15)
 
@@ -134,17 +121,7 @@ def test_the_command_trains_with_adagrad(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.gpu
 def test_adagrad_on_a_million_parameters_matches_torch_on_the_gpu():
-    rng = np.random.default_rng(2)
-    options = dict(lr=1e-2, lr_decay=0.1, weight_decay=0.01, initial_accumulator_value=0.1)
-    start = rng.standard_normal(1 << 20)
-    ours = engine.tensor(start, device="cuda", requires_grad=True)
-    theirs = torch.tensor(start, device="cuda", requires_grad=True)
-    opt, reference = optim.Adagrad([ours], **options), torch.optim.Adagrad([theirs], **options)
-    for _ in range(5):
-        grad = rng.standard_normal(start.size)
-        ours.grad = engine.tensor(grad, device="cuda")
-        theirs.grad = torch.tensor(grad, device="cuda")
-        opt.step()
-        reference.step()
-    np.testing.assert_allclose(ours.numpy(), theirs.detach().cpu().numpy(), rtol=1e-12,
-                               atol=1e-12)
+    ours, theirs = gpu_steps_against_torch(optim.Adagrad, torch.optim.Adagrad, lr=1e-2,
+                                           lr_decay=0.1, weight_decay=0.01,
+                                           initial_accumulator_value=0.1)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)

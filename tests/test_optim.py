@@ -47,6 +47,42 @@ def run(opt_factory, params, steps):
     return [p.numpy().copy() for p in params]
 
 
+def option_id(options):
+    """A test id from an optimizer's keyword arguments."""
+    return ",".join(f"{key}={value}" for key, value in options.items())
+
+
+def torch_run(torch_optimizer, steps, **options):
+    """``make_params("cpu")``'s values after ``steps`` of ``torch_optimizer(params,
+    **options)`` (a torch.optim class), as NumPy arrays."""
+    import torch
+    params = [torch.tensor(p.numpy(), requires_grad=True) for p in make_params("cpu")]
+    opt = torch_optimizer(params, **options)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+    return [p.detach().numpy() for p in params]
+
+
+def gpu_steps_against_torch(optimizer, torch_optimizer, steps=5, **options):
+    """A million float64 parameters on the GPU after ``steps`` random gradients, under
+    ``optimizer`` and under ``torch_optimizer`` (a torch.optim class) with ``options``."""
+    import torch
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1 << 20)
+    ours = engine.tensor(start, device="cuda", requires_grad=True)
+    theirs = torch.tensor(start, device="cuda", requires_grad=True)
+    opt, reference = optimizer([ours], **options), torch_optimizer([theirs], **options)
+    for _ in range(steps):
+        grad = rng.standard_normal(start.size)
+        ours.grad = engine.tensor(grad, device="cuda")
+        theirs.grad = torch.tensor(grad, device="cuda")
+        opt.step()
+        reference.step()
+    return ours.numpy(), theirs.detach().cpu().numpy()
+
+
 def sgd_reference(p, grads, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
     buf = None
     for g in grads:
