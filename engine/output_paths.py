@@ -1,12 +1,14 @@
 """The files ``python -m engine.train`` writes, checked before any work: each path can be
 written (not a directory, in a folder that exists and takes new files) and the package that
-writes it is installed; else a ``BadInput`` that names the flag, the path and the fix."""
+writes it is installed; else a ``BadInput`` that names the flag, the path and the fix. After
+training, ``write_after_training`` writes the curves and the ONNX export."""
 import importlib.util
 import os
 
+from engine import onnx as onnx_export
 from engine.archive import probe_writable
-from engine.cli_failures import BadInput, describe_os_error
-from engine.training_curves import plot_format, plot_formats
+from engine.cli_failures import BadInput, OutputFailure, describe_os_error
+from engine.training_curves import plot_format, plot_formats, plot_history
 
 
 def checkpoint_path(args):
@@ -73,3 +75,27 @@ def check_outputs(args):
         except BadInput as error:
             raise BadInput(f"{error}; a resumed run saves there unless --save names another "
                            "file") from None
+
+
+def write_after_training(args, model, history, step_losses, best_epoch, intact):
+    """``--plot`` and ``--export-onnx``, each said in a line; a write that fails is an
+    ``OutputFailure`` that ends with ``intact()`` (what the checkpoint holds).
+    ``best_epoch``: the epoch whose weights early stopping restored, or None."""
+    if args.plot:
+        try:
+            plot_history(history, args.plot, step_losses)
+        except OSError as error:
+            raise OutputFailure(f"--plot {args.plot}: cannot write the curves "
+                                f"({describe_os_error(error)}); {intact()}") from None
+        print(f"curves written to {args.plot}")
+    if args.export_onnx:
+        try:
+            onnx_export.export(model, args.export_onnx)
+        except OSError as error:
+            raise OutputFailure(f"--export-onnx {args.export_onnx}: cannot write the model "
+                                f"({describe_os_error(error)}); {intact()}") from None
+        restored = best_epoch is not None and best_epoch != history[-1]["epoch"]
+        print(f"ONNX model written to {args.export_onnx}"
+              + (f" (the weights of epoch {best_epoch}, the best test loss)" if restored else "")
+              + "; it takes the images as the data set ships them (uint8 0-255), as the "
+              "saved model does")

@@ -27,7 +27,8 @@ are re-exported here (``from engine.train import fit, evaluate`` is public API).
 recipes live in ``engine.models``, the data recipes (a data set by name, its pixel
 statistics) in ``data.datasets``: this module parses, checks and wires. Beside it, for it
 alone: ``engine.cli_failures`` (the one-line failures), ``engine.output_paths`` (the files it
-writes, checked first), ``engine.run_header`` (the lines a run starts with) and
+writes: checked first, the curves and the ONNX export written last), ``engine.resumed_checkpoint``
+(``--resume``), ``engine.run_header`` (the lines a run starts with) and
 ``engine.training_curves`` (``--plot``).
 """
 import argparse
@@ -149,7 +150,6 @@ import data  # noqa: E402
 import engine  # noqa: E402
 from data.datasets import load_dataset, pixel_statistics  # noqa: E402
 from engine import distributed as dist  # noqa: E402
-from engine import onnx as onnx_export  # noqa: E402
 from engine.callbacks import (PROGRESS_EVERY, EarlyStopping, TensorBoard,  # noqa: E402
                               TerminateOnNaN)
 from engine.cli_failures import (Diverged, Interrupted, OutputFailure,  # noqa: E402
@@ -161,10 +161,11 @@ from engine.fit import (RECORD_KEYS, append_record, evaluate, fit,  # noqa: F401
                         format_record, read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy  # noqa: E402
 from engine.models import build_model, parse_widths, preprocessing  # noqa: E402
-from engine.output_paths import check_outputs, checkpoint_path  # noqa: E402
+from engine.output_paths import (check_outputs, checkpoint_path,  # noqa: E402
+                                 write_after_training)
 from engine.random import manual_seed  # noqa: E402
+from engine.resumed_checkpoint import read_resumed, restore_resumed  # noqa: E402
 from engine.run_header import print_header  # noqa: E402
-from engine.training_curves import plot_history  # noqa: E402
 from ops.device import check_device  # noqa: E402
 from ops.matmul_precision import PRECISIONS  # noqa: E402
 
@@ -265,26 +266,11 @@ def prepare(args, is_root):
             engine.set_num_threads(args.threads)
         except (ValueError, RuntimeError) as error:
             raise BadInput(f"--threads {args.threads}: {error}") from None
-    checkpoint = None
-    if args.resume:
-        try:
-            checkpoint = read_checkpoint(args.resume)
-        except (OSError, ValueError) as error:
-            raise BadInput(f"--resume {args.resume}: cannot read the checkpoint: {error}") from None
     config = {"dataset": args.dataset, "model": args.model, "optimizer": args.optimizer,
               "schedule": args.schedule}
     if args.model == "mlp":
         config["hidden"] = list(args.hidden)
-    if checkpoint is not None:
-        # checkpoints from before --model hold an mlp and no "model" entry
-        trained = {"model": "mlp", **checkpoint["config"]}
-        if trained["model"] != args.model:
-            raise BadInput(f"--resume {args.resume}: the checkpoint holds a --model "
-                           f"{trained['model']} network, this run asks for --model {args.model}")
-        if trained != config:
-            raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
-                           f"{checkpoint['config']}, this run asks for {config}")
-
+    checkpoint = read_resumed(args, config)
     try:
         (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir,
                                                             args.limit)
@@ -303,15 +289,7 @@ def prepare(args, is_root):
     model = model.to(args.device)
     optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum,
                                 args.weight_decay)
-    start_epoch, history = 0, []
-    if checkpoint is not None:   # the checkpoint's optimizer hyper-parameters win over flags
-        try:
-            start_epoch, history = restore_checkpoint(checkpoint, model, optimizer)
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:
-            raise BadInput(f"--resume {args.resume}: does not fit this model: {error}") from None
-        if start_epoch >= args.epochs:
-            raise BadInput(f"--resume {args.resume}: already trained for {start_epoch} epochs; "
-                           f"ask for more with --epochs (now {args.epochs})")
+    start_epoch, history = restore_resumed(args, checkpoint, model, optimizer)
     scheduler = (cosine_schedule(optimizer, args.epochs, start_epoch)
                  if args.schedule == "cosine" else None)
     # the pixel values as they are (0-255, as float32: the loader would scale uint8 to
@@ -355,7 +333,8 @@ def train(args, setup, is_root):
             save_checkpoint(save_path, model, optimizer, record["epoch"], history, setup.config)
         except OSError as error:
             raise OutputFailure(f"--save {save_path}: cannot write the checkpoint of epoch "
-                                f"{record['epoch']} ({describe_os_error(error)}); {intact()}") from None
+                                f"{record['epoch']} ({describe_os_error(error)}); "
+                                f"{intact()}") from None
         saved.update(epoch=record["epoch"], path=save_path)
 
     def log(record):
@@ -389,7 +368,8 @@ def train(args, setup, is_root):
             history=history, step_losses=step_losses, capture=not args.no_capture,
             distributed=args.distributed)
     except KeyboardInterrupt:
-        raise Interrupted(kept_after_interrupt(saved["epoch"], saved.get("path"), save_path)) from None
+        raise Interrupted(kept_after_interrupt(saved["epoch"], saved.get("path"),
+                                               save_path)) from None
     if terminate.stopped_epoch is not None:
         loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
                 else "another rank's training loss is non-finite")
@@ -400,25 +380,9 @@ def train(args, setup, is_root):
         print(f"model saved to {save_path} (epoch {saved['epoch']}): "
               f"engine.nn.load({save_path!r}) gives the model, which takes the images as the "
               f"data set ships them; --resume {save_path} --epochs N trains on", flush=True)
-    if args.plot and is_root:
-        try:
-            plot_history(history, args.plot, step_losses)
-        except OSError as error:
-            raise OutputFailure(f"--plot {args.plot}: cannot write the curves "
-                                f"({describe_os_error(error)}); {intact()}") from None
-        print(f"curves written to {args.plot}")
-    if args.export_onnx and is_root:
-        try:
-            onnx_export.export(model, args.export_onnx)
-        except OSError as error:
-            raise OutputFailure(f"--export-onnx {args.export_onnx}: cannot write the model "
-                                f"({describe_os_error(error)}); {intact()}") from None
-        best = stopping[0].best_epoch if stopping else None
-        restored = best is not None and best != history[-1]["epoch"]
-        print(f"ONNX model written to {args.export_onnx}"
-              + (f" (the weights of epoch {best}, the best test loss)" if restored else "")
-              + "; it takes the images as the data set ships them (uint8 0-255), as the "
-              "saved model does")
+    if is_root:
+        write_after_training(args, model, history, step_losses,
+                             stopping[0].best_epoch if stopping else None, intact)
     return history
 
 
