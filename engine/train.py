@@ -237,8 +237,8 @@ def build_optimizer(name, parameters, lr, momentum, weight_decay):
     """``optim.OPTIMIZERS[name]`` with the command's flags; --momentum is SGD's (the others
     keep torch's defaults: RMSprop no momentum)."""
     _, class_name = optim.OPTIMIZERS[name]
-    momentum = {"momentum": momentum} if name == "sgd" else {}
-    return getattr(optim, class_name)(parameters, lr=lr, weight_decay=weight_decay, **momentum)
+    sgd_only = {"momentum": momentum} if name == "sgd" else {}
+    return getattr(optim, class_name)(parameters, lr=lr, weight_decay=weight_decay, **sgd_only)
 
 
 # ------------------------------------------------------------------ the training
