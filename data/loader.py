@@ -249,7 +249,7 @@ def _features(x, normalize):
         raise TypeError(f"DataLoader: x has dtype {x.dtype}; expected uint8 images (scaled to "
                         "[0, 1]) or float32/float64 features")
     if normalize is not None:
-        mean, std = _statistics(normalize, features.dtype, x.shape[1:])
+        mean, std = _checked_normalize(normalize, features.dtype, x.shape[1:])
         features = features - mean   # a new array: the caller's x is never modified
         features /= std
     return np.ascontiguousarray(features)
@@ -260,13 +260,13 @@ def _scaled_images(x, normalize):
     features = x.astype(np.float32)
     features /= np.float32(255)
     if normalize is not None:
-        mean, std = _statistics(normalize, np.float32, x.shape[1:])
+        mean, std = _checked_normalize(normalize, np.float32, x.shape[1:])
         features -= mean
         features /= std
     return features
 
 
-def _statistics(normalize, dtype, sample_shape):
+def _checked_normalize(normalize, dtype, sample_shape):
     try:
         mean, std = normalize
     except (TypeError, ValueError):

@@ -67,7 +67,7 @@ def _onnx():
             from None
 
 
-class _Graph:
+class _OnnxGraphBuilder:
     """The nodes and initializers of the graph being built; ``value`` names what the last
     node computed, ``input_dtype`` is the graph input's."""
 
@@ -198,6 +198,13 @@ def _check_model(model):
             raise ValueError(f"engine.onnx.export: layer {index} '{layer.name}' "
                              f"({type(layer).__name__}) has no ONNX export yet; exported "
                              f"layers: {', '.join(EXPORTERS)}")
+        activation = getattr(layer, "activation", None)
+        if activation is not None and ACTIVATIONS.get(activation) is None:
+            exportable = sorted(name for name, operator in ACTIVATIONS.items() if operator)
+            raise ValueError(f"engine.onnx.export: layer {index} '{layer.name}' "
+                             f"({type(layer).__name__}): ONNX has no operator for its activation "
+                             f"{activation!r} (its ops/pointwise.py entry names none); "
+                             f"exported activations: {', '.join(exportable)}")
     dtypes = {np.dtype(p.dtype) for p in model.parameters()} or {np.dtype(np.float32)}
     if len(dtypes) > 1:
         raise ValueError(f"engine.onnx.export: the parameters mix dtypes "
@@ -233,7 +240,7 @@ def to_onnx(model, opset=None, normalize=None):
     dtype = _check_model(model)
     # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
     raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
-    graph = _Graph(onnx, np.uint8 if raw else dtype, dtype, opset)
+    graph = _OnnxGraphBuilder(onnx, np.uint8 if raw else dtype, dtype, opset)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -270,7 +277,7 @@ def export(model, path, opset=None, normalize=None):
 # ------------------------------------------------------------------ import
 
 # the operators of the export table above, read back
-OPERATOR_ACTIVATIONS = {operator: name for name, operator in ACTIVATIONS.items()}
+OPERATOR_ACTIVATIONS = {operator: name for name, operator in ACTIVATIONS.items() if operator}
 # operators a shape computation beside the chain may use (torch writes one for Unflatten and
 # view(x.size(0), ...)); the importer evaluates them with NumPy for two batch sizes
 SHAPE_OPERATORS = ("Constant", "Identity", "Shape", "Gather", "Unsqueeze", "Squeeze", "Concat",

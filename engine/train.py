@@ -18,59 +18,35 @@ checkpoint holds.
 (``engine.distributed``): ``--batch-size`` is the global batch, each rank trains on its
 ``1/N`` of it, so a run trains as one process with that batch would. Only rank 0 prints,
 shows progress, logs, plots, saves and exports; every rank reads a ``--resume`` checkpoint.
-The start is checked on every rank: the ranks first agree on the arguments, then each does
-its own checks and loading, then they count their failures (one all-reduce), so a bad input
-on any rank ends every rank at the same point, with one line: the first rank's when all
-failed, else the failing rank's, prefixed ``rank r:``. Then rank 0's model goes to all and
-the ranks must agree on the data and the checkpoint (else one line naming the mismatch). A
-write failing on rank 0 during training ends every rank (``engine.distributed.abort``;
-MPICH adds its own line saying so). Processes of ``mpiexec -n N`` without ``--distributed``
-are refused alike (each would train alone and write the same files).
+How the ranks start together, so that a bad input on any rank ends every rank at the same
+point with one line, is ``engine.distributed_start``. A write failing on rank 0 during
+training ends every rank (``engine.distributed.abort``; MPICH adds its own line saying so).
 
 The library loop lives in ``engine.fit``; ``fit``, ``evaluate`` and the checkpoint functions
 are re-exported here (``from engine.train import fit, evaluate`` is public API). The model
 recipes live in ``engine.models``, the data recipes (a data set by name, its pixel
-statistics) in ``data.datasets``: this module parses, checks and wires.
+statistics) in ``data.datasets``: this module parses, checks and wires. Beside it, for it
+alone: ``engine.cli_failures`` (the one-line failures), ``engine.output_paths`` (the files it
+writes: checked first, the curves and the ONNX export written last), ``engine.resumed_checkpoint``
+(``--resume``), ``engine.run_header`` (the lines a run starts with) and
+``engine.training_curves`` (``--plot``).
 """
 import argparse
 import functools
-import glob
-import importlib.util
 import math
 import os
 import sys
 import types
 
+import optim
+from engine.cli_failures import PROG, BadInput, report
+
 # data.datasets.DATASETS and engine.models.MODELS (tests/test_models.py checks they agree):
 # the help answered before Numba is imported names them
 DATASETS = ("mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
-OPTIMIZERS = ("adam", "adamw", "rmsprop", "sgd")
+OPTIMIZERS = tuple(sorted(optim.OPTIMIZERS))   # importing optim imports no Numba
 SCHEDULES = ("cosine", "constant")
-PROG = "engine-train"
-
-
-class BadInput(Exception):
-    """A problem with the command's input; reported as one line, exit status 2. In a
-    distributed run ``shown`` says whether this rank prints it (every rank raises it, one
-    prints), ``rank`` the rank it is about when only some ranks failed (else None)."""
-
-    def __init__(self, message, shown=True, rank=None):
-        super().__init__(message)
-        self.shown, self.rank = shown, rank
-
-
-class OutputFailure(Exception):
-    """A write that failed during or after training; reported as one line, exit status 1."""
-
-
-class Diverged(Exception):
-    """The training loss turned non-finite (``TerminateOnNaN`` stopped training); reported
-    as one line, exit status 1, on every rank alike (``shown`` on rank 0)."""
-
-    def __init__(self, message, shown=True):
-        super().__init__(message)
-        self.shown = shown
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,8 +79,8 @@ def build_parser():
     add("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     add("--schedule", default="cosine", help="learning rate over the epochs: cosine (from "
         "--lr down to 0 at the last epoch) or constant (default cosine)")
-    add("--weight-decay", type=float, default=0.0, help="L2 penalty (adam, rmsprop, sgd) or "
-        "decoupled decay (adamw) (default 0)")
+    add("--weight-decay", type=float, default=0.0, help="L2 penalty added to the gradient "
+        "(adamw: decoupled decay) (default 0)")
     add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
         "(default 0: off)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
@@ -144,13 +120,6 @@ def build_parser():
     return parser
 
 
-def _report(error):
-    if getattr(error, "shown", True):
-        rank = getattr(error, "rank", None)
-        print(("" if rank is None else f"rank {rank}: ") + f"{PROG}: error: {error}",
-              file=sys.stderr, flush=True)
-
-
 # engine.distributed.LAUNCHER_VARIABLES (tests/test_train.py checks they agree): that module
 # imports Numba, which the early answer below must not wait for
 LAUNCHERS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -168,7 +137,7 @@ def answer_at_once(argv):
     try:
         build_parser().parse_args(argv)
     except BadInput as error:
-        _report(error)
+        report(error)
         sys.exit(2)
 
 
@@ -179,21 +148,25 @@ import numpy as np  # noqa: E402
 
 import data  # noqa: E402
 import engine  # noqa: E402
-import ops  # noqa: E402
-import optim  # noqa: E402
 from data.datasets import load_dataset, pixel_statistics  # noqa: E402
 from engine import distributed as dist  # noqa: E402
-from engine import onnx as onnx_export  # noqa: E402
-from engine.archive import atomic_write, probe_writable  # noqa: E402
 from engine.callbacks import (PROGRESS_EVERY, EarlyStopping, TensorBoard,  # noqa: E402
                               TerminateOnNaN)
+from engine.cli_failures import (Diverged, Interrupted, OutputFailure,  # noqa: E402
+                                 describe_os_error, intact_after_failure, kept_after_interrupt)
+from engine.distributed_start import (agree_on_the_start, fail_every_rank,  # noqa: E402
+                                      join_world, on_every_rank,
+                                      refuse_ranks_without_distributed)
 from engine.fit import (RECORD_KEYS, append_record, evaluate, fit,  # noqa: F401, E402
                         format_record, read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.losses import cross_entropy  # noqa: E402
-from engine.models import (CNN_DESCRIPTION, build_model, parse_widths,  # noqa: E402
-                           preprocessing)
+from engine.models import build_model, parse_widths, preprocessing  # noqa: E402
+from engine.output_paths import (check_outputs, checkpoint_path,  # noqa: E402
+                                 write_after_training)
 from engine.random import manual_seed  # noqa: E402
-from ops.device import SIMULATOR, check_device  # noqa: E402
+from engine.resumed_checkpoint import read_resumed, restore_resumed  # noqa: E402
+from engine.run_header import print_header  # noqa: E402
+from ops.device import check_device  # noqa: E402
 from ops.matmul_precision import PRECISIONS  # noqa: E402
 
 
@@ -214,50 +187,6 @@ def cosine_schedule(optimizer, epochs, start_epoch=0):
     return optim.lr_scheduler.LambdaLR(
         optimizer, lambda epoch: (1 + math.cos(math.pi * epoch / epochs)) / 2,
         last_epoch=start_epoch - 1)
-
-
-def _plot_format(path):
-    return os.path.splitext(path)[1].lstrip(".").lower() or "png"
-
-
-def _plot_formats():
-    from matplotlib.backend_bases import FigureCanvasBase
-    return set(FigureCanvasBase.get_supported_filetypes())
-
-
-def _describe(error):
-    """An OSError in words, without the temporary file name a failed atomic write names."""
-    return error.strerror or str(error)
-
-
-def check_output(flag, path, appending=False):
-    """Raise ``BadInput`` unless ``path`` can be written (``appending``: extended in place):
-    not a directory, in a folder that exists and takes new files."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise BadInput(f"{flag} {path}: is a directory; give a file name")
-    if not os.path.isdir(folder):
-        raise BadInput(f"{flag} {path}: {folder} is not a directory" if os.path.exists(folder)
-                       else f"{flag} {path}: the directory {folder} does not exist")
-    try:
-        probe_writable(path, appending)
-    except OSError as error:
-        raise BadInput(f"{flag} {path}: cannot be written ({_describe(error)})") from None
-
-
-def check_log_dir(path):
-    """Raise ``BadInput`` unless tensorboardX is installed and ``path`` is a folder that takes
-    new files, or can be made in one."""
-    if importlib.util.find_spec("tensorboardX") is None:
-        raise BadInput("--tensorboard needs the tensorboardX package, an optional extra: "
-                       "pip install 'numba-engine[formats]'")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):   # the nearest folder that exists takes the new ones
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise BadInput(f"--tensorboard {path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise BadInput(f"--tensorboard {path}: {existing} cannot be written")
 
 
 def check_arguments(args, outputs=True):
@@ -304,193 +233,23 @@ def check_arguments(args, outputs=True):
         raise BadInput(f"--device: {error}") from None
 
 
-def check_outputs(args):
-    """The output paths can be written and the packages that write them are installed."""
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise BadInput("--plot needs matplotlib, an optional extra: "
-                       "pip install -e '.[plot]'")
-    if args.plot and _plot_format(args.plot) not in _plot_formats():
-        raise BadInput(f"--plot {args.plot}: matplotlib writes no {_plot_format(args.plot)!r} "
-                       f"files (it writes {', '.join(sorted(_plot_formats()))})")
-    if args.export_onnx and importlib.util.find_spec("onnx") is None:
-        raise BadInput("--export-onnx needs the onnx package, an optional extra: "
-                       "pip install -e '.[onnx]'")
-    # a resumed run without --save writes its --resume file: checked below, named so
-    saved_to = None if args.resume and not args.save else checkpoint_path(args)
-    for flag, path in (("--save", saved_to), ("--plot", args.plot),
-                       ("--log-json", args.log_json), ("--export-onnx", args.export_onnx)):
-        if path:
-            check_output(flag, path, appending=flag == "--log-json")
-    if args.tensorboard:
-        check_log_dir(args.tensorboard)
-    if args.resume and not args.save:
-        try:
-            check_output("--resume", args.resume)
-        except BadInput as error:
-            raise BadInput(f"{error}; a resumed run saves there unless --save names another "
-                           "file") from None
-
-
-def checkpoint_path(args):
-    """Where the run saves its checkpoint: ``--save``, else the ``--resume`` file, else
-    ``DATASET-MODEL.npz`` in the current folder; None with ``--no-save``."""
-    if args.no_save:
-        return None
-    return args.save or args.resume or f"{args.dataset}-{args.model}.npz"
-
-
 def build_optimizer(name, parameters, lr, momentum, weight_decay):
-    if name == "sgd":
-        return optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adamw":
-        return optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
-    if name == "rmsprop":   # torch's defaults otherwise: no momentum (--momentum is SGD's)
-        return optim.RMSprop(parameters, lr=lr, weight_decay=weight_decay)
-    return optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
+    """``optim.OPTIMIZERS[name]`` with the command's flags; --momentum is SGD's (the others
+    keep torch's defaults: RMSprop no momentum)."""
+    _, class_name = optim.OPTIMIZERS[name]
+    sgd_only = {"momentum": momentum} if name == "sgd" else {}
+    return getattr(optim, class_name)(parameters, lr=lr, weight_decay=weight_decay, **sgd_only)
 
 
-def plot_history(history, path, step_losses=()):
-    """Write the curves to ``path`` atomically and return the matplotlib Figure: left, the
-    training loss of every step (``step_losses``: one array per epoch, for the last
-    ``len(step_losses)`` epochs of ``history``) with each epoch's mean; right, the train and
-    test accuracy per epoch. Epochs are integer ticks; step ``i`` of ``n`` in epoch ``e``
-    sits at ``e - 1 + (i + 1) / n``."""
-    from matplotlib.figure import Figure   # no pyplot: no global state, no GUI backend
-    from matplotlib.ticker import MaxNLocator
-    figure = Figure(figsize=(10, 4), dpi=100)
-    loss_axes, accuracy_axes = figure.subplots(1, 2)
-    epochs = [record["epoch"] for record in history]
-    trained = epochs[len(epochs) - len(step_losses):]
-    if len(step_losses):
-        steps = np.concatenate([epoch - 1 + np.arange(1, len(losses) + 1) / max(len(losses), 1)
-                                for epoch, losses in zip(trained, step_losses)])
-        loss_axes.plot(steps, np.concatenate(step_losses), linewidth=0.6, alpha=0.7,
-                       label="per step")
-    if all(record["loss"] is not None for record in history):
-        loss_axes.plot(epochs, [record["loss"] for record in history], marker="o",
-                       label="epoch mean")
-    loss_axes.set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
-    for key, label in (("train_acc", "train"), ("test_acc", "test")):
-        values = [record[key] for record in history]
-        if all(value is not None for value in values):
-            accuracy_axes.plot(epochs, [100 * value for value in values], marker="o", label=label)
-    accuracy_axes.set(title="accuracy per epoch", xlabel="epoch", ylabel="accuracy (%)")
-    for axes in (loss_axes, accuracy_axes):
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if axes.lines:
-            axes.legend()
-    figure.tight_layout()
-    with atomic_write(path) as file:
-        figure.savefig(file, format=_plot_format(path))
-    return figure
+# ------------------------------------------------------------------ the training
 
-
-def describe_device(device, simulator):
-    """The device as the header names it: "cuda" in Numba's simulator says so."""
-    if device == "cuda" and simulator:
-        return ("cuda (Numba's CUDA simulator, as NUMBA_ENABLE_CUDASIM=1 asks: very slow, for "
-                "tests only; unset it to train on the CPU or a GPU)")
-    return device
-
-
-def kernels_cached():
-    """Whether Numba's cache holds the engine's compiled CPU kernels (a file of the Dense
-    kernels', compiled at the first step of every model here): in NUMBA_CACHE_DIR when set,
-    else in ``__pycache__`` beside ``ops/dense.py``."""
-    from numba import config
-    folder = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(ops.__file__)),
-                                              "__pycache__")
-    pattern = "**/dense.*.nbi" if config.CACHE_DIR else "dense.*.nbi"
-    return bool(glob.glob(os.path.join(folder, pattern), recursive=True))
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training; the message says which epoch the checkpoint file holds."""
-
-
-def _kept(saved_epoch, saved_path, save_path):
-    """What an interrupted run leaves the user, in words."""
-    if saved_epoch is not None:
-        return (f"{saved_path} holds epoch {saved_epoch} (resume with --resume {saved_path})")
-    if save_path is None:
-        return "nothing was saved (--no-save)"
-    return f"no epoch finished, so {save_path} was not written"
-
-
-def _intact(saved_epoch, saved_path, save_path):
-    """What a failed write leaves the user, in words."""
-    if saved_epoch is not None:
-        return f"the checkpoint of epoch {saved_epoch} in {saved_path} is intact"
-    if save_path and os.path.exists(save_path):
-        return f"{save_path} is as it was before this run"
-    return "no checkpoint was written" + ("" if save_path else " (--no-save)")
-
-
-# ------------------------------------------------------------------ the run
-
-def run(args):
+def train_as_asked(args):
     """Check, prepare and train as ``args`` say; returns the history."""
     is_root = join_world(args) if args.distributed else True
     setup = on_every_rank(lambda: prepare(args, is_root), args.distributed)
     if args.distributed:
         agree_on_the_start(setup, is_root)
     return train(args, setup, is_root)
-
-
-def join_world(args):
-    """Start a distributed run: MPI, then the ranks' agreement on the arguments, then (with
-    ``--device cuda``) the NCCL communicator. Returns whether this process is rank 0."""
-    try:
-        dist.init(require_mpi=True)
-    except RuntimeError as error:
-        raise BadInput(f"--distributed: {error}") from None
-    is_root = dist.rank() == 0
-
-    def resolve_device():   # "auto" on every rank, before the ranks compare it
-        try:
-            args.device = check_device(args.device)
-        except (ValueError, RuntimeError) as error:
-            raise BadInput(f"--device: {error}") from None
-
-    on_every_rank(resolve_device, True)
-    try:
-        for name, value in sorted(vars(args).items()):
-            if name not in RANK_LOCAL_ARGUMENTS:
-                dist.check_agreement(f"--{name.replace('_', '-')}", value)
-        dist.init(device=args.device)
-    except dist.RankMismatch as mismatch:
-        raise BadInput(str(mismatch), shown=is_root) from None
-    except RuntimeError as error:   # NCCL's set-up: the same on the ranks of one machine
-        raise BadInput(f"--distributed --device {args.device}: {error}", shown=is_root) from None
-    return is_root
-
-
-# paths that may differ between machines (their contents are compared instead) and the
-# outputs, which only rank 0 writes
-RANK_LOCAL_ARGUMENTS = ("data_dir", "resume", "save", "plot", "log_json", "export_onnx",
-                        "tensorboard")
-
-
-def on_every_rank(step, distributed):
-    """``step()``'s result. In a distributed run a ``BadInput`` on any rank ends every rank
-    here: the ranks count their failures in one all-reduce (``step`` itself must need no
-    other rank), so none waits in a later collective for one that gave up."""
-    failure = result = None
-    try:
-        result = step()
-    except BadInput as error:
-        if not distributed:
-            raise
-        failure = error
-    if distributed:
-        failed = dist.mean_over_ranks([failure is not None])[0]
-        if failure is None and failed:
-            raise BadInput("another rank failed", shown=False)
-        if failure is not None and failed == 1:   # every rank: rank 0 says it for all
-            raise BadInput(str(failure), shown=dist.rank() == 0) from None
-        if failure is not None:
-            raise BadInput(str(failure), rank=dist.rank()) from None
-    return result
 
 
 def prepare(args, is_root):
@@ -507,26 +266,11 @@ def prepare(args, is_root):
             engine.set_num_threads(args.threads)
         except (ValueError, RuntimeError) as error:
             raise BadInput(f"--threads {args.threads}: {error}") from None
-    checkpoint = None
-    if args.resume:
-        try:
-            checkpoint = read_checkpoint(args.resume)
-        except (OSError, ValueError) as error:
-            raise BadInput(f"--resume {args.resume}: cannot read the checkpoint: {error}") from None
     config = {"dataset": args.dataset, "model": args.model, "optimizer": args.optimizer,
               "schedule": args.schedule}
     if args.model == "mlp":
         config["hidden"] = list(args.hidden)
-    if checkpoint is not None:
-        # checkpoints from before --model hold an mlp and no "model" entry
-        trained = {"model": "mlp", **checkpoint["config"]}
-        if trained["model"] != args.model:
-            raise BadInput(f"--resume {args.resume}: the checkpoint holds a --model "
-                           f"{trained['model']} network, this run asks for --model {args.model}")
-        if trained != config:
-            raise BadInput(f"--resume {args.resume}: the checkpoint was trained with "
-                           f"{checkpoint['config']}, this run asks for {config}")
-
+    checkpoint = read_resumed(args, config)
     try:
         (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir,
                                                             args.limit)
@@ -545,15 +289,7 @@ def prepare(args, is_root):
     model = model.to(args.device)
     optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum,
                                 args.weight_decay)
-    start_epoch, history = 0, []
-    if checkpoint is not None:   # the checkpoint's optimizer hyper-parameters win over flags
-        try:
-            start_epoch, history = restore_checkpoint(checkpoint, model, optimizer)
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:
-            raise BadInput(f"--resume {args.resume}: does not fit this model: {error}") from None
-        if start_epoch >= args.epochs:
-            raise BadInput(f"--resume {args.resume}: already trained for {start_epoch} epochs; "
-                           f"ask for more with --epochs (now {args.epochs})")
+    start_epoch, history = restore_resumed(args, checkpoint, model, optimizer)
     scheduler = (cosine_schedule(optimizer, args.epochs, start_epoch)
                  if args.schedule == "cosine" else None)
     # the pixel values as they are (0-255, as float32: the loader would scale uint8 to
@@ -580,59 +316,25 @@ def _pixels(images):
     return images.astype(np.float32) if images.dtype == np.uint8 else images
 
 
-def agree_on_the_start(setup, is_root):
-    """Rank 0's model on every rank; the ranks must agree on the data and on the checkpoint
-    they resume (else every rank fails alike, rank 0 saying why)."""
-    try:
-        dist.broadcast_model(setup.model)
-        dist.check_agreement("the data (training images, their dtype and labels, test images "
-                             "and labels, classes, pixel mean and std)", setup.data)
-        dist.check_agreement("the checkpoint resumed (epoch, history)",
-                             (setup.start_epoch, setup.history))
-    except dist.RankMismatch as mismatch:
-        raise BadInput(str(mismatch), shown=is_root) from None
-
-
 def train(args, setup, is_root):
     """Train ``setup``'s model as ``args`` say; rank 0 alone prints and writes."""
     model, optimizer, start_epoch = setup.model, setup.optimizer, setup.start_epoch
-    history, x_shape = setup.history, setup.data[0]
+    history = setup.history
     if is_root:
-        if args.model == "cnn":
-            layers = "x".join(map(str, (1,) + tuple(x_shape[1:])))
-            description = f"CNN {layers}-{CNN_DESCRIPTION}-{setup.classes}"
-        else:
-            description = "MLP " + "-".join(str(w) for w in (int(np.prod(x_shape[1:])),)
-                                            + args.hidden + (setup.classes,))
-        n_parameters = sum(p.size for p in model.parameters())
-        ranks = (f" ({args.batch_size // setup.ranks} per rank on {setup.ranks} ranks)"
-                 if args.distributed else "")
-        group = optimizer.param_groups[0]
-        lr = group.get("initial_lr", group["lr"])   # the peak: a schedule writes "lr"
-        kept = (f" (the checkpoint's: a resumed run keeps its optimizer settings, so --lr "
-                f"{args.lr:g} is not used)" if start_epoch and lr != args.lr else "")
-        device = describe_device(args.device, SIMULATOR)
-        print(f"{args.dataset}: {x_shape[0]} train / {setup.data[3][0]} test samples; "
-              f"{description} ({n_parameters} parameters); {args.optimizer} lr {lr:g}{kept} "
-              f"{args.schedule}, batch {args.batch_size}{ranks}, device {device}"
-              + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
-        if not kernels_cached():
-            print("compiling the engine's kernels (Numba JIT, the first run only): the first "
-                  "epoch takes 10-30 s longer; later runs read them from Numba's cache "
-                  "(__pycache__ beside the engine's sources, or NUMBA_CACHE_DIR)", flush=True)
-
+        print_header(args, setup)
     save_path = checkpoint_path(args)   # a resumed run goes on saving where it came from
     saved = {"epoch": start_epoch, "path": args.resume} if setup.checkpoint else {"epoch": None}
 
     def intact():
-        return _intact(saved["epoch"], saved.get("path"), save_path)
+        return intact_after_failure(saved["epoch"], saved.get("path"), save_path)
 
     def save(record):
         try:
             save_checkpoint(save_path, model, optimizer, record["epoch"], history, setup.config)
         except OSError as error:
             raise OutputFailure(f"--save {save_path}: cannot write the checkpoint of epoch "
-                                f"{record['epoch']} ({_describe(error)}); {intact()}") from None
+                                f"{record['epoch']} ({describe_os_error(error)}); "
+                                f"{intact()}") from None
         saved.update(epoch=record["epoch"], path=save_path)
 
     def log(record):
@@ -640,7 +342,7 @@ def train(args, setup, is_root):
             append_record(args.log_json, record)
         except OSError as error:
             raise OutputFailure(f"--log-json {args.log_json}: cannot append the record of "
-                                f"epoch {record['epoch']} ({_describe(error)}); "
+                                f"epoch {record['epoch']} ({describe_os_error(error)}); "
                                 f"{intact()}") from None
 
     stopping = ([EarlyStopping("test_loss", patience=args.early_stopping,
@@ -666,7 +368,8 @@ def train(args, setup, is_root):
             history=history, step_losses=step_losses, capture=not args.no_capture,
             distributed=args.distributed)
     except KeyboardInterrupt:
-        raise Interrupted(_kept(saved["epoch"], saved.get("path"), save_path)) from None
+        raise Interrupted(kept_after_interrupt(saved["epoch"], saved.get("path"),
+                                               save_path)) from None
     if terminate.stopped_epoch is not None:
         loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
                 else "another rank's training loss is non-finite")
@@ -677,25 +380,9 @@ def train(args, setup, is_root):
         print(f"model saved to {save_path} (epoch {saved['epoch']}): "
               f"engine.nn.load({save_path!r}) gives the model, which takes the images as the "
               f"data set ships them; --resume {save_path} --epochs N trains on", flush=True)
-    if args.plot and is_root:
-        try:
-            plot_history(history, args.plot, step_losses)
-        except OSError as error:
-            raise OutputFailure(f"--plot {args.plot}: cannot write the curves "
-                                f"({_describe(error)}); {intact()}") from None
-        print(f"curves written to {args.plot}")
-    if args.export_onnx and is_root:
-        try:
-            onnx_export.export(model, args.export_onnx)
-        except OSError as error:
-            raise OutputFailure(f"--export-onnx {args.export_onnx}: cannot write the model "
-                                f"({_describe(error)}); {intact()}") from None
-        best = stopping[0].best_epoch if stopping else None
-        restored = best is not None and best != history[-1]["epoch"]
-        print(f"ONNX model written to {args.export_onnx}"
-              + (f" (the weights of epoch {best}, the best test loss)" if restored else "")
-              + "; it takes the images as the data set ships them (uint8 0-255), as the "
-              "saved model does")
+    if is_root:
+        write_after_training(args, model, history, step_losses,
+                             stopping[0].best_epoch if stopping else None, intact)
     return history
 
 
@@ -710,47 +397,26 @@ def parse_arguments(argv):
         if any(len(word) > 3 and "--distributed".startswith(word) for word in argv):
             fail_every_rank(error)
         raise
-    if not args.distributed and any(name in os.environ for name in dist.LAUNCHER_VARIABLES):
-        try:
-            dist.init()
-        except RuntimeError:   # no mpi4py: nothing to agree with, nor to join
-            return args
-        if dist.world_size() > 1:
-            fail_every_rank(BadInput(f"this is one of {dist.world_size()} processes started "
-                                     "by mpiexec: add --distributed to train data-parallel "
-                                     "(without it every process trains alone)"))
+    if not args.distributed:
+        refuse_ranks_without_distributed()
     return args
-
-
-def fail_every_rank(error):
-    """Raise ``error`` on every rank: this rank joins the world and counts its failure with
-    the others, whose first collective is the same count (``on_every_rank``), so none is
-    left waiting for a rank that never joined. Without MPI, raise it here alone."""
-    try:
-        dist.init(require_mpi=True)
-    except RuntimeError:
-        raise error from None
-
-    def fail():
-        raise error
-    on_every_rank(fail, True)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        run(parse_arguments(argv))
+        train_as_asked(parse_arguments(argv))
     except BadInput as error:   # raised on every rank of a distributed run alike
-        _report(error)
+        report(error)
         sys.exit(2)
     except dist.RankMismatch as mismatch:   # diverged replicas: raised on every rank alike
-        _report(BadInput(str(mismatch), shown=dist.rank() == 0))
+        report(BadInput(str(mismatch), shown=dist.rank() == 0))
         sys.exit(1)
     except OutputFailure as error:   # rank 0 alone writes: end the others too
-        _report(error)
+        report(error)
         dist.abort(1)
     except Diverged as error:   # every rank stopped at the same step
-        _report(error)
+        report(error)
         sys.exit(1)
     except engine.OutOfMemoryError as error:   # this rank alone may have failed: end them all
         rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""

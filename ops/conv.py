@@ -190,80 +190,77 @@ def _is_shift(geometry):
     return geometry[9] == 1 and geometry[10] == 1 and geometry[6] == geometry[3]
 
 
-@njit(**CPU_KERNEL)
-def _im2col(x, n, g, geometry, cols, column):
-    """cols[(c·KH + i)·KW + j, column + oh·OW + ow] = x[n, g·Cg + c, ih, iw], 0 in the
+@njit(inline="always")
+def _zero_padding_columns(row, at, ow_lo, ow_hi, ow_n, zero):
+    """The columns of output row ``at`` (of ``row``) whose tap reads the left or right
     padding."""
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    cg = c_in // groups
-    positions = oh_n * ow_n
-    zero = cols.dtype.type(0)
-    shifted = _is_shift(geometry)
-    for c in range(cg):
-        first = (n * c_in + g * cg + c) * h * w_in
-        plane = x[first:first + h * w_in]
-        for i in range(kh):
-            oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
-            for j in range(kw):
-                row = cols[(c * kh + i) * kw + j, column:column + positions]
-                ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
-                row[:oh_lo * ow_n] = zero
-                row[oh_hi * ow_n:] = zero
-                if shifted:
-                    shift = (i * dh - pt) * w_in + j * dw - pl
-                    lo = max(oh_lo * ow_n, -shift)
-                    hi = min(oh_hi * ow_n, plane.size - shift)
-                    destination, source = row[lo:hi], plane[lo + shift:hi + shift]
-                    for p in range(destination.size):
-                        destination[p] = source[p]
-                    for oh in range(oh_lo, oh_hi):   # the columns that read the padding
-                        for ow in range(ow_lo):
-                            row[oh * ow_n + ow] = zero
-                        for ow in range(ow_hi, ow_n):
-                            row[oh * ow_n + ow] = zero
-                    continue
-                for oh in range(oh_lo, oh_hi):
-                    start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
-                    for ow in range(ow_n):
-                        row[oh * ow_n + ow] = (plane[start + ow * sw] if ow_lo <= ow < ow_hi
-                                               else zero)
+    for ow in range(ow_lo):
+        row[at + ow] = zero
+    for ow in range(ow_hi, ow_n):
+        row[at + ow] = zero
 
 
-@njit(**CPU_KERNEL)
-def _col2im_add(cols, column, grad_x, n, g, geometry):
-    """grad_x[n, g·Cg + c, ih, iw] += cols[(c·KH + i)·KW + j, column + oh·OW + ow] over the
-    taps inside the input: the adjoint of ``_im2col``, in a fixed order. Zeroes the padding
-    taps of ``cols`` (scratch) on the shift path, which then adds whole rows."""
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    cg = c_in // groups
-    positions = oh_n * ow_n
-    zero = cols.dtype.type(0)
-    shifted = _is_shift(geometry)
-    for c in range(cg):
-        first = (n * c_in + g * cg + c) * h * w_in
-        plane = grad_x[first:first + h * w_in]
-        for i in range(kh):
-            oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
-            for j in range(kw):
-                row = cols[(c * kh + i) * kw + j, column:column + positions]
-                ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
-                if shifted:
+def _patch_loop(adjoint):
+    """The im2col loop (``adjoint=False``) or its adjoint (``True``), written once; the
+    direction is a constant of the closure, so each compiled kernel holds only its own
+    branches (Numba prunes ``if`` on a frozen closure value).
+
+    im2col, ``_im2col(x, n, g, geometry, cols)``: ``cols[(c·KH + i)·KW + j, oh·OW + ow] =
+    x[n, g·Cg + c, ih, iw]``, 0 in the padding.
+    Its adjoint, ``_col2im_add(grad_x, n, g, geometry, cols)``: ``grad_x[n, g·Cg + c, ih,
+    iw] += cols[...]`` over the taps inside the input, in a fixed order (c, i, j, oh, ow).
+    It zeroes the padding taps of ``cols`` (scratch) on the shift path, which then adds
+    whole rows."""
+    def patch_loop(image, n, g, geometry, cols):
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        cg = c_in // groups
+        positions = oh_n * ow_n
+        zero = cols.dtype.type(0)
+        shifted = _is_shift(geometry)
+        for c in range(cg):
+            first = (n * c_in + g * cg + c) * h * w_in
+            plane = image[first:first + h * w_in]
+            for i in range(kh):
+                oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
+                for j in range(kw):
+                    row = cols[(c * kh + i) * kw + j, :positions]
+                    ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
+                    if not adjoint:   # the output rows whose taps all read the padding
+                        row[:oh_lo * ow_n] = zero
+                        row[oh_hi * ow_n:] = zero
+                    if shifted:
+                        if adjoint:   # before the whole run is added
+                            for oh in range(oh_lo, oh_hi):
+                                _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        shift = (i * dh - pt) * w_in + j * dw - pl
+                        lo = max(oh_lo * ow_n, -shift)
+                        hi = min(oh_hi * ow_n, plane.size - shift)
+                        run, window = row[lo:hi], plane[lo + shift:hi + shift]
+                        for p in range(run.size):
+                            if adjoint:
+                                window[p] += run[p]
+                            else:
+                                run[p] = window[p]
+                        if not adjoint:   # after the run copied over them
+                            for oh in range(oh_lo, oh_hi):
+                                _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        continue
                     for oh in range(oh_lo, oh_hi):
-                        for ow in range(ow_lo):
-                            row[oh * ow_n + ow] = zero
-                        for ow in range(ow_hi, ow_n):
-                            row[oh * ow_n + ow] = zero
-                    shift = (i * dh - pt) * w_in + j * dw - pl
-                    lo = max(oh_lo * ow_n, -shift)
-                    hi = min(oh_hi * ow_n, plane.size - shift)
-                    source, destination = row[lo:hi], plane[lo + shift:hi + shift]
-                    for p in range(source.size):
-                        destination[p] += source[p]
-                    continue
-                for oh in range(oh_lo, oh_hi):
-                    start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
-                    for ow in range(ow_lo, ow_hi):
-                        plane[start + ow * sw] += row[oh * ow_n + ow]
+                        start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
+                        if not adjoint:
+                            _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        for ow in range(ow_lo, ow_hi):
+                            if adjoint:
+                                plane[start + ow * sw] += row[oh * ow_n + ow]
+                            else:
+                                row[oh * ow_n + ow] = plane[start + ow * sw]
+
+    patch_loop.__name__ = patch_loop.__qualname__ = "_col2im_add" if adjoint else "_im2col"
+    return njit(**CPU_KERNEL)(patch_loop)
+
+
+_im2col = _patch_loop(adjoint=False)
+_col2im_add = _patch_loop(adjoint=True)
 
 
 @njit(inline="always")
@@ -337,7 +334,7 @@ def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
     for n in prange(nb):
         cols = np.empty((k, positions), x.dtype)
         for g in range(groups):
-            _im2col(x, n, g, geometry, cols, 0)
+            _im2col(x, n, g, geometry, cols)
             at = (n * o_out + g * og) * positions
             product = out[at:at + og * positions].reshape((og, positions))
             np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
@@ -383,7 +380,7 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, al
             for g in range(groups):
                 g_group = gradient[g * og:(g + 1) * og]
                 if needs_w:
-                    _im2col(x, n, g, geometry, cols, 0)
+                    _im2col(x, n, g, geometry, cols)
                     np.dot(g_group, cols.T, product)
                     partial = w_partials[task, g * og * k:(g + 1) * og * k]
                     flat_product = product.reshape(og * k)
@@ -391,7 +388,7 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, al
                         partial[index] += flat_product[index]
                 if needs_x:
                     np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
-                    _col2im_add(cols, 0, grad_x, n, g, geometry)
+                    _col2im_add(grad_x, n, g, geometry, cols)
     for index in range(w_partials.shape[1]):
         total = alpha - alpha
         for task in range(tasks):

@@ -30,7 +30,7 @@ CPU_KERNEL = {"cache": True, "no_cfunc_wrapper": True}
 _thread = threading.local()
 
 
-class Run(NamedTuple):
+class KernelRun(NamedTuple):
     """One recorded kernel run: ``function(*args)`` on the CPU, or ``function[grid, block](*args)``."""
     kernel: "Kernel"
     device: str
@@ -68,12 +68,12 @@ class Kernel:
         recorders = getattr(_thread, "recorders", None)
         if device == "cpu":
             if recorders:
-                _record(recorders, Run(self, "cpu", self.cpu, None, None, args))
+                _record(recorders, KernelRun(self, "cpu", self.cpu, None, None, args))
             return self.cpu(*args)
         launches = self.cuda_plan(args) if self.cuda_plan is not None else (self._launch(args),)
         for function, blocks, block, cuda_args in launches:
             if recorders:
-                _record(recorders, Run(self, "cuda", function, blocks, block, cuda_args))
+                _record(recorders, KernelRun(self, "cuda", function, blocks, block, cuda_args))
             _refuse_host_arrays(self.name, cuda_args)
             if _launches_something(blocks):
                 cuda_backend.launch(function, blocks, block, cuda_args)

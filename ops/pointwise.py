@@ -25,7 +25,7 @@ from ops.cuda_backend import cuda
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
- GELU, GELU_TANH) = range(18)
+ GELU, GELU_TANH, SILU) = range(19)
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
 INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor
@@ -78,6 +78,11 @@ TABLE = (
     # of y (y has a minimum at x = -0.75), so a layer runs it after its kernel, keeping x
     Pointwise("gelu", GELU, True, True, False, "Gelu", "he_normal"),
     Pointwise("gelu_tanh", GELU_TANH, True),         # torch's approximate="tanh"
+    # x sigmoid(x); its derivative s (1 + x (1 - s)) is not a function of y either (y has a
+    # minimum at x = -1.28), and ONNX names no operator for it before opset 24's Swish
+    Pointwise("silu", SILU, True, True, False, None, "he_normal",
+              doc="``x * sigmoid(x)`` elementwise, as ``torch.nn.functional.silu`` (SiLU, "
+              "also called swish)."),
 )
 BY_NAME = {entry.name: entry for entry in TABLE}
 
@@ -126,6 +131,11 @@ def value(code, x, p):
         return 0.5 * x * (1 + math.erf(x * SQRT_HALF))
     if code == GELU_TANH:
         return 0.5 * x * (1 + math.tanh(SQRT_TWO_OVER_PI * (x + GELU_CUBIC * x * x * x)))
+    if code == SILU:   # sigmoid as above: never exp of a large positive number
+        if x >= 0:
+            return x / (1 + math.exp(-x))
+        e = math.exp(x)
+        return x * e / (1 + e)
     return x ** p   # POW_SCALAR
 
 
@@ -165,6 +175,13 @@ def derivative(code, x, y, p):
         t = math.tanh(SQRT_TWO_OVER_PI * (x + GELU_CUBIC * x * x * x))
         return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQRT_TWO_OVER_PI * (
             1 + 3 * GELU_CUBIC * x * x)
+    if code == SILU:   # s (1 + x (1 - s)), s = sigmoid(x)
+        if x >= 0:
+            s = 1 / (1 + math.exp(-x))
+        else:
+            e = math.exp(x)
+            s = e / (1 + e)
+        return s * (1 + x * (1 - s))
     return zero + 1   # IDENTITY, ADD_SCALAR
 
 

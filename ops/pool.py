@@ -154,48 +154,53 @@ def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
             target[argmax[o]] += grad_out[o]
 
 
-@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
-def avg_pool_cpu(x, out, meta, scale):
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
-    zero = scale - scale
-    for plane in prange(planes):
-        source = x[plane * h * w:(plane + 1) * h * w]
-        for oh in range(oh_n):
-            at = (plane * oh_n + oh) * ow_n
-            total = out[at:at + ow_n]
-            for ow in range(ow_n):
-                total[ow] = zero
-            h0 = oh * sh - ph
-            for ih in range(max(h0, 0), min(h0 + kh, h)):
-                for j in range(kw):
-                    ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
-                    for ow in range(ow_lo, ow_hi):
-                        total[ow] += source[ih * w + ow * sw - pw + j]
-            for ow in range(ow_n):
-                total[ow] *= scale
+def _avg_pool_loop(adjoint):
+    """The CPU average pool (``adjoint=False``): ``avg_pool_cpu(x, out, meta, scale)``, each
+    output the sum of its window in row-major order, then scaled; or its adjoint (``True``):
+    ``avg_pool_grad_cpu(grad_out, grad_in, meta, scale)``, each plane zeroed, every window's
+    gradient scattered over it, then scaled, so every input element adds its windows in
+    row-major window order (j descending is ow ascending), as the CUDA gather does. One loop
+    written once; the direction is a constant of the closure, so each compiled kernel holds
+    only its own branches (Numba prunes ``if`` on a frozen closure value)."""
+
+    def avg_pool_loop(source, target, meta, scale):
+        planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+        zero = scale - scale
+        for plane in prange(planes):
+            image = (target if adjoint else source)[plane * h * w:(plane + 1) * h * w]
+            if adjoint:
+                for i in range(h * w):
+                    image[i] = zero
+            for oh in range(oh_n):
+                at = (plane * oh_n + oh) * ow_n
+                windows = (source if adjoint else target)[at:at + ow_n]
+                if not adjoint:
+                    for ow in range(ow_n):
+                        windows[ow] = zero
+                h0 = oh * sh - ph
+                for ih in range(max(h0, 0), min(h0 + kh, h)):
+                    for tap in range(kw):
+                        j = kw - 1 - tap if adjoint else tap
+                        ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
+                        for ow in range(ow_lo, ow_hi):
+                            if adjoint:
+                                image[ih * w + ow * sw - pw + j] += windows[ow]
+                            else:
+                                windows[ow] += image[ih * w + ow * sw - pw + j]
+                if not adjoint:
+                    for ow in range(ow_n):
+                        windows[ow] *= scale
+            if adjoint:
+                for i in range(h * w):
+                    image[i] *= scale
+
+    avg_pool_loop.__name__ = avg_pool_loop.__qualname__ = ("avg_pool_grad_cpu" if adjoint
+                                                           else "avg_pool_cpu")
+    return njit(**CPU_KERNEL, error_model="numpy", parallel=True)(avg_pool_loop)
 
 
-@njit(**CPU_KERNEL, error_model="numpy", parallel=True)
-def avg_pool_grad_cpu(grad_out, grad_in, meta, scale):
-    """Scatters each window's gradient over it, then scales: every input element adds its
-    windows in row-major window order (j descending is ow ascending), as the CUDA gather."""
-    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
-    zero = scale - scale
-    for plane in prange(planes):
-        target = grad_in[plane * h * w:(plane + 1) * h * w]
-        for i in range(h * w):
-            target[i] = zero
-        for oh in range(oh_n):
-            at = (plane * oh_n + oh) * ow_n
-            window_grad = grad_out[at:at + ow_n]
-            h0 = oh * sh - ph
-            for ih in range(max(h0, 0), min(h0 + kh, h)):
-                for j in range(kw - 1, -1, -1):
-                    ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
-                    for ow in range(ow_lo, ow_hi):
-                        target[ih * w + ow * sw - pw + j] += window_grad[ow]
-        for i in range(h * w):
-            target[i] *= scale
+avg_pool_cpu = _avg_pool_loop(adjoint=False)
+avg_pool_grad_cpu = _avg_pool_loop(adjoint=True)
 
 
 @functools.cache

@@ -1,13 +1,40 @@
-"""Optimizers whose updates are kernels: SGD (momentum, Nesterov), Adam, AdamW, L2 weight
-decay, gradient clipping and learning-rate schedules.
+"""Optimizers whose updates are kernels: SGD (momentum, Nesterov), Adam, AdamW, RMSprop,
+Adagrad, L2 weight decay, gradient clipping and learning-rate schedules.
 
 Each update rule is one ``@njit`` CPU kernel and one ``@cuda.jit`` kernel over flat buffers
 (parameters, gradients, state). For parameters packed in one ``FlatBuffer`` (what
 ``engine.nn`` models do), ``step()`` is one launch per param group; ``zero_grad()`` is none.
+
+The names are imported from their modules on first use: ``import optim`` imports no Numba,
+so ``python -m engine.train --help`` lists ``OPTIMIZERS`` at once.
 """
-from optim import lr_scheduler  # noqa: F401
-from optim.adam import Adam, AdamW  # noqa: F401
-from optim.clip import clip_grad_norm_, clip_grad_value_  # noqa: F401
-from optim.optimizer import Optimizer  # noqa: F401
-from optim.rmsprop import RMSprop  # noqa: F401
-from optim.sgd import SGD  # noqa: F401
+import importlib
+
+# every optimizer by the name ``python -m engine.train --optimizer`` takes: (module, class).
+# A new optimizer is its module and one entry here; the command reads its choices from it.
+OPTIMIZERS = {
+    "adagrad": ("optim.adagrad", "Adagrad"),
+    "adam": ("optim.adam", "Adam"),
+    "adamw": ("optim.adam", "AdamW"),
+    "rmsprop": ("optim.rmsprop", "RMSprop"),
+    "sgd": ("optim.sgd", "SGD"),
+}
+_LAZY_SOURCE = {**{name: module for module, name in OPTIMIZERS.values()},
+                "Optimizer": "optim.optimizer", "clip_grad_norm_": "optim.clip",
+                "clip_grad_value_": "optim.clip"}
+_SUBMODULES = ("lr_scheduler",)
+
+
+def __getattr__(name):
+    if name in _LAZY_SOURCE:
+        value = getattr(importlib.import_module(_LAZY_SOURCE[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"optim.{name}")
+    else:
+        raise AttributeError(f"module 'optim' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_SUBMODULES))

@@ -138,6 +138,18 @@ def test_what_cannot_be_exported_is_named(tmp_path, make, error, words):
     assert not os.listdir(tmp_path)
 
 
+def test_an_activation_without_an_onnx_operator_is_named(tmp_path, monkeypatch):
+    """An ops.pointwise entry may name no ONNX operator: its layers are refused before any
+    file is written, not exported as a node without an operator."""
+    monkeypatch.setitem(engine_onnx.ACTIVATIONS, "tanh", None)
+    model = nn.Sequential([nn.Dense(3, input_shape=(2,)), nn.Dense(2, activation="tanh")])
+    with pytest.raises(ValueError, match="layer 1 'dense_1' \\(Dense\\): ONNX has no operator "
+                                         "for its activation 'tanh'.*exported activations: "
+                                         "gelu, leaky_relu, relu, sigmoid, softmax$"):
+        engine_onnx.export(model, tmp_path / "m.onnx")
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"opset": 12}, "opset must be an integer from 13"), ({"opset": "17"}, "opset must be"),
     ({"normalize": (0.1, 0.0)}, "positive finite std"),

@@ -47,6 +47,42 @@ def run(opt_factory, params, steps):
     return [p.numpy().copy() for p in params]
 
 
+def option_id(options):
+    """A test id from an optimizer's keyword arguments."""
+    return ",".join(f"{key}={value}" for key, value in options.items())
+
+
+def torch_run(torch_optimizer, steps, **options):
+    """``make_params("cpu")``'s values after ``steps`` of ``torch_optimizer(params,
+    **options)`` (a torch.optim class), as NumPy arrays."""
+    import torch
+    params = [torch.tensor(p.numpy(), requires_grad=True) for p in make_params("cpu")]
+    opt = torch_optimizer(params, **options)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+    return [p.detach().numpy() for p in params]
+
+
+def gpu_steps_against_torch(optimizer, torch_optimizer, steps=5, **options):
+    """A million float64 parameters on the GPU after ``steps`` random gradients, under
+    ``optimizer`` and under ``torch_optimizer`` (a torch.optim class) with ``options``."""
+    import torch
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1 << 20)
+    ours = engine.tensor(start, device="cuda", requires_grad=True)
+    theirs = torch.tensor(start, device="cuda", requires_grad=True)
+    opt, reference = optimizer([ours], **options), torch_optimizer([theirs], **options)
+    for _ in range(steps):
+        grad = rng.standard_normal(start.size)
+        ours.grad = engine.tensor(grad, device="cuda")
+        theirs.grad = torch.tensor(grad, device="cuda")
+        opt.step()
+        reference.step()
+    return ours.numpy(), theirs.detach().cpu().numpy()
+
+
 def sgd_reference(p, grads, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
     buf = None
     for g in grads:
@@ -997,3 +1033,29 @@ def test_the_cpu_update_leaves_the_callers_floating_point_mode_alone():
     opt.step()
     half_of_tiny = np.float32(np.finfo(np.float32).tiny) * np.float32(0.5)
     assert half_of_tiny > 0   # a subnormal result, not flushed to 0 after the kernel
+
+
+# ------------------------------------------------------------------ the registry
+
+def test_every_registered_optimizer_is_its_module_s_class_and_the_command_offers_it():
+    import importlib
+
+    from engine import train
+    for name, (module, class_name) in optim.OPTIMIZERS.items():
+        cls = getattr(importlib.import_module(module), class_name)
+        assert issubclass(cls, optim.Optimizer) and getattr(optim, class_name) is cls, name
+    assert train.OPTIMIZERS == tuple(sorted(optim.OPTIMIZERS))
+    assert set(dir(optim)) >= {"SGD", "Adam", "lr_scheduler", "clip_grad_norm_", "OPTIMIZERS"}
+    with pytest.raises(AttributeError, match="module 'optim' has no attribute 'Lion'"):
+        optim.Lion
+
+
+def test_import_optim_imports_no_numba():
+    """The command's help lists optim.OPTIMIZERS before Numba is imported."""
+    import pathlib
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", "import sys, optim; print('numba' in "
+                             "sys.modules, sorted(optim.OPTIMIZERS))"], capture_output=True,
+                            text=True, cwd=pathlib.Path(__file__).parents[1])
+    assert result.stdout.split()[0] == "False", result.stderr

@@ -10,43 +10,29 @@ import torch
 
 import engine
 import optim
-from tests.test_optim import N_STEPS, grad_steps, make_params, run
+from tests.test_optim import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
+                              option_id, run, torch_run)
 
 OPTIONS = [dict(weight_decay=wd, momentum=momentum, centered=centered, alpha=alpha)
            for wd, momentum, centered, alpha in itertools.product(
                (0, 0.1), (0, 0.9), (False, True), (0.99, 0.5))]
 
 
-def _option_id(options):
-    return ",".join(f"{key}={value}" for key, value in options.items())
-
-
-def _torch_run(options, steps, lr=0.01):
-    values = [p.numpy() for p in make_params("cpu")]
-    params = [torch.tensor(v, requires_grad=True) for v in values]
-    opt = torch.optim.RMSprop(params, lr=lr, **options)
-    for grads in steps:
-        for p, g in zip(params, grads):
-            p.grad = torch.tensor(g)
-        opt.step()
-    return [p.detach().numpy() for p in params]
-
-
-@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
 @pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
 def test_rmsprop_matches_torch_step_by_step_in_float64(options, flat, device):
     steps = grad_steps()
     for n in range(1, N_STEPS + 1, N_STEPS - 1):   # after the first step and after all
         mine = run(lambda params: optim.RMSprop(params, lr=0.01, **options),
                    make_params(device, flat=flat), steps[:n])
-        theirs = _torch_run(options, steps[:n])
+        theirs = torch_run(torch.optim.RMSprop, steps[:n], lr=0.01, **options)
         for k, (a, b) in enumerate(zip(mine, theirs)):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15,
                                        err_msg=f"parameter {k} after {n} steps")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", OPTIONS[5::6], ids=_option_id)
+@pytest.mark.parametrize("options", OPTIONS[5::6], ids=option_id)
 def test_rmsprop_float32_cpu_equals_cuda(options):
     steps = grad_steps(dtype=np.float32)
     results = [run(lambda params: optim.RMSprop(params, lr=0.01, **options),
@@ -98,21 +84,10 @@ def test_rmsprop_defaults_are_torchs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[-1]], ids=_option_id)
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[-1]], ids=option_id)
 def test_rmsprop_on_a_million_parameters_matches_torch_on_the_gpu(options):
-    rng = np.random.default_rng(2)
     # float64: centered with alpha 0.5 takes sqrt(E[g²] - E[g]²), whose float32 cancellation
     # left some of a million elements past 1e-5 of torch's (another summation order)
-    start = rng.standard_normal(1 << 20)
-    ours = engine.tensor(start, device="cuda", requires_grad=True)
-    theirs = torch.tensor(start, device="cuda", requires_grad=True)
-    opt = optim.RMSprop([ours], lr=1e-3, **options)
-    reference = torch.optim.RMSprop([theirs], lr=1e-3, **options)
-    for _ in range(5):
-        grad = rng.standard_normal(start.size)
-        ours.grad = engine.tensor(grad, device="cuda")
-        theirs.grad = torch.tensor(grad, device="cuda")
-        opt.step()
-        reference.step()
-    np.testing.assert_allclose(ours.numpy(), theirs.detach().cpu().numpy(), rtol=1e-12,
-                               atol=1e-12)
+    ours, theirs = gpu_steps_against_torch(optim.RMSprop, torch.optim.RMSprop, lr=1e-3,
+                                           **options)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)

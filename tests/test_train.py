@@ -24,7 +24,8 @@ from engine.archive import decode, encode
 from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar,
                         read_checkpoint, save_checkpoint, show_progress)
 from engine.models import build_mlp, preprocessing
-from engine.train import main, plot_history
+from engine.train import main
+from engine.training_curves import plot_history
 from ops.cuda_backend import SIMULATOR
 from ops.device import cuda_available
 
@@ -934,7 +935,7 @@ def test_resume_says_that_it_keeps_the_checkpoint_s_lr(capsys):
 def test_the_first_run_is_told_that_it_compiles(monkeypatch, tmp_path, capsys):
     from numba import config
 
-    from engine import train as cli
+    from engine import run_header as cli
     monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
     assert not cli.kernels_cached()
     main(TINY + ["--no-save"])
@@ -983,7 +984,7 @@ def test_import_engine_imports_no_numba():
 
 
 def test_the_header_names_the_simulator():
-    from engine import train as cli
+    from engine import run_header as cli
     assert cli.describe_device("cuda", simulator=False) == "cuda"
     assert cli.describe_device("cpu", simulator=True) == "cpu"
     assert cli.describe_device("cuda", simulator=True).startswith(

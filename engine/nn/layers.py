@@ -328,7 +328,7 @@ class Dropout(Layer):
         return {"p": self.p, **super().get_config()}
 
 
-def _statistics(named_buffers):
+def _float_buffers(named_buffers):
     """The float buffers (running statistics) of ``named_buffers``: the integer ones are a
     random stream's state (Dropout), never converted to another dtype nor counted as
     parameters."""

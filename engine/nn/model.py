@@ -9,7 +9,7 @@ from engine import archive
 from engine.nn.convolutional import Conv1D, Conv2D
 from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten, Layer,
                               MaxPool2D, Normalization, Rescaling, Reshape, _check_input_dtype,
-                              _float_dtype, _statistics, batch_shape)
+                              _float_buffers, _float_dtype, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
                                      _read_safetensors)
 from engine.parameter import ParameterStore
@@ -207,7 +207,7 @@ class Sequential:
         for layer in self.layers:
             if hasattr(layer, "dtype"):
                 layer.dtype = dtype
-            for _, value in layer.named_parameters() + _statistics(layer.named_buffers()):
+            for _, value in layer.named_parameters() + _float_buffers(layer.named_buffers()):
                 if value.dtype != dtype:
                     value.data = to_device(to_host(value.data).astype(dtype), value.device)
         if self.built:
@@ -305,7 +305,7 @@ class Sequential:
         rows = [("Layer (type)", "Output Shape", "Param #")]
         for layer in self.layers:
             count = sum(t.size for _, t in layer.named_parameters()
-                        + _statistics(layer.named_buffers()))
+                        + _float_buffers(layer.named_buffers()))
             rows.append((f"{layer.name} ({type(layer).__name__})",
                          batch_shape(layer.output_shape), f"{count:,}"))
         widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
@@ -315,7 +315,7 @@ class Sequential:
             return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
                     + row[2].rjust(widths[2] - 4)).rstrip()
 
-        params, buffers = self.parameters(), [b for _, b in _statistics(self.named_buffers())]
+        params, buffers = self.parameters(), [b for _, b in _float_buffers(self.named_buffers())]
         trainable, frozen = sum(p.size for p in params), sum(b.size for b in buffers)
         nbytes = sum(t.size * t.dtype.itemsize for t in params + buffers)
         text = "\n".join(
