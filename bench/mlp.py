@@ -244,10 +244,10 @@ def time_first_steps(device, model, process_start):
     optimizer = optim.Adam(network.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(images, labels, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device=device, normalize=(0.13, 0.31))
-    step_seconds = []
+    step_seconds, step_cpu_seconds = [], []
     batches = iter(loader)
     for _ in range(2):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         inputs, targets = next(batches)
         optimizer.zero_grad()
         loss = cross_entropy(network(inputs), targets)
@@ -255,8 +255,10 @@ def time_first_steps(device, model, process_start):
         optimizer.step()
         loss.item()   # waits for the GPU
         step_seconds.append(time.perf_counter() - start)
+        step_cpu_seconds.append(time.process_time() - cpu_start)
     return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
-            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1]}
+            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1],
+            "first_step_cpu_s": step_cpu_seconds[0]}
 
 
 # each a fresh process; the cold ones with an empty NUMBA_CACHE_DIR, the warm one with the
@@ -293,7 +295,8 @@ def compile_times(device, model):
 
 def format_first_steps(jit):
     """The lines of ``compile_times``' result, one per run."""
-    return [f"first step, {label} cache: {row['first_step_s']:.2f} s (second "
+    return [f"first step, {label} cache: {row['first_step_s']:.2f} s (process CPU time "
+            f"{row['first_step_cpu_s']:.2f} s; second "
             f"{1000 * row['second_step_s']:.1f} ms), import and setup "
             f"{row['import_and_setup_s']:.2f} s, whole process {row['process_s']:.1f} s"
             for label, row in jit.items()]

@@ -149,6 +149,26 @@ def following_load():
     return _chosen is None
 
 
+_numpy_blas_set = False
+
+
+def numpy_blas_on_one_thread():
+    """Before the first GEMM through NumPy's BLAS (``ops.matmul.blas_product``): every BLAS
+    library loaded on one thread, unless one of ``USER_VARIABLES`` chose a count.
+    ``engine.blas_threads`` does the same when Numba's first compile loads SciPy's BLAS;
+    this covers a GEMM before any compile (a linear Dense forward compiles nothing). Once
+    per process: 7 ms (threadpoolctl's import and its scan)."""
+    global _numpy_blas_set
+    if _numpy_blas_set:
+        return
+    with _lock:
+        if not _numpy_blas_set and not any(os.environ.get(name) for name in USER_VARIABLES):
+            from threadpoolctl import ThreadpoolController
+            for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+                library.set_num_threads(1)
+        _numpy_blas_set = True
+
+
 # ------------------------------------------------------------------ the GEMM split
 
 def row_blocks(rows, macs):

@@ -90,7 +90,8 @@ def test_first_step_times_of_both_models(model):
     the fresh processes are the benchmark's, not a test's)."""
     import time
     timing = mlp.time_first_steps("cpu", model, time.perf_counter())
-    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s"}
+    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s",
+                           "first_step_cpu_s"}
     assert all(seconds > 0 for seconds in timing.values())
     line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5}})
     assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
