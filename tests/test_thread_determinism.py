@@ -8,7 +8,7 @@ import engine
 import optim
 from engine import nn
 from ops import cpu_threads
-from ops.cpu_threads import SPLIT_MIN_MACS, row_blocks
+from ops.cpu_threads import MIN_BLOCK_MACS, SPLIT_MIN_MACS, row_blocks
 from ops.dense import DENSE
 from ops.matmul import gemm
 from ops.pointwise import ACTIVATIONS
@@ -117,9 +117,23 @@ def test_small_gemms_and_one_thread_run_unsplit_and_blocks_cover_the_rows():
     assert row_blocks(128, SPLIT_MIN_MACS) == [(0, 64), (64, 128)]
     assert row_blocks(784, SPLIT_MIN_MACS) == [(0, 384), (384, 784)]   # on 16-row edges
     engine.set_num_threads(3)
-    assert row_blocks(100, SPLIT_MIN_MACS) == [(0, 32), (32, 64), (64, 100)]
+    assert row_blocks(100, 3 * MIN_BLOCK_MACS) == [(0, 32), (32, 64), (64, 100)]
     engine.set_num_threads(1)
     assert row_blocks(128, 1 << 40) is None
+
+
+@pytest.mark.parametrize("rows, macs, blocks", [
+    (128, 128 * 784 * 256, 4),   # the MLP's first layer on 16 threads: 32 rows a block
+    (784, 784 * 256 * 128, 6),   # its dW: 25.7M multiply-adds, 6 blocks of 4M or more
+    (128, 128 * 256 * 128, 1),   # its 4.2M second layer: whole
+    (4096, 4096 * 4096 * 4096, 16),   # a large GEMM: one block per thread
+    (784, 3 * MIN_BLOCK_MACS - 1, 2)])
+def test_the_blocks_of_a_split_are_capped_by_the_work_per_block(rows, macs, blocks):
+    engine.set_num_threads(16)
+    split = row_blocks(rows, macs) or [(0, rows)]
+    assert len(split) == blocks and macs // len(split) >= MIN_BLOCK_MACS
+    assert split[0][0] == 0 and split[-1][1] == rows
+    assert all(stop == start for (_, stop), (start, _) in zip(split, split[1:]))
 
 
 def test_an_error_in_a_worker_s_block_reaches_the_caller():
