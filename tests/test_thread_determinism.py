@@ -41,13 +41,9 @@ def assert_same_bits(results):
         assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 
-# the MLP's first layer, and odd shapes whose blocks are uneven and not a multiple of 16
-@pytest.mark.parametrize("batch, features, units, activation", [
-    (128, 784, 256, "relu"), (100, 301, 290, "tanh"), (67, 1001, 131, None)])
-def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
-        batch, features, units, activation):
-    macs = batch * features * units
-    assert macs >= SPLIT_MIN_MACS   # big enough to be split
+def _dense_step(batch, features, units, activation):
+    """Random x, W, b and grad_out, and a function of them: a Dense layer's CPU forward and
+    backward (every gradient), returning ``(out, grad_x, grad_w, grad_b)``."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, features), np.float32)
     w = rng.standard_normal((features, units), np.float32) * np.float32(0.05)
@@ -63,7 +59,17 @@ def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
         grad_w, grad_b = np.empty_like(w), np.empty_like(b)
         backward.cpu(x, w, out, grad_out, grad_x, grad_w, grad_b, alpha, True, True)
         return out, grad_x, grad_w, grad_b
+    return x, w, b, grad_out, compute
 
+
+# the MLP's first layer, and odd shapes whose blocks are uneven and not a multiple of 16
+@pytest.mark.parametrize("batch, features, units, activation", [
+    (128, 784, 256, "relu"), (100, 301, 290, "tanh"), (67, 1001, 131, None)])
+def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
+        batch, features, units, activation):
+    macs = batch * features * units
+    assert macs >= SPLIT_MIN_MACS   # big enough to be split
+    x, w, b, grad_out, compute = _dense_step(batch, features, units, activation)
     results = on_each_thread_count(compute, batch, macs)
     assert len(row_blocks(features, macs)) == 2   # dW's blocks too
     assert_same_bits(results)
@@ -77,6 +83,17 @@ def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
     np.testing.assert_allclose(grad_x, g @ w64.T, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(grad_w, x64.T @ g, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(grad_b, g.sum(0), rtol=1e-4, atol=1e-3)
+
+
+def test_the_mlp_s_first_layer_is_the_same_bits_in_the_capped_blocks_of_16_threads():
+    macs = 128 * 784 * 256
+    *_, compute = _dense_step(128, 784, 256, "relu")
+    results = []
+    for threads in (1, 16):   # more threads than this machine's cores: the split is the same
+        engine.set_num_threads(threads)
+        results.append([np.array(a, copy=True) for a in compute()])
+    assert len(row_blocks(128, macs)) == 4 and len(row_blocks(784, macs)) == 6
+    assert_same_bits(results)
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
