@@ -90,11 +90,37 @@ def test_first_step_times_of_both_models(model):
     the fresh processes are the benchmark's, not a test's)."""
     import time
     timing = mlp.time_first_steps("cpu", model, time.perf_counter())
+    compiles = timing.pop("first_step_compiles")
     assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s",
                            "first_step_cpu_s"}
     assert all(seconds > 0 for seconds in timing.values())
-    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5}})
+    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5,
+                                             "first_step_compiles": []}})
     assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
+    # this process's cache may hold every kernel already: what was compiled is a list of
+    # (name, seconds), the costliest first
+    assert all(isinstance(name, str) and seconds > 0 for name, seconds in compiles)
+    assert [seconds for _, seconds in compiles] == sorted(
+        (seconds for _, seconds in compiles), reverse=True)
+
+
+def test_the_first_step_lists_each_function_numba_compiled_in_it_once():
+    from numba import njit
+    values = np.zeros(3)
+
+    @njit
+    def fresh(a):
+        a[0] = 1.0
+
+    with mlp._Compiles() as compiles:
+        fresh(values)
+        fresh(values)   # compiled once
+    (name, seconds), = compiles
+    assert name.endswith("fresh") and seconds > 0
+    line = mlp.format_first_steps({"cold": {
+        "first_step_s": 2.0, "first_step_cpu_s": 1.9, "second_step_s": 0.004,
+        "import_and_setup_s": 1.0, "process_s": 3.5, "first_step_compiles": compiles}})[1]
+    assert line.startswith("  functions Numba compiled in that first step: 1, ")
 
 
 @pytest.mark.torch
