@@ -94,10 +94,10 @@ gemm_split_cpu.__wrapped__ = gemm_cpu
 def blas_product(a, b, out):
     """out = a @ b by NumPy's BLAS, called from Python: ``np.dot`` inside ``@njit`` compiles
     Numba's GEMM wrapper once per operand layout and again into every kernel that calls it
-    (the MLP's cold first step spent 1.1-1.4 s of its 3.6-4.6 there, ``python -m
-    bench.mlp``). NumPy releases the GIL in the call, so the blocks of a split still run at
-    once, and reads a transposed or column-sliced operand in place. On one BLAS thread
-    (``ops.cpu_threads.numpy_blas_on_one_thread``)."""
+    (the MLP's four Dense kernels took 1.7-2.1 s of a 3.1-4.6 s cold first step, their loops
+    alone 0.7 s now: ``python -m bench.mlp``). NumPy releases the GIL in the call, so the
+    blocks of a split still run at once, and reads a transposed or column-sliced operand in
+    place. On one BLAS thread (``ops.cpu_threads.numpy_blas_on_one_thread``)."""
     numpy_blas_on_one_thread()
     np.dot(a, b, out=out)
 
