@@ -238,8 +238,9 @@ class _Compiles:
             def on_end(listener, ev):
                 seconds = time.perf_counter() - self.started.pop()
                 if not self.started:
-                    dispatcher = ev.data["dispatcher"]
-                    name = getattr(dispatcher, "py_func", dispatcher).__qualname__
+                    dispatcher = (ev.data or {}).get("dispatcher")
+                    name = getattr(getattr(dispatcher, "py_func", None), "__qualname__",
+                                   None) or repr(dispatcher)
                     self.compiles.append((name.replace("<locals>.", ""), seconds))
 
         self.started, self.compiles, self.listener = [], [], Listener()
