@@ -1,12 +1,13 @@
 """The CPU GEMMs of the reference MLP split across the engine's threads, against one call.
 
-    python -m bench.cpu_split [--rounds 300] [--busy-neighbour] [--json results.json]
+    python -m bench.cpu_split [--rounds 300] [--threads 2] [--busy-neighbour] [--json results.json]
 
 Each product of the 784-256-128-10 MLP's step at batch 128 (the fused Dense forward, and its
-backward: G, dX and dW) runs at 1 and 2 engine threads (``engine.set_num_threads``), the two
-counts alternating call by call so that both see the same machine; the table gives the
-median and mean microseconds per call, and where ``ops.cpu_threads.SPLIT_MIN_MACS`` puts the
-split. The machine's 1-minute load average is printed with it: beside busy processes two
+backward: G, dX and dW) runs at 1 and ``--threads`` engine threads (``engine.set_num_threads``;
+2 by default), the two counts alternating call by call so that both see the same machine;
+the table gives the median and mean microseconds per call, the blocks each product splits
+into at that count (``ops.cpu_threads.row_blocks``: at most one per ``MIN_BLOCK_MACS`` of
+work), and where ``SPLIT_MIN_MACS`` puts the split. The machine's 1-minute load average is printed with it: beside busy processes two
 threads lose (a block waits for its core), which the engine's default avoids by following
 the load. With ``--busy-neighbour`` every call is timed again beside a busy process that the
 run starts and stops (``bench.mlp.busy_neighbour``): what two fixed threads lose there, and
@@ -43,12 +44,13 @@ def _layer_calls(batch, inputs, units, needs_x):
                                              alpha, needs_x, True)}
 
 
-def _alternating(call, rounds):
-    """Seconds of each call of ``call`` at 1 and 2 engine threads, the counts alternating."""
+def _alternating(call, rounds, counts):
+    """Seconds of each call of ``call`` at each of the engine thread ``counts``, the counts
+    alternating."""
     import engine
-    seconds = {1: [], 2: []}
+    seconds = {threads: [] for threads in counts}
     for _ in range(rounds):
-        for threads in (1, 2):
+        for threads in counts:
             engine.set_num_threads(threads)
             start = time.perf_counter()
             call()
@@ -57,56 +59,71 @@ def _alternating(call, rounds):
 
 
 def _statistics(seconds, prefix=""):
-    return {f"{prefix}{stat}_us_{threads}": 1e6 * f(seconds[threads]) for threads in (1, 2)
+    return {f"{prefix}{stat}_us_{threads}": 1e6 * f(values) for threads, values in seconds.items()
             for stat, f in (("median", statistics.median), ("mean", statistics.mean))}
 
 
-def run(rounds, loaded=False):
+def _blocks(part, batch, inputs, units, needs_x):
+    """How many blocks the part's largest GEMM splits into at the engine's count now."""
+    from ops.cpu_threads import row_blocks
+    gemms = ([(batch, batch * inputs * units)] if part == "forward" else
+             [(inputs, batch * inputs * units)] + ([(batch, batch * inputs * units)]
+                                                   if needs_x else []))
+    return max(len(row_blocks(rows, macs) or [()]) for rows, macs in gemms)
+
+
+def run(rounds, loaded=False, threads=2):
     import engine
     from bench.mlp import busy_neighbour
     from ops import cpu_threads
-    rows = []
+    rows, counts = [], (1, threads)
     try:
         for name, batch, inputs, units, needs_x in LAYERS:
             for part, call in _layer_calls(batch, inputs, units, needs_x).items():
-                for threads in (1, 2):   # compile and start the pool outside the timing
-                    engine.set_num_threads(threads)
+                for count in counts:   # compile and start the pool outside the timing
+                    engine.set_num_threads(count)
                     call()
+                blocks = _blocks(part, batch, inputs, units, needs_x)
                 macs = batch * inputs * units * (1 if part == "forward" else 1 + needs_x)
-                rows.append({"layer": name, "part": part, "macs": macs,
-                             **_statistics(_alternating(call, rounds))})
+                rows.append({"layer": name, "part": part, "macs": macs, "blocks": blocks,
+                             **_statistics(_alternating(call, rounds, counts))})
                 if loaded:
                     neighbour = busy_neighbour()
                     try:
-                        rows[-1].update(_statistics(_alternating(call, rounds), "loaded_"))
+                        rows[-1].update(_statistics(_alternating(call, rounds, counts),
+                                                    "loaded_"))
                     finally:
                         neighbour.kill()
                         neighbour.wait()
     finally:
         cpu_threads.set_threads(None)
-    return {"rounds": rounds, "split_min_macs": cpu_threads.SPLIT_MIN_MACS,
+    return {"rounds": rounds, "threads": threads, "split_min_macs": cpu_threads.SPLIT_MIN_MACS,
+            "min_block_macs": cpu_threads.MIN_BLOCK_MACS,
             "cpus": cpu_threads.usable_cpus(), "load_average": os.getloadavg(), "rows": rows}
 
 
 def format_table(result):
+    n = result["threads"]
     lines = [f"bench.cpu_split: {result['rounds']} calls at each thread count, alternating; "
              f"{result['cpus']} usable CPUs; split from {result['split_min_macs'] / 2**20:g}M "
-             f"multiply-adds per GEMM; 1-minute load average {result['load_average'][0]:.2f}",
-             "", "| layer | part | MACs | 1 thread median / mean us | 2 threads median / mean us "
-             "| 2 / 1 (median) |", "|---|---|---:|---:|---:|---:|"]
+             f"multiply-adds per GEMM, at most one block per "
+             f"{result['min_block_macs'] / 2**20:g}M; 1-minute load average "
+             f"{result['load_average'][0]:.2f}",
+             "", f"| layer | part | MACs | blocks at {n} | 1 thread median / mean us | {n} threads "
+             f"median / mean us | {n} / 1 (median) |", "|---|---|---:|---:|---:|---:|---:|"]
     loaded = "loaded_median_us_1" in result["rows"][0]
     if loaded:
-        lines[-2] += " beside a busy process: 1 thread | 2 threads | 2 / 1 |"
+        lines[-2] += f" beside a busy process: 1 thread | {n} threads | {n} / 1 |"
         lines[-1] += "---:|---:|---:|"
     for row in result["rows"]:
-        line = (f"| {row['layer']} | {row['part']} | {row['macs'] / 1e6:.1f}M | "
+        line = (f"| {row['layer']} | {row['part']} | {row['macs'] / 1e6:.1f}M | {row['blocks']} | "
                 f"{row['median_us_1']:.0f} / {row['mean_us_1']:.0f} | "
-                f"{row['median_us_2']:.0f} / {row['mean_us_2']:.0f} | "
-                f"{row['median_us_2'] / row['median_us_1']:.2f} |")
+                f"{row[f'median_us_{n}']:.0f} / {row[f'mean_us_{n}']:.0f} | "
+                f"{row[f'median_us_{n}'] / row['median_us_1']:.2f} |")
         if loaded:
             line += (f" {row['loaded_median_us_1']:.0f} / {row['loaded_mean_us_1']:.0f} | "
-                     f"{row['loaded_median_us_2']:.0f} / {row['loaded_mean_us_2']:.0f} | "
-                     f"{row['loaded_median_us_2'] / row['loaded_median_us_1']:.2f} |")
+                     f"{row[f'loaded_median_us_{n}']:.0f} / {row[f'loaded_mean_us_{n}']:.0f} | "
+                     f"{row[f'loaded_median_us_{n}'] / row['loaded_median_us_1']:.2f} |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -115,14 +132,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=300, help="calls per thread count")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="the thread count timed against 1 (e.g. the host's cores)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--busy-neighbour", action="store_true",
                         help="time every call again beside a busy process (one core) that "
                              "the run starts and stops")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be positive")
-    result = run(args.rounds, args.busy_neighbour)
+    if args.rounds < 1 or args.threads < 2:
+        parser.error("--rounds must be positive and --threads at least 2")
+    result = run(args.rounds, args.busy_neighbour, args.threads)
     return emit(result, format_table(result), args.json)
 
 

@@ -223,11 +223,43 @@ def _torch_usable(device):
 
 # ------------------------------------------------------------------ JIT compile time
 
+class _Compiles:
+    """The functions Numba compiles while it is installed (its ``numba:compile`` event, which
+    a load from the cache does not raise): ``(name, seconds)`` of each outermost compile, the
+    functions it compiles on the way counted in its time."""
+
+    def __init__(self):
+        from numba.core import event
+
+        class Listener(event.Listener):
+            def on_start(listener, ev):
+                self.started.append(time.perf_counter())
+
+            def on_end(listener, ev):
+                seconds = time.perf_counter() - self.started.pop()
+                if not self.started:
+                    dispatcher = (ev.data or {}).get("dispatcher")
+                    name = getattr(getattr(dispatcher, "py_func", None), "__qualname__",
+                                   None) or repr(dispatcher)
+                    self.compiles.append((name.replace("<locals>.", ""), seconds))
+
+        self.started, self.compiles, self.listener = [], [], Listener()
+        self.event = event
+
+    def __enter__(self):
+        self.event.register("numba:compile", self.listener)
+        return self.compiles
+
+    def __exit__(self, *exc):
+        self.event.unregister("numba:compile", self.listener)
+
+
 def time_first_steps(device, model, process_start):
     """Run in a subprocess: seconds to import the engine and build a model and loader, and to
     run each of the first two training steps (the first compiles every kernel it needs, or
-    loads it from Numba's cache or the shipped kernels). ``model``: ``"mlp:256,128"`` (the
-    hidden widths) or ``"cnn"`` (``engine.models.build_cnn``)."""
+    loads it from Numba's cache or the shipped kernels), and what the first step compiled
+    (``_Compiles``). ``model``: ``"mlp:256,128"`` (the hidden widths) or ``"cnn"``
+    (``engine.models.build_cnn``)."""
     import engine
     import data
     import optim
@@ -244,19 +276,24 @@ def time_first_steps(device, model, process_start):
     optimizer = optim.Adam(network.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(images, labels, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device=device, normalize=(0.13, 0.31))
-    step_seconds = []
+    step_seconds, step_cpu_seconds = [], []
     batches = iter(loader)
-    for _ in range(2):
-        start = time.perf_counter()
-        inputs, targets = next(batches)
-        optimizer.zero_grad()
-        loss = cross_entropy(network(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        loss.item()   # waits for the GPU
-        step_seconds.append(time.perf_counter() - start)
+    for step in range(2):
+        with _Compiles() as compiles:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            inputs, targets = next(batches)
+            optimizer.zero_grad()
+            loss = cross_entropy(network(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            loss.item()   # waits for the GPU
+            step_seconds.append(time.perf_counter() - start)
+            step_cpu_seconds.append(time.process_time() - cpu_start)
+        if step == 0:
+            first_compiles = sorted(compiles, key=lambda compiled: -compiled[1])
     return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
-            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1]}
+            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1],
+            "first_step_cpu_s": step_cpu_seconds[0], "first_step_compiles": first_compiles}
 
 
 # each a fresh process; the cold ones with an empty NUMBA_CACHE_DIR, the warm one with the
@@ -292,11 +329,20 @@ def compile_times(device, model):
 
 
 def format_first_steps(jit):
-    """The lines of ``compile_times``' result, one per run."""
-    return [f"first step, {label} cache: {row['first_step_s']:.2f} s (second "
-            f"{1000 * row['second_step_s']:.1f} ms), import and setup "
-            f"{row['import_and_setup_s']:.2f} s, whole process {row['process_s']:.1f} s"
-            for label, row in jit.items()]
+    """The lines of ``compile_times``' result, one per run, and what a run's first step
+    compiled (the costliest first)."""
+    lines = []
+    for label, row in jit.items():
+        lines.append(f"first step, {label} cache: {row['first_step_s']:.2f} s (process CPU "
+                     f"time {row['first_step_cpu_s']:.2f} s; second "
+                     f"{1000 * row['second_step_s']:.1f} ms), import and setup "
+                     f"{row['import_and_setup_s']:.2f} s, whole process {row['process_s']:.1f} s")
+        compiles = row["first_step_compiles"]
+        if compiles:
+            lines.append(f"  functions Numba compiled in that first step: {len(compiles)}, "
+                         f"{sum(seconds for _, seconds in compiles):.2f} s: " +
+                         ", ".join(f"{name} {seconds:.2f}" for name, seconds in compiles))
+    return lines
 
 
 # ------------------------------------------------------------------ the run

@@ -4,12 +4,13 @@ One count (``threads()``) drives the CPU side, set by ``engine.set_num_threads``
 default, the CPUs the process may use less those that other processes kept busy:
 
 - a large GEMM (``SPLIT_MIN_MACS`` multiply-adds or more) is cut into row blocks of its
-  output (``row_blocks``), each one single-threaded BLAS call inside an
-  ``@njit(nogil=True)`` kernel, run by ``run_blocks`` on the calling thread and a small pool
-  of worker threads started at the first split. No ``prange``: a parallel kernel costs
-  1.1-2.2 s of compile on a cold cache, the split costs none (the blocks run the kernels the
-  unsplit call runs, on row slices: the same compiled code). BLAS's own pool stays at one
-  thread (``engine.blas_threads``), since its idle threads spin;
+  output (``row_blocks``, at most one per ``MIN_BLOCK_MACS`` of work), each one
+  single-threaded BLAS call (with the ``@njit(nogil=True)`` loops around it), run by
+  ``run_blocks`` on the calling thread and a small pool of worker threads started at the
+  first split. No ``prange``: a parallel kernel costs 1.1-2.2 s of compile on a cold cache,
+  the split costs none (the blocks run the code the unsplit call runs, on row slices).
+  BLAS's own pool stays at one thread (``engine.blas_threads``), since its idle threads
+  spin;
 - the ``prange`` loops of the convolutions, pooling and BatchNorm run on as many of Numba's
   threads (``engine_threads``), so a busy neighbour caps them too.
 
@@ -29,12 +30,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-# The MLP's first layer (128x784x256, 25.7M multiply-adds) splits, its 4.2M second layer
-# does not: on the 2-core Zen 3 machine a split Dense forward of the first layer ran 443-478
-# us against 649-740 on one thread (the previous branch's quiet figure); at 4.2M, beside
-# other processes (load 1.5), two blocks took 124 us against 92 for one call (the pool's
-# wake-up is tens of us). Not yet measured on a quiet machine: python -m bench.cpu_split.
-SPLIT_MIN_MACS = 8 << 20
+# A block is worth a thread when its BLAS call takes a few times the pool's hand-off: on the
+# 2-core Zen 3 machine run_blocks of two no-op blocks took 21-35 us (load 1.9), one BLAS
+# thread 94 us for 3.2M multiply-adds (16x784x256), 153 us for 6.4M. So a GEMM runs in at
+# most macs // MIN_BLOCK_MACS blocks (about 100 us of BLAS each, 3-5 hand-offs): the MLP's
+# 4.2M second layer runs whole, its 25.7M first layer in at most 6 blocks (dW's 784 rows on
+# 16 threads: 6 blocks, where the uncapped split made 16 of 1.6M; on the 16-core host 16
+# threads ran the MLP slower than 2, 1.269 against 1.045 s/epoch). The split measured on 2
+# threads: the first layer's Dense forward 443-478 us split against 649-740 whole; at 4.2M
+# two blocks took 124 us against 92 for one call (load 1.5).
+MIN_BLOCK_MACS = 4 << 20
+SPLIT_MIN_MACS = 2 * MIN_BLOCK_MACS   # the smallest GEMM that splits (in two)
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
@@ -149,14 +155,35 @@ def following_load():
     return _chosen is None
 
 
+_numpy_blas_set = False
+
+
+def numpy_blas_on_one_thread():
+    """Before the first GEMM through NumPy's BLAS (``ops.matmul.blas_product``): every BLAS
+    library loaded on one thread, unless one of ``USER_VARIABLES`` chose a count.
+    ``engine.blas_threads`` does the same when Numba's first compile loads SciPy's BLAS;
+    this covers a GEMM before any compile (a linear Dense forward compiles nothing). Once
+    per process: 7 ms (threadpoolctl's import and its scan)."""
+    global _numpy_blas_set
+    if _numpy_blas_set:
+        return
+    with _lock:
+        if not _numpy_blas_set and not any(os.environ.get(name) for name in USER_VARIABLES):
+            from threadpoolctl import ThreadpoolController
+            for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+                library.set_num_threads(1)
+        _numpy_blas_set = True
+
+
 # ------------------------------------------------------------------ the GEMM split
 
 def row_blocks(rows, macs):
     """The ``(start, stop)`` row blocks a GEMM of ``macs`` multiply-adds with ``rows``
-    output rows runs in, one per thread; None for one plain call (small, or one thread)."""
+    output rows runs in: one per thread, as many as give each block ``MIN_BLOCK_MACS`` and
+    ``MIN_BLOCK_ROWS``; None for one plain call (small, or one thread)."""
     if macs < SPLIT_MIN_MACS:
         return None
-    count = min(threads(), rows // MIN_BLOCK_ROWS)
+    count = min(threads(), rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS)
     if count < 2:
         return None
     edges = [0] + [min(rows, round(rows * block / count / ROW_ALIGN) * ROW_ALIGN)

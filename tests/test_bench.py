@@ -90,10 +90,37 @@ def test_first_step_times_of_both_models(model):
     the fresh processes are the benchmark's, not a test's)."""
     import time
     timing = mlp.time_first_steps("cpu", model, time.perf_counter())
-    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s"}
+    compiles = timing.pop("first_step_compiles")
+    assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s",
+                           "first_step_cpu_s"}
     assert all(seconds > 0 for seconds in timing.values())
-    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5}})
+    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5,
+                                             "first_step_compiles": []}})
     assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
+    # this process's cache may hold every kernel already: what was compiled is a list of
+    # (name, seconds), the costliest first
+    assert all(isinstance(name, str) and seconds > 0 for name, seconds in compiles)
+    assert [seconds for _, seconds in compiles] == sorted(
+        (seconds for _, seconds in compiles), reverse=True)
+
+
+def test_the_first_step_lists_each_function_numba_compiled_in_it_once():
+    from numba import njit
+    values = np.zeros(3)
+
+    @njit
+    def fresh(a):
+        a[0] = 1.0
+
+    with mlp._Compiles() as compiles:
+        fresh(values)
+        fresh(values)   # compiled once
+    (name, seconds), = compiles
+    assert name.endswith("fresh") and seconds > 0
+    line = mlp.format_first_steps({"cold": {
+        "first_step_s": 2.0, "first_step_cpu_s": 1.9, "second_step_s": 0.004,
+        "import_and_setup_s": 1.0, "process_s": 3.5, "first_step_compiles": compiles}})[1]
+    assert line.startswith("  functions Numba compiled in that first step: 1, ")
 
 
 @pytest.mark.torch
@@ -184,3 +211,21 @@ def test_bench_cpu_split_busy_neighbour_times_each_call_again_and_stops_its_proc
     assert len(neighbours) == len(result["rows"])
     assert all(neighbour.poll() is not None for neighbour in neighbours)   # each stopped
     assert "beside a busy process: 1 thread | 2 threads | 2 / 1 |" in capsys.readouterr().out
+
+
+def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_blas(capsys):
+    from bench import cpu_step
+    from ops import cpu_threads, dense
+    product, stalled = dense.blas_product, cpu_threads.split_stalled
+    result = cpu_step.main(["--steps", "3", "--threads", "2"])
+    runs = [row["run"] for row in result["rows"]]
+    assert runs[0] == "gather_rows" and runs[-1] == "adam"
+    assert [run for run in runs if run.startswith("dense_forward")] == [
+        "dense_forward_relu 784->256", "dense_forward_relu 256->128",
+        "dense_forward_linear 128->10"]
+    first = result["rows"][runs.index("dense_backward_relu 784->256")]
+    assert 0 < first["blas_median_us"] <= first["run_median_us"]
+    assert sum(row["run_median_us"] for row in result["rows"]) <= 1.5 * result["step_median_us"]
+    assert dense.blas_product is product and cpu_threads.split_stalled is stalled
+    assert cpu_threads.following_load()
+    assert "| the whole step |" in capsys.readouterr().out

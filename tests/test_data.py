@@ -580,6 +580,24 @@ def test_gather_rows_checks_its_arguments():
         gather_rows(x.reshape(-1), y, order, 0, 1)
 
 
+
+def test_the_cpu_gather_takes_the_rows_of_the_order_at_the_cursor():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 7), np.float32)
+    y = rng.integers(0, 10, (50, 1))
+    order = rng.permutation(50)
+    x_batch, y_batch = gather_rows(x, y, order, 3, 9, cursor=np.array([20], np.int64))
+    np.testing.assert_array_equal(x_batch, x[order[23:32]])
+    np.testing.assert_array_equal(y_batch, y[order[23:32]])
+
+
+def test_a_cpu_gather_past_the_order_raises_and_writes_no_row():
+    x, y, order = np.ones((6, 3), np.float32), np.ones((6, 1), np.int64), np.arange(6)
+    with pytest.raises(IndexError, match="the batch of 4 rows at position 4 runs past the "
+                                         "order of length 6"):
+        gather_rows(x, y, order, 0, 4, cursor=np.array([4], np.int64))
+
+
 def test_loader_rejects_bad_input():
     x, y = _tiny_set(n=5)
     with pytest.raises(ValueError, match="x has 5 samples but y has 4"):

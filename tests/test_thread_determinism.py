@@ -8,7 +8,7 @@ import engine
 import optim
 from engine import nn
 from ops import cpu_threads
-from ops.cpu_threads import SPLIT_MIN_MACS, row_blocks
+from ops.cpu_threads import MIN_BLOCK_MACS, SPLIT_MIN_MACS, row_blocks
 from ops.dense import DENSE
 from ops.matmul import gemm
 from ops.pointwise import ACTIVATIONS
@@ -41,13 +41,9 @@ def assert_same_bits(results):
         assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 
-# the MLP's first layer, and odd shapes whose blocks are uneven and not a multiple of 16
-@pytest.mark.parametrize("batch, features, units, activation", [
-    (128, 784, 256, "relu"), (100, 301, 290, "tanh"), (67, 1001, 131, None)])
-def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
-        batch, features, units, activation):
-    macs = batch * features * units
-    assert macs >= SPLIT_MIN_MACS   # big enough to be split
+def _dense_step(batch, features, units, activation):
+    """Random x, W, b and grad_out, and a function of them: a Dense layer's CPU forward and
+    backward (every gradient), returning ``(out, grad_x, grad_w, grad_b)``."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, features), np.float32)
     w = rng.standard_normal((features, units), np.float32) * np.float32(0.05)
@@ -63,7 +59,17 @@ def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
         grad_w, grad_b = np.empty_like(w), np.empty_like(b)
         backward.cpu(x, w, out, grad_out, grad_x, grad_w, grad_b, alpha, True, True)
         return out, grad_x, grad_w, grad_b
+    return x, w, b, grad_out, compute
 
+
+# the MLP's first layer, and odd shapes whose blocks are uneven and not a multiple of 16
+@pytest.mark.parametrize("batch, features, units, activation", [
+    (128, 784, 256, "relu"), (100, 301, 290, "tanh"), (67, 1001, 131, None)])
+def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
+        batch, features, units, activation):
+    macs = batch * features * units
+    assert macs >= SPLIT_MIN_MACS   # big enough to be split
+    x, w, b, grad_out, compute = _dense_step(batch, features, units, activation)
     results = on_each_thread_count(compute, batch, macs)
     assert len(row_blocks(features, macs)) == 2   # dW's blocks too
     assert_same_bits(results)
@@ -77,6 +83,17 @@ def test_dense_forward_and_backward_are_the_same_bits_on_1_and_2_threads(
     np.testing.assert_allclose(grad_x, g @ w64.T, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(grad_w, x64.T @ g, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(grad_b, g.sum(0), rtol=1e-4, atol=1e-3)
+
+
+def test_the_mlp_s_first_layer_is_the_same_bits_in_the_capped_blocks_of_16_threads():
+    macs = 128 * 784 * 256
+    *_, compute = _dense_step(128, 784, 256, "relu")
+    results = []
+    for threads in (1, 16):   # more threads than this machine's cores: the split is the same
+        engine.set_num_threads(threads)
+        results.append([np.array(a, copy=True) for a in compute()])
+    assert len(row_blocks(128, macs)) == 4 and len(row_blocks(784, macs)) == 6
+    assert_same_bits(results)
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
@@ -117,9 +134,23 @@ def test_small_gemms_and_one_thread_run_unsplit_and_blocks_cover_the_rows():
     assert row_blocks(128, SPLIT_MIN_MACS) == [(0, 64), (64, 128)]
     assert row_blocks(784, SPLIT_MIN_MACS) == [(0, 384), (384, 784)]   # on 16-row edges
     engine.set_num_threads(3)
-    assert row_blocks(100, SPLIT_MIN_MACS) == [(0, 32), (32, 64), (64, 100)]
+    assert row_blocks(100, 3 * MIN_BLOCK_MACS) == [(0, 32), (32, 64), (64, 100)]
     engine.set_num_threads(1)
     assert row_blocks(128, 1 << 40) is None
+
+
+@pytest.mark.parametrize("rows, macs, blocks", [
+    (128, 128 * 784 * 256, 4),   # the MLP's first layer on 16 threads: 32 rows a block
+    (784, 784 * 256 * 128, 6),   # its dW: 25.7M multiply-adds, 6 blocks of 4M or more
+    (128, 128 * 256 * 128, 1),   # its 4.2M second layer: whole
+    (4096, 4096 * 4096 * 4096, 16),   # a large GEMM: one block per thread
+    (784, 3 * MIN_BLOCK_MACS - 1, 2)])
+def test_the_blocks_of_a_split_are_capped_by_the_work_per_block(rows, macs, blocks):
+    engine.set_num_threads(16)
+    split = row_blocks(rows, macs) or [(0, rows)]
+    assert len(split) == blocks and macs // len(split) >= MIN_BLOCK_MACS
+    assert split[0][0] == 0 and split[-1][1] == rows
+    assert all(stop == start for (_, stop), (start, _) in zip(split, split[1:]))
 
 
 def test_an_error_in_a_worker_s_block_reaches_the_caller():

@@ -47,6 +47,18 @@ def test_import_engine_starts_no_thread_and_the_first_gemm_sets_blas_to_one_thre
     assert _fresh_interpreter(code).split("\n") == ["False False 1", "[1] 1"]
 
 
+def test_the_first_gemm_through_numpy_sets_its_blas_to_one_thread_before_numba_compiles():
+    # before any compile: Numba's first compile loads SciPy's BLAS, which also sets every
+    # BLAS library's threads (engine.blas_threads)
+    code = ("import sys\nimport numpy as np\nimport engine\n"
+            "from threadpoolctl import threadpool_info\nfrom ops.matmul import blas_product\n"
+            "blas_product(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32), "
+            "np.empty((64, 64), np.float32))\n"
+            "print(sorted({l['num_threads'] for l in threadpool_info() "
+            "if l['user_api'] == 'blas'}), 'scipy.linalg.cython_blas' in sys.modules)")
+    assert _fresh_interpreter(code) == "[1] False"
+
+
 @pytest.mark.parametrize("cpus, others, threads", [(2, 0, 2), (2, 0.49, 2), (2, 0.5, 1),
                                                    (2, 1, 1), (2, 10, 1), (16, 0, 16),
                                                    (16, 3.5, 12), (1, 0, 1)])

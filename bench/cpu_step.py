@@ -1,0 +1,152 @@
+"""Where one replayed CPU training step of the reference MLP spends its time, kernel by kernel.
+
+    python -m bench.cpu_step [--steps 400] [--threads 2] [--json results.json]
+
+The step of ``bench.mlp`` (784-256-128-10 ReLU, Adam lr 1e-3, batch 128 of MNIST gathered at
+the loader's epoch cursor, as ``engine.fit`` runs it) is recorded once with an
+``ops.launch.LaunchRecorder`` and its kernel runs are replayed ``--steps`` times the way a
+captured step replays them on the CPU (each run's function on its arguments, in order), each
+run timed on its own. The table gives each run's median and mean microseconds, and for the
+Dense runs the time of their BLAS calls on the calling thread and the time it waited for the
+pool's workers after its own block (``ops.cpu_threads.run_blocks``: the hand-off and any
+imbalance). The gather walks the epoch's batches, as in training.
+"""
+import argparse
+import os
+import statistics
+import time
+
+from bench.report import emit
+
+BATCH_SIZE = 128
+
+
+def _recorded_step(threads):
+    """The kernel runs of one training step at the loader's cursor (its third: the cursor
+    at the epoch's fourth batch now), the cursor, and the epoch's full batches."""
+    import data
+    import engine
+    import optim
+    from data.datasets import load_dataset, pixel_statistics
+    from engine.losses import cross_entropy
+    from engine.models import build_mlp
+    from ops.launch import LaunchRecorder
+
+    engine.set_num_threads(threads)
+    engine.manual_seed(0)
+    (x_train, y_train), _ = load_dataset("mnist")
+    loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
+                             device="cpu", normalize=pixel_statistics(x_train))
+    model = build_mlp(x_train.shape[1:], (256, 128), 10)
+    optimizer = optim.Adam(model.parameters(), lr=1e-3)
+    cursor = loader.epoch_cursor()
+
+    def step():
+        inputs, labels = cursor.next_batch(BATCH_SIZE)
+        optimizer.zero_grad()
+        cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+
+    spans = cursor.start_epoch()
+    for _ in range(2):   # compile, and let the optimizer make its state
+        step()
+    with LaunchRecorder() as recorder:
+        step()
+    return list(recorder.runs), cursor, sum(count == BATCH_SIZE for _, count in spans)
+
+
+def _label(kernel_run):
+    """The run's kernel, with a Dense run's layer (its weight's shape: in->out)."""
+    name = kernel_run.kernel.name
+    if name.startswith("dense_"):
+        rows, cols = kernel_run.args[1].shape
+        return f"{name} {rows}->{cols}"
+    return name
+
+
+def run(steps, threads):
+    import threading
+
+    from ops import cpu_threads, dense
+    runs, cursor, full_batches = _recorded_step(threads)
+    left_in_epoch = full_batches - 3
+    here = threading.get_ident()
+    spent = {"blas": 0.0, "wait": 0.0}   # of the run being timed, on this thread
+    stalled, product = cpu_threads.split_stalled, dense.blas_product
+
+    def waited(own_s, waited_s):   # what run_blocks asks after each split
+        spent["wait"] += waited_s
+        return stalled(own_s, waited_s)
+
+    def timed_product(a, b, out):
+        start = time.perf_counter()
+        product(a, b, out)
+        if threading.get_ident() == here:
+            spent["blas"] += time.perf_counter() - start
+
+    seconds = {part: [[] for _ in runs] for part in ("run", "blas", "wait")}
+    whole = []
+    cpu_threads.split_stalled, dense.blas_product = waited, timed_product
+    try:
+        for _ in range(steps):
+            if left_in_epoch == 0:   # the cursor at the epoch's end: the next epoch's batches
+                cursor.start_epoch()
+                left_in_epoch = full_batches
+            left_in_epoch -= 1
+            step_start = time.perf_counter()
+            for index, kernel_run in enumerate(runs):
+                spent["blas"] = spent["wait"] = 0.0
+                start = time.perf_counter()
+                kernel_run.function(*kernel_run.args)
+                seconds["run"][index].append(time.perf_counter() - start)
+                seconds["blas"][index].append(spent["blas"])
+                seconds["wait"][index].append(spent["wait"])
+            whole.append(time.perf_counter() - step_start)
+    finally:
+        cpu_threads.split_stalled, dense.blas_product = stalled, product
+        cpu_threads.set_threads(None)
+    rows = [{"run": _label(kernel_run),
+             **{f"{part}_median_us": 1e6 * statistics.median(seconds[part][index])
+                for part in seconds},
+             "mean_us": 1e6 * statistics.mean(seconds["run"][index])}
+            for index, kernel_run in enumerate(runs)]
+    return {"steps": steps, "threads": threads, "cpus": cpu_threads.usable_cpus(),
+            "load_average": os.getloadavg(), "rows": rows,
+            "step_median_us": 1e6 * statistics.median(whole),
+            "step_mean_us": 1e6 * statistics.mean(whole)}
+
+
+def format_table(result):
+    lines = [f"bench.cpu_step: the MLP's CPU step replayed {result['steps']} times on "
+             f"{result['threads']} engine threads ({result['cpus']} usable CPUs), each kernel "
+             f"run timed on its own, in the step's order; 1-minute load average "
+             f"{result['load_average'][0]:.2f}. Of a Dense run: its BLAS calls on the calling "
+             "thread, and its wait for the split's workers after its own block",
+             "", "| run | median us | mean us | share of the step | of it: BLAS here | "
+             "waiting for workers |", "|---|---:|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        dense = row["run"].startswith("dense_")
+        lines.append(f"| {row['run']} | {row['run_median_us']:.0f} | {row['mean_us']:.0f} | "
+                     f"{100 * row['run_median_us'] / result['step_median_us']:.0f}% | " +
+                     (f"{row['blas_median_us']:.0f} | {row['wait_median_us']:.0f} |" if dense
+                      else "| |"))
+    lines.append(f"| the whole step | {result['step_median_us']:.0f} | "
+                 f"{result['step_mean_us']:.0f} | 100% | | |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_step",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=400, help="replayed steps")
+    parser.add_argument("--threads", type=int, default=2, help="engine threads")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.threads < 1:
+        parser.error("--steps and --threads must be positive")
+    result = run(args.steps, args.threads)
+    return emit(result, format_table(result), args.json)
+
+
+if __name__ == "__main__":
+    main()
