@@ -22,8 +22,10 @@ process wait on each other (a parallel step waits for its slower half, which wai
 scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on two threads
 against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1. A split
 sees that wait itself before the next reading does: when its workers end more than its own
-block's time after it (``split_stalled``), the count drops to one thread until that reading.
+block's time after it (``split_stalled``) in 2 of the last 3 splits, the count drops to one
+thread until that reading.
 """
+import collections
 import functools
 import os
 import threading
@@ -45,6 +47,11 @@ MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels mo
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
 STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a stall
+# One stalled split is not yet a busy neighbour: on the quiet 2-core machine 8% of the CNN's
+# splits (its Dense 3136->128) stalled, one at a time, and falling back on each left 34-46 of
+# 50 steps on one thread (82-97 ms a step against 53 on two); beside a busy process 31%
+# stalled, 14 times 2 of 3 in a row, quiet never.
+STALLS_TO_FALL_BACK, STALL_WINDOW = 2, 3
 # a BLAS thread count chosen in the environment (BLAS reads these itself) is left to BLAS,
 # which then threads the GEMMs: the engine's own count is 1 until set_threads
 USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -111,6 +118,7 @@ class _LoadReader:
 
 
 _lock = threading.Lock()
+_recent_splits = collections.deque(maxlen=STALL_WINDOW)   # whether each stalled
 _chosen = None   # the count set_threads fixed; None: follow the load
 _count = None   # the count in force while following the load
 _next_reading = 0.0
@@ -223,7 +231,7 @@ def run_blocks(calls):
         own = time.perf_counter() - start
         for future in futures:
             future.result()
-    if split_stalled(own, time.perf_counter() - start - own):
+    if stalls_persist(split_stalled(own, time.perf_counter() - start - own)):
         _fall_back_to_one_thread()
 
 
@@ -233,6 +241,17 @@ def split_stalled(own_s, waited_s):
     together (the wake-up of a worker is tens of us), one waiting for a core ends a scheduler
     slice (milliseconds) later."""
     return waited_s > max(own_s, STALL_MIN_S)
+
+
+def stalls_persist(stalled):
+    """Note whether a split ``stalled``: True when STALLS_TO_FALL_BACK of the last
+    STALL_WINDOW splits did (the window then starts again)."""
+    with _lock:
+        _recent_splits.append(stalled)
+        if sum(_recent_splits) < STALLS_TO_FALL_BACK:
+            return False
+        _recent_splits.clear()
+        return True
 
 
 def _fall_back_to_one_thread():
@@ -250,6 +269,16 @@ def _fall_back_to_one_thread():
 _numba_applied = threading.local()   # Numba's count is per calling thread
 
 
+def _omp_threads_sleep_when_idle():
+    """Before Numba's OpenMP pool starts (libgomp reads the variable as it loads): its idle
+    threads sleep instead of spinning, unless the user chose OMP_WAIT_POLICY. A spinning
+    thread kept the second core after each prange loop, so the split worker of the CNN's
+    Dense ran late: 2 of 3 splits stalled in runs, the default fell to one thread for 11-24
+    of 50 steps (54-75 ms a step on the 2-core machine); passive, none did in 6 epochs of 50
+    (48.5-56.1 ms). With 2 threads fixed, passive cost 0.4 s of a 4.7-5.2 s epoch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def engine_threads(kernel):
     """``kernel`` (a ``prange`` ``@njit`` kernel) run on ``threads()`` of Numba's threads:
     the pool starts at the first call of such a kernel, not at ``import engine``."""
@@ -257,6 +286,7 @@ def engine_threads(kernel):
     def on_engine_threads(*args):
         count = threads()
         if getattr(_numba_applied, "count", None) != count:
+            _omp_threads_sleep_when_idle()
             import numba
             numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
             _numba_applied.count = count

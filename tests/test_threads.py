@@ -1,5 +1,6 @@
 """engine.set_num_threads / get_num_threads: one count for the engine's GEMM split and
 Numba's prange loops, BLAS kept at one thread; the default that follows the machine's load."""
+import collections
 import os
 import subprocess
 import sys
@@ -133,6 +134,21 @@ def test_set_num_threads_sets_the_engine_s_and_numba_s_threads_and_blas_to_one(
     assert CONV2D_FORWARD.cpu.__name__ == "conv2d_forward_cpu"
 
 
+@pytest.mark.parametrize("chosen, policy", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_numba_s_openmp_threads_sleep_when_idle_unless_the_user_chose(chosen, policy):
+    code = ("import os, engine\n"
+            "before = os.environ.get('OMP_WAIT_POLICY')\n"
+            "engine.conv2d(engine.ones(2, 1, 4, 4), engine.ones(1, 1, 3, 3))   # a prange kernel\n"
+            "print(before, os.environ.get('OMP_WAIT_POLICY'))")
+    variables = {} if chosen is None else {"OMP_WAIT_POLICY": chosen}
+    environment_policy = os.environ.pop("OMP_WAIT_POLICY", None)
+    try:
+        assert _fresh_interpreter(code, **variables) == f"{chosen} {policy}"
+    finally:
+        if environment_policy is not None:
+            os.environ["OMP_WAIT_POLICY"] = environment_policy
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
 def test_set_num_threads_rejects_what_is_not_a_positive_integer(bad):
     with pytest.raises(ValueError, match=rf"engine.set_num_threads: n must be a positive "
@@ -162,9 +178,22 @@ def _sleep(seconds):
     __import__("time").sleep(seconds)
 
 
-def test_a_stalled_split_drops_the_default_to_one_thread_until_the_next_reading(
+@pytest.mark.parametrize("stalls, persist", [
+    ([True, False, True], [False, False, True]),
+    ([True, False, False, True], [False] * 4),   # one stall at a time: never
+    ([True, True, True, True], [False, True, False, True]),   # the window starts again
+])
+def test_stalls_persist_when_two_of_the_last_three_splits_stalled(monkeypatch, stalls, persist):
+    monkeypatch.setattr(cpu_threads, "_recent_splits",
+                        collections.deque(maxlen=cpu_threads.STALL_WINDOW))
+    assert [cpu_threads.stalls_persist(stalled) for stalled in stalls] == persist
+
+
+def test_stalled_splits_drop_the_default_to_one_thread_until_the_next_reading(
         monkeypatch, follow_the_load_after):
     cpu_threads.set_threads(None)
+    monkeypatch.setattr(cpu_threads, "_recent_splits",
+                        collections.deque(maxlen=cpu_threads.STALL_WINDOW))
     monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
     monkeypatch.setattr(cpu_threads._LoadReader, "others_now", lambda self: 0.0)
     monkeypatch.setattr(cpu_threads._LoadReader, "others_busy", lambda self: 0.0)
@@ -172,6 +201,8 @@ def test_a_stalled_split_drops_the_default_to_one_thread_until_the_next_reading(
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: now[0])
     assert engine.get_num_threads() == 2
     cpu_threads.run_blocks([(_sleep, (0.0,)), (_sleep, (0.05,))])   # a worker 50 ms late
+    assert engine.get_num_threads() == 2   # one stall is not yet a busy neighbour
+    cpu_threads.run_blocks([(_sleep, (0.0,)), (_sleep, (0.05,))])
     assert engine.get_num_threads() == 1
     now[0] += cpu_threads.LOAD_INTERVAL_S / 2
     assert engine.get_num_threads() == 1   # not read again yet
