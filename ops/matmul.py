@@ -145,7 +145,7 @@ MEDIUM_128 = Tiling(64, 64, 16, 8, 4, True)   # 128 threads, 8x4 per thread
 # LARGE: 4 warps of 64x64. At 4096³ on the H200 (16-byte loads) they did TF32 96.8 and bf16
 # 111.9 TFLOP/s against 68.3 and 76.3 for 8 warps of 64x32 (128 accumulators a thread,
 # fragments reused across twice the columns); 64x128 and 128x64 tiles did 70.8-71.0, 64x64x32
-# 64.3 (a sweep of 11 tensor-core tilings, 2026-12-02).
+# 64.3 (`python -m bench.tiling_sweep tensor-cores`, 11 tilings, 2026-12-02).
 TF32_LARGE = Tiling(128, 128, 16, 8, 16, mma="tf32")
 TF32_MEDIUM = Tiling(64, 64, 16, 4, 8, mma="tf32")    # 4 warps of 32x32
 TF32_WIDE = Tiling(32, 128, 16, 4, 8, mma="tf32")     # 4 warps of 32x32: a conv's 32 filters
@@ -266,7 +266,8 @@ def mma_suits(m, n, k):
 # LARGE over MEDIUM when a split-K can give LARGE's tiles enough blocks, each slice at least
 # this long. On the H200 (TF32, GPU us) at the wide MLP's 128x4096 outputs with K = 4096,
 # LARGE in 8 slices took 68.7 us against MEDIUM's best 93.5 (x·W2) and 78.5 against 105.9
-# (G·W2ᵀ); with K = 784 LARGE lost (30.2 against 27.4 us at 4 slices of 196).
+# (G·W2ᵀ); with K = 784 LARGE lost (30.2 against 27.4 us at 4 slices of 196)
+# (`python -m bench.tiling_sweep wide-mlp`).
 MMA_LARGE_MIN_SLICE_K = 512
 
 

@@ -1,0 +1,142 @@
+"""Candidate tilings of the CUDA GEMM template timed one by one (GPU time): the sweeps behind
+the choice of ``ops.matmul``'s large tilings and of the tensor-core tile rule.
+
+    python -m bench.tiling_sweep tensor-cores   # TF32/bf16 tilings at 4096³ and 1024³
+    python -m bench.tiling_sweep wide-mlp       # TF32 tiling x split-K at the 784-4096-4096 MLP
+    python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
+
+Each candidate is forced by replacing ``ops.matmul.pick_config`` for the timed calls, so the
+plan, the kernels and the launch are those of ``ops.matmul.gemm``; a sweep's winner is what
+the tilings' comments in ``ops/matmul.py`` quote. GPU time from ``bench.gpu_time`` (events
+around calls queued behind a long product); the error is against the float64 product of the
+first 64 rows. Needs a CUDA GPU.
+"""
+import argparse
+import contextlib
+
+import numpy as np
+
+from bench.gpu_time import engine_timer
+
+PRECISION_OF_FORMAT = {"tf32": "high", "bf16": "medium", None: "highest"}
+# the wide MLP's products that tensor cores take: (M, K, N, trans_a, trans_b)
+WIDE_MLP = {"fwd L1 x·W1": (128, 784, 4096, False, False),
+            "fwd L2 x·W2": (128, 4096, 4096, False, False),
+            "dX2 = G·W2ᵀ": (128, 4096, 4096, False, True),
+            "dW1 = xᵀ·G": (784, 128, 4096, True, False),
+            "dW2 = xᵀ·G": (4096, 128, 4096, True, False)}
+
+
+def tensor_core_candidates():
+    from ops import matmul as mm
+    tiling = mm.Tiling
+    return {"128x128x16, warps of 64x32": tiling(128, 128, 16, 8, 8, mma="tf32"),
+            "the same, 128 registers": tiling(128, 128, 16, 8, 8, max_registers=128, mma="tf32"),
+            "64x128x16, warps of 32x32": tiling(64, 128, 16, 4, 8, mma="tf32"),
+            "64x64x32, warps of 32x32": tiling(64, 64, 32, 4, 8, mma="tf32"),
+            "128x64x16, warps of 64x32": tiling(128, 64, 16, 8, 8, mma="tf32"),
+            "128x128x16, warps of 64x64": tiling(128, 128, 16, 8, 16, mma="tf32"),
+            "64x64x32, warps of 32x16": tiling(64, 64, 32, 4, 4, mma="tf32"),
+            "128x128x16, warps of 32x64": tiling(128, 128, 16, 4, 16, mma="tf32"),
+            "bf16 128x128x16, warps of 64x32": tiling(128, 128, 16, 8, 8, mma="bf16"),
+            "bf16 128x128x16, warps of 64x64": tiling(128, 128, 16, 8, 16, mma="bf16"),
+            "bf16 64x64x32, warps of 32x32": tiling(64, 64, 32, 4, 8, mma="bf16")}
+
+
+def fp32_candidates():
+    from ops import matmul as mm
+    tiling = mm.Tiling
+    return {"LARGE 128x128x8 8x8, 128 registers": mm.LARGE,
+            "128x128x16 8x8, 128 registers": tiling(128, 128, 16, 8, 8, True, 128),
+            "128x128x16 8x8": tiling(128, 128, 16, 8, 8, True),
+            "128x128x8 8x8": tiling(128, 128, 8, 8, 8, True),
+            "128x128x8 8x16": tiling(128, 128, 8, 8, 16, True),
+            "256x128x8 16x8": tiling(256, 128, 8, 16, 8, True),
+            "128x64x16 8x8": tiling(128, 64, 16, 8, 8, True)}
+
+
+@contextlib.contextmanager
+def forced(tiling, split):
+    """Every GEMM plan inside picks ``tiling`` in ``split`` K slices."""
+    from ops import matmul as mm
+    chosen = mm.pick_config
+    mm.pick_config = lambda *args: mm.GemmConfig(tiling, split)
+    try:
+        yield
+    finally:
+        mm.pick_config = chosen
+
+
+def _operands(m, k, n, trans_a, trans_b, rng):
+    from ops.cuda_backend import cuda
+    from ops.device import to_device
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    reference = ((a.T if trans_a else a)[:64].astype(np.float64)
+                 @ (b.T if trans_b else b).astype(np.float64))
+    return (to_device(a, "cuda"), to_device(b, "cuda"), cuda.device_array((m, n), np.float32),
+            reference)
+
+
+def time_candidate(timer, operands, trans_a, trans_b, tiling, split, calls):
+    """(GPU seconds per call, max error relative to the largest reference value)."""
+    from engine import set_float32_matmul_precision
+    from ops import matmul as mm
+    a, b, out, reference = operands
+    set_float32_matmul_precision(PRECISION_OF_FORMAT[tiling.mma])
+    try:
+        mm.check_tiling(tiling)
+        with forced(tiling, split):
+            seconds = timer.seconds_per_call(lambda: mm.gemm(a, b, trans_a, trans_b, out=out),
+                                             calls)
+    finally:
+        set_float32_matmul_precision("highest")
+    error = np.abs(out.copy_to_host()[:64] - reference).max() / np.abs(reference).max()
+    return seconds, error
+
+
+def sweep_square(candidates, sizes, calls=10):
+    timer, rng = engine_timer(), np.random.default_rng(0)
+    for size in sizes:
+        operands = _operands(size, size, size, False, False, rng)
+        for name, tiling in candidates.items():
+            seconds, error = time_candidate(timer, operands, False, False, tiling, 1, calls)
+            print(f"{size}³ {name:36s} {seconds * 1e6:9.1f} us "
+                  f"{2 * size ** 3 / seconds / 1e12:6.1f} TFLOP/s  err {error:.1e}", flush=True)
+
+
+def sweep_wide_mlp(calls=20):
+    from ops import matmul as mm
+    candidates = ([("MEDIUM", mm.TF32_MEDIUM, split) for split in (1, 2, 3, 6)]
+                  + [("LARGE", mm.TF32_LARGE, split) for split in (1, 4, 8, 16)]
+                  + [("64x128, warps of 64x64", mm.Tiling(64, 128, 16, 8, 16, mma="tf32"),
+                      split) for split in (1, 2, 4)])
+    timer, rng = engine_timer(), np.random.default_rng(0)
+    for label, (m, k, n, trans_a, trans_b) in WIDE_MLP.items():
+        rule = mm.pick_config(m, n, k, trans_a, trans_b, 0, "tf32")
+        print(f"{label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])} in "
+              f"{rule.split} slices", flush=True)
+        operands = _operands(m, k, n, trans_a, trans_b, rng)
+        for name, tiling, split in candidates:
+            seconds, _ = time_candidate(timer, operands, trans_a, trans_b, tiling, split, calls)
+            print(f"  {name:24s} split {split:2d}: {seconds * 1e6:8.1f} us", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.tiling_sweep",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("sweep", choices=["tensor-cores", "wide-mlp", "fp32"])
+    args = parser.parse_args(argv)
+    from ops.device import SIMULATOR, cuda_available
+    if SIMULATOR or not cuda_available():
+        raise SystemExit("bench.tiling_sweep: needs a CUDA GPU (not Numba's simulator)")
+    if args.sweep == "tensor-cores":
+        sweep_square(tensor_core_candidates(), (4096, 1024))
+    elif args.sweep == "wide-mlp":
+        sweep_wide_mlp()
+    else:
+        sweep_square(fp32_candidates(), (4096,))
+
+
+if __name__ == "__main__":
+    main()
