@@ -26,7 +26,6 @@ function of it runs.
 """
 import importlib.abc
 import importlib.util
-import os
 import sys
 
 BLAS_THREADS = 1   # BLAS's own pool; the engine's threads split the GEMMs
@@ -97,8 +96,8 @@ class _DefaultOnceLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _apply_blas_default():
-    from ops.cpu_threads import USER_VARIABLES
-    if not any(os.environ.get(name) for name in USER_VARIABLES):
+    from ops.cpu_threads import blas_threads_chosen_in_environment
+    if not blas_threads_chosen_in_environment():
         _set_blas_threads(BLAS_THREADS)
 
 

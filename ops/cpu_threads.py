@@ -58,6 +58,11 @@ USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                   "BLIS_NUM_THREADS")
 
 
+def blas_threads_chosen_in_environment():
+    """Whether one of ``USER_VARIABLES`` is set: BLAS then keeps the count it read."""
+    return any(os.environ.get(name) for name in USER_VARIABLES)
+
+
 def usable_cpus():
     try:
         return len(os.sched_getaffinity(0))
@@ -135,7 +140,7 @@ def threads():
         return _count
     with _lock:
         cpus = usable_cpus()
-        if any(os.environ.get(name) for name in USER_VARIABLES):
+        if blas_threads_chosen_in_environment():
             _count, _next_reading = 1, float("inf")
             return _count
         if _reader is None:
@@ -176,7 +181,7 @@ def numpy_blas_on_one_thread():
     if _numpy_blas_set:
         return
     with _lock:
-        if not _numpy_blas_set and not any(os.environ.get(name) for name in USER_VARIABLES):
+        if not _numpy_blas_set and not blas_threads_chosen_in_environment():
             from threadpoolctl import ThreadpoolController
             for library in ThreadpoolController().select(user_api="blas").lib_controllers:
                 library.set_num_threads(1)
