@@ -135,18 +135,15 @@ def test_set_num_threads_sets_the_engine_s_and_numba_s_threads_and_blas_to_one(
 
 
 @pytest.mark.parametrize("chosen, policy", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_numba_s_openmp_threads_sleep_when_idle_unless_the_user_chose(chosen, policy):
+def test_numba_s_openmp_threads_sleep_when_idle_unless_the_user_chose(monkeypatch, chosen,
+                                                                      policy):
     code = ("import os, engine\n"
             "before = os.environ.get('OMP_WAIT_POLICY')\n"
             "engine.conv2d(engine.ones(2, 1, 4, 4), engine.ones(1, 1, 3, 3))   # a prange kernel\n"
             "print(before, os.environ.get('OMP_WAIT_POLICY'))")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)   # this process's prange set it
     variables = {} if chosen is None else {"OMP_WAIT_POLICY": chosen}
-    environment_policy = os.environ.pop("OMP_WAIT_POLICY", None)
-    try:
-        assert _fresh_interpreter(code, **variables) == f"{chosen} {policy}"
-    finally:
-        if environment_policy is not None:
-            os.environ["OMP_WAIT_POLICY"] = environment_policy
+    assert _fresh_interpreter(code, **variables) == f"{chosen} {policy}"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
