@@ -2,6 +2,7 @@
 the choice of ``ops.matmul``'s large tilings and of the tensor-core tile rule.
 
     python -m bench.tiling_sweep tensor-cores   # TF32/bf16 tilings at 4096³ and 1024³
+    python -m bench.tiling_sweep pipelined      # the cp.async pipelines: tiles x stages
     python -m bench.tiling_sweep wide-mlp       # TF32 tiling x split-K at the 784-4096-4096 MLP
     python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
 
@@ -43,6 +44,22 @@ def tensor_core_candidates():
             "bf16 64x64x32, warps of 32x32": tiling(64, 64, 32, 4, 8, mma="bf16")}
 
 
+def pipelined_candidates():
+    from ops import matmul as mm
+    tiling = mm.Tiling
+    candidates = {}
+    for mma in ("tf32", "bf16"):
+        candidates[f"{mma} LARGE 128x128x16, 2 register stages"] = mm.MMA_TILINGS[mma].large
+        for bm, bn, bk, tm, tn, stages in ((128, 128, 32, 8, 16, 3), (128, 128, 32, 8, 16, 4),
+                                           (128, 128, 16, 8, 16, 4), (128, 128, 64, 8, 16, 3),
+                                           (128, 256, 32, 8, 16, 3), (256, 128, 32, 8, 16, 3),
+                                           (128, 128, 32, 4, 16, 3)):
+            warps = (bm // (8 * tm)) * (bn // (4 * tn))
+            candidates[f"{mma} {bm}x{bn}x{bk}, {stages} stages, {warps} warps of "
+                       f"{8 * tm}x{4 * tn}"] = tiling(bm, bn, bk, tm, tn, mma=mma, stages=stages)
+    return candidates
+
+
 def fp32_candidates():
     from ops import matmul as mm
     tiling = mm.Tiling
@@ -60,7 +77,7 @@ def forced(tiling, split):
     """Every GEMM plan inside picks ``tiling`` in ``split`` K slices."""
     from ops import matmul as mm
     chosen = mm.pick_config
-    mm.pick_config = lambda *args: mm.GemmConfig(tiling, split)
+    mm.pick_config = lambda *args, **options: mm.GemmConfig(tiling, split)
     try:
         yield
     finally:
@@ -125,13 +142,15 @@ def sweep_wide_mlp(calls=20):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tiling_sweep",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("sweep", choices=["tensor-cores", "wide-mlp", "fp32"])
+    parser.add_argument("sweep", choices=["tensor-cores", "pipelined", "wide-mlp", "fp32"])
     args = parser.parse_args(argv)
     from ops.device import SIMULATOR, cuda_available
     if SIMULATOR or not cuda_available():
         raise SystemExit("bench.tiling_sweep: needs a CUDA GPU (not Numba's simulator)")
     if args.sweep == "tensor-cores":
         sweep_square(tensor_core_candidates(), (4096, 1024))
+    elif args.sweep == "pipelined":
+        sweep_square(pipelined_candidates(), (4096, 1024))
     elif args.sweep == "wide-mlp":
         sweep_wide_mlp()
     else:

@@ -392,11 +392,47 @@ _SCALAR_KINDS = {int: _INT, np.int64: _INT, float: _FLOAT64, np.float64: _FLOAT6
                  np.float32: _FLOAT32, bool: _BOOL, np.bool_: _BOOL}
 _compiled = {}            # (kernel, signature) -> cuda.core kernel, or False: always via Numba
 _configs = {}
+_dynamic_shared = {}      # dispatcher -> the bytes of dynamic shared memory of its launches
+_function_shared = {}     # id of a cuda.core kernel -> the same, once it was allowed them
+
+
+def set_dynamic_shared_bytes(kernel, size):
+    """Give every launch of ``kernel`` (a ``@cuda.jit`` dispatcher whose shared array is
+    dynamic, ``cuda.shared.array(0, ...)``) ``size`` bytes of it. Above 48 KB a kernel must
+    ask for it (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), which each compiled
+    function does before its first launch."""
+    _dynamic_shared[kernel] = size
+
+
+def _asks_for_shared_memory(kernel, function):
+    """``function`` (a cuda.core kernel of ``kernel``) allowed the dynamic shared memory that
+    ``kernel``'s launches give."""
+    size = _dynamic_shared.get(kernel, 0)
+    if size and id(function) not in _function_shared:
+        from cuda.bindings import driver
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        error, = driver.cuKernelSetAttribute(attribute, size, function.handle,
+                                             cuda.get_current_device().id)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{kernel}: this GPU cannot give a block {size} bytes of "
+                               f"shared memory ({error.name})")
+        _function_shared[id(function)] = size   # function lives on in _compiled
+    return function
+
+
+def device_address(array):
+    """The address of a device array's first element."""
+    return array.__cuda_array_interface__["data"][0]
 
 
 def launch(kernel, grid, block, args):
     """Launch the ``@cuda.jit`` ``kernel`` on ``grid`` blocks of ``block`` threads."""
     function = direct_function(kernel, args)   # a shipped kernel too (see below)
+    if kernel in _dynamic_shared and not SIMULATOR:
+        if not function:   # compiled first: the function must ask for its shared memory
+            kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+            function = _compiled[(kernel, _signature(args))] = _core_function(kernel, args)
+        _asks_for_shared_memory(kernel, function)
     if not function:
         kernel[grid, block](*args)   # Numba compiles (or loads) the kernel and launches it
         signature = None if SIMULATOR else _signature(args)
@@ -406,7 +442,7 @@ def launch(kernel, grid, block, args):
     if not getattr(_thread, "has_context", False):
         cuda.current_context()   # a new thread (torch's backward threads) needs it made current
         _thread.has_context = True
-    _core_launch(_default_stream(), _launch_config(grid, block), function,
+    _core_launch(_default_stream(), _launch_config(grid, block, function), function,
                  *kernel_params(args))
 
 
@@ -450,7 +486,8 @@ def build_graph(launches):
     definition = GraphDefinition()
     node = definition
     for function, grid, block, args in launches:
-        node = node.launch(_launch_config(grid, block), function, *kernel_params(args))
+        node = node.launch(_launch_config(grid, block, function), function,
+                           *kernel_params(args))
     return definition.instantiate()
 
 
@@ -476,11 +513,13 @@ def build_loop_graph(launches, remaining, unroll, tail):
     loop = node.while_loop(condition)
     body = loop.body
     for function, grid, block, args in launches * unroll:
-        body = body.launch(_launch_config(grid, block), function, *kernel_params(args))
+        body = body.launch(_launch_config(grid, block, function), function,
+                           *kernel_params(args))
     body.launch(_launch_config(1, 1), count_down, *counter, condition)
     node = loop
     for function, grid, block, args in launches * tail:
-        node = node.launch(_launch_config(grid, block), function, *kernel_params(args))
+        node = node.launch(_launch_config(grid, block, function), function,
+                           *kernel_params(args))
     return definition.instantiate()
 
 
@@ -567,10 +606,14 @@ def _default_stream():
     return stream
 
 
-def _launch_config(grid, block):
-    config_ = _configs.get((grid, block))
+def _launch_config(grid, block, function=None):
+    """The launch config of ``function`` (a cuda.core kernel) on ``grid`` x ``block``, with
+    the dynamic shared memory it was allowed (``set_dynamic_shared_bytes``)."""
+    shared = _function_shared.get(id(function), 0)
+    config_ = _configs.get((grid, block, shared))
     if config_ is None:
-        config_ = _configs[(grid, block)] = LaunchConfig(grid=grid, block=block, shmem_size=0)
+        config_ = _configs[(grid, block, shared)] = LaunchConfig(grid=grid, block=block,
+                                                                 shmem_size=shared)
     return config_
 
 

@@ -114,8 +114,8 @@ def blas_product(a, b, out):
 # one-element-per-thread SMALL tiling BK=32 beat 64 and 128. LARGE is capped at 128 registers
 # (two blocks per multiprocessor instead of one): it took 4096³ from 22.0 to 25.0 TFLOP/s when
 # the kernel needed more; it now needs 121 (ptxas).
-Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers mma",
-                    defaults=(False, None, None))
+Tiling = namedtuple("Tiling", "BM BN BK TM TN vec max_registers mma stages",
+                    defaults=(False, None, None, None))
 LARGE = Tiling(128, 128, 8, 8, 8, True, 128)
 MEDIUM = Tiling(64, 64, 16, 4, 4, True)
 SMALL = Tiling(16, 16, 32, 1, 1)
@@ -152,9 +152,17 @@ TF32_WIDE = Tiling(32, 128, 16, 4, 8, mma="tf32")     # 4 warps of 32x32: a conv
 BF16_LARGE = Tiling(128, 128, 16, 8, 16, mma="bf16")
 BF16_MEDIUM = Tiling(64, 64, 16, 4, 8, mma="bf16")
 BF16_WIDE = Tiling(32, 128, 16, 4, 8, mma="bf16")
-MmaTilings = namedtuple("MmaTilings", "large medium wide")
-MMA_TILINGS = {"tf32": MmaTilings(TF32_LARGE, TF32_MEDIUM, TF32_WIDE),
-               "bf16": MmaTilings(BF16_LARGE, BF16_MEDIUM, BF16_WIDE)}
+# LARGE's tiles filled by asynchronous copies, stages - 1 K steps ahead (_pipelined_accumulate),
+# where the operands allow (pipeline_suits); a prologue's y takes a third tile per stage
+TF32_PIPELINED = Tiling(128, 128, 32, 8, 16, mma="tf32", stages=3)
+BF16_PIPELINED = Tiling(128, 128, 32, 8, 16, mma="bf16", stages=3)
+TF32_PIPELINED_PROLOGUE = Tiling(128, 128, 16, 8, 16, mma="tf32", stages=3)
+BF16_PIPELINED_PROLOGUE = Tiling(128, 128, 16, 8, 16, mma="bf16", stages=3)
+MmaTilings = namedtuple("MmaTilings", "large medium wide pipelined pipelined_prologue")
+MMA_TILINGS = {"tf32": MmaTilings(TF32_LARGE, TF32_MEDIUM, TF32_WIDE, TF32_PIPELINED,
+                                  TF32_PIPELINED_PROLOGUE),
+               "bf16": MmaTilings(BF16_LARGE, BF16_MEDIUM, BF16_WIDE, BF16_PIPELINED,
+                                  BF16_PIPELINED_PROLOGUE)}
 MMA_K = {"tf32": 8, "bf16": 16}   # the K of one mma.sync
 MMA_MIN_CAPABILITY = (8, 0)   # mma.sync's TF32 and bf16 shapes: Ampere and newer
 
@@ -163,6 +171,7 @@ TILINGS = {name: tiling for name, tiling in globals().items() if isinstance(tili
 
 MAX_THREADS = 1024
 STATIC_SHARED_BYTES = 48 * 1024   # the most static shared memory a block may hold
+DYNAMIC_SHARED_BYTES = 227 * 1024   # ... and dynamic, on sm_90 (sm_80: 163 KB)
 MEDIUM_MIN_BLOCKS = 48   # below this many MEDIUM blocks, SMALL's many blocks win
 
 # what the template computes besides the plain product; the CONV_ modes are the convolutions
@@ -187,8 +196,13 @@ def pad_of(tiling):
     return 8 if tiling.mma == "tf32" else PAD
 
 
-def shared_bytes(tiling, dtype):
-    """Static shared memory of a block: A's and B's tiles, double-buffered and padded."""
+def shared_bytes(tiling, dtype, mode=PLAIN):
+    """Shared memory of a block: A's and B's tiles, double-buffered and padded (static); for
+    a pipelined tiling its stages in the layout that needs the most under ``mode``
+    (dynamic: a prologue's y takes a tile of its own)."""
+    if tiling.stages:
+        return max(pipeline_layout(tiling, trans_a, trans_b, mode).bytes
+                   for trans_a in (False, True) for trans_b in (False, True))
     return (2 * tiling.BK * (tiling.BM + tiling.BN + 2 * pad_of(tiling))
             * np.dtype(dtype).itemsize)
 
@@ -199,7 +213,7 @@ def vec_run(per_thread, vec):
     return math.gcd(4, per_thread) if vec else 1
 
 
-def check_tiling(tiling, dtype=np.float32):
+def check_tiling(tiling, dtype=np.float32, mode=PLAIN):
     """Raise ValueError unless the template can run ``tiling`` for ``dtype``: whole sub-tiles,
     a block size CUDA allows, tile loads that share out evenly over the threads, and shared
     memory within the static limit."""
@@ -217,10 +231,16 @@ def check_tiling(tiling, dtype=np.float32):
         raise ValueError(f"matmul: {tiling}: the A tile ({BM}x{BK}) and the B tile ({BK}x{BN}) "
                          f"must each be a whole number of loads per thread for {threads} "
                          f"threads")
+    if tiling.stages is not None and tiling.mma is None:
+        raise ValueError(f"matmul: {tiling}: only tensor-core tilings are pipelined")
     if tiling.mma is not None:
         _check_mma_tiling(tiling, dtype)
-    needed = shared_bytes(tiling, dtype)
-    if needed > STATIC_SHARED_BYTES:
+    needed = shared_bytes(tiling, dtype, mode)
+    if tiling.stages:
+        if needed > DYNAMIC_SHARED_BYTES:
+            raise ValueError(f"matmul: {tiling}: {needed} bytes of shared memory in its "
+                             f"stages, more than the {DYNAMIC_SHARED_BYTES} a block may hold")
+    elif needed > STATIC_SHARED_BYTES:
         raise ValueError(f"matmul: {tiling}: {needed} bytes of shared memory for "
                          f"{np.dtype(dtype).name}, more than the {STATIC_SHARED_BYTES} a block "
                          f"may hold statically")
@@ -239,6 +259,13 @@ def _check_mma_tiling(tiling, dtype):
     if BK % MMA_K[tiling.mma]:
         raise ValueError(f"matmul: {tiling}: BK must be a multiple of {tiling.mma}'s mma K "
                          f"({MMA_K[tiling.mma]})")
+    if tiling.stages is not None:
+        threads = threads_of(tiling)
+        if not 2 <= tiling.stages <= 5:
+            raise ValueError(f"matmul: {tiling}: a pipeline has 2 to 5 stages")
+        if (BM * BK // 4) % threads or (BN * BK // 4) % threads or BM % 4 or BN % 4:
+            raise ValueError(f"matmul: {tiling}: the A and B tiles must each be a whole "
+                             f"number of 16-byte copies per thread for {threads} threads")
 
 
 def mma_format(dtype):
@@ -335,10 +362,12 @@ SPLIT_MIN_K = 128
 SPLIT_BLOCKS_PER_SM = 2
 
 
-def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None):
+def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, pipelined=None):
     """The tiling and split count for op(A) (m, k) @ op(B) (k, n): the table's measured choice,
     else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row). ``mma``: a
-    tensor-core format, whose tilings the table (float32 FMA measurements) does not hold."""
+    tensor-core format, whose tilings the table (float32 FMA measurements) does not hold;
+    ``pipelined``: the pipelined tiling that takes LARGE's place, where the operands suit it
+    (``pipelined_tiling``)."""
     key = (m, n, k, bool(trans_a), bool(trans_b))
     if mma and not mma_suits(m + extra_rows, n, k):
         mma = None
@@ -350,6 +379,8 @@ def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None):
         return choice
     tiling = (pick_mma_tiling(m + extra_rows, n, mma, k) if mma else
               pick_tiling(m + extra_rows, n))
+    if pipelined and mma and tiling == MMA_TILINGS[mma].large:
+        tiling = pipelined   # the same tile, so the same split below
     tiles = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN)
     split = 1
     if tiles < _multiprocessors():   # never in the simulator: it counts one multiprocessor
@@ -383,13 +414,21 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
 
     ``conv``: the ``ConvGeometry`` of a CONV_ mode, whose operands are gathered from the
     convolution's arrays (``_conv_operands``) through the same main loop (``accumulate``)."""
-    check_tiling(tiling, dtype)
+    check_tiling(tiling, dtype, mode)
     BM, BN, BK, TM, TN = tiling[:5]
     # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
     # differ per dtype, tiling, layout, mode, activation and partial (max_registers is not
     # part of the key, and no two tilings share a closure)
-    entry = (cuda.jit(cache=True, max_registers=tiling.max_registers) if tiling.max_registers
-             else cuda.jit(cache=True))
+    jit = (cuda.jit(cache=True, max_registers=tiling.max_registers) if tiling.max_registers
+           else cuda.jit(cache=True))
+    entry = jit
+    if tiling.stages:
+        SHARED_BYTES = pipeline_layout(tiling, trans_a, trans_b, mode).bytes
+
+        def entry(function):   # its tiles are dynamic shared memory, given at each launch
+            kernel = jit(function)
+            cuda_backend.set_dynamic_shared_bytes(kernel, SHARED_BYTES)
+            return kernel
     TY, TX = BM // TM, BN // TN
     THREADS = TY * TX
     A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
@@ -421,8 +460,8 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         return t * U(run) + U((i // run) * (count * run) + i % run)
 
     if MMA:
-        multiply_buffer, acc_position = _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER,
-                                                   B_BUFFER)
+        multiply_buffer, acc_position = _mma_parts(tiling, numba_type, (1, A_ROW), (1, B_ROW),
+                                                   A_BUFFER, B_BUFFER)
     else:
         @cuda.jit(device=True)
         def acc_position(tid, i, j):
@@ -597,6 +636,10 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
                         b_fast and fast)
             cuda.syncthreads()
 
+    if tiling.stages:
+        accumulate, acc_position = _pipelined_accumulate(tiling, trans_a, trans_b, numba_type,
+                                                         THREADS, mode, act)
+
     @cuda.jit(device=True)
     def k_range(k_size, slice_index, slices):
         """This block's K slice: whole BK steps, the rule of k_slices (never empty there)."""
@@ -754,11 +797,21 @@ def _tensor_core():
     return tensor_core
 
 
-def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
+def _mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_START=0,
+               raw=False, act=IDENTITY, A_AUX=None, B_AUX=None):
     """``multiply_buffer`` and ``acc_position`` of a tensor-core tiling. Warp w takes rows
     (w // WARPS_N)·WM and columns (w % WARPS_N)·WN of the tile, FM x FN fragments of m16n8;
     its lane 4·group + index holds, of fragment (f, g), acc[2f + h, 2g + v] = C[16f + 8h +
-    group, 8g + 2·index + v] (the PTX ISA's accumulator layout: ops.tensor_core)."""
+    group, 8g + 2·index + v] (the PTX ISA's accumulator layout: ops.tensor_core).
+
+    ``A_STRIDES``, ``B_STRIDES``: (row, k) element strides of a shared tile, (1, row length)
+    for a tile stored k row by k row, (row length, 1) for one stored row by row (a row of A
+    is an m, of B an n); buffer ``cur`` of B starts at ``B_START + cur·B_BUFFER`` of
+    ``b_tile``. ``raw``: TF32 tiles hold float32 values as copied, rounded (``to_tf32``) as
+    the fragments are read, instead of rounded once as they were stashed. ``A_AUX``,
+    ``B_AUX``: where the operand's tile holds G = grad_out · act'(y) as grad_out and y apart,
+    y this many elements further on: the prologue applies as the fragments are read (then
+    ``multiply_buffer`` takes act's ``alpha`` as a sixth argument)."""
     BM, BN, BK, TM, TN = tiling[:5]
     WM, WN = 8 * TM, 4 * TN
     WARPS_N = BN // WN
@@ -766,12 +819,14 @@ def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
     tensor_core = _tensor_core()
     TF32 = tiling.mma == "tf32"
     mma = tensor_core.mma_tf32 if TF32 else tensor_core.mma_bf16
-    pack_bf16 = tensor_core.pack_bf16
+    pack_bf16, to_tf32 = tensor_core.pack_bf16, tensor_core.to_tf32
+    load_float2 = tensor_core.load_float2
     K_STEP = MMA_K[tiling.mma]
     # a lane's first k row: index (TF32's a0 = A[group, index]) or 2·index (bf16's pairs)
     INDEX_ROWS = 1 if TF32 else 2
     A_FRAGMENT, B_FRAGMENT = 4 * FM, 2 * FN
-    register_type = numba_type if TF32 else uint32
+    register_type = numba_type if TF32 and not raw else uint32
+    (A_RS, A_KS), (B_RS, B_KS) = A_STRIDES, B_STRIDES
 
     @cuda.jit(device=True)
     def acc_position(tid, i, j):
@@ -780,34 +835,53 @@ def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
         return ((warp // U(WARPS_N)) * U(WM) + U((i // 2) * 16 + (i % 2) * 8) + lane // U(4),
                 (warp % U(WARPS_N)) * U(WN) + U((j // 2) * 8 + j % 2) + U(2) * (lane % U(4)))
 
+    def register_reader(K_STRIDE, AUX):
+        @cuda.jit(device=True)
+        def element(tile, at, alpha):
+            value = tile[at]
+            if AUX is not None:
+                y = tile[at + U(AUX)]
+                value = value * numba_type(derivative_cuda(act, y, y, alpha))
+            return value
+
+        @cuda.jit(device=True)
+        def operand(tile, at, alpha):
+            """A fragment register: TF32 the element at ``at``; bf16 it and the next k's,
+            the lower k in the low half: adjacent in a row by row tile (K_STRIDE 1), one
+            8-byte load (two 4-byte ones met in the same banks there, 2-way)."""
+            if TF32:
+                return to_tf32(element(tile, at, alpha)) if raw else tile[at]
+            if K_STRIDE == 1 and AUX is None:
+                low, high = load_float2(tile, at)
+                return pack_bf16(low, high)
+            return pack_bf16(element(tile, at, alpha), element(tile, at + U(K_STRIDE), alpha))
+        return operand
+
+    a_register, b_register = register_reader(A_KS, A_AUX), register_reader(B_KS, B_AUX)
+
     @cuda.jit(device=True)
-    def multiply_buffer(a_tile, b_tile, cur, acc, tid):
+    def multiply_with_prologue(a_tile, b_tile, cur, acc, tid, alpha):
         """acc += the warp's fragments of buffer ``cur``'s A (BM x BK) @ B (BK x BN)."""
         a_frag = cuda.local.array(A_FRAGMENT, register_type)
         b_frag = cuda.local.array(B_FRAGMENT, register_type)
         warp, lane = tid // U(32), tid % U(32)
         group, index = lane // U(4), lane % U(4)
-        a_at = (cur * U(A_BUFFER) + index * U(INDEX_ROWS * A_ROW)
-                + (warp // U(WARPS_N)) * U(WM) + group)
-        b_at = (cur * U(B_BUFFER) + index * U(INDEX_ROWS * B_ROW)
-                + (warp % U(WARPS_N)) * U(WN) + group)
+        a_at = (cur * U(A_BUFFER) + index * U(INDEX_ROWS * A_KS)
+                + ((warp // U(WARPS_N)) * U(WM) + group) * U(A_RS))
+        b_at = (U(B_START) + cur * U(B_BUFFER) + index * U(INDEX_ROWS * B_KS)
+                + ((warp % U(WARPS_N)) * U(WN) + group) * U(B_RS))
         kk = U(0)
         while kk < U(BK):
-            a_row, b_row = a_at + kk * U(A_ROW), b_at + kk * U(B_ROW)
+            a_row, b_row = a_at + kk * U(A_KS), b_at + kk * U(B_KS)
             for f in range(FM):   # rows 16f + group (+ 8) of the warp's part
                 for h in range(4):   # a0..a3: (+8 rows) x (+4 k rows, or +8 under bf16)
-                    at = a_row + U(16 * f + 8 * (h % 2) + (h // 2) * (K_STEP // 2) * A_ROW)
-                    if TF32:
-                        a_frag[4 * f + h] = a_tile[at]
-                    else:   # the pair of k rows at and at + A_ROW, the lower in the low half
-                        a_frag[4 * f + h] = pack_bf16(a_tile[at], a_tile[at + U(A_ROW)])
+                    a_frag[4 * f + h] = a_register(
+                        a_tile, a_row + U((16 * f + 8 * (h % 2)) * A_RS
+                                          + (h // 2) * (K_STEP // 2) * A_KS), alpha)
             for g in range(FN):
                 for h in range(2):   # b0, b1: (+4 k rows, or +8 under bf16)
-                    at = b_row + U(8 * g + h * (K_STEP // 2) * B_ROW)
-                    if TF32:
-                        b_frag[2 * g + h] = b_tile[at]
-                    else:
-                        b_frag[2 * g + h] = pack_bf16(b_tile[at], b_tile[at + U(B_ROW)])
+                    b_frag[2 * g + h] = b_register(
+                        b_tile, b_row + U(8 * g * B_RS + h * (K_STEP // 2) * B_KS), alpha)
             for f in range(FM):
                 for g in range(FN):
                     d = mma(a_frag[4 * f], a_frag[4 * f + 1], a_frag[4 * f + 2],
@@ -818,7 +892,177 @@ def _mma_parts(tiling, numba_type, A_ROW, B_ROW, A_BUFFER, B_BUFFER):
                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1] = d[2], d[3]
             kk += U(K_STEP)
 
+    if A_AUX is not None or B_AUX is not None:
+        return multiply_with_prologue, acc_position
+    ZERO = numba_type(0)
+
+    @cuda.jit(device=True)
+    def multiply_buffer(a_tile, b_tile, cur, acc, tid):
+        multiply_with_prologue(a_tile, b_tile, cur, acc, tid, ZERO)
+
     return multiply_buffer, acc_position
+
+
+def pipeline_layout(tiling, trans_a, trans_b, mode=PLAIN):
+    """The shared tiles of a pipelined tensor-core tiling (``stages``): per operand its
+    (row, k) strides and the elements of one stage, the starts of B's stages and of the
+    prologue's y (``mode`` GRAD_A: beside A's, GRAD_B: beside B's, in the same layout), and
+    the dynamic shared bytes of all stages. Each tile keeps its operand's layout in global
+    memory (cp.async copies 16 bytes as they are): A stored (M, K) is held row by row, (K, M)
+    k row by k row; B stored (N, K) row by row, (K, N) k row by k row. The padding puts the
+    32 reads of a fragment register in 32 distinct banks: TF32 reads rows group (0..7) at k
+    index (0..3), a row by row tile of BK + 4 (mod 32: 4) words, a k row by k row one of BM
+    + 8 (8); bf16 reads k pairs 2·index, 2·index + 1 (8-byte loads in a row by row tile),
+    BK + 8 and BM + 4."""
+    BM, BN, BK = tiling[:3]
+    TF32 = tiling.mma == "tf32"
+    by_row_pad, by_k_pad = (4, 8) if TF32 else (8, 4)
+
+    def operand(rows, k_contiguous):
+        if k_contiguous:
+            row = BK + by_row_pad
+            return (row, 1), rows * row
+        row = rows + by_k_pad
+        return (1, row), BK * row
+
+    a_strides, a_stage = operand(BM, not trans_a)
+    b_strides, b_stage = operand(BN, trans_b)
+    b_start = tiling.stages * a_stage
+    aux_start = b_start + tiling.stages * b_stage
+    aux_stage = {GRAD_A: a_stage, GRAD_B: b_stage}.get(mode, 0)
+    return PipelineLayout(a_strides, a_stage, b_strides, b_stage, b_start, aux_start,
+                          4 * (aux_start + tiling.stages * aux_stage))
+
+
+PipelineLayout = namedtuple("PipelineLayout",
+                            "a_strides a_stage b_strides b_stage b_start aux_start bytes")
+
+
+def _pipelined_accumulate(tiling, trans_a, trans_b, numba_type, THREADS, mode, act):
+    """``(accumulate, acc_position)`` of a tensor-core tiling with ``stages``: the tiles are
+    filled by asynchronous copies (``cp.async``, 16 bytes each, zeros past the operand's
+    edges) ``stages - 1`` K steps ahead of the step being multiplied, in dynamic shared
+    memory (``pipeline_layout``). No value passes through registers on its way to shared
+    memory, so the operands are taken as they are (16-byte aligned, rows of a multiple of 4
+    elements: ``pipeline_suits``): the prologue's y is copied beside its operand and applied
+    as the fragments are read, and GRAD_B's row of ones is written over the zeros copied
+    into that row, in the one row of blocks that holds it."""
+    BM, BN, BK = tiling[:3]
+    STAGES = tiling.stages
+    layout = pipeline_layout(tiling, trans_a, trans_b, mode)
+    A_PROLOGUE, B_PROLOGUE = mode == GRAD_A, mode == GRAD_B
+    ONES_ROW = mode == GRAD_B
+    A_STAGE, B_STAGE, B_START = layout.a_stage, layout.b_stage, layout.b_start
+    AUX_START = layout.aux_start
+    multiply_buffer, acc_position = _mma_parts(
+        tiling, numba_type, layout.a_strides, layout.b_strides, A_STAGE, B_STAGE, B_START,
+        raw=True, act=act, A_AUX=AUX_START if A_PROLOGUE else None,
+        B_AUX=AUX_START - B_START if B_PROLOGUE else None)
+    if not (A_PROLOGUE or B_PROLOGUE):
+        multiply = multiply_buffer
+
+        @cuda.jit(device=True)
+        def multiply_buffer(a_tile, b_tile, cur, acc, tid, alpha):
+            multiply(a_tile, b_tile, cur, acc, tid)
+    tensor_core = _tensor_core()
+    copy_async, commit_copies = tensor_core.copy_async, tensor_core.commit_copies
+    wait_copies = tensor_core.wait_copies[STAGES - 2]
+    TM, TN = tiling.TM, tiling.TN
+    ZERO, ONE = numba_type(0), numba_type(1)
+    A_RS, A_KS = layout.a_strides
+
+    def copier(ROWS, k_contiguous, strides):
+        CHUNKS_PER_ROW = BK // 4 if k_contiguous else ROWS // 4   # 16-byte chunks
+        COPIES = ROWS * BK // 4 // THREADS
+        ROW = strides[0] if k_contiguous else strides[1]
+
+        @cuda.jit(device=True)
+        def copy(tiles, at, x, first, size, k0, k_end, tid):
+            """Start the copies of x's tile rows first.. (of ``size``) at k0.. into the stage
+            starting at tiles[at]: consecutive threads take consecutive chunks of a row."""
+            stride = U(x.shape[1])
+            for v in range(COPIES):
+                c = tid + U(v * THREADS)
+                line, chunk = c // U(CHUNKS_PER_ROW), (c % U(CHUNKS_PER_ROW)) * U(4)
+                if k_contiguous:   # line a row, chunk along k
+                    row, k = first + line, k0 + chunk
+                    source = row * stride + k
+                else:              # line a k row, chunk along the rows
+                    row, k = first + chunk, k0 + line
+                    source = k * stride + row
+                valid = row < size and k < k_end
+                copy_async(tiles, at + line * U(ROW) + chunk, x, source if valid else U(0),
+                           valid)
+        return copy
+
+    copy_a = copier(BM, not trans_a, layout.a_strides)
+    copy_b = copier(BN, trans_b, layout.b_strides)
+
+    @cuda.jit(device=True)
+    def copy_stage(tiles, stage, a, b, aux, row0, col0, m_data, n_size, k0, k_end, tid):
+        copy_a(tiles, stage * U(A_STAGE), a, row0, m_data, k0, k_end, tid)
+        copy_b(tiles, U(B_START) + stage * U(B_STAGE), b, col0, n_size, k0, k_end, tid)
+        if A_PROLOGUE:
+            copy_a(tiles, U(AUX_START) + stage * U(A_STAGE), aux, row0, m_data, k0, k_end, tid)
+        if B_PROLOGUE:
+            copy_b(tiles, U(AUX_START) + stage * U(B_STAGE), aux, col0, n_size, k0, k_end,
+                   tid)
+
+    @cuda.jit(device=True)
+    def accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, group, alpha):
+        """acc = this thread's sub-tile of op(A)[row0:, k_begin:k_end] @ op(B)[k_begin:k_end,
+        col0:], the rows below ``m_data`` (and GRAD_B's ones at m_data) and columns below
+        ``n_size``."""
+        tiles = cuda.shared.array(0, numba_type)
+        tid = U(cuda.threadIdx.x)
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = ZERO
+        steps = (k_end - k_begin + U(BK - 1)) // U(BK)
+        for s in range(STAGES - 1):
+            if U(s) < steps:
+                copy_stage(tiles, U(s), a, b, aux, row0, col0, m_data, n_size,
+                           k_begin + U(s * BK), k_end, tid)
+            commit_copies()
+        ones_here = ONES_ROW and row0 <= m_data and m_data < row0 + U(BM)
+        read, write = U(0), U(STAGES - 1)
+        for step in range(steps):
+            wait_copies()      # this thread's copies of step's stage have landed,
+            cuda.syncthreads()  # everyone's have, and nobody still reads the stage to refill
+            if ones_here:      # over the zeros copied past A's rows, before anyone reads them
+                k = k_begin + step * U(BK) + tid
+                if tid < U(BK) and k < k_end:
+                    tiles[read * U(A_STAGE) + (m_data - row0) * U(A_RS) + tid * U(A_KS)] = ONE
+                cuda.syncthreads()
+            ahead = step + U(STAGES - 1)
+            if ahead < steps:
+                copy_stage(tiles, write, a, b, aux, row0, col0, m_data, n_size,
+                           k_begin + ahead * U(BK), k_end, tid)
+            commit_copies()    # an empty group past the end keeps the count of wait_copies
+            multiply_buffer(tiles, tiles, read, acc, tid, alpha)
+            read = read + U(1) if read + U(1) < U(STAGES) else U(0)
+            write = write + U(1) if write + U(1) < U(STAGES) else U(0)
+
+    return accumulate, acc_position
+
+
+def pipelined_tiling(mma, mode, args):
+    """The pipelined tiling of tensor-core format ``mma`` for the ``mode`` GEMM of ``args``,
+    or None: no tensor cores, or operands that do not suit one (``pipeline_suits``)."""
+    if not mma or not pipeline_suits(mode, args):
+        return None
+    tilings = MMA_TILINGS[mma]
+    return tilings.pipelined_prologue if mode in (GRAD_A, GRAD_B) else tilings.pipelined
+
+
+def pipeline_suits(mode, args):
+    """Whether a GEMM's operands can be copied as they are into a pipelined tiling's tiles
+    (``_pipelined_accumulate``): A, B and the prologue's y (the first two or three of the
+    entry point's ``args``) 16-byte aligned, with rows of a multiple of 4 elements."""
+    if mode not in (PLAIN, FORWARD, GRAD_A, GRAD_B):
+        return False
+    return all(cuda_backend.device_address(x) % 16 == 0 and x.shape[1] % 4 == 0
+               for x in args[:3 if mode in (GRAD_A, GRAD_B) else 2])
 
 
 # ------------------------------------------------------------------ convolutions as implicit GEMMs
@@ -1073,8 +1317,13 @@ def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
     dtype = np.dtype(dtype)
     extra_rows = 1 if mode == GRAD_B else 0
     rows = m + extra_rows
-    tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows, mma_format(dtype))
-    if shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:
+    mma = mma_format(dtype)
+    pipelined = pipelined_tiling(mma, mode, args)
+    tiling, split = pick_config(m, n, k, trans_a, trans_b, extra_rows, mma, pipelined=pipelined)
+    if tiling.stages and pipelined is None:
+        raise ValueError(f"matmul: {tiling} copies its operands as they are, which these "
+                         f"are not (pipeline_suits)")
+    if not tiling.stages and shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:
         # GEMM_CHOICES holds float32 measurements; a wider dtype whose tiles would not fit in
         # shared memory (float64 under WIDE, say) takes the rule's tiling at that shape
         tiling = pick_tiling(rows, n)

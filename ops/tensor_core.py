@@ -1,5 +1,6 @@
 """Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``),
-and the 16-byte global loads that feed a GEMM's shared tiles.
+the 16-byte global loads that feed a GEMM's shared tiles, and the asynchronous copies
+(``cp.async``) that fill them without passing through registers.
 
 numba-cuda has no tensor-core API. These are user intrinsics that emit inline PTX through
 llvmlite's ``InlineAsm``, the extension route numba-cuda itself takes for its cache-hint loads
@@ -70,24 +71,33 @@ def pack_bf16(typingctx, low, high):
     return types.uint32(types.float32, types.float32), codegen
 
 
-@intrinsic
-def load_float4(typingctx, array, offset):
-    """``array``'s flat elements offset .. offset + 3 (a C-contiguous float32 array in global
-    memory) in one 16-byte load: the address must be a multiple of 16 (``address_of``)."""
-    if not (isinstance(array, types.Array) and array.dtype == types.float32
-            and array.layout == "C"):
-        return None
+def _load_floats(count):
+    def typer(typingctx, array, offset):
+        if not (isinstance(array, types.Array) and array.dtype == types.float32
+                and array.layout == "C"):
+            return None
+        result_type = types.UniTuple(types.float32, count)
 
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        index = context.cast(builder, args[1], signature.args[1], types.uint64)
-        vector_type = ir.VectorType(ir.FloatType(), 4)
-        vector = builder.load(builder.bitcast(builder.gep(data, [index]),
-                                              vector_type.as_pointer()), align=16)
-        return context.make_tuple(builder, _FOUR_FLOATS,
-                                  [builder.extract_element(vector, ir.Constant(ir.IntType(32), i))
-                                   for i in range(4)])
-    return _FOUR_FLOATS(array, offset), codegen
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            index = context.cast(builder, args[1], signature.args[1], types.uint64)
+            vector_type = ir.VectorType(ir.FloatType(), count)
+            vector = builder.load(builder.bitcast(builder.gep(data, [index]),
+                                                  vector_type.as_pointer()), align=4 * count)
+            return context.make_tuple(builder, result_type,
+                                      [builder.extract_element(vector,
+                                                               ir.Constant(ir.IntType(32), i))
+                                       for i in range(count)])
+        return result_type(array, offset), codegen
+    typer.__name__ = typer.__qualname__ = f"load_float{count}"
+    typer.__doc__ = (f"``array``'s flat elements offset .. offset + {count - 1} (a C-contiguous "
+                     f"float32 array, global or shared) in one {4 * count}-byte load: the "
+                     f"address must be a multiple of {4 * count} (``address_of``).")
+    return intrinsic(typer)
+
+
+load_float4 = _load_floats(4)   # a GEMM's 16-byte global fetches
+load_float2 = _load_floats(2)   # a bf16 fragment register's pair of k from a shared tile
 
 
 @intrinsic
@@ -100,6 +110,62 @@ def address_of(typingctx, array):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         return builder.ptrtoint(data, ir.IntType(64))
     return types.uint64(array), codegen
+
+
+@intrinsic
+def copy_async(typingctx, tile, tile_offset, array, offset, valid):
+    """Start copying ``array``'s flat elements offset .. offset + 3 (float32, global memory,
+    16-byte aligned) into ``tile``'s offset .. + 3 (a shared array, 16-byte aligned), or, when
+    not ``valid``, zeros (``cp.async.cg`` with a source size of 0, which reads nothing). The
+    copy lands after a later ``wait_copies`` that counts its group (``commit_copies``)."""
+    if not all(isinstance(x, types.Array) and x.dtype == types.float32 for x in (tile, array)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        tile_type, _, array_type, _, _ = signature.args
+        addresses = []
+        for x, x_type, index, index_type in ((args[0], tile_type, args[1], signature.args[1]),
+                                             (args[2], array_type, args[3], signature.args[3])):
+            data = context.make_array(x_type)(context, builder, x).data
+            element = builder.gep(data, [context.cast(builder, index, index_type, types.uint64)])
+            addresses.append(builder.ptrtoint(element, ir.IntType(64)))
+        size = builder.select(context.cast(builder, args[4], signature.args[4], types.boolean),
+                              ir.Constant(ir.IntType(32), 16), ir.Constant(ir.IntType(32), 0))
+        function_type = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64),
+                                                        ir.IntType(32)])
+        text = ("{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; cvta.to.global.u64 g, $1; "
+                "cp.async.cg.shared.global [s], [g], 16, $2; }")
+        builder.call(ir.InlineAsm(function_type, text, "l,l,r,~{memory}", side_effect=True),
+                     addresses + [size])
+        return context.get_dummy_value()
+    return types.void(tile, tile_offset, array, offset, valid), codegen
+
+
+@intrinsic
+def commit_copies(typingctx):
+    """Close the group of the copies this thread started since the last one (``cp.async
+    .commit_group``)."""
+    def codegen(context, builder, signature, args):
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;",
+                                  "~{memory}", side_effect=True), [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def _wait_copies(pending):
+    def typer(typingctx):
+        def codegen(context, builder, signature, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                      f"cp.async.wait_group {pending};", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    typer.__name__ = typer.__qualname__ = f"wait_copies_{pending}"
+    return intrinsic(typer)
+
+
+# wait_copies[n](): wait until at most n of this thread's copy groups are still in flight
+wait_copies = tuple(_wait_copies(pending) for pending in range(4))
 
 
 def _mma(name, shape_and_types, doc):

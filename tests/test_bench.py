@@ -234,7 +234,8 @@ def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_bl
 def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
     from bench import tiling_sweep
     from ops import matmul as mm
-    for candidates in (tiling_sweep.tensor_core_candidates(), tiling_sweep.fp32_candidates()):
+    for candidates in (tiling_sweep.tensor_core_candidates(), tiling_sweep.pipelined_candidates(),
+                       tiling_sweep.fp32_candidates()):
         for tiling in candidates.values():
             mm.check_tiling(tiling)
     with pytest.raises(SystemExit, match="bench.tiling_sweep: needs a CUDA GPU"):

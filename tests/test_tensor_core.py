@@ -135,6 +135,86 @@ def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, tran
     np.testing.assert_array_equal(again.copy_to_host(), got)   # a fixed order: deterministic
 
 
+# (m, k, n, trans_a, trans_b): odd edges in every extent the 16-byte copies allow (an
+# operand's rows a multiple of 4 elements), K not a multiple of BK, each layout
+PIPELINE_SHAPES = [(131, 76, 260, False, False), (68, 132, 200, True, False),
+                   (200, 68, 36, False, True), (36, 300, 44, True, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("m, k, n, trans_a, trans_b", PIPELINE_SHAPES)
+def test_pipelined_tiles_take_the_rounded_inputs_product(monkeypatch, precision, split, m, k,
+                                                         n, trans_a, trans_b):
+    # unsplit, the pipelined tiling (cp.async into its stages, TF32 rounded as fragments are
+    # read) and LARGE (tiles stashed from registers, rounded as stored) sum the same mma
+    # products in the same order: the same bits. Split, their slices differ (whole steps of
+    # their BK): both must be the rounded operands' product, and repeat bit for bit.
+    from ops import matmul as mm
+    from ops.cuda_backend import cuda
+    from ops.device import to_device
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    tilings = mm.MMA_TILINGS[mm.mma_format(np.float32)]
+    results = []
+    for tiling in (tilings.pipelined, tilings.large, tilings.pipelined):
+        monkeypatch.setattr(mm, "pick_config", lambda *args, tiling=tiling, **options:
+                            mm.GemmConfig(tiling, split))
+        out = cuda.device_array((m, n), np.float32)
+        mm.gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=out)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[2], results[0])
+    if split == 1:
+        np.testing.assert_array_equal(results[0], results[1])
+    ra = ROUNDINGS[precision](a).astype(np.float64)
+    rb = ROUNDINGS[precision](b).astype(np.float64)
+    ra, rb = ra.T if trans_a else ra, rb.T if trans_b else rb
+    for got in results[:2]:
+        assert_product_of_rounded(got, ra @ rb, np.abs(ra) @ np.abs(rb), k,
+                                  f"{precision} pipelined gemm")
+
+
+def test_the_plan_pipelines_only_operands_it_can_copy_as_they_are(monkeypatch):
+    from ops import matmul as mm
+    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)
+    assert mm.pick_config(4096, 4096, 4096, False, False, mma="tf32",
+                          pipelined=mm.TF32_PIPELINED) == mm.GemmConfig(mm.TF32_PIPELINED, 1)
+    assert mm.pick_config(4096, 4096, 4096, False, False,
+                          mma="bf16") == mm.GemmConfig(mm.BF16_LARGE, 1)
+    # MEDIUM tiles and FMA tilings stay as they are
+    assert mm.pick_config(1024, 1024, 1024, False, False, mma="tf32",
+                          pipelined=mm.TF32_PIPELINED).tiling == mm.TF32_MEDIUM
+    assert mm.pick_config(4096, 4096, 4096, False, False,
+                          pipelined=mm.TF32_PIPELINED).tiling == mm.LARGE
+
+    class Operand:
+        def __init__(self, address, shape):
+            self.__cuda_array_interface__ = {"data": (address, False)}
+            self.shape = shape
+    aligned, shifted, odd = (Operand(1 << 20, (8, 12)), Operand((1 << 20) + 4, (8, 12)),
+                             Operand(1 << 20, (8, 13)))
+    assert mm.pipelined_tiling("bf16", mm.FORWARD, (aligned, aligned)) == mm.BF16_PIPELINED
+    assert mm.pipelined_tiling(None, mm.FORWARD, (aligned, aligned)) is None
+    assert mm.pipelined_tiling("tf32", mm.PLAIN, (aligned, shifted)) is None
+    assert mm.pipelined_tiling("tf32", mm.PLAIN, (odd, aligned)) is None
+    # the prologue's y (the third operand) is copied too: its own tile per stage
+    assert (mm.pipelined_tiling("tf32", mm.GRAD_A, (aligned, aligned, aligned))
+            == mm.TF32_PIPELINED_PROLOGUE)
+    assert mm.pipelined_tiling("tf32", mm.GRAD_B, (aligned, aligned, shifted)) is None
+
+
+@pytest.mark.parametrize("tiling, problem", [
+    (dict(stages=3), "only tensor-core tilings are pipelined"),
+    (dict(mma="tf32", stages=6), "2 to 5 stages"),
+    (dict(BM=256, BN=256, BK=64, TM=16, TN=16, mma="tf32", stages=4), "more than the")])
+def test_check_tiling_names_what_a_pipeline_cannot_do(tiling, problem):
+    from ops import matmul as mm
+    with pytest.raises(ValueError, match=problem):
+        mm.check_tiling(mm.TF32_PIPELINED._replace(**{"mma": None, **tiling}))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["high"], indirect=True)
 def test_products_too_small_for_a_fragment_stay_float32(precision):
@@ -151,6 +231,49 @@ def test_products_too_small_for_a_fragment_stay_float32(precision):
         exact = a.astype(np.float64) @ b
         assert_product_of_rounded(out.copy_to_host(), exact, np.abs(a) @ np.abs(b), k,
                                    f"{m}x{k}x{n} in float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("batch, fan_in, fan_out", [(132, 76, 260), (64, 128, 132)])
+def test_pipelined_dense_kernels_give_the_bits_of_registered_ones(monkeypatch, precision, split,
+                                                                  batch, fan_in, fan_out):
+    """The fused Dense kernels on pipelined tiles: the forward's epilogue, the relu' prologue
+    copied beside G and applied as fragments are read (dX on A, dW on B), and dW's row of
+    ones written over the copied zeros (db; with fan_in 128 it is a row of blocks of its
+    own), against the same kernels on LARGE's register-stashed tiles."""
+    import engine
+    from engine import nn
+    from ops import matmul as mm
+    rng = np.random.default_rng(batch + fan_out)
+    x_host = rng.standard_normal((batch, fan_in)).astype(np.float32)
+    grad_out = rng.standard_normal((batch, fan_out)).astype(np.float32)
+    large = mm.MMA_TILINGS[mm.mma_format(np.float32)].large
+    results = []
+    for pipelines in (True, False):
+        chosen = []
+
+        def pick(*args, pipelined=None, pipelines=pipelines, chosen=chosen):
+            tiling = pipelined if pipelines and pipelined else large
+            chosen.append(tiling)
+            return mm.GemmConfig(tiling, split)
+        monkeypatch.setattr(mm, "pick_config", pick)
+        engine.manual_seed(0)
+        model = nn.Sequential([nn.Dense(fan_out, activation="relu", input_shape=(fan_in,))])
+        model.to("cuda")
+        layer = model.layers[0]
+        x = engine.tensor(x_host, device="cuda", requires_grad=True)
+        y = layer(x)
+        (y * engine.tensor(grad_out, device="cuda")).sum().backward()
+        results.append([t.numpy() for t in (y, x.grad, layer.weight.grad, layer.bias.grad)])
+        assert all(t.stages for t in chosen) == pipelines and len(chosen) == 3
+    for got, want, what in zip(results[0], results[1], ("y", "dX", "dW", "db")):
+        if split == 1:   # split, the slices are whole steps of unequal BK
+            np.testing.assert_array_equal(got, want, err_msg=what)
+        else:
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=what)
 
 
 @pytest.mark.gpu
