@@ -153,7 +153,13 @@ BF16_LARGE = Tiling(128, 128, 16, 8, 16, mma="bf16")
 BF16_MEDIUM = Tiling(64, 64, 16, 4, 8, mma="bf16")
 BF16_WIDE = Tiling(32, 128, 16, 4, 8, mma="bf16")
 # LARGE's tiles filled by asynchronous copies, stages - 1 K steps ahead (_pipelined_accumulate),
-# where the operands allow (pipeline_suits); a prologue's y takes a third tile per stage
+# where the operands allow (pipeline_suits); a prologue's y takes a third tile per stage, so
+# the backward's tiling keeps to BK 16 (92 KB: two blocks a multiprocessor). At 4096³ on the
+# H200, 128x128x32 in 3 stages did TF32 131.8 and bf16 177.2 TFLOP/s (LARGE: 96.7, 112.0); 4
+# stages 100.0/134.4 (one block a multiprocessor), 128x128x16 in 4 stages 119.7/183.6, 128x256
+# and 256x128 124.9-127.8/165.5-173.7 (`python -m bench.tiling_sweep pipelined`). The wide
+# MLP's TF32 epoch: 0.321-0.327 s -> 0.297-0.302 with BK 16 for the backward, 0.306-0.309 with
+# 16 in 4 stages, 0.318-0.325 with 32 in 3 (one block a multiprocessor).
 TF32_PIPELINED = Tiling(128, 128, 32, 8, 16, mma="tf32", stages=3)
 BF16_PIPELINED = Tiling(128, 128, 32, 8, 16, mma="bf16", stages=3)
 TF32_PIPELINED_PROLOGUE = Tiling(128, 128, 16, 8, 16, mma="tf32", stages=3)
