@@ -279,6 +279,19 @@ def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_bl
     assert "| the whole step |" in capsys.readouterr().out
 
 
+def test_bench_cpu_step_of_the_cnn_names_each_convolution_by_its_channels(capsys):
+    from bench import cpu_step
+    from ops import cpu_threads
+    result = cpu_step.main(["--model", "cnn", "--steps", "2", "--threads", "1"])
+    runs = [row["run"] for row in result["rows"]]
+    assert [run for run in runs if run.startswith("conv2d")] == [
+        "conv2d_forward 1->32 28x28", "conv2d_forward 32->64 14x14",
+        "conv2d_backward 32->64 14x14", "conv2d_backward 1->32 28x28"]
+    assert runs[0] == "gather_rows" and runs[-1] == "adam" and "max_pool2d_grad" in runs
+    assert cpu_threads.following_load()
+    assert "the CNN's CPU step replayed 2 times on 1 engine threads" in capsys.readouterr().out
+
+
 def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
     from bench import tiling_sweep
     from ops import matmul as mm
