@@ -17,7 +17,8 @@ default, the CPUs the process may use less those that other processes kept busy:
 Following the load reads no clock in a thread of its own: at most once every
 ``LOAD_INTERVAL_S`` (about an epoch of the reference MLP), the first kernel that asks reads
 ``/proc/stat`` and this process's own CPU time and takes the CPUs that the other processes
-used on average since the last reading (``others_busy``). Two threads beside one busy
+used on average since the last reading (``others_busy``); the first kernel, and the first
+after ``IDLE_S`` without one, guesses from the threads runnable now (``others_now``). Two threads beside one busy
 process wait on each other (a parallel step waits for its slower half, which waits a
 scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on two threads
 against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1. A split
@@ -46,6 +47,15 @@ SPLIT_MIN_MACS = 2 * MIN_BLOCK_MACS   # the smallest GEMM that splits (in two)
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
+# A process none of whose kernels asked for the count this long was idle: the CPUs others
+# used meanwhile are no guide to now. In bench.cnn, the engine's process waiting while
+# PyTorch's (another process) ran its epoch read PyTorch's two busy cores as neighbours and
+# ran its next epoch on one thread. So after such a gap the count is guessed afresh.
+IDLE_S = 3 * LOAD_INTERVAL_S
+# The fresh guess: the fewest runnable threads of other processes in a few looks a few ms
+# apart; one look caught the threads of a process that had just ended its work spinning
+# (libgomp's spin before they sleep), a busy neighbour is in every look.
+GUESS_LOOKS, GUESS_LOOK_GAP_S = 5, 0.004
 STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a stall
 # One stalled split is not yet a busy neighbour: on the quiet 2-core machine 8% of the CNN's
 # splits (its Dense 3136->128) stalled, one at a time, and falling back on each left 34-46 of
@@ -101,8 +111,8 @@ class _LoadReader:
         except (OSError, ValueError, IndexError):
             return None
 
-    def others_now(self):
-        """Threads of other processes runnable at this instant (the first guess)."""
+    @staticmethod
+    def _runnable_others():
         try:
             with open("/proc/stat") as stat:
                 for line in stat:
@@ -111,6 +121,22 @@ class _LoadReader:
         except (OSError, ValueError, IndexError):
             pass
         return None
+
+    def others_now(self):
+        """Threads of other processes runnable now (the first guess): the fewest of
+        ``GUESS_LOOKS`` looks ``GUESS_LOOK_GAP_S`` apart, None where none could be read."""
+        looks = []
+        for look in range(GUESS_LOOKS):
+            if look:
+                time.sleep(GUESS_LOOK_GAP_S)
+            looks.append(self._runnable_others())
+            if looks[-1] is None:
+                return None
+        return min(looks)
+
+    def idle(self):
+        """Whether the last reading is more than ``IDLE_S`` old (no kernel asked since)."""
+        return self.last is not None and time.monotonic() - self.last[0] > IDLE_S
 
     def others_busy(self):
         """The CPUs other processes kept busy on average since the last call."""
@@ -143,7 +169,7 @@ def threads():
         if blas_threads_chosen_in_environment():
             _count, _next_reading = 1, float("inf")
             return _count
-        if _reader is None:
+        if _reader is None or _reader.idle():   # a first or fresh guess, a new baseline
             _reader = _LoadReader()
             others = _reader.others_now()
         else:
