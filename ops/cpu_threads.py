@@ -48,14 +48,15 @@ MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels mo
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
-# used meanwhile are no guide to now. In bench.cnn, the engine's process waiting while
-# PyTorch's (another process) ran its epoch read PyTorch's two busy cores as neighbours and
-# ran its next epoch on one thread. So after such a gap the count is guessed afresh.
-IDLE_S = 3 * LOAD_INTERVAL_S
+# used meanwhile are no guide to now. In bench.cnn and bench.mlp, whose rows run in processes
+# of their own, the engine's process waiting while PyTorch's ran its epoch read PyTorch's two
+# busy cores as neighbours and began its next epoch on one thread (the MLP's 0.8 s epochs
+# all of it). So after such a gap the count is guessed afresh; a step asks every few ms.
+IDLE_S = 0.5
 # The fresh guess: the fewest runnable threads of other processes in a few looks a few ms
-# apart; one look caught the threads of a process that had just ended its work spinning
-# (libgomp's spin before they sleep), a busy neighbour is in every look.
-GUESS_LOOKS, GUESS_LOOK_GAP_S = 5, 0.004
+# apart; one look can catch the threads of a process that has just ended its work still
+# spinning (libgomp's spin before they sleep), a busy neighbour is in every look.
+GUESS_LOOKS, GUESS_LOOK_GAP_S = 3, 0.002
 STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a stall
 # One stalled split is not yet a busy neighbour: on the quiet 2-core machine 8% of the CNN's
 # splits (its Dense 3136->128) stalled, one at a time, and falling back on each left 34-46 of
@@ -134,9 +135,6 @@ class _LoadReader:
                 return None
         return min(looks)
 
-    def idle(self):
-        """Whether the last reading is more than ``IDLE_S`` old (no kernel asked since)."""
-        return self.last is not None and time.monotonic() - self.last[0] > IDLE_S
 
     def others_busy(self):
         """The CPUs other processes kept busy on average since the last call."""
@@ -153,23 +151,28 @@ _recent_splits = collections.deque(maxlen=STALL_WINDOW)   # whether each stalled
 _chosen = None   # the count set_threads fixed; None: follow the load
 _count = None   # the count in force while following the load
 _next_reading = 0.0
+_last_asked = 0.0
 _reader = None
 
 
 def threads():
     """The engine's CPU thread count now (re-reading the load at most every
-    ``LOAD_INTERVAL_S`` while no count is fixed)."""
-    global _count, _next_reading, _reader
+    ``LOAD_INTERVAL_S`` while no count is fixed, guessing it afresh after ``IDLE_S``
+    without a call)."""
+    global _count, _next_reading, _reader, _last_asked
     if _chosen is not None:
         return _chosen
-    if _count is not None and time.monotonic() < _next_reading:
+    now, asked = time.monotonic(), _last_asked
+    _last_asked = now
+    idle = now - asked > IDLE_S
+    if _count is not None and now < _next_reading and not idle:
         return _count
     with _lock:
         cpus = usable_cpus()
         if blas_threads_chosen_in_environment():
             _count, _next_reading = 1, float("inf")
             return _count
-        if _reader is None or _reader.idle():   # a first or fresh guess, a new baseline
+        if _reader is None or idle:   # a first or fresh guess, and a new baseline
             _reader = _LoadReader()
             others = _reader.others_now()
         else:
