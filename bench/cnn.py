@@ -9,7 +9,9 @@ the command, Adam (lr 1e-3), batch 128. PyTorch's copy starts from the engine mo
 initial weights (conv layouts agree; Dense kernels are transposed into ``nn.Linear``) and
 sees the same batches in the same order (the engine loader's permutation of each epoch).
 After one warm-up epoch each, timed epochs alternate engine, engine eager, torch, ... so all
-share the machine's state; s/epoch is the median. The engine epochs are
+share the machine's state; s/epoch is the median. On the CPU each row trains in a process of
+its own (``bench.framework_process``), as a user runs one framework; on CUDA all rows share
+this process. The engine epochs are
 ``engine.fit.fit`` (captured step, and ``capture=False``), what users run. Test accuracy is
 measured after the last epoch, in eval mode (BatchNorm on its running statistics).
 
@@ -26,14 +28,14 @@ Per-op times of the layers at these shapes are ``python -m bench.conv_ops``.
 import argparse
 import importlib.util
 import os
-import statistics
 import time
 
 import numpy as np
 
-from bench.mlp import (BATCH_SIZE, LEARNING_RATE, _torch_usable, alternating_epochs,
-                       beside_a_busy_neighbour, busy_neighbour_line, compile_times,
-                       engine_training, format_first_steps, machine_description, torch_step)
+from bench.framework_process import open_side
+from bench.mlp import (BATCH_SIZE, LEARNING_RATE, PROCESSES_NOTE, _mnist, _torch_usable,
+                       busy_neighbour_line, close_sides, compile_times, engine_training,
+                       format_first_steps, machine_description, timed_sides, torch_step)
 from bench.precision import add_option, set_for_engine, set_for_torch
 from ops.matmul_precision import get_float32_matmul_precision
 from bench.report import emit, require_device
@@ -251,66 +253,91 @@ def _jax_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epoch
 
     return train_epoch, test_accuracy, jax.__version__
 
-def run(device, epochs, limit, eager=True, loaded=False):
+def engine_side(device, limit, capture, precision, orders):
+    """``bench.framework_process``'s build of an engine row: its epochs, test accuracy and
+    thread count; its info the data's sizes, the model's initial weights and the loader's
+    permutations of the first ``orders`` epochs (what the other rows start from and take)."""
     import engine
-    from data.datasets import load_dataset, pixel_statistics
-    (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
-    normalize = pixel_statistics(x_train)
-    steps = -(-len(x_train) // BATCH_SIZE)
+    set_for_engine(precision)
+    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    train_epoch, test_accuracy, loader, initial_state = _engine_run(
+        x_train, y_train, x_test, y_test, normalize, device, capture)
+    return ({"epoch": train_epoch, "test_accuracy": test_accuracy,
+             "threads": engine.get_num_threads},
+            {"train_samples": len(x_train), "test_samples": len(x_test),
+             "initial_state": initial_state,
+             "orders": [loader.order(epoch) for epoch in range(orders)]})
 
-    engine_epoch, engine_accuracy, loader, initial_state = _engine_run(
-        x_train, y_train, x_test, y_test, normalize, device)
-    frameworks, accuracies = {"engine": engine_epoch}, {"engine": engine_accuracy}
-    if eager:
-        frameworks["engine eager"], accuracies["engine eager"], _, _ = _engine_run(
-            x_train, y_train, x_test, y_test, normalize, device, capture=False)
-    torch_version = torch_threads = None
-    if _torch_usable(device):
-        for name, cuda_graph in (("torch", False), ("torch graph", True)):
-            if cuda_graph and device != "cuda":
-                continue
-            frameworks[name], accuracies[name], torch_version, torch_threads = _torch_run(
-                x_train, y_train, x_test, y_test, normalize, device, loader.order,
-                initial_state, cuda_graph=cuda_graph)
-    jax_version = None
-    if _jax_usable(device) and get_float32_matmul_precision() == "highest":   # fp32 rows
-        for name, scan in (("jax", False), ("jax scan", True)):
-            frameworks[name], accuracies[name], jax_version = _jax_run(
-                x_train, y_train, x_test, y_test, normalize, device, loader.order,
-                initial_state, scan=scan)
-    warmup = {name: epoch() for name, epoch in frameworks.items()}
-    seconds = alternating_epochs(frameworks, epochs)   # A B C A B C: one machine state
-    threads = engine.get_num_threads()
-    loaded_seconds = loaded_threads = None
-    if loaded:   # the same epochs again beside a busy process this run starts and stops
-        loaded_seconds, loaded_threads = beside_a_busy_neighbour(frameworks, epochs)
-    rows = {}
-    for name in frameworks:
-        median = statistics.median(seconds[name])
-        rows[name] = {"s_per_epoch": median, "ms_per_step": 1e3 * median / steps,
-                      "samples_per_s": len(x_train) / median, "warmup_epoch_s": warmup[name],
-                      "epoch_s": seconds[name], "test_acc": accuracies[name]()}
-        if loaded_seconds is not None:
-            loaded_median = statistics.median(loaded_seconds[name])
-            rows[name].update(loaded_s_per_epoch=loaded_median,
-                              loaded_epoch_s=loaded_seconds[name],
-                              loaded_over_quiet=loaded_median / median)
-    for name in rows:
+
+def torch_side(device, limit, cuda_graph, precision, orders, initial_state):
+    """``bench.framework_process``'s build of a PyTorch row from the engine's
+    ``initial_state``, on the batches of ``orders`` (one permutation per epoch)."""
+    set_for_engine(precision)   # set_for_torch reads the engine's setting
+    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    train_epoch, test_accuracy, version, threads = _torch_run(
+        x_train, y_train, x_test, y_test, normalize, device, orders.__getitem__,
+        initial_state, cuda_graph=cuda_graph)
+    return ({"epoch": train_epoch, "test_accuracy": test_accuracy},
+            {"version": version, "threads": threads})
+
+
+def jax_side(device, limit, scan, orders, initial_state):
+    """``bench.framework_process``'s build of a JAX row (fp32)."""
+    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    train_epoch, test_accuracy, version = _jax_run(
+        x_train, y_train, x_test, y_test, normalize, device, orders.__getitem__,
+        initial_state, scan=scan)
+    return {"epoch": train_epoch, "test_accuracy": test_accuracy}, {"version": version}
+
+
+def run(device, epochs, limit, eager=True, loaded=False):
+    separate = device == "cpu"   # each row's thread pools alone on the cores
+    precision = get_float32_matmul_precision()
+    epochs_trained = 1 + epochs * (2 if loaded else 1)   # the warm-up, the loaded ones
+    sides = {"engine": open_side(separate, "engine", engine_side, device, limit, True,
+                                 precision, epochs_trained)}
+    try:
+        if eager:
+            sides["engine eager"] = open_side(separate, "engine eager", engine_side, device,
+                                              limit, False, precision, 0)
+        built = sides["engine"].info
+        state, orders = built["initial_state"], built["orders"]
+        if _torch_usable(device):
+            for name, cuda_graph in (("torch", False), ("torch graph", True)):
+                if cuda_graph and device != "cuda":
+                    continue
+                sides[name] = open_side(separate, name, torch_side, device, limit, cuda_graph,
+                                        precision, orders, state)
+        if _jax_usable(device) and precision == "highest":   # fp32 rows
+            for name, scan in (("jax", False), ("jax scan", True)):
+                sides[name] = open_side(separate, name, jax_side, device, limit, scan, orders,
+                                        state)
+        rows, threads, loaded_threads = timed_sides(sides, epochs, loaded)
+        accuracies = {name: side.call("test_accuracy") for name, side in sides.items()}
+        info = {name: side.info for name, side in sides.items()}
+    finally:
+        close_sides(sides)
+
+    steps = -(-built["train_samples"] // BATCH_SIZE)
+    for name, row in rows.items():
+        row.update(ms_per_step=1e3 * row["s_per_epoch"] / steps,
+                   samples_per_s=built["train_samples"] / row["s_per_epoch"],
+                   test_acc=accuracies[name])
         if name.startswith("torch"):
-            rows[name].update(version=torch_version, threads=torch_threads)
+            row.update(version=info[name]["version"], threads=info[name]["threads"])
         elif name.startswith("jax"):
-            rows[name].update(version=jax_version)
+            row.update(version=info[name]["version"])
     return {"device": device, "machine": machine_description(device),
             "model": "conv32-maxpool-conv64-batchnorm-avgpool-dense128-10",
             "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
-            "train_samples": len(x_train), "test_samples": len(x_test),
-            "steps_per_epoch": steps, "timed_epochs": epochs,
-            "epochs_trained": epochs * (2 if loaded else 1) + 1,   # the warm-up, the loaded ones
+            "train_samples": built["train_samples"], "test_samples": built["test_samples"],
+            "steps_per_epoch": steps, "timed_epochs": epochs, "epochs_trained": epochs_trained,
+            "separate_processes": separate,
             "engine_threads": threads, "engine_threads_loaded": loaded_threads,
-            "matmul_precision": get_float32_matmul_precision(),
+            "matmul_precision": precision,
             "load_average": os.getloadavg(), "results": rows,
             "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
-                                  if torch_version else None)}
+                                  if "torch" in rows else None)}
 
 
 def format_table(result):
@@ -319,7 +346,9 @@ def format_table(result):
              f"{result['batch_size']}, MNIST {result['train_samples']} samples "
              f"({result['steps_per_epoch']} steps/epoch), device {result['device']} "
              f"({result['machine']}); median of {result['timed_epochs']} epochs after 1 "
-             f"warm-up, the rows alternating epoch by epoch; float32 matmul precision "
+             f"warm-up, the rows alternating epoch by epoch"
+             f"{PROCESSES_NOTE if result.get('separate_processes') else ''}; float32 matmul "
+             f"precision "
              f"{result.get('matmul_precision', 'highest')!r} (engine and torch); test accuracy on "
              f"{result['test_samples']} images after all {result['epochs_trained']} epochs", "",
              "| framework | s/epoch | ms/step | samples/s | test acc |",

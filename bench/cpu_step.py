@@ -1,9 +1,12 @@
-"""Where one replayed CPU training step of the reference MLP spends its time, kernel by kernel.
+"""Where one replayed CPU training step of the reference MLP or the CNN spends its time, kernel
+by kernel.
 
-    python -m bench.cpu_step [--steps 400] [--threads 2] [--json results.json]
+    python -m bench.cpu_step [--model mlp|cnn] [--steps 400] [--threads 2] [--json results.json]
 
-The step of ``bench.mlp`` (784-256-128-10 ReLU, Adam lr 1e-3, batch 128 of MNIST gathered at
-the loader's epoch cursor, as ``engine.fit`` runs it) is recorded once with an
+The step of ``bench.mlp`` (784-256-128-10 ReLU) or of ``bench.cnn`` (``--model cnn``:
+``engine.models.build_cnn``, ``engine.train --model cnn``'s network), Adam lr 1e-3, batch 128
+of MNIST gathered at the loader's epoch cursor, as ``engine.fit`` runs it, is recorded once
+with an
 ``ops.launch.LaunchRecorder`` and its kernel runs are replayed ``--steps`` times the way a
 captured step replays them on the CPU (each run's function on its arguments, in order), each
 run timed on its own. The table gives each run's median and mean microseconds, and for the
@@ -21,7 +24,12 @@ from bench.report import emit
 BATCH_SIZE = 128
 
 
-def _recorded_step(threads):
+def _model(name, image_shape):
+    from engine.models import build_cnn, build_mlp
+    return build_cnn(image_shape, 10) if name == "cnn" else build_mlp(image_shape, (256, 128), 10)
+
+
+def _recorded_step(model_name, threads):
     """The kernel runs of one training step at the loader's cursor (its third: the cursor
     at the epoch's fourth batch now), the cursor, and the epoch's full batches."""
     import data
@@ -29,7 +37,6 @@ def _recorded_step(threads):
     import optim
     from data.datasets import load_dataset, pixel_statistics
     from engine.losses import cross_entropy
-    from engine.models import build_mlp
     from ops.launch import LaunchRecorder
 
     engine.set_num_threads(threads)
@@ -37,7 +44,7 @@ def _recorded_step(threads):
     (x_train, y_train), _ = load_dataset("mnist")
     loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device="cpu", normalize=pixel_statistics(x_train))
-    model = build_mlp(x_train.shape[1:], (256, 128), 10)
+    model = _model(model_name, x_train.shape[1:])
     optimizer = optim.Adam(model.parameters(), lr=1e-3)
     cursor = loader.epoch_cursor()
 
@@ -56,19 +63,24 @@ def _recorded_step(threads):
 
 
 def _label(kernel_run):
-    """The run's kernel, with a Dense run's layer (its weight's shape: in->out)."""
+    """The run's kernel, with a Dense run's layer (its weight's shape: in->out) and a
+    convolution's (channels in->out, from its geometry)."""
     name = kernel_run.kernel.name
     if name.startswith("dense_"):
         rows, cols = kernel_run.args[1].shape
         return f"{name} {rows}->{cols}"
+    if name.startswith("conv2d_"):
+        geometry = next(arg for arg in kernel_run.args if isinstance(arg, tuple))   # ops.conv's
+        _, channels_in, height, width, channels_out = geometry[:5]
+        return f"{name} {channels_in}->{channels_out} {height}x{width}"
     return name
 
 
-def run(steps, threads):
+def run(steps, threads, model="mlp"):
     import threading
 
     from ops import cpu_threads, dense
-    runs, cursor, full_batches = _recorded_step(threads)
+    runs, cursor, full_batches = _recorded_step(model, threads)
     left_in_epoch = full_batches - 3
     here = threading.get_ident()
     spent = {"blas": 0.0, "wait": 0.0}   # of the run being timed, on this thread
@@ -110,14 +122,16 @@ def run(steps, threads):
                 for part in seconds},
              "mean_us": 1e6 * statistics.mean(seconds["run"][index])}
             for index, kernel_run in enumerate(runs)]
-    return {"steps": steps, "threads": threads, "cpus": cpu_threads.usable_cpus(),
+    return {"model": model, "steps": steps, "threads": threads,
+            "cpus": cpu_threads.usable_cpus(),
             "load_average": os.getloadavg(), "rows": rows,
             "step_median_us": 1e6 * statistics.median(whole),
             "step_mean_us": 1e6 * statistics.mean(whole)}
 
 
 def format_table(result):
-    lines = [f"bench.cpu_step: the MLP's CPU step replayed {result['steps']} times on "
+    lines = [f"bench.cpu_step: the {result['model'].upper()}'s CPU step replayed "
+             f"{result['steps']} times on "
              f"{result['threads']} engine threads ({result['cpus']} usable CPUs), each kernel "
              f"run timed on its own, in the step's order; 1-minute load average "
              f"{result['load_average'][0]:.2f}. Of a Dense run: its BLAS calls on the calling "
@@ -138,13 +152,15 @@ def format_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_step",
                                      description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="bench.mlp's network or bench.cnn's")
     parser.add_argument("--steps", type=int, default=400, help="replayed steps")
     parser.add_argument("--threads", type=int, default=2, help="engine threads")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.threads < 1:
         parser.error("--steps and --threads must be positive")
-    result = run(args.steps, args.threads)
+    result = run(args.steps, args.threads, args.model)
     return emit(result, format_table(result), args.json)
 
 

@@ -7,7 +7,9 @@ Model 784-256-128-10 with ReLU, Adam (lr 1e-3), batch 128, MNIST standardised as
 engine loader's permutation of each epoch). After one warm-up epoch each, timed epochs
 alternate engine, torch, engine, torch, ... so both share the machine's state; s/epoch is
 the median. The engine epoch is ``engine.fit.fit`` (what users run), so it includes the
-per-step bookkeeping of the loop.
+per-step bookkeeping of the loop. On the CPU each row trains in a process of its own
+(``bench.framework_process``), as a user runs one framework, so no framework's thread pool
+takes the cores from another's epoch; on CUDA all rows share this process.
 
 Also measured: kernel launches per training step (CUDA: counted by an
 ``ops.launch.LaunchRecorder`` during one instrumented epoch), driver allocations of the
@@ -17,6 +19,7 @@ subprocess) and a warm one (the same directory again); on CUDA also cold without
 kernels of ops/kernels/ (``ENGINE_SHIPPED_KERNELS=0``).
 """
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -29,6 +32,7 @@ import time
 
 import numpy as np
 
+from bench.framework_process import open_side
 from bench.precision import add_option, set_for_engine, set_for_torch
 from ops.matmul_precision import get_float32_matmul_precision
 from bench.report import emit, require_device
@@ -375,13 +379,12 @@ def alternating_epochs(frameworks, epochs):
     return seconds
 
 
-def beside_a_busy_neighbour(frameworks, epochs):
+def beside_a_busy_neighbour(frameworks, epochs, engine_threads):
     """``alternating_epochs`` again, timed from the start of a busy process that is stopped
-    at the end; also the engine's thread count while it ran."""
-    import engine
+    at the end; also the engine's thread count while it ran (``engine_threads()``)."""
     neighbour = busy_neighbour()
     try:
-        return alternating_epochs(frameworks, epochs), engine.get_num_threads()
+        return alternating_epochs(frameworks, epochs), engine_threads()
     finally:
         neighbour.kill()
         neighbour.wait()
@@ -399,57 +402,108 @@ def busy_neighbour_line(result, rows, digits):
                       for name, row in rows.items()))
 
 
-def run(device, epochs, hidden, limit, measure_compile, loaded=False):
-    import engine
-    from data.datasets import load_dataset, pixel_statistics
-    (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
-    normalize = pixel_statistics(x_train)
-    steps = -(-len(x_train) // BATCH_SIZE)
-
-    engine_epoch, engine_instrumented, engine_accuracy, loader = _engine_run(
-        x_train, y_train, x_test, y_test, normalize, device, hidden)
-    eager_epoch, _, eager_accuracy, _ = _engine_run(
-        x_train, y_train, x_test, y_test, normalize, device, hidden, capture=False)
-    frameworks = {"engine": engine_epoch, "engine eager": eager_epoch}
-    accuracies = {"engine": engine_accuracy, "engine eager": eager_accuracy}
-    torch_version = None
-    if _torch_usable(device):
-        for name, cuda_graph in (("torch", False), ("torch graph", True)):
-            if cuda_graph and device != "cuda":
-                continue
-            frameworks[name], accuracies[name], torch_version = _torch_run(
-                x_train, y_train, x_test, y_test, normalize, device, hidden, loader.order,
-                cuda_graph=cuda_graph)
+def timed_sides(sides, epochs, loaded):
+    """The sides' epochs: one warm-up each, then ``epochs`` alternating rounds, and with
+    ``loaded`` as many again beside a busy process. Returns ``(rows, threads,
+    loaded_threads)``: per side its warm-up, epoch seconds and median (and the loaded ones),
+    and the engine's thread count after the quiet and the loaded rounds."""
+    frameworks = {name: functools.partial(side.call, "epoch") for name, side in sides.items()}
+    engine_threads = functools.partial(sides["engine"].call, "threads")
     warmup = {name: epoch() for name, epoch in frameworks.items()}
-    seconds = alternating_epochs(frameworks, epochs)
-    threads = engine.get_num_threads()
+    seconds = alternating_epochs(frameworks, epochs)   # A B C A B C: one machine state
+    threads = engine_threads()
     loaded_seconds = loaded_threads = None
     if loaded:   # the same epochs again beside a busy process this run starts and stops
-        loaded_seconds, loaded_threads = beside_a_busy_neighbour(frameworks, epochs)
-    instrumented = engine_instrumented()
-
+        loaded_seconds, loaded_threads = beside_a_busy_neighbour(frameworks, epochs,
+                                                                 engine_threads)
     rows = {}
     for name in frameworks:
         median = statistics.median(seconds[name])
-        rows[name] = {"s_per_epoch": median, "us_per_step": 1e6 * median / steps,
-                      "samples_per_s": len(x_train) / median,
-                      "warmup_epoch_s": warmup[name], "epoch_s": seconds[name]}
+        rows[name] = {"s_per_epoch": median, "warmup_epoch_s": warmup[name],
+                      "epoch_s": seconds[name]}
         if loaded_seconds is not None:
             loaded_median = statistics.median(loaded_seconds[name])
             rows[name].update(loaded_s_per_epoch=loaded_median,
                               loaded_epoch_s=loaded_seconds[name],
                               loaded_over_quiet=loaded_median / median)
-    rows["engine"].update(**instrumented)
-    for name in frameworks:
-        rows[name]["test_acc"] = accuracies[name]()
+    return rows, threads, loaded_threads
+
+
+def close_sides(sides):
+    for side in sides.values():
+        side.close()
+
+
+def _mnist(limit):
+    from data.datasets import load_dataset, pixel_statistics
+    (x_train, y_train), (x_test, y_test) = load_dataset("mnist", limit=limit)
+    return x_train, y_train, x_test, y_test, pixel_statistics(x_train)
+
+
+def engine_side(device, limit, hidden, capture, precision, orders):
+    """``bench.framework_process``'s build of an engine row: its epochs, test accuracy,
+    thread count and instrumented epoch; its info the data's sizes and the loader's
+    permutations of the first ``orders`` epochs (the batches the other rows take)."""
+    import engine
+    set_for_engine(precision)
+    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    train_epoch, instrumented_epoch, test_accuracy, loader = _engine_run(
+        x_train, y_train, x_test, y_test, normalize, device, hidden, capture)
+    return ({"epoch": train_epoch, "test_accuracy": test_accuracy,
+             "instrumented": instrumented_epoch, "threads": engine.get_num_threads},
+            {"train_samples": len(x_train), "test_samples": len(x_test),
+             "orders": [loader.order(epoch) for epoch in range(orders)]})
+
+
+def torch_side(device, limit, hidden, cuda_graph, precision, orders):
+    """``bench.framework_process``'s build of a PyTorch row, on the batches of ``orders``
+    (one permutation per epoch)."""
+    set_for_engine(precision)   # set_for_torch reads the engine's setting
+    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    train_epoch, test_accuracy, version = _torch_run(
+        x_train, y_train, x_test, y_test, normalize, device, hidden, orders.__getitem__,
+        cuda_graph=cuda_graph)
+    return {"epoch": train_epoch, "test_accuracy": test_accuracy}, {"version": version}
+
+
+def run(device, epochs, hidden, limit, measure_compile, loaded=False):
+    separate = device == "cpu"   # each row's thread pools alone on the cores
+    precision = get_float32_matmul_precision()
+    epochs_trained = 1 + epochs * (2 if loaded else 1)
+    sides = {"engine": open_side(separate, "engine", engine_side, device, limit, hidden, True,
+                                 precision, epochs_trained),
+             "engine eager": open_side(separate, "engine eager", engine_side, device, limit,
+                                       hidden, False, precision, 0)}
+    try:
+        sizes = sides["engine"].info
+        if _torch_usable(device):
+            for name, cuda_graph in (("torch", False), ("torch graph", True)):
+                if cuda_graph and device != "cuda":
+                    continue
+                sides[name] = open_side(separate, name, torch_side, device, limit, hidden,
+                                        cuda_graph, precision, sizes["orders"])
+        rows, threads, loaded_threads = timed_sides(sides, epochs, loaded)
+        instrumented = sides["engine"].call("instrumented")
+        accuracies = {name: side.call("test_accuracy") for name, side in sides.items()}
+        torch_version = sides["torch"].info["version"] if "torch" in sides else None
+    finally:
+        close_sides(sides)
+
+    steps = -(-sizes["train_samples"] // BATCH_SIZE)
+    for name, row in rows.items():
+        row.update(us_per_step=1e6 * row["s_per_epoch"] / steps,
+                   samples_per_s=sizes["train_samples"] / row["s_per_epoch"],
+                   test_acc=accuracies[name])
         if name.startswith("torch"):
-            rows[name]["version"] = torch_version
+            row["version"] = torch_version
+    rows["engine"].update(**instrumented)
     result = {"device": device, "machine": machine_description(device),
               "model": "-".join(map(str, (784,) + tuple(hidden) + (10,))) + " ReLU",
               "optimizer": f"Adam lr {LEARNING_RATE:g}", "batch_size": BATCH_SIZE,
-              "train_samples": len(x_train), "steps_per_epoch": steps, "timed_epochs": epochs,
+              "train_samples": sizes["train_samples"], "steps_per_epoch": steps,
+              "timed_epochs": epochs, "separate_processes": separate,
               "engine_threads": threads, "engine_threads_loaded": loaded_threads,
-              "matmul_precision": get_float32_matmul_precision(),
+              "matmul_precision": precision,
               "load_average": os.getloadavg(),
               "results": rows,
               "engine_over_torch": (rows["engine"]["s_per_epoch"] / rows["torch"]["s_per_epoch"]
@@ -459,13 +513,17 @@ def run(device, epochs, hidden, limit, measure_compile, loaded=False):
     return result
 
 
+PROCESSES_NOTE = ", each row in a process of its own"
+
+
 def format_table(result):
     rows = result["results"]
     lines = [f"bench.mlp: MLP {result['model']}, {result['optimizer']}, "
              f"batch {result['batch_size']}, "
              f"MNIST {result['train_samples']} samples ({result['steps_per_epoch']} steps/epoch), "
              f"device {result['device']} ({result['machine']}); median of {result['timed_epochs']} "
-             f"epochs after 1 warm-up, the rows alternating epoch by epoch; engine threads "
+             f"epochs after 1 warm-up, the rows alternating epoch by epoch"
+             f"{PROCESSES_NOTE if result.get('separate_processes') else ''}; engine threads "
              f"{result['engine_threads']}, float32 matmul precision "
              f"{result.get('matmul_precision', 'highest')!r} (engine and torch), 1-minute load "
              f"average at the end "

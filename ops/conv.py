@@ -32,6 +32,9 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 - forward 8.7 ms serial: the GEMM 6.7 ms (137 GFLOP/s, OpenBLAS), im2col 1.5, bias and
   relu 0.2; torch on one thread (oneDNN) 3.5 ms, backward 18.1 ms against torch's 7.2;
 - several samples per GEMM do not pay: 1568 and 6272 columns ran at 128 and 112 GFLOP/s;
+  nor in the backward (2-core AMD machine, 2 threads): a slice's G and columns side by
+  side, 2, 4 or 16 samples per dw and dx GEMM, took 15.5-17.1 ms against 14.3-16.5
+  per sample (32->64), 3.0-3.8 against 2.4-3.1 (1->32), the columns out of L2;
 - direct loops lose even with one input channel: 6.0 ms against 0.93 (1->32 on 28x28);
 - im2col copies a row as one shifted run when stride is 1 and OW = W ("same"): 6.4 -> 1.5
   ms; the bias/activation and act' loops are compiled per activation code (relu over 3.2M

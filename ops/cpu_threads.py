@@ -17,7 +17,8 @@ default, the CPUs the process may use less those that other processes kept busy:
 Following the load reads no clock in a thread of its own: at most once every
 ``LOAD_INTERVAL_S`` (about an epoch of the reference MLP), the first kernel that asks reads
 ``/proc/stat`` and this process's own CPU time and takes the CPUs that the other processes
-used on average since the last reading (``others_busy``). Two threads beside one busy
+used on average since the last reading (``others_busy``); the first kernel, and the first
+after ``IDLE_S`` without one, guesses from the threads runnable now (``others_now``). Two threads beside one busy
 process wait on each other (a parallel step waits for its slower half, which waits a
 scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on two threads
 against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1. A split
@@ -46,6 +47,16 @@ SPLIT_MIN_MACS = 2 * MIN_BLOCK_MACS   # the smallest GEMM that splits (in two)
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 LOAD_INTERVAL_S = 1.0
+# A process none of whose kernels asked for the count this long was idle: the CPUs others
+# used meanwhile are no guide to now. In bench.cnn and bench.mlp, whose rows run in processes
+# of their own, the engine's process waiting while PyTorch's ran its epoch read PyTorch's two
+# busy cores as neighbours and began its next epoch on one thread (the MLP's 0.8 s epochs
+# all of it). So after such a gap the count is guessed afresh; a step asks every few ms.
+IDLE_S = 0.5
+# The fresh guess: the fewest runnable threads of other processes in a few looks a few ms
+# apart; one look can catch the threads of a process that has just ended its work still
+# spinning (libgomp's spin before they sleep), a busy neighbour is in every look.
+GUESS_LOOKS, GUESS_LOOK_GAP_S = 3, 0.002
 STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a stall
 # One stalled split is not yet a busy neighbour: on the quiet 2-core machine 8% of the CNN's
 # splits (its Dense 3136->128) stalled, one at a time, and falling back on each left 34-46 of
@@ -101,8 +112,8 @@ class _LoadReader:
         except (OSError, ValueError, IndexError):
             return None
 
-    def others_now(self):
-        """Threads of other processes runnable at this instant (the first guess)."""
+    @staticmethod
+    def _runnable_others():
         try:
             with open("/proc/stat") as stat:
                 for line in stat:
@@ -111,6 +122,19 @@ class _LoadReader:
         except (OSError, ValueError, IndexError):
             pass
         return None
+
+    def others_now(self):
+        """Threads of other processes runnable now (the first guess): the fewest of
+        ``GUESS_LOOKS`` looks ``GUESS_LOOK_GAP_S`` apart, None where none could be read."""
+        looks = []
+        for look in range(GUESS_LOOKS):
+            if look:
+                time.sleep(GUESS_LOOK_GAP_S)
+            looks.append(self._runnable_others())
+            if looks[-1] is None:
+                return None
+        return min(looks)
+
 
     def others_busy(self):
         """The CPUs other processes kept busy on average since the last call."""
@@ -127,23 +151,28 @@ _recent_splits = collections.deque(maxlen=STALL_WINDOW)   # whether each stalled
 _chosen = None   # the count set_threads fixed; None: follow the load
 _count = None   # the count in force while following the load
 _next_reading = 0.0
+_last_asked = 0.0
 _reader = None
 
 
 def threads():
     """The engine's CPU thread count now (re-reading the load at most every
-    ``LOAD_INTERVAL_S`` while no count is fixed)."""
-    global _count, _next_reading, _reader
+    ``LOAD_INTERVAL_S`` while no count is fixed, guessing it afresh after ``IDLE_S``
+    without a call)."""
+    global _count, _next_reading, _reader, _last_asked
     if _chosen is not None:
         return _chosen
-    if _count is not None and time.monotonic() < _next_reading:
+    now, asked = time.monotonic(), _last_asked
+    _last_asked = now
+    idle = now - asked > IDLE_S
+    if _count is not None and now < _next_reading and not idle:
         return _count
     with _lock:
         cpus = usable_cpus()
         if blas_threads_chosen_in_environment():
             _count, _next_reading = 1, float("inf")
             return _count
-        if _reader is None:
+        if _reader is None or idle:   # a first or fresh guess, and a new baseline
             _reader = _LoadReader()
             others = _reader.others_now()
         else:

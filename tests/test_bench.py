@@ -61,6 +61,7 @@ def test_bench_mlp_smoke_and_busy_neighbour(tmp_path, capsys, neighbours):
     output = capsys.readouterr().out
     assert "| engine, fit (captured step) |" in output
     assert "| engine, fit(capture=False) |" in output
+    assert result["separate_processes"] and "each row in a process of its own" in output
     assert_busy_neighbour_timed_the_epochs_again_and_stopped(engine_row, 2, neighbours, output)
 
 
@@ -79,9 +80,56 @@ def test_bench_cnn_smoke_and_busy_neighbour(tmp_path, capsys, neighbours):
     assert result["epochs_trained"] == 3   # the warm-up, the timed epoch, the loaded one
     output = capsys.readouterr().out
     assert "| engine, fit (captured step) |" in output and "after all 3 epochs" in output
+    assert result["separate_processes"] and "each row in a process of its own" in output
     assert "| framework | s/epoch |" in output
     assert_busy_neighbour_timed_the_epochs_again_and_stopped(rows["engine"], 1, neighbours,
                                                              output)
+
+
+def counting_side(start):
+    """A side for bench.framework_process: counts from ``start``; its info its process."""
+    import os
+    count = [int(start)]
+
+    def step(by):
+        count[0] += by
+        return count[0]
+
+    def fail():
+        raise ValueError("the side's own error")
+
+    return {"step": step, "pid": os.getpid, "fail": fail}, {"built_in": os.getpid()}
+
+
+def test_a_framework_process_builds_and_runs_its_side_in_another_process_and_stops():
+    import os
+    from bench.framework_process import FrameworkProcess, LocalSide, open_side
+    side = open_side(True, "counter", counting_side, 10)
+    try:
+        assert isinstance(side, FrameworkProcess)
+        assert side.info["built_in"] == side.call("pid") != os.getpid()
+        assert [side.call("step", 1), side.call("step", 5)] == [11, 16]   # state kept
+        with pytest.raises(RuntimeError, match="the counter process failed while fail:"
+                                               "(.|\n)*the side's own error"):
+            side.call("fail")
+        assert side.call("step", 1) == 17   # a failed call leaves the side usable
+    finally:
+        side.close()
+    assert not side._process.is_alive()
+    local = open_side(False, "counter", counting_side, 0)
+    assert isinstance(local, LocalSide) and local.info["built_in"] == os.getpid()
+    assert local.call("step", 2) == 2
+
+
+def test_a_framework_process_that_fails_to_build_raises_with_its_traceback():
+    from bench.framework_process import FrameworkProcess
+    side = FrameworkProcess("counter", counting_side, "not a number")
+    try:
+        with pytest.raises(RuntimeError, match="the counter process failed while building:"
+                                               "(.|\n)*invalid literal for int"):
+            side.call("step", 1)
+    finally:
+        side.close()
 
 
 @pytest.mark.parametrize("model", ["mlp:16", "cnn"])
@@ -229,6 +277,19 @@ def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_bl
     assert dense.blas_product is product and cpu_threads.split_stalled is stalled
     assert cpu_threads.following_load()
     assert "| the whole step |" in capsys.readouterr().out
+
+
+def test_bench_cpu_step_of_the_cnn_names_each_convolution_by_its_channels(capsys):
+    from bench import cpu_step
+    from ops import cpu_threads
+    result = cpu_step.main(["--model", "cnn", "--steps", "2", "--threads", "1"])
+    runs = [row["run"] for row in result["rows"]]
+    assert [run for run in runs if run.startswith("conv2d")] == [
+        "conv2d_forward 1->32 28x28", "conv2d_forward 32->64 14x14",
+        "conv2d_backward 32->64 14x14", "conv2d_backward 1->32 28x28"]
+    assert runs[0] == "gather_rows" and runs[-1] == "adam" and "max_pool2d_grad" in runs
+    assert cpu_threads.following_load()
+    assert "the CNN's CPU step replayed 2 times on 1 engine threads" in capsys.readouterr().out
 
 
 def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():

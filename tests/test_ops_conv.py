@@ -430,6 +430,51 @@ def test_max_pool_propagates_nan(device):
     assert np.isnan(y[0, 0, 0, 0]) and not np.isnan(y[0, 0, 1, 1])
 
 
+def test_the_halving_pools_own_cpu_loop_gives_the_general_loop_s_bits():
+    """2x2 at stride 2 (ops.pool._halving) runs a loop of its own on the CPU: the general
+    loop's results bit for bit, written out in float32 in its order (ties to the first
+    maximum, NaN to the last, sums from 0 in row-major order, then the scale), the odd
+    row and column no window holds dropped (forward) or given 0 (backward)."""
+    from ops.pool import AVG_POOL, AVG_POOL_GRAD, MAX_POOL
+    rng = np.random.default_rng(3)
+    planes, h, w = 6, 5, 7
+    x = np.round(rng.standard_normal((planes, h, w)), 0).astype(np.float32)   # ties
+    x[0, 0, 1] = x[1, 2, 2] = x[1, 3, 3] = np.nan
+    x[2, :2, :2] = -0.0
+    meta = (planes, h, w, 2, 3, 2, 2, 2, 2, 0, 0)
+    windows = np.stack([x[:, 0:4:2, 0:6:2], x[:, 0:4:2, 1:6:2], x[:, 1:4:2, 0:6:2],
+                        x[:, 1:4:2, 1:6:2]], axis=-1)   # (planes, 2, 3, 4), row-major taps
+    offsets = np.array([0, 1, w, w + 1])
+    first = (2 * np.arange(2)[:, None] * w + 2 * np.arange(3)[None, :])[None, :, :, None]
+    best, best_at = windows[..., 0], first[..., 0]
+    for tap in range(4):
+        value = windows[..., tap]
+        better = (value > best) | np.isnan(value)
+        best, best_at = np.where(better, value, best), np.where(better, first[..., 0] +
+                                                               offsets[tap], best_at)
+    out, argmax = np.empty(planes * 6, np.float32), np.empty(planes * 6, np.int32)
+    MAX_POOL(x.ravel(), out, argmax, meta)
+    np.testing.assert_array_equal(out, best.ravel())
+    np.testing.assert_array_equal(argmax, best_at.ravel())
+    scale = np.float32(0.25)
+    total = np.float32(0) + windows[..., 0]
+    for tap in range(1, 4):
+        total = total + windows[..., tap]
+    averaged = np.empty(planes * 6, np.float32)
+    AVG_POOL(x.ravel(), averaged, meta, scale)
+    np.testing.assert_array_equal(averaged.view(np.int32), (total * scale).ravel().view(np.int32))
+    grad_out = rng.standard_normal((planes, 2, 3)).astype(np.float32)
+    grad_out[0, 0, 0] = -0.0
+    expected = np.zeros((planes, h, w), np.float32)
+    spread = (np.float32(0) + grad_out) * scale
+    for i in range(2):
+        for j in range(2):
+            expected[:, i:4:2, j:6:2] = spread
+    grad_in = np.full(planes * h * w, np.nan, np.float32)   # every element written
+    AVG_POOL_GRAD(grad_out.ravel(), grad_in, meta, scale)
+    np.testing.assert_array_equal(grad_in.view(np.int32), expected.ravel().view(np.int32))
+
+
 @pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 def test_pooling_rejects_bad_arguments(device, cls):
     name = cls.name

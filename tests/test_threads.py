@@ -87,6 +87,36 @@ def test_the_load_is_read_again_after_the_interval_and_not_before(monkeypatch,
     assert engine.get_num_threads() == cpus   # quiet again: all of them
 
 
+def test_after_an_idle_gap_the_count_is_guessed_afresh_not_from_the_gap_s_average(
+        monkeypatch, follow_the_load_after):
+    """A process that ran no kernel while another ran its epoch (bench.cnn's rows in their
+    processes) takes the threads runnable now, not the CPUs the other used meanwhile."""
+    cpu_threads.set_threads(None)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads._LoadReader, "_reading",
+                        lambda self: (cpu_threads.time.monotonic(), 0, 0))
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_now", lambda self: 0)
+    monkeypatch.setattr(cpu_threads._LoadReader, "others_busy", lambda self: 2.0)
+    now = [1000.0]
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: now[0])
+    assert engine.get_num_threads() == 2   # the first guess: nothing runnable
+    for _ in range(15):   # working: kernels ask every 0.1 s, past the next reading
+        now[0] += 0.1
+        engine.get_num_threads()
+    assert engine.get_num_threads() == 1   # others busy on average since: a reading
+    now[0] += cpu_threads.IDLE_S * 1.5
+    assert engine.get_num_threads() == 2   # after an idle gap: guessed again
+
+
+def test_the_fresh_guess_is_the_fewest_runnable_others_of_its_looks(monkeypatch):
+    looks = iter([2, 1, 3])   # a process whose threads spin a moment, then sleep
+    monkeypatch.setattr(cpu_threads._LoadReader, "_runnable_others",
+                        staticmethod(lambda: next(looks)))
+    assert cpu_threads._LoadReader().others_now() == 1
+    monkeypatch.setattr(cpu_threads._LoadReader, "_runnable_others", staticmethod(lambda: None))
+    assert cpu_threads._LoadReader().others_now() is None
+
+
 def test_others_busy_is_the_usable_cpus_busy_ticks_less_this_process_s_per_second(
         monkeypatch):
     readings = iter([(10.0, 1000, 300), (12.0, 1000 + 3 * 100, 300 + 100),
