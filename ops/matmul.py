@@ -466,8 +466,12 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         return t * U(run) + U((i // run) * (count * run) + i % run)
 
     if MMA:
-        multiply_buffer, acc_position = _mma_parts(tiling, numba_type, (1, A_ROW), (1, B_ROW),
-                                                   A_BUFFER, B_BUFFER)
+        multiply_with_alpha, acc_position = _mma_parts(tiling, numba_type, (1, A_ROW),
+                                                       (1, B_ROW), A_BUFFER, B_BUFFER)
+
+        @cuda.jit(device=True)
+        def multiply_buffer(a_tile, b_tile, cur, acc, tid):   # the prologue came at the stash
+            multiply_with_alpha(a_tile, b_tile, cur, acc, tid, ZERO)
     else:
         @cuda.jit(device=True)
         def acc_position(tid, i, j):
@@ -816,8 +820,8 @@ def _mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_S
     ``b_tile``. ``raw``: TF32 tiles hold float32 values as copied, rounded (``to_tf32``) as
     the fragments are read, instead of rounded once as they were stashed. ``A_AUX``,
     ``B_AUX``: where the operand's tile holds G = grad_out · act'(y) as grad_out and y apart,
-    y this many elements further on: the prologue applies as the fragments are read (then
-    ``multiply_buffer`` takes act's ``alpha`` as a sixth argument)."""
+    y this many elements further on: the prologue applies as the fragments are read, with
+    act's ``alpha``, ``multiply_buffer``'s sixth argument."""
     BM, BN, BK, TM, TN = tiling[:5]
     WM, WN = 8 * TM, 4 * TN
     WARPS_N = BN // WN
@@ -856,7 +860,8 @@ def _mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_S
             the lower k in the low half: adjacent in a row by row tile (K_STRIDE 1), one
             8-byte load (two 4-byte ones met in the same banks there, 2-way)."""
             if TF32:
-                return to_tf32(element(tile, at, alpha)) if raw else tile[at]
+                value = element(tile, at, alpha)
+                return to_tf32(value) if raw else value
             if K_STRIDE == 1 and AUX is None:
                 low, high = load_float2(tile, at)
                 return pack_bf16(low, high)
@@ -866,7 +871,7 @@ def _mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_S
     a_register, b_register = register_reader(A_KS, A_AUX), register_reader(B_KS, B_AUX)
 
     @cuda.jit(device=True)
-    def multiply_with_prologue(a_tile, b_tile, cur, acc, tid, alpha):
+    def multiply_buffer(a_tile, b_tile, cur, acc, tid, alpha):
         """acc += the warp's fragments of buffer ``cur``'s A (BM x BK) @ B (BK x BN)."""
         a_frag = cuda.local.array(A_FRAGMENT, register_type)
         b_frag = cuda.local.array(B_FRAGMENT, register_type)
@@ -897,14 +902,6 @@ def _mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_S
                     acc[2 * f, 2 * g], acc[2 * f, 2 * g + 1] = d[0], d[1]
                     acc[2 * f + 1, 2 * g], acc[2 * f + 1, 2 * g + 1] = d[2], d[3]
             kk += U(K_STEP)
-
-    if A_AUX is not None or B_AUX is not None:
-        return multiply_with_prologue, acc_position
-    ZERO = numba_type(0)
-
-    @cuda.jit(device=True)
-    def multiply_buffer(a_tile, b_tile, cur, acc, tid):
-        multiply_with_prologue(a_tile, b_tile, cur, acc, tid, ZERO)
 
     return multiply_buffer, acc_position
 
@@ -964,12 +961,6 @@ def _pipelined_accumulate(tiling, trans_a, trans_b, numba_type, THREADS, mode, a
         tiling, numba_type, layout.a_strides, layout.b_strides, A_STAGE, B_STAGE, B_START,
         raw=True, act=act, A_AUX=AUX_START if A_PROLOGUE else None,
         B_AUX=AUX_START - B_START if B_PROLOGUE else None)
-    if not (A_PROLOGUE or B_PROLOGUE):
-        multiply = multiply_buffer
-
-        @cuda.jit(device=True)
-        def multiply_buffer(a_tile, b_tile, cur, acc, tid, alpha):
-            multiply(a_tile, b_tile, cur, acc, tid)
     tensor_core = _tensor_core()
     copy_async, commit_copies = tensor_core.copy_async, tensor_core.commit_copies
     wait_copies = tensor_core.wait_copies[STAGES - 2]

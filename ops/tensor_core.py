@@ -141,31 +141,26 @@ def copy_async(typingctx, tile, tile_offset, array, offset, valid):
     return types.void(tile, tile_offset, array, offset, valid), codegen
 
 
-@intrinsic
-def commit_copies(typingctx):
-    """Close the group of the copies this thread started since the last one (``cp.async
-    .commit_group``)."""
-    def codegen(context, builder, signature, args):
-        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;",
-                                  "~{memory}", side_effect=True), [])
-        return context.get_dummy_value()
-    return types.void(), codegen
-
-
-def _wait_copies(pending):
+def _statement(name, text, doc):
+    """An intrinsic of no arguments that issues the PTX ``text``, ordered with every memory
+    access around it (a ``memory`` clobber: no shared load moves across it)."""
     def typer(typingctx):
         def codegen(context, builder, signature, args):
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                                      f"cp.async.wait_group {pending};", "~{memory}",
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
                                       side_effect=True), [])
             return context.get_dummy_value()
         return types.void(), codegen
-    typer.__name__ = typer.__qualname__ = f"wait_copies_{pending}"
+    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
     return intrinsic(typer)
 
 
+commit_copies = _statement("commit_copies", "cp.async.commit_group;", """Close the group of
+the copies this thread started since the last one (``cp.async.commit_group``).""")
 # wait_copies[n](): wait until at most n of this thread's copy groups are still in flight
-wait_copies = tuple(_wait_copies(pending) for pending in range(4))
+wait_copies = tuple(_statement(f"wait_copies_{pending}", f"cp.async.wait_group {pending};",
+                               f"Wait until at most {pending} of this thread's copy groups "
+                               f"are in flight (``cp.async.wait_group``).")
+                    for pending in range(4))
 
 
 def _mma(name, shape_and_types, doc):
