@@ -4,6 +4,7 @@ the choice of ``ops.matmul``'s large tilings and of the tensor-core tile rule.
     python -m bench.tiling_sweep tensor-cores   # TF32/bf16 tilings at 4096³ and 1024³
     python -m bench.tiling_sweep pipelined      # the cp.async pipelines: tiles x stages
     python -m bench.tiling_sweep wide-mlp       # TF32 tiling x split-K at the 784-4096-4096 MLP
+    python -m bench.tiling_sweep wide-mlp --only pipelined   # those whose name holds the text
     python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
 
 Each candidate is forced by replacing ``ops.matmul.pick_config`` for the timed calls, so the
@@ -73,11 +74,19 @@ def fp32_candidates():
 
 
 @contextlib.contextmanager
-def forced(tiling, split):
-    """Every GEMM plan inside picks ``tiling`` in ``split`` K slices."""
+def forced(tiling, split, shape):
+    """Every GEMM plan inside of op(A) (m, k) @ op(B) (k, n), ``shape`` = (m, n, k), in
+    ``tiling``'s format picks ``tiling`` in ``split`` K slices (the timer's busy product, at
+    "highest", keeps its own)."""
     from ops import matmul as mm
     chosen = mm.pick_config
-    mm.pick_config = lambda *args, **options: mm.GemmConfig(tiling, split)
+
+    def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, **options):
+        if (m, n, k) == shape and mma == tiling.mma:
+            return mm.GemmConfig(tiling, split)
+        return chosen(m, n, k, trans_a, trans_b, extra_rows, mma, **options)
+
+    mm.pick_config = pick_config
     try:
         yield
     finally:
@@ -103,7 +112,8 @@ def time_candidate(timer, operands, trans_a, trans_b, tiling, split, calls):
     set_float32_matmul_precision(PRECISION_OF_FORMAT[tiling.mma])
     try:
         mm.check_tiling(tiling)
-        with forced(tiling, split):
+        m, n = out.shape
+        with forced(tiling, split, (m, n, b.shape[1] if trans_b else b.shape[0])):
             seconds = timer.seconds_per_call(lambda: mm.gemm(a, b, trans_a, trans_b, out=out),
                                              calls)
     finally:
@@ -122,27 +132,46 @@ def sweep_square(candidates, sizes, calls=10):
                   f"{2 * size ** 3 / seconds / 1e12:6.1f} TFLOP/s  err {error:.1e}", flush=True)
 
 
-def sweep_wide_mlp(calls=20):
+def wide_mlp_candidates():
+    """(name, tiling, split) of the TF32 tilings swept at the wide MLP's products."""
     from ops import matmul as mm
-    candidates = ([("MEDIUM", mm.TF32_MEDIUM, split) for split in (1, 2, 3, 6)]
-                  + [("LARGE", mm.TF32_LARGE, split) for split in (1, 4, 8, 16)]
-                  + [("64x128, warps of 64x64", mm.Tiling(64, 128, 16, 8, 16, mma="tf32"),
-                      split) for split in (1, 2, 4)])
+    tiling = mm.Tiling
+    register = ([("MEDIUM", mm.TF32_MEDIUM, split) for split in (1, 2, 3, 6)]
+                + [("LARGE", mm.TF32_LARGE, split) for split in (1, 4, 8, 16)]
+                + [("64x128, warps of 64x64", tiling(64, 128, 16, 8, 16, mma="tf32"), split)
+                   for split in (1, 2, 4)])
+    pipelined = ([("PIPELINED 128x128x32", mm.TF32_PIPELINED, split)
+                  for split in (1, 4, 8, 9, 16)]
+                 + [("PIPELINED 128x128x16", mm.TF32_PIPELINED_PROLOGUE, split)
+                    for split in (1, 8, 9)])
+    for bm, bn, tm, tn in ((64, 128, 8, 16), (128, 64, 8, 16), (64, 64, 8, 8)):
+        pipelined += [(f"pipelined {bm}x{bn}x32, 3 stages",
+                       tiling(bm, bn, 32, tm, tn, mma="tf32", stages=3), split)
+                      for split in (1, 2, 4, 8)]
+    return register + pipelined
+
+
+def sweep_wide_mlp(calls=20, only=None):
+    from ops import matmul as mm
+    candidates = [c for c in wide_mlp_candidates() if only is None or only in c[0]]
     timer, rng = engine_timer(), np.random.default_rng(0)
     for label, (m, k, n, trans_a, trans_b) in WIDE_MLP.items():
-        rule = mm.pick_config(m, n, k, trans_a, trans_b, 0, "tf32")
-        print(f"{label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])} in "
-              f"{rule.split} slices", flush=True)
+        rule = mm.pick_config(m, n, k, trans_a, trans_b, 0, "tf32",
+                              pipelined=mm.MMA_TILINGS["tf32"].pipelined)
+        print(f"{label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])}"
+              f"{', pipelined' if rule.tiling.stages else ''} in {rule.split} slices",
+              flush=True)
         operands = _operands(m, k, n, trans_a, trans_b, rng)
         for name, tiling, split in candidates:
             seconds, _ = time_candidate(timer, operands, trans_a, trans_b, tiling, split, calls)
-            print(f"  {name:24s} split {split:2d}: {seconds * 1e6:8.1f} us", flush=True)
+            print(f"  {name:32s} split {split:2d}: {seconds * 1e6:8.1f} us", flush=True)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tiling_sweep",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("sweep", choices=["tensor-cores", "pipelined", "wide-mlp", "fp32"])
+    parser.add_argument("--only", help="wide-mlp: the candidates whose name holds this text")
     args = parser.parse_args(argv)
     from ops.device import SIMULATOR, cuda_available
     if SIMULATOR or not cuda_available():
@@ -152,7 +181,7 @@ def main(argv=None):
     elif args.sweep == "pipelined":
         sweep_square(pipelined_candidates(), (4096, 1024))
     elif args.sweep == "wide-mlp":
-        sweep_wide_mlp()
+        sweep_wide_mlp(only=args.only)
     else:
         sweep_square(fp32_candidates(), (4096,))
 

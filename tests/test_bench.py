@@ -299,5 +299,8 @@ def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
                        tiling_sweep.fp32_candidates()):
         for tiling in candidates.values():
             mm.check_tiling(tiling)
+    for _, tiling, split in tiling_sweep.wide_mlp_candidates():
+        mm.check_tiling(tiling)
+        assert split >= 1
     with pytest.raises(SystemExit, match="bench.tiling_sweep: needs a CUDA GPU"):
         tiling_sweep.main(["fp32"])

@@ -192,6 +192,32 @@ def test_cpu_cuda_parity(case, dtype):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_update_kernel_strides_over_the_elements_past_its_grid(decoupled):
+    """A large update's grid stops at SCALAR_BLOCKS_PER_SM blocks a multiprocessor and each
+    thread strides on: 2 blocks of 4 threads over 37 elements update each as the CPU does."""
+    from ops.cuda_backend import cuda
+    from ops.step_counter import T
+    from optim.adam import ADAM_UPDATE
+
+    rng = np.random.default_rng(3)
+    state = [rng.standard_normal(37) for _ in range(3)] + [rng.random(37)]
+    counts = np.zeros(3, np.int64)
+    counts[T] = 4
+    hyper = np.array([1e-2, 0.9, 0.999, 1e-8, 0.1])
+    tiny = float(np.finfo(np.float64).tiny)
+    on_cpu = [a.copy() for a in state]
+    ADAM_UPDATE.cpu(*on_cpu, counts, hyper, decoupled, tiny)
+    on_cuda = [to_device(a, "cuda") for a in state]
+    ADAM_UPDATE.cuda[2, 4](*on_cuda, to_device(counts, "cuda"),
+                       to_device(hyper, "cuda"), decoupled, tiny)
+    cuda.synchronize()
+    for expected, got in zip(on_cpu, on_cuda):
+        np.testing.assert_allclose(got.copy_to_host(), expected, rtol=1e-13, atol=1e-15)
+    assert not np.array_equal(on_cpu[0], state[0])   # the update changed the parameters
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_adam_zero_over_zero_is_nan_as_in_torch(device):
     """eps=0 and a zero gradient: m / sqrt(v) is 0/0; IEEE NaN, no ZeroDivisionError (the

@@ -374,3 +374,16 @@ def test_the_tensor_core_plan_takes_large_tiles_when_split_k_fills_the_gpu(monke
     monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)   # the H200's
     config = mm.pick_config(m, n, k, False, False, mma="tf32")
     assert config == mm.GemmConfig(mm.TILINGS[tiling], split)
+
+
+@pytest.mark.parametrize("m, n, k, split", [
+    (128, 4096, 4096, 8),    # 32 tiles: 8 slices make the one wave of 264 blocks, 9 a second
+    (128, 4000, 4096, 8),    # 32 tiles again (the last one part-filled)
+    (256, 4096, 4096, 4),    # 64 tiles: 264 // 64 (the register tilings' ceiling: 5)
+    (128, 8192, 2048, 4),    # 64 tiles in slices of 512 at least: 264 // 64
+])
+def test_a_pipelined_split_stays_within_one_wave_of_blocks(monkeypatch, m, n, k, split):
+    from ops import matmul as mm
+    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)
+    config = mm.pick_config(m, n, k, False, False, mma="tf32", pipelined=mm.TF32_PIPELINED)
+    assert config == mm.GemmConfig(mm.TF32_PIPELINED, split)
