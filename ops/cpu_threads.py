@@ -11,6 +11,9 @@ default, the CPUs the process may use less those that other processes kept busy:
   the split costs none (the blocks run the code the unsplit call runs, on row slices).
   BLAS's own pool stays at one thread (``engine.blas_threads``), since its idle threads
   spin;
+- an element kernel (an optimizer's update, ``ops.element_kernel``) over
+  ``SPLIT_MIN_ELEMENTS`` elements or more runs in blocks of its elements the same way
+  (``element_blocks``);
 - the ``prange`` loops of the convolutions, pooling and BatchNorm run on as many of Numba's
   threads (``engine_threads``), so a busy neighbour caps them too.
 
@@ -46,6 +49,14 @@ MIN_BLOCK_MACS = 4 << 20
 SPLIT_MIN_MACS = 2 * MIN_BLOCK_MACS   # the smallest GEMM that splits (in two)
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
+# An element kernel splits later than a GEMM: Adam ran 0.93 ns an element on one thread of the
+# 2-core Xeon and the hand-off costs 40-50 us (nogil kernels, load 0): over 235k elements
+# (the MLP's parameters) 219 us whole against 165 in two blocks, 128k 119-124 against 104,
+# 64k 59 against 73-89. The batch gather (NumPy's take of 128 MNIST rows) does not split:
+# 47 us whole, 74-83 in two.
+MIN_BLOCK_ELEMENTS = 64 << 10
+SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
+ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
 # used meanwhile are no guide to now. In bench.cnn and bench.mlp, whose rows run in processes
@@ -225,11 +236,26 @@ def row_blocks(rows, macs):
     ``MIN_BLOCK_ROWS``; None for one plain call (small, or one thread)."""
     if macs < SPLIT_MIN_MACS:
         return None
-    count = min(threads(), rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS)
+    return _even_blocks(rows, min(threads(), rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS),
+                        ROW_ALIGN)
+
+
+def element_blocks(size):
+    """The ``(start, stop)`` blocks an element kernel (``ops.element_kernel``) over ``size``
+    elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS``; None for
+    one plain call."""
+    if size < SPLIT_MIN_ELEMENTS:
+        return None
+    return _even_blocks(size, min(threads(), size // MIN_BLOCK_ELEMENTS), ELEMENT_ALIGN)
+
+
+def _even_blocks(size, count, align):
+    """``count`` blocks of ``range(size)`` of about equal length, inner edges on multiples
+    of ``align``; None for fewer than two."""
     if count < 2:
         return None
-    edges = [0] + [min(rows, round(rows * block / count / ROW_ALIGN) * ROW_ALIGN)
-                   for block in range(1, count)] + [rows]
+    edges = [0] + [min(size, round(size * block / count / align) * align)
+                   for block in range(1, count)] + [size]
     return [(start, stop) for start, stop in zip(edges, edges[1:]) if stop > start]
 
 

@@ -28,6 +28,10 @@ to the dtype of its first array; the kernel's arguments are ``element``'s others
 ``SCALAR_BLOCKS_PER_SM`` blocks a multiprocessor, each thread striding over the elements
 past it: Adam over the wide MLP's 20M parameters launched 78k blocks, each waiting for its
 thread 0's float64 powers, and took 282 us of H200 time (2.0 TB/s).
+
+On the CPU a kernel over many elements (an optimizer's update of the MLP's 235k parameters)
+runs in blocks of them on the engine's threads (``split_over_threads``); the compiled loop
+releases the GIL (``nogil``) for that.
 """
 import hashlib
 import inspect
@@ -36,6 +40,7 @@ import numpy as np
 from numba import float64, njit
 
 from ops import cuda_backend
+from ops.cpu_threads import element_blocks, run_blocks
 from ops.cuda_backend import SIMULATOR, cuda
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, elements
 from ops.subnormals import flush_begin, flush_end
@@ -66,7 +71,13 @@ _CUDA_SCALARS = """s = cuda.shared.array({count}, float64)
         scalars_cuda({scalar_arguments}, s)
     cuda.syncthreads()"""
 SCALAR_BLOCKS_PER_SM = 8   # 8 x 256 threads: a multiprocessor's 2048, where registers allow
-_TEMPLATE_DIGEST = hashlib.sha1((_SOURCE + _CPU_SCALARS + _CUDA_SCALARS).encode()).hexdigest()[:12]
+# Numba's cache keys a kernel on its signature and source, not its compile flags: the CPU
+# kernel's name carries them too, so one compiled without nogil is never reloaded for it.
+_CPU_FLAGS = dict(CPU_KERNEL, nogil=True, error_model="numpy")
+_TEMPLATE_DIGEST = {
+    "cuda": hashlib.sha1((_SOURCE + _CPU_SCALARS + _CUDA_SCALARS).encode()).hexdigest()[:12],
+    "cpu": hashlib.sha1((_SOURCE + _CPU_SCALARS + _CUDA_SCALARS + repr(sorted(
+        _CPU_FLAGS.items()))).encode()).hexdigest()[:12]}
 
 
 def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=None):
@@ -106,10 +117,33 @@ def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=
     line = element.__code__.co_firstlineno
     exec(compile("\n" * (line - 1) + source, inspect.getfile(element), "exec"), namespace)
     for side in ("cpu", "cuda"):
-        namespace[f"{name}_{side}"].__qualname__ = f"{name}_{side}_{_TEMPLATE_DIGEST}"
-    cpu = njit(**CPU_KERNEL, error_model="numpy")(namespace[f"{name}_cpu"])
+        namespace[f"{name}_{side}"].__qualname__ = f"{name}_{side}_{_TEMPLATE_DIGEST[side]}"
+    cpu = njit(**_CPU_FLAGS)(namespace[f"{name}_cpu"])
     gpu = cuda.jit(cache=True)(namespace[f"{name}_cuda"])
-    return Kernel(name, cpu, gpu, strided_blocks(0) if count else elements(0))
+    return Kernel(name, split_over_threads(cpu, len(arrays)), gpu,
+                  strided_blocks(0) if count else elements(0))
+
+
+def split_over_threads(cpu, array_count):
+    """``cpu`` (the loop over every element) in blocks of the elements across the engine's
+    threads when they are many (``ops.cpu_threads.element_blocks``): each block the same
+    kernel on slices of the per-element arrays (those among the first ``array_count``
+    arguments that are 1-D and as long as the first), so every element is computed as in one
+    call, on any thread count. Each block reads the skip flag and computes the per-launch
+    scalars itself."""
+    def split(*args):
+        first = args[0]
+        blocks = element_blocks(first.size) if getattr(first, "ndim", 0) == 1 else None
+        if blocks is None:
+            return cpu(*args)
+        per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
+                       and args[k].ndim == 1 and args[k].size == first.size]
+        run_blocks([(cpu, tuple(arg[start:stop] if k in per_element else arg
+                                for k, arg in enumerate(args)))
+                    for start, stop in blocks])
+    split.__wrapped__ = cpu   # the @njit kernel, for whoever inspects the compiled side
+    split.__name__ = split.__qualname__ = cpu.__name__
+    return split
 
 
 def strided_blocks(position):

@@ -32,7 +32,7 @@ def _sgd_element(i, param, grad, momentum_buffer, counts, hyper, tiny):
 
 
 SGD_UPDATE = element_kernel("sgd", _sgd_element, skip_if=("counts", SKIPPED))
-sgd_cpu, sgd_cuda = SGD_UPDATE.cpu, SGD_UPDATE.cuda   # the compiled kernels, by their names
+sgd_cpu, sgd_cuda = SGD_UPDATE.cpu.__wrapped__, SGD_UPDATE.cuda   # the compiled kernels, by name
 
 
 class SGD(Optimizer):

@@ -1,6 +1,7 @@
 """The CPU kernels that split a large GEMM across the engine's threads (ops.cpu_threads) give
 the same bits on 1 and 2 threads: a row block of the output is the same dot products summed
-in the same order. So does a whole captured MLP training run."""
+in the same order. So do the optimizers' updates split in blocks of their elements, and a
+whole captured MLP training run."""
 import numpy as np
 import pytest
 
@@ -8,7 +9,9 @@ import engine
 import optim
 from engine import nn
 from ops import cpu_threads
-from ops.cpu_threads import MIN_BLOCK_MACS, SPLIT_MIN_MACS, row_blocks
+from ops.cpu_threads import (ELEMENT_ALIGN, MIN_BLOCK_MACS, SPLIT_MIN_ELEMENTS, SPLIT_MIN_MACS,
+                             element_blocks, row_blocks)
+from engine.parameter import FlatBuffer, Parameter
 from ops.dense import DENSE
 from ops.matmul import gemm
 from ops.pointwise import ACTIVATIONS
@@ -125,6 +128,63 @@ def test_a_captured_mlp_trains_to_the_same_bits_on_1_and_2_threads():
         return losses + [p.numpy() for p in model.parameters()]
 
     assert_same_bits(on_each_thread_count(compute, 128, 128 * 784 * 256))
+
+
+# 135,487 elements in one flat buffer: two blocks at 2 threads, the second not on a 64 edge
+ELEMENT_SHAPES = [(301, 450), (37,)]
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: optim.Adam(p, lr=1e-2, weight_decay=1e-3),
+    lambda p: optim.AdamW(p, lr=1e-2),
+    lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda p: optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    lambda p: optim.Adagrad(p, lr=0.1)], ids=["adam", "adamw", "sgd", "rmsprop", "adagrad"])
+def test_an_optimizer_s_update_is_the_same_bits_on_1_and_2_threads(make_optimizer):
+    rng = np.random.default_rng(5)
+    values = [rng.standard_normal(shape).astype(np.float32) for shape in ELEMENT_SHAPES]
+    grads = [[rng.standard_normal(shape).astype(np.float32) for shape in ELEMENT_SHAPES]
+             for _ in range(3)]
+    grads[1][0][7, 3] = np.nan   # a step skipped on every block alike
+    size = sum(v.size for v in values)
+
+    def compute():
+        params = [Parameter(engine.tensor(v.copy())) for v in values]
+        FlatBuffer(params)
+        optimizer = make_optimizer(params)
+        optimizer.skip_nonfinite = True
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = engine.tensor(g)
+            if np.isnan(step[0]).any():
+                with pytest.warns(RuntimeWarning):
+                    optimizer.step()
+            else:
+                optimizer.step()
+        assert optimizer.skipped_steps == 1
+        state = optimizer.state_dict()["state"]
+        return [p.numpy() for p in params] + [value for saved in state.values()
+                                               for value in saved.values()
+                                               if isinstance(value, np.ndarray)]
+
+    results = []
+    for threads in THREAD_COUNTS:
+        engine.set_num_threads(threads)
+        assert len(element_blocks(size) or [()]) == threads
+        results.append([np.array(a, copy=True) for a in compute()])
+    assert_same_bits(results)
+    assert not np.array_equal(results[0][0], values[0])   # the updates really ran
+
+
+def test_element_blocks_are_even_on_64_element_edges_and_small_kernels_run_whole():
+    engine.set_num_threads(2)
+    assert element_blocks(SPLIT_MIN_ELEMENTS - 1) is None
+    assert element_blocks(235_146) == [(0, 117_568), (117_568, 235_146)]
+    assert 117_568 % ELEMENT_ALIGN == 0
+    engine.set_num_threads(16)   # capped at a block per 64k elements
+    assert len(element_blocks(235_146)) == 3
+    engine.set_num_threads(1)
+    assert element_blocks(1 << 30) is None
 
 
 def test_small_gemms_and_one_thread_run_unsplit_and_blocks_cover_the_rows():
