@@ -673,6 +673,47 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
                            tiling, numba_type)
 
     @cuda.jit(device=True)
+    def put(out, side, bias, m, n, m_data, n_size, value, alpha):
+        """Store the product's element (m, n): a slice sum, an output after the epilogue, or
+        db from the row of ones; nothing past the edges."""
+        if n < n_size:
+            if PARTIAL:
+                if m < m_data + U(EXTRA_ROWS):
+                    out[U(cuda.blockIdx.z), m, n] = value
+            elif m < m_data:
+                if mode == FORWARD:
+                    value = value_cuda(act, value + bias[n], alpha)
+                out[m, n] = value
+            elif ONES_ROW and m == m_data:
+                side[n] = value
+
+    # A tensor-core fragment holds two adjacent columns of a row (acc[i, j], acc[i, j + 1]
+    # for even j): stored in one 8-byte store where the output's rows allow it. A warp's
+    # 4-byte stores of them each half-fill 32-byte sectors.
+    PAIRED = MMA is not None and not SIMULATOR
+    OUT_DIMS = 3 if PARTIAL else 2
+    address_of = _tensor_core().address_of if PAIRED else None
+    store_float2 = _tensor_core().store_float2 if PAIRED else None
+
+    @cuda.jit(device=True)
+    def put_pair(out, side, bias, m, n, m_data, n_size, low, high, alpha, pairs):
+        """``put`` of (m, n) and (m, n + 1), in one store when ``pairs`` (rows of an even
+        length from an 8-byte aligned start; n is even) and both are inside."""
+        inside = m < m_data + U(EXTRA_ROWS) if PARTIAL else m < m_data
+        if pairs and inside and n + U(1) < n_size:
+            if PARTIAL:
+                at = (U(cuda.blockIdx.z) * U(out.shape[1]) + m) * n_size + n
+            else:
+                at = m * n_size + n
+                if mode == FORWARD:
+                    low = value_cuda(act, low + bias[n], alpha)
+                    high = value_cuda(act, high + bias[n + U(1)], alpha)
+            store_float2(out, at, low, high)
+        else:
+            put(out, side, bias, m, n, m_data, n_size, low, alpha)
+            put(out, side, bias, m, n + U(1), m_data, n_size, high, alpha)
+
+    @cuda.jit(device=True)
     def tile_product(a, b, out, aux, side, bias, alpha):
         acc = cuda.local.array(ACC, numba_type)
         tid = U(cuda.threadIdx.x)
@@ -684,21 +725,18 @@ def _gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None
         n_size = U(b.shape[0]) if trans_b else U(b.shape[1])
         k_begin, k_end = k_range(k_size, U(cuda.blockIdx.z), U(cuda.gridDim.z))
         accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, U(0), alpha)
-        for i in range(TM):
-            for j in range(TN):
-                r, c = acc_position(tid, i, j)
-                m, n = row0 + r, col0 + c
-                if n < n_size:
-                    if PARTIAL:
-                        if m < m_data + U(EXTRA_ROWS):
-                            out[U(cuda.blockIdx.z), m, n] = acc[i, j]
-                    elif m < m_data:
-                        value = acc[i, j]
-                        if mode == FORWARD:
-                            value = value_cuda(act, value + bias[n], alpha)
-                        out[m, n] = value
-                    elif ONES_ROW and m == m_data:
-                        side[n] = acc[i, j]
+        if PAIRED:
+            pairs = out.shape[OUT_DIMS - 1] % 2 == 0 and address_of(out) % U(8) == U(0)
+            for i in range(TM):
+                for j in range(0, TN, 2):
+                    r, c = acc_position(tid, i, j)
+                    put_pair(out, side, bias, row0 + r, col0 + c, m_data, n_size, acc[i, j],
+                             acc[i, j + 1], alpha, pairs)
+        else:
+            for i in range(TM):
+                for j in range(TN):
+                    r, c = acc_position(tid, i, j)
+                    put(out, side, bias, row0 + r, col0 + c, m_data, n_size, acc[i, j], alpha)
 
     if PARTIAL:
         if mode == PLAIN:

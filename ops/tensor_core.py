@@ -1,6 +1,7 @@
 """Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``),
-the 16-byte global loads that feed a GEMM's shared tiles, and the asynchronous copies
-(``cp.async``) that fill them without passing through registers.
+the 16-byte global loads that feed a GEMM's shared tiles, the asynchronous copies
+(``cp.async``) that fill them without passing through registers, and the 8-byte stores of
+the products' fragment pairs.
 
 numba-cuda has no tensor-core API. These are user intrinsics that emit inline PTX through
 llvmlite's ``InlineAsm``, the extension route numba-cuda itself takes for its cache-hint loads
@@ -98,6 +99,29 @@ def _load_floats(count):
 
 load_float4 = _load_floats(4)   # a GEMM's 16-byte global fetches
 load_float2 = _load_floats(2)   # a bf16 fragment register's pair of k from a shared tile
+
+
+@intrinsic
+def store_float2(typingctx, array, offset, low, high):
+    """``array``'s flat elements offset, offset + 1 (a C-contiguous float32 array) = ``low``,
+    ``high`` in one 8-byte store: the address must be a multiple of 8 (``address_of``)."""
+    if not (isinstance(array, types.Array) and array.dtype == types.float32
+            and array.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        index = context.cast(builder, args[1], signature.args[1], types.uint64)
+        vector_type = ir.VectorType(ir.FloatType(), 2)
+        vector = ir.Constant(vector_type, ir.Undefined)
+        for lane, (value, value_type) in enumerate(zip(args[2:], signature.args[2:])):
+            vector = builder.insert_element(
+                vector, context.cast(builder, value, value_type, types.float32),
+                ir.Constant(ir.IntType(32), lane))
+        builder.store(vector, builder.bitcast(builder.gep(data, [index]),
+                                              vector_type.as_pointer()), align=8)
+        return context.get_dummy_value()
+    return types.void(array, offset, low, high), codegen
 
 
 @intrinsic

@@ -121,6 +121,10 @@ def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, tran
     shifted = cuda.device_array((m, n), np.float32)   # a 4-byte offset: the scalar fetches
     gemm(shifted_a[1:].reshape(a.shape), to_device(b, "cuda"), trans_a, trans_b, out=shifted)
     np.testing.assert_array_equal(shifted.copy_to_host(), got)
+    # an output 4 bytes off its 8-byte alignment takes the fragment pairs' 4-byte stores
+    shifted_out = cuda.device_array(m * n + 1, np.float32)[1:].reshape(m, n)
+    gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=shifted_out)
+    np.testing.assert_array_equal(shifted_out.copy_to_host(), got)
     rounding = ROUNDINGS[precision]
 
     def operand(x, transposed):
