@@ -74,10 +74,9 @@ SCALAR_BLOCKS_PER_SM = 8   # 8 x 256 threads: a multiprocessor's 2048, where reg
 # Numba's cache keys a kernel on its signature and source, not its compile flags: the CPU
 # kernel's name carries them too, so one compiled without nogil is never reloaded for it.
 _CPU_FLAGS = dict(CPU_KERNEL, nogil=True, error_model="numpy")
-_TEMPLATE_DIGEST = {
-    "cuda": hashlib.sha1((_SOURCE + _CPU_SCALARS + _CUDA_SCALARS).encode()).hexdigest()[:12],
-    "cpu": hashlib.sha1((_SOURCE + _CPU_SCALARS + _CUDA_SCALARS + repr(sorted(
-        _CPU_FLAGS.items()))).encode()).hexdigest()[:12]}
+_TEMPLATE = _SOURCE + _CPU_SCALARS + _CUDA_SCALARS
+_TEMPLATE_DIGEST = {side: hashlib.sha1(text.encode()).hexdigest()[:12] for side, text in (
+    ("cuda", _TEMPLATE), ("cpu", _TEMPLATE + repr(sorted(_CPU_FLAGS.items()))))}
 
 
 def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=None):

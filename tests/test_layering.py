@@ -90,9 +90,9 @@ def test_the_ops_runtime_floor_in_order():
     through ops.cuda_backend)."""
     graph = import_graph("ops")
     order = ["ops.cuda_backend", "ops.twin", "ops.out_of_memory", "ops.launch",
-             "ops.subnormals", "ops.cpu_threads", "ops.element_kernel", "ops.flag_buffer", "ops.array_copy",
-             "ops.device", "ops.fill", "ops.cuda_pool", "ops.memory", "ops.layout",
-             "ops.dispatch", "ops.block_reduce"]
+             "ops.subnormals", "ops.cpu_threads", "ops.element_kernel", "ops.flag_buffer",
+             "ops.array_copy", "ops.device", "ops.fill", "ops.cuda_pool", "ops.memory",
+             "ops.layout", "ops.dispatch", "ops.block_reduce"]
     for position, module in enumerate(order):
         assert graph[module] <= set(order[:position]), (module, graph[module])
 
