@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 import engine
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from ops.out_of_memory import OutOfMemoryError
 
 if SIMULATOR:   # the simulator has no memory manager, so no pool
     pytest.skip("the caching pool needs Numba's real CUDA driver module", allow_module_level=True)
 
-from ops.cuda_backend import OUT_OF_MEMORY, CudaAPIError  # noqa: E402
-from ops.cuda_pool import CachingMemoryManager  # noqa: E402
+from ops.cuda import OUT_OF_MEMORY, CachingMemoryManager, CudaAPIError  # noqa: E402
 
 MiB = 1 << 20
 

@@ -26,7 +26,7 @@ from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar
 from engine.models import build_mlp, preprocessing
 from engine.train import main
 from engine.training_curves import plot_history
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from ops.device import cuda_available
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
