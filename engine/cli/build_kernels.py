@@ -1,7 +1,7 @@
 """Compile the CUDA kernels the CLI's models launch ahead of time, into ops/kernels/.
 
-    python -m engine.cli.build_kernels            # rebuild ops/kernels/ (rerun whenever kernels change)
-    python -m engine.cli.build_kernels --check    # exit 1 when ops/kernels/ is not what a build makes
+    python -m engine.cli.build_kernels          # rebuild ops/kernels/ (whenever kernels change)
+    python -m engine.cli.build_kernels --check  # exit 1 when ops/kernels/ is not what a build makes
 
 Which kernels: the (kernel, argument types) pairs that ``python -m engine.train`` launches
 for the MLP and the CNN (Adam, SGD, AdamW) on an H200 and on an A100, found by running the CLI
