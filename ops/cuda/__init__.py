@@ -7,19 +7,17 @@ graphs, the shipped kernels and the caching allocator. The modules behind it are
 in ops/cuda/README.md; ``ops.cuda.ptx`` (inline-PTX tensor-core instructions) is imported by
 the kernels that use them, since importing it imports numba.cuda.
 """
-from ops.cuda.runtime import (SIMULATOR, LazyKernel, cuda, import_numba_cuda, is_cuda_kernel,
-                              is_cuda_ndarray, is_device_array, when_numba_cuda_imported)
+from ops.cuda.runtime import (SIMULATOR, LazyKernel, cuda, is_cuda_kernel, is_device_array,
+                              when_numba_cuda_imported)
 from ops.cuda.gpu import (compute_capability, current_device_id, current_memory_manager,
                           driver_library_loads, gpu_usable, install_memory_manager,
                           multiprocessor_count)
 from ops.cuda.arrays import (as_device_array, device_address, device_array_from_dlpack,
                              device_arrays_overlap, device_empty, device_reshape, device_view,
                              dlpack_capsule, host_to_device, mapped_pair)
-from ops.cuda.fingerprints import fingerprint
 from ops.cuda.shipped import (MANIFEST_NAME, SHIPPED_KERNELS_DIR, artifact_key,
-                              compile_artifact, shipped_kernels_enabled, shipped_manifest)
-from ops.cuda.direct_launch import (direct_function, engine_stream, kernel_params, launch,
-                                    set_dynamic_shared_bytes)
+                              compile_artifact, shipped_manifest)
+from ops.cuda.direct_launch import direct_function, engine_stream, launch, set_dynamic_shared_bytes
 from ops.cuda.graphs import build_graph, build_loop_graph, launch_graph
 from ops.cuda.dry_device import DryDevice
 
