@@ -7,8 +7,8 @@ import os
 
 from engine import onnx as onnx_export
 from engine.archive import probe_writable
-from engine.cli_failures import BadInput, OutputFailure, describe_os_error
-from engine.training_curves import plot_format, plot_formats, plot_history
+from engine.cli.failures import BadInput, OutputFailure, describe_os_error
+from engine.cli.training_curves import plot_format, plot_formats, plot_history
 
 
 def checkpoint_path(args):
