@@ -5,8 +5,8 @@ entries under ``nn.TRAINING_PREFIX``: the optimizer state, epoch, history (``fit
 records), the run's configuration and the engine's RNG state, encoded by ``engine.archive``
 and written atomically. Reading one checks every value, so a damaged or crafted file is a
 ``ValueError`` saying what is wrong, never a crash later in training. A checkpoint is an
-``.npz`` file: ``check_checkpoint_name`` refuses the names of the formats that hold a model
-alone (``.safetensors``, ``.onnx``), before any training where the caller asks first.
+``.npz`` file: ``save_checkpoint`` refuses the names of the formats that hold a model alone
+(``model_only_suffix``: ``.safetensors``, ``.onnx``), which a caller can ask before training.
 """
 import json
 import os
@@ -27,16 +27,11 @@ CHECKPOINT_FILE = "a training checkpoint written by --save"
 MODEL_ONLY_SUFFIXES = {".safetensors": "model.save(path)", ".onnx": "model.export_onnx(path)"}
 
 
-def check_checkpoint_name(path):
-    """Raise ``ValueError`` when ``path`` names a format that holds a model alone
-    (``MODEL_ONLY_SUFFIXES``): a training checkpoint, with the optimizer's state and the
-    history, is an ``.npz`` file."""
+def model_only_suffix(path):
+    """The suffix of ``path`` when it names a format that holds a model alone
+    (``MODEL_ONLY_SUFFIXES``), where a training checkpoint cannot go; else None."""
     suffix = os.path.splitext(os.fspath(path))[1].lower()
-    if suffix in MODEL_ONLY_SUFFIXES:
-        raise ValueError(f"{os.fspath(path)}: a training checkpoint (the model, the "
-                         f"optimizer's state, the history) is an .npz file, not {suffix}; "
-                         f"give a name ending in .npz (save the model alone with "
-                         f"{MODEL_ONLY_SUFFIXES[suffix]})")
+    return suffix if suffix in MODEL_ONLY_SUFFIXES else None
 
 
 def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
@@ -46,10 +41,11 @@ def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
 
     The file is a ``model.save`` file (architecture and weights under their names) plus
     entries under ``train/``: the training state as JSON and its arrays."""
-    try:
-        check_checkpoint_name(path)
-    except ValueError as error:
-        raise ValueError(f"save_checkpoint: {error}") from None
+    suffix = model_only_suffix(path)
+    if suffix is not None:
+        raise ValueError(f"save_checkpoint: {os.fspath(path)}: a training checkpoint (the "
+                         f"model, the optimizer's state, the history) is an .npz file, not "
+                         f"{suffix}; save the model alone with {MODEL_ONLY_SUFFIXES[suffix]}")
     arrays = {}
     state = {"optimizer": optimizer.state_dict(), "epoch": epoch, "history": list(history),
              "config": config or {}, "rng": generator().bit_generator.state}

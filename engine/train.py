@@ -13,6 +13,7 @@ if __name__ == "__main__":
 
 from engine.checkpoint import (RECORD_KEYS, read_checkpoint,  # noqa: E402, F401
                                restore_checkpoint, save_checkpoint)
+from engine.cli.arguments import DATASETS, MODELS  # noqa: E402, F401
 from engine.cli.train import main  # noqa: E402
 from engine.fit import Trainer, evaluate, fit  # noqa: E402, F401
 

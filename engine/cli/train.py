@@ -11,7 +11,9 @@ exits with status 2 and one line on stderr, never a traceback; a write that fail
 training (a full disk, a folder gone read-only) exits with status 1 and one line that says
 which checkpoint is intact; so does a training loss that turns NaN or infinite
 (``callbacks.TerminateOnNaN``: that epoch is never saved). A GPU out of memory
-(``engine.OutOfMemoryError``) is one line and status 1 too; Ctrl-C says which epoch the
+(``engine.OutOfMemoryError``) is one line and status 1 too, as is the host's
+``MemoryError`` (an MLP too large for the machine's memory is refused before it is built:
+``engine.cli.memory_estimate``); Ctrl-C (status 130) and SIGTERM (143) say which epoch the
 checkpoint holds.
 
 ``mpiexec -n N python -m engine.train --distributed`` trains data-parallel
@@ -28,7 +30,7 @@ loop lives in ``engine.fit``, the checkpoints in ``engine.checkpoint``, the mode
 ``data.datasets``: this module parses, checks and wires. Beside it, for it alone:
 ``engine.cli.arguments`` (the parser, answered before Numba loads), ``engine.cli.failures``
 (the one-line failures), ``engine.cli.output_paths`` (the files it writes: checked first, the
-curves and the ONNX export written last), ``engine.cli.resumed_checkpoint`` (``--resume``),
+curves and the ONNX export written last), ``engine.cli.memory_estimate`` (``--hidden``), ``engine.cli.resumed_checkpoint`` (``--resume``),
 ``engine.cli.run_header`` (the lines a run starts with) and ``engine.cli.training_curves``
 (``--plot``).
 """
@@ -52,8 +54,10 @@ from engine.cli.arguments import (DATASETS, MODELS, OPTIMIZERS, SCHEDULES,  # no
 from engine.cli.distributed_start import (agree_on_the_start, fail_every_rank, join_world,
                                           on_every_rank, refuse_ranks_without_distributed)
 from engine.cli.failures import (PROG, BadInput, Diverged, Interrupted, OutputFailure,
-                                 describe_os_error, intact_after_failure, kept_after_interrupt,
-                                 report)
+                                 Terminated, describe_os_error, intact_after_failure,
+                                 kept_after_interrupt, report, report_interrupt,
+                                 sigterm_interrupts)
+from engine.cli.memory_estimate import check_model_fits
 from engine.cli.output_paths import check_outputs, checkpoint_path, write_after_training
 from engine.cli.resumed_checkpoint import read_resumed, restore_resumed
 from engine.cli.run_header import print_header
@@ -173,6 +177,7 @@ def prepare(args, is_root):
         raise BadInput(str(error)) from None
     manual_seed(args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
+    check_model_fits(args, x_train.shape[1:], classes)
     # the model takes the images as they ship (its first layers scale and standardise them
     # with the training images' statistics), so the saved file and the ONNX export take them
     normalize = pixel_statistics(x_train)
@@ -262,9 +267,16 @@ def train(args, setup, is_root):
             progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
             history=history, step_losses=step_losses, capture=not args.no_capture,
             distributed=args.distributed)
-    except KeyboardInterrupt:
-        raise Interrupted(kept_after_interrupt(saved["epoch"], saved.get("path"),
-                                               save_path)) from None
+    except OSError as error:   # the event files: every other write fails as OutputFailure
+        failure = boards[0].failure if boards else None
+        if failure is None:
+            raise
+        reason = os.strerror(failure.errno) if failure.errno else describe_os_error(error)
+        raise OutputFailure(f"--tensorboard {args.tensorboard}: cannot write the event files "
+                            f"({reason}); {intact()}") from None
+    except KeyboardInterrupt as stop:   # Ctrl-C, or SIGTERM (Terminated)
+        raise Interrupted(kept_after_interrupt(saved["epoch"], saved.get("path"), save_path),
+                          terminated=isinstance(stop, Terminated)) from None
     if terminate.stopped_epoch is not None:
         loss = (f"the training loss is {terminate.loss}" if not math.isfinite(terminate.loss)
                 else "another rank's training loss is non-finite")
@@ -300,7 +312,8 @@ def parse_arguments(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        train_as_asked(parse_arguments(argv))
+        with sigterm_interrupts():
+            train_as_asked(parse_arguments(argv))
     except BadInput as error:   # raised on every rank of a distributed run alike
         report(error)
         sys.exit(2)
@@ -317,8 +330,11 @@ def main(argv=None):
         rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""
         print(f"{rank}{PROG}: error: {error} (--batch-size)", file=sys.stderr, flush=True)
         dist.abort(1)
+    except MemoryError as error:   # the host's: numpy's message says what was asked
+        rank = f"rank {dist.rank()}: " if dist.several_ranks() else ""
+        print(f"{rank}{PROG}: error: out of memory: {error} (a smaller --hidden or "
+              f"--batch-size)", file=sys.stderr, flush=True)
+        dist.abort(1)
     except KeyboardInterrupt as interrupt:   # Interrupted says what the checkpoint holds
-        print(f"{PROG}: interrupted" + (f"; {interrupt}" if str(interrupt) else ""),
-              file=sys.stderr)
-        sys.exit(130)
+        sys.exit(report_interrupt(interrupt))
 
