@@ -270,7 +270,13 @@ class Trainer:
     optimizer step (``functools.partial(optim.clip_grad_norm_, max_norm=1.0)``), or None.
     ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (see
     ``fit``). ``eager_reason``: why the last epoch's step ran eagerly instead of replaying
-    its recording (a host read in the loss, a distributed run's all-reduce), or None."""
+    its recording (a host read in the loss, a distributed run's all-reduce), or None.
+    ``train_step``: the captured step kept for the next call (an ``engine.capture`` object:
+    ``recordings``, ``replayed``), None before the first ``fit`` or with ``capture=False``.
+
+        trainer = Trainer(model, opt, cross_entropy)
+        for epoch in range(1, 4):
+            trainer.fit(loader, epochs=epoch, start_epoch=epoch - 1, progress=False)"""
 
     def __init__(self, model, optimizer, loss_fn, clip=None, capture=True, distributed=False):
         if clip is not None and not callable(clip):
@@ -281,6 +287,10 @@ class Trainer:
         self.clip, self.capture, self.distributed = clip, capture, distributed
         self.eager_reason = None
         self._kept = None   # (what the captured step was made for, step, metrics)
+
+    @property
+    def train_step(self):
+        return None if self._kept is None else self._kept[1]
 
     def _step_for(self, parameters, cursor):
         """The training step and its metrics: the captured one kept from the last call when

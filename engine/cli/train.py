@@ -30,9 +30,9 @@ loop lives in ``engine.fit``, the checkpoints in ``engine.checkpoint``, the mode
 ``data.datasets``: this module parses, checks and wires. Beside it, for it alone:
 ``engine.cli.arguments`` (the parser, answered before Numba loads), ``engine.cli.failures``
 (the one-line failures), ``engine.cli.output_paths`` (the files it writes: checked first, the
-curves and the ONNX export written last), ``engine.cli.memory_estimate`` (``--hidden``), ``engine.cli.resumed_checkpoint`` (``--resume``),
-``engine.cli.run_header`` (the lines a run starts with) and ``engine.cli.training_curves``
-(``--plot``).
+curves and the ONNX export written last), ``engine.cli.memory_estimate`` (``--hidden``),
+``engine.cli.resumed_checkpoint`` (``--resume``), ``engine.cli.run_header`` (the lines a run
+starts with) and ``engine.cli.training_curves`` (``--plot``).
 """
 import functools
 import math
