@@ -469,8 +469,9 @@ class TensorBoard(Callback):
         try:
             os.makedirs(self.log_dir, exist_ok=True)
         except OSError as error:
-            raise OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "
-                                       f"({error.strerror or error})") from None
+            self.failure = OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "
+                                                f"({error.strerror or error})")
+            raise self.failure from None
         self.writer = self._write(self._writer_class, self.log_dir)
         steps = logs["steps"]
         self.global_step = logs["start_epoch"] * steps if steps else 0   # a resumed run goes on
@@ -490,9 +491,14 @@ class TensorBoard(Callback):
         self._write(write)
 
     def on_train_end(self, logs):
-        if self.writer is not None:
+        if self.writer is None:
+            return
+        try:
             self._write(self.writer.close)
-            self.writer = None
+        except OSError:
+            if logs.get("error") is None:   # else the error that ended training is the news
+                raise
+        self.writer = None
 
     def _write(self, write, *args):
         """``write(*args)``; a write that fails lets the writer go (``_let_go``) and raises

@@ -1,9 +1,10 @@
 """``python -m engine.train`` and ``from engine.train import fit, evaluate, Trainer``.
 
 The command lives in the CLI wing, ``engine.cli.train`` (its arguments in
-``engine.cli.arguments``); this module runs its ``main`` and re-exports the training loop
-(``engine.fit``) and the checkpoint functions (``engine.checkpoint``) that users import from
-here. ``--help`` and arguments that do not parse are answered before Numba is imported.
+``engine.cli.arguments``); this module runs its ``main`` and re-exports what users import
+from here: the training loop (``engine.fit``: ``fit``, ``evaluate``, ``Trainer``), the
+checkpoint functions (``engine.checkpoint``) and the command's ``DATASETS`` and ``MODELS``.
+``--help`` and arguments that do not parse are answered before Numba is imported.
 """
 import sys
 

@@ -1,22 +1,18 @@
-"""The files ``python -m engine.train`` writes, checked before any work: every output path
-goes through ``check_output`` (the one check of a path the command writes: a name the file
-system takes, not a directory, in a folder that exists and takes new files), no two outputs
-name one file, the checkpoint's name is one a checkpoint can have (``.npz``, not a format
-that holds a model alone), and the package that writes each file is installed; else a
-``BadInput`` that names the flag, the path and the fix. After training,
-``write_after_training`` writes the curves and the ONNX export."""
+"""The files ``python -m engine.train`` writes, checked before any work: each path goes through
+``check_output`` (the one check of a path the command writes: names the file system takes,
+not a directory, in a folder that exists and takes new files), no two outputs name one file,
+the checkpoint's name is an ``.npz`` one (``engine.cli.output_names``), and the package that
+writes it is installed; else a ``BadInput`` that names the flag, the path and the fix. After
+training, ``write_after_training`` writes the curves and the ONNX export."""
 import importlib.util
 import os
 
 from engine import onnx as onnx_export
 from engine.archive import probe_writable
-from engine.checkpoint import model_only_suffix
 from engine.cli.failures import BadInput, OutputFailure, describe_os_error
+from engine.cli.output_names import (check_checkpoint_name, check_distinct_outputs,
+                                     check_name_lengths)
 from engine.cli.training_curves import plot_format, plot_formats, plot_history
-
-# what a file's atomic write adds to its path for the temporary file it writes first
-# (engine.archive: "." + at most 200 characters of the name + ".<pid>.<random>.partial")
-TEMPORARY_ROOM = 40
 
 
 def checkpoint_path(args):
@@ -27,61 +23,21 @@ def checkpoint_path(args):
     return args.save or args.resume or f"{args.dataset}-{args.model}.npz"
 
 
-def _nearest_existing(path):
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _file_system_limit(folder, name):
-    """``os.pathconf(folder, name)``, or None where the system does not say."""
-    try:
-        return os.pathconf(folder, name)
-    except (OSError, ValueError, AttributeError):   # no pathconf (Windows), or no limit
-        return None
-
-
-def check_name_lengths(flag, path):
-    """Raise ``BadInput`` when a name in ``path`` is longer than its file system allows
-    (``PC_NAME_MAX``, asked of the nearest folder that exists) or the whole path, with the
-    room its temporary file needs, is longer than ``PC_PATH_MAX``: else the write would fail
-    after training."""
-    absolute = os.path.abspath(path)
-    existing = _nearest_existing(absolute)
-    path_max = _file_system_limit(existing, "PC_PATH_MAX")
-    length = len(os.fsencode(absolute))
-    if path_max and length + TEMPORARY_ROOM >= path_max:
-        raise BadInput(f"{flag} {path}: the path is {length} bytes long, too long for the "
-                       f"file system ({path_max} bytes with the {TEMPORARY_ROOM} of the file's "
-                       f"temporary name); give a shorter one")
-    folder = os.sep
-    for name in absolute.split(os.sep):
-        if not name:
-            continue
-        name_max = _file_system_limit(_nearest_existing(folder), "PC_NAME_MAX")
-        size = len(os.fsencode(name))
-        if name_max and size > name_max:
-            shown = name if len(name) <= 24 else name[:20] + "..."
-            raise BadInput(f"{flag} {path}: the name {shown} is {size} bytes long, longer "
-                           f"than the {name_max} the file system allows; give a shorter one")
-        folder = os.path.join(folder, name)
-
-
-def check_output(flag, path, appending=False, folder=False):
-    """Raise ``BadInput`` unless the command can write ``path``: the one check of every path
-    it writes. A file (``appending``: extended in place) must not be a directory and must
-    sit in a folder that exists and takes new files; a ``folder`` (``--tensorboard``) must
-    be a folder that takes new files, or one that can be made in one."""
+def check_output(flag, path, appending=False, log_dir=False):
+    """Raise ``BadInput`` unless ``path`` can be written (``appending``: extended in place):
+    the one check of every path the command writes. Its names must be ones the file system
+    takes; a file must not be a directory and must sit in a folder that exists and takes new
+    files; a ``log_dir`` (``--tensorboard``'s folder) is checked by ``check_log_dir``."""
     check_name_lengths(flag, path)
-    if folder:
-        _check_folder(flag, path)
+    if log_dir:
+        check_log_dir(path)
         return
-    parent = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise BadInput(f"{flag} {path}: is a directory; give a file name")
-    if not os.path.isdir(parent):
-        raise BadInput(f"{flag} {path}: {parent} is not a directory" if os.path.exists(parent)
-                       else f"{flag} {path}: the directory {parent} does not exist")
+    if not os.path.isdir(folder):
+        raise BadInput(f"{flag} {path}: {folder} is not a directory" if os.path.exists(folder)
+                       else f"{flag} {path}: the directory {folder} does not exist")
     try:
         probe_writable(path, appending)
     except OSError as error:
@@ -89,64 +45,24 @@ def check_output(flag, path, appending=False, folder=False):
             from None
 
 
-def _check_folder(flag, path):
-    existing = _nearest_existing(os.path.abspath(path))   # it takes the new folders
+def check_log_dir(path):
+    """Raise ``BadInput`` unless tensorboardX is installed and ``path`` is a folder that takes
+    new files, or can be made in one."""
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise BadInput("--tensorboard needs the tensorboardX package, an optional extra: "
+                       "pip install 'numba-engine[formats]'")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):   # the nearest folder that exists takes the new ones
+        existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise BadInput(f"{flag} {path}: {existing} is a file, not a directory")
+        raise BadInput(f"--tensorboard {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise BadInput(f"{flag} {path}: {existing} cannot be written")
-
-
-def _checkpoint_output(args):
-    """``(flag, path, how the message names it)`` of the checkpoint the run saves, or None."""
-    path = checkpoint_path(args)
-    if path is None:
-        return None
-    if args.save:
-        return "--save", path, f"--save {path}"
-    if args.resume:
-        return "--resume", path, f"--resume {path} (a resumed run saves its checkpoint there)"
-    return "--save", path, f"the checkpoint {path} (the default of --save)"
-
-
-def check_checkpoint_name(args):
-    """A checkpoint holds the optimizer's state and the history: an ``.npz`` file, never a
-    name of a format that holds a model alone (``.safetensors``, ``.onnx``)."""
-    output = _checkpoint_output(args)
-    suffix = output and model_only_suffix(output[1])
-    if not suffix:
-        return
-    flag, path, _ = output
-    resumed = (" a resumed run saves its checkpoint there, and" if flag == "--resume" else "")
-    remedy = ("give --save a name ending in .npz" if flag == "--resume"
-              else "give a name ending in .npz")
-    model_alone = (" (--export-onnx PATH writes the model as ONNX)" if suffix == ".onnx"
-                   else "")
-    raise BadInput(f"{flag} {path}:{resumed} a training checkpoint (the model, the "
-                   f"optimizer's state, the history) is an .npz file, not {suffix}; "
-                   f"{remedy}{model_alone}")
-
-
-def check_distinct_outputs(args):
-    """No two outputs name one file (the ONNX export would overwrite the checkpoint, which
-    the command would then say to resume)."""
-    checkpoint = _checkpoint_output(args)
-    outputs = ([(checkpoint[2], checkpoint[1])] if checkpoint else []) + [
-        (f"{flag} {path}", path) for flag, path in (
-            ("--plot", args.plot), ("--log-json", args.log_json),
-            ("--export-onnx", args.export_onnx)) if path]
-    seen = {}
-    for described, path in outputs:
-        same = seen.get(os.path.realpath(path))
-        if same is not None:
-            raise BadInput(f"{described}: is the file of {same} too; give each output a "
-                           "file of its own")
-        seen[os.path.realpath(path)] = described
+        raise BadInput(f"--tensorboard {path}: {existing} cannot be written")
 
 
 def check_outputs(args):
-    """The output paths can be written, name files of their own, the checkpoint's name is an
-    ``.npz`` one, and the packages that write them are installed."""
+    """The output paths can be written, name files of their own (a checkpoint an ``.npz``
+    one), and the packages that write them are installed."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BadInput("--plot needs matplotlib, an optional extra: "
                        "pip install -e '.[plot]'")
@@ -156,11 +72,8 @@ def check_outputs(args):
     if args.export_onnx and importlib.util.find_spec("onnx") is None:
         raise BadInput("--export-onnx needs the onnx package, an optional extra: "
                        "pip install -e '.[onnx]'")
-    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-        raise BadInput("--tensorboard needs the tensorboardX package, an optional extra: "
-                       "pip install 'numba-engine[formats]'")
-    check_checkpoint_name(args)
-    check_distinct_outputs(args)
+    check_checkpoint_name(args, checkpoint_path(args))
+    check_distinct_outputs(args, checkpoint_path(args))
     # a resumed run without --save writes its --resume file: checked below, named so
     saved_to = None if args.resume and not args.save else checkpoint_path(args)
     for flag, path in (("--save", saved_to), ("--plot", args.plot),
@@ -168,7 +81,7 @@ def check_outputs(args):
         if path:
             check_output(flag, path, appending=flag == "--log-json")
     if args.tensorboard:
-        check_output("--tensorboard", args.tensorboard, folder=True)
+        check_output("--tensorboard", args.tensorboard, log_dir=True)
     if args.resume and not args.save:
         try:
             check_output("--resume", args.resume)
