@@ -217,15 +217,6 @@ def _imports_of(path):
     return {name.split(".")[0] for name in _imported_names(path)}
 
 
-def test_only_the_command_imports_optim_or_data_in_engine():
-    """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
-    composer (engine/train.py) wires them in (fit is handed clipping, and finds a loader's
-    cursor by its epoch_cursor method)."""
-    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
-                       if _imports_of(path) & {"optim", "data"})
-    assert importers == ["engine/train.py"], importers
-
-
 def test_the_benchmarks_never_import_the_command():
     """DESIGN's rule: bench imports the library, the model recipes (engine.models) and the
     data recipes (data.datasets) too, never the CLI module engine.train."""
@@ -233,3 +224,18 @@ def test_the_benchmarks_never_import_the_command():
                        if any(name == "engine.train" or name.startswith("engine.train.")
                               for name in _imported_names(path)))
     assert importers == [], importers
+
+
+def test_only_the_cli_wing_imports_optim_or_data_in_engine():
+    """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
+    CLI wing (engine/cli/) wires them in (fit is handed clipping, and finds a loader's
+    cursor by its epoch_cursor method). engine/train.py, the shim of ``python -m
+    engine.train``, imports the wing and neither; the benchmarks never import the wing."""
+    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
+                       if _imports_of(path) & {"optim", "data"})
+    assert importers and all(path.startswith("engine/cli/") for path in importers), importers
+    assert not _imports_of(ROOT / "engine" / "train.py") & {"optim", "data"}
+    wing_users = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "bench").rglob("*.py")
+                        if any(name == "engine.cli" or name.startswith("engine.cli.")
+                               for name in _imported_names(path)))
+    assert wing_users == [], wing_users
