@@ -11,4 +11,5 @@ from data import datasets, fashion_mnist, mnist  # noqa: F401
 from data.idx import read_idx, write_idx  # noqa: F401
 from data.loader import DataLoader  # noqa: F401
 from data.synthetic import blobs, spirals, xor  # noqa: F401
-from data.transforms import GaussianNoise  # noqa: F401
+from data.transforms import (Compose, GaussianNoise, RandomCrop, RandomFlip,  # noqa: F401
+                             RandomShift)

@@ -43,7 +43,10 @@ class DataLoader:
     - ``normalize``: ``(mean, std)``, scalars or arrays broadcasting against one sample;
       applied once, after the scaling: ``(x - mean) / std``.
     - ``transform``: a callable applied to every image batch Tensor, returning a Tensor on
-      the same device (e.g. ``data.GaussianNoise``).
+      the same device (e.g. ``data.GaussianNoise``). A device-keyed augmentation
+      (``data.RandomShift``, ``RandomCrop``, ``RandomFlip``, a ``Compose`` of them) draws each
+      sample's window from ``(its seed, the epoch, the sample's position in the epoch)``, so
+      a captured step can fetch and augment its batches on the device.
     - ``seed``: None draws one from the engine's generator (``engine.manual_seed``); a
       sharded loader that shuffles needs one, the same on every rank.
     - ``shard``: ``(rank, world_size)``, this process's part of each step (module
@@ -123,7 +126,7 @@ class DataLoader:
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(self._device_order(epoch))
+        return self._batches(self._device_order(epoch), epoch)
 
     def _device_order(self, epoch):
         if self.shuffle:   # one upload per epoch
@@ -132,10 +135,22 @@ class DataLoader:
             self._in_order = to_device(self._padded(self.order(epoch)), self.device)
         return self._in_order
 
-    def _batches(self, order):
+    @property
+    def fetches_on_device(self):
+        """Whether a captured step can fetch this loader's batches by its device cursor:
+        no transform, or one keyed on the device (``epoch_cursor``)."""
+        return self.transform is None or getattr(self.transform, "device_keyed", False)
+
+    def _batches(self, order, epoch):
+        keyed = getattr(self.transform, "device_keyed", False)
+        if keyed:
+            epoch_counter, position = new_counter(self.device, epoch), new_counter(self.device)
         for start, count in self._spans():
             xb, yb = self._gathered(order, start, count)
-            if self.transform is not None:
+            if keyed:
+                set_counter(position, start)
+                xb = self.transform.apply(xb, epoch_counter, position)
+            elif self.transform is not None:
                 xb = self.transform(xb)
             yield xb, yb
 
@@ -173,17 +188,19 @@ class EpochCursor:
     epoch) and sets the device cursor to the first batch; ``next_batch`` gathers ``count``
     rows at the cursor and advances it by one step of batches (every rank's), so replays of
     the step walk the epoch with no Python between them. The batches are exactly those of
-    iterating the loader (same order, same shards); ``seek`` moves the cursor to a batch
-    whose start does not follow the one before (a sharded last batch). A loader with a
-    ``transform`` has no cursor: the transform is Python run per batch."""
+    iterating the loader (same order, same shards, the same augmentation of a device-keyed
+    transform, which reads the epoch and the cursor on the device); ``seek`` moves the cursor
+    to a batch whose start does not follow the one before (a sharded last batch). A loader
+    with another ``transform`` has no cursor: that transform is Python run per batch."""
 
     def __init__(self, loader):
-        if loader.transform is not None:
-            raise ValueError("DataLoader.epoch_cursor: a loader with a transform fetches its "
-                             "batches by iteration, not on the device")
+        if not loader.fetches_on_device:
+            raise ValueError("DataLoader.epoch_cursor: a loader with a transform that is not "
+                             "device-keyed fetches its batches by iteration, not on the device")
         self.loader = loader
         self.order = None
         self.cursor = new_counter(loader.device, 0)
+        self.epoch = new_counter(loader.device, 0)   # what a device-keyed transform reads
         self.stride = loader.batch_size * loader.shard[1]
 
     def start_epoch(self):
@@ -199,6 +216,7 @@ class EpochCursor:
         spans = loader._spans()
         if spans:
             set_counter(self.cursor, spans[0][0])
+        set_counter(self.epoch, epoch)
         return spans
 
     def seek(self, start):
@@ -206,9 +224,11 @@ class EpochCursor:
 
     def next_batch(self, count):
         """The ``count`` samples at the cursor as ``(xb, yb)``; the cursor moves one step on."""
-        batch = self.loader._gathered(self.order, 0, count, self.cursor)
+        xb, yb = self.loader._gathered(self.order, 0, count, self.cursor)
+        if self.loader.transform is not None:   # device-keyed: the batch at the cursor
+            xb = self.loader.transform.apply(xb, self.epoch, self.cursor)
         advance(self.cursor, self.stride)
-        return batch
+        return xb, yb
 
 
 def _checked_shard(shard):
