@@ -53,10 +53,28 @@ class DataLoader:
       docstring); ``batch_size`` is then the batch of one rank. None: the whole epoch.
 
     Every batch comes in freshly allocated buffers, so keeping a batch is safe.
+
+    PyTorch's form works too: ``DataLoader(dataset, batch_size=64, shuffle=True)`` with a
+    map-style dataset (``__len__`` and ``__getitem__`` giving ``(sample, target)``, as a
+    ``torch.utils.data.Dataset`` does) reads every sample once into memory. ``loader.dataset``
+    is that dataset, or the ``(x, y)`` pairs given (``len(loader.dataset)``: the samples).
     """
 
-    def __init__(self, x, y, batch_size=128, shuffle=False, seed=None, drop_last=False,
+    def __init__(self, x, y=None, batch_size=128, shuffle=False, seed=None, drop_last=False,
                  device="cpu", normalize=None, transform=None, shard=None):
+        if _is_map_dataset(x):
+            if isinstance(y, (int, np.integer)) and not isinstance(y, bool):
+                batch_size, y = y, None   # torch's DataLoader(dataset, 64)
+            if y is not None:
+                raise TypeError("DataLoader: a dataset gives its own targets; pass it alone "
+                                "(DataLoader(dataset, batch_size=...))")
+            self.dataset = x
+            x, y = _read_dataset(x)
+        elif y is None:
+            raise TypeError(f"DataLoader: expects (x, y) arrays or a dataset with __len__ and "
+                            f"__getitem__, got {type(x).__name__} and no y")
+        else:
+            self.dataset = ArrayDataset(x, y)
         x, y = _host_array(x, "x"), _host_array(y, "y")
         if x.ndim == 0 or y.ndim == 0:
             raise ValueError(f"DataLoader: x and y need a sample dimension, got shapes "
@@ -247,6 +265,44 @@ def _checked_shard(shard):
         raise ValueError(f"DataLoader: shard {tuple(shard)} needs world_size >= 1 and "
                          f"0 <= rank < world_size")
     return (int(rank), int(world_size))
+
+
+class ArrayDataset:
+    """The ``(x[i], y[i])`` pairs of two arrays: ``loader.dataset`` of a loader made from
+    arrays (torch's ``TensorDataset``)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def _is_map_dataset(x):
+    return (hasattr(x, "__getitem__") and hasattr(x, "__len__")
+            and not isinstance(x, (np.ndarray, Tensor, list, tuple)) and not hasattr(x, "shape"))
+
+
+def _read_dataset(dataset):
+    """The samples and targets of a map-style dataset as two stacked arrays."""
+    samples, targets = [], []
+    for index in range(len(dataset)):
+        try:
+            sample, target = dataset[index]
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"DataLoader: dataset[{index}] must be a (sample, target) pair: "
+                            f"{error}") from None
+        samples.append(np.asarray(sample.numpy() if isinstance(sample, Tensor) else sample))
+        targets.append(np.asarray(target.numpy() if isinstance(target, Tensor) else target))
+    if not samples:
+        raise ValueError("DataLoader: the dataset is empty")
+    try:
+        return np.stack(samples), np.stack(targets)
+    except ValueError as error:
+        raise ValueError(f"DataLoader: the dataset's samples differ in shape ({error})") from None
 
 
 def _host_array(values, name):
