@@ -43,17 +43,38 @@ class DataLoader:
     - ``normalize``: ``(mean, std)``, scalars or arrays broadcasting against one sample;
       applied once, after the scaling: ``(x - mean) / std``.
     - ``transform``: a callable applied to every image batch Tensor, returning a Tensor on
-      the same device (e.g. ``data.GaussianNoise``).
+      the same device (e.g. ``data.GaussianNoise``). A device-keyed augmentation
+      (``data.RandomShift``, ``RandomCrop``, ``RandomFlip``, a ``Compose`` of them) draws each
+      sample's window from ``(its seed, the epoch, the sample's position in the epoch)``, so
+      a captured step can fetch and augment its batches on the device.
     - ``seed``: None draws one from the engine's generator (``engine.manual_seed``); a
       sharded loader that shuffles needs one, the same on every rank.
     - ``shard``: ``(rank, world_size)``, this process's part of each step (module
       docstring); ``batch_size`` is then the batch of one rank. None: the whole epoch.
 
     Every batch comes in freshly allocated buffers, so keeping a batch is safe.
+
+    PyTorch's form works too: ``DataLoader(dataset, batch_size=64, shuffle=True)`` with a
+    map-style dataset (``__len__`` and ``__getitem__`` giving ``(sample, target)``, as a
+    ``torch.utils.data.Dataset`` does) reads every sample once into memory. ``loader.dataset``
+    is that dataset, or the ``(x, y)`` pairs given (``len(loader.dataset)``: the samples).
     """
 
-    def __init__(self, x, y, batch_size=128, shuffle=False, seed=None, drop_last=False,
+    def __init__(self, x, y=None, batch_size=128, shuffle=False, seed=None, drop_last=False,
                  device="cpu", normalize=None, transform=None, shard=None):
+        if _is_map_dataset(x):
+            if isinstance(y, (int, np.integer)) and not isinstance(y, bool):
+                batch_size, y = y, None   # torch's DataLoader(dataset, 64)
+            if y is not None:
+                raise TypeError("DataLoader: a dataset gives its own targets; pass it alone "
+                                "(DataLoader(dataset, batch_size=...))")
+            self.dataset = x
+            x, y = _read_dataset(x)
+        elif y is None:
+            raise TypeError(f"DataLoader: expects (x, y) arrays or a dataset with __len__ and "
+                            f"__getitem__, got {type(x).__name__} and no y")
+        else:
+            self.dataset = ArrayDataset(x, y)
         x, y = _host_array(x, "x"), _host_array(y, "y")
         if x.ndim == 0 or y.ndim == 0:
             raise ValueError(f"DataLoader: x and y need a sample dimension, got shapes "
@@ -123,7 +144,7 @@ class DataLoader:
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(self._device_order(epoch))
+        return self._batches(self._device_order(epoch), epoch)
 
     def _device_order(self, epoch):
         if self.shuffle:   # one upload per epoch
@@ -132,10 +153,22 @@ class DataLoader:
             self._in_order = to_device(self._padded(self.order(epoch)), self.device)
         return self._in_order
 
-    def _batches(self, order):
+    @property
+    def fetches_on_device(self):
+        """Whether a captured step can fetch this loader's batches by its device cursor:
+        no transform, or one keyed on the device (``epoch_cursor``)."""
+        return self.transform is None or getattr(self.transform, "device_keyed", False)
+
+    def _batches(self, order, epoch):
+        keyed = getattr(self.transform, "device_keyed", False)
+        if keyed:
+            epoch_counter, position = new_counter(self.device, epoch), new_counter(self.device)
         for start, count in self._spans():
             xb, yb = self._gathered(order, start, count)
-            if self.transform is not None:
+            if keyed:
+                set_counter(position, start)
+                xb = self.transform.apply(xb, epoch_counter, position)
+            elif self.transform is not None:
                 xb = self.transform(xb)
             yield xb, yb
 
@@ -173,17 +206,19 @@ class EpochCursor:
     epoch) and sets the device cursor to the first batch; ``next_batch`` gathers ``count``
     rows at the cursor and advances it by one step of batches (every rank's), so replays of
     the step walk the epoch with no Python between them. The batches are exactly those of
-    iterating the loader (same order, same shards); ``seek`` moves the cursor to a batch
-    whose start does not follow the one before (a sharded last batch). A loader with a
-    ``transform`` has no cursor: the transform is Python run per batch."""
+    iterating the loader (same order, same shards, the same augmentation of a device-keyed
+    transform, which reads the epoch and the cursor on the device); ``seek`` moves the cursor
+    to a batch whose start does not follow the one before (a sharded last batch). A loader
+    with another ``transform`` has no cursor: that transform is Python run per batch."""
 
     def __init__(self, loader):
-        if loader.transform is not None:
-            raise ValueError("DataLoader.epoch_cursor: a loader with a transform fetches its "
-                             "batches by iteration, not on the device")
+        if not loader.fetches_on_device:
+            raise ValueError("DataLoader.epoch_cursor: a loader with a transform that is not "
+                             "device-keyed fetches its batches by iteration, not on the device")
         self.loader = loader
         self.order = None
         self.cursor = new_counter(loader.device, 0)
+        self.epoch = new_counter(loader.device, 0)   # what a device-keyed transform reads
         self.stride = loader.batch_size * loader.shard[1]
 
     def start_epoch(self):
@@ -199,6 +234,7 @@ class EpochCursor:
         spans = loader._spans()
         if spans:
             set_counter(self.cursor, spans[0][0])
+        set_counter(self.epoch, epoch)
         return spans
 
     def seek(self, start):
@@ -206,9 +242,11 @@ class EpochCursor:
 
     def next_batch(self, count):
         """The ``count`` samples at the cursor as ``(xb, yb)``; the cursor moves one step on."""
-        batch = self.loader._gathered(self.order, 0, count, self.cursor)
+        xb, yb = self.loader._gathered(self.order, 0, count, self.cursor)
+        if self.loader.transform is not None:   # device-keyed: the batch at the cursor
+            xb = self.loader.transform.apply(xb, self.epoch, self.cursor)
         advance(self.cursor, self.stride)
-        return batch
+        return xb, yb
 
 
 def _checked_shard(shard):
@@ -227,6 +265,44 @@ def _checked_shard(shard):
         raise ValueError(f"DataLoader: shard {tuple(shard)} needs world_size >= 1 and "
                          f"0 <= rank < world_size")
     return (int(rank), int(world_size))
+
+
+class ArrayDataset:
+    """The ``(x[i], y[i])`` pairs of two arrays: ``loader.dataset`` of a loader made from
+    arrays (torch's ``TensorDataset``)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def _is_map_dataset(x):
+    return (hasattr(x, "__getitem__") and hasattr(x, "__len__")
+            and not isinstance(x, (np.ndarray, Tensor, list, tuple)) and not hasattr(x, "shape"))
+
+
+def _read_dataset(dataset):
+    """The samples and targets of a map-style dataset as two stacked arrays."""
+    samples, targets = [], []
+    for index in range(len(dataset)):
+        try:
+            sample, target = dataset[index]
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"DataLoader: dataset[{index}] must be a (sample, target) pair: "
+                            f"{error}") from None
+        samples.append(np.asarray(sample.numpy() if isinstance(sample, Tensor) else sample))
+        targets.append(np.asarray(target.numpy() if isinstance(target, Tensor) else target))
+    if not samples:
+        raise ValueError("DataLoader: the dataset is empty")
+    try:
+        return np.stack(samples), np.stack(targets)
+    except ValueError as error:
+        raise ValueError(f"DataLoader: the dataset's samples differ in shape ({error})") from None
 
 
 def _host_array(values, name):

@@ -149,10 +149,17 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "onnx": "engine.onnx", "distributed": "engine.distributed"}
 
 
+# torch's dtype names (``engine.float32``, ``engine.long``) as the NumPy dtypes they mean
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float64": "float64",
+                "double": "float64", "int64": "int64", "long": "int64", "int32": "int32",
+                "int": "int32", "uint8": "uint8", "bool": "bool_"}
+
+
 def __dir__():   # the lazy names too, for tab completion
     functional = sys.modules.get("engine.functional")
     generated = set(functional.POINTWISE) if functional is not None else set()
-    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES) | generated)
+    return sorted(set(globals()) | set(_LAZY_SOURCE) | set(_LAZY_SUBMODULES) | generated
+                  | set(_DTYPE_NAMES))
 
 
 def __getattr__(name):
@@ -166,6 +173,9 @@ def __getattr__(name):
         module = importlib.import_module(_LAZY_SUBMODULES[name])
         globals()[name] = module
         return module
+    if name in _DTYPE_NAMES:
+        import numpy
+        return getattr(numpy, _DTYPE_NAMES[name])
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
         try:

@@ -271,17 +271,26 @@ class TerminateOnNaN(Callback):
 
 
 class LearningRateScheduler(Callback):
-    """Set the learning rate per epoch. ``schedule`` is either a scheduler of
-    ``optim.lr_scheduler`` (anything with ``step()``), stepped after every epoch as
-    ``fit(scheduler=...)`` steps it, or a function ``schedule(epoch, lr) -> lr`` (Keras's
-    form; ``epoch`` counts from 1, as the records do) whose value every parameter group of
-    the optimizer trains the epoch at."""
+    """Set the learning rate as training goes. ``schedule`` is either a scheduler of
+    ``optim.lr_scheduler`` or a function ``schedule(epoch, lr) -> lr`` (Keras's form; ``epoch``
+    counts from 1, as the records do) whose value every parameter group of the optimizer
+    trains the epoch at. A scheduler is stepped as torch's documentation steps it: after
+    every epoch (``fit(scheduler=...)`` does the same); ``OneCycleLR`` after every batch
+    (so each step runs at its own rate, replayed one step at a time); ``ReduceLROnPlateau``
+    after every epoch with the record's ``monitor`` value (default: ``"test_loss"`` when
+    ``fit`` has a test loader, else the training ``"loss"``)."""
 
-    def __init__(self, schedule):
+    def __new__(cls, schedule, monitor=None):
+        if cls is LearningRateScheduler and getattr(schedule, "per_batch", False):
+            cls = _BatchScheduler   # the one kind that watches steps (fit replays it step by step)
+        return super().__new__(cls)
+
+    def __init__(self, schedule, monitor=None):
         if not (hasattr(schedule, "step") or callable(schedule)):
             raise TypeError("LearningRateScheduler: schedule must be an optim.lr_scheduler "
                             f"scheduler or a function (epoch, lr) -> lr, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule, self.monitor = schedule, monitor
+        self.per_batch = getattr(schedule, "per_batch", False)
 
     def on_epoch_begin(self, logs):
         if hasattr(self.schedule, "step"):
@@ -294,8 +303,24 @@ class LearningRateScheduler(Callback):
             group["lr"] = float(lr)
 
     def on_epoch_end(self, logs):
-        if hasattr(self.schedule, "step"):
+        if not hasattr(self.schedule, "step") or self.per_batch:
+            return
+        if getattr(self.schedule, "needs_metric", False):
+            monitor = self.monitor or ("test_loss" if self.run.evaluates else "loss")
+            if logs.get(monitor) is None:
+                raise KeyError(f"LearningRateScheduler: the record has no {monitor!r} to give "
+                               f"{type(self.schedule).__name__}; records have "
+                               f"{sorted(key for key in logs if logs[key] is not None)}")
+            self.schedule.step(logs[monitor])
+        else:
             self.schedule.step()
+
+
+class _BatchScheduler(LearningRateScheduler):
+    """A ``LearningRateScheduler`` over a per-batch scheduler (``OneCycleLR``)."""
+
+    def on_step_end(self, logs):
+        self.schedule.step()
 
 
 class History(Callback):

@@ -119,9 +119,9 @@ def _cursor_step(cursor, train_step):
 def _epoch_cursor(loader, capture):
     """The loader's device cursor when the captured step can fetch its own batches (a
     loader with an ``epoch_cursor()``, ``data.DataLoader``'s, and no per-batch
-    ``transform``), else None: the loop iterates the loader."""
+    ``transform`` but a device-keyed one), else None: the loop iterates the loader."""
     if (capture and callable(getattr(loader, "epoch_cursor", None))
-            and getattr(loader, "transform", None) is None):
+            and getattr(loader, "fetches_on_device", False)):
         return loader.epoch_cursor()
     return None
 

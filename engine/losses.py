@@ -7,18 +7,29 @@ import numpy as np
 
 from engine.autograd import apply
 from engine.tensor import Tensor, as_tensor
+from ops import cross_entropy_options as ce_options
 from ops import loss as ls
 
 
-def cross_entropy(logits, labels):
-    """Mean cross-entropy of ``logits`` (N, C) against integer class ``labels`` (N,).
+def cross_entropy(logits, target, label_smoothing=0.0, reduction="mean"):
+    """Cross-entropy of ``logits`` (N, C) against integer class labels (N,) or class
+    probabilities (N, C), as ``torch.nn.functional.cross_entropy``.
 
-    Fused and stable (log-sum-exp). ``labels`` may be an integer Tensor, a NumPy array or
-    a list; a label outside [0, C) raises ValueError (on CUDA at the latest one call later,
-    see ``ops.loss``)."""
-    if not isinstance(labels, Tensor):
-        labels = np.asarray(labels)
-    return apply(ls.CrossEntropy, logits, labels)
+    Fused and stable (log-sum-exp). Labels may be an integer Tensor, a NumPy array or a
+    list; a label outside [0, C) raises ValueError (on CUDA at the latest one call later,
+    see ``ops.loss``). ``label_smoothing`` in [0, 1] mixes each target with the uniform
+    distribution; ``reduction`` is "mean" (over the rows), "sum" or "none" (the (N,) row
+    losses). The target gets no gradient."""
+    if not isinstance(target, Tensor):
+        target = np.asarray(target)
+    options = dict(label_smoothing=label_smoothing, reduction=reduction)
+    if target.dtype.kind == "f" and target.ndim == 2:
+        return apply(ce_options.ProbabilityCrossEntropy, logits,
+                     as_tensor(target, logits) if not isinstance(target, Tensor) else target,
+                     **options)
+    if label_smoothing == 0 and reduction == "mean":
+        return apply(ls.CrossEntropy, logits, target)   # the plain op the captured steps run
+    return apply(ce_options.LabelCrossEntropy, logits, target, **options)
 
 
 def binary_cross_entropy(probs, targets):
@@ -43,8 +54,21 @@ class _Loss:
 
 
 class CrossEntropyLoss(_Loss):
-    """``criterion(logits, labels)``: see ``cross_entropy``."""
-    function = staticmethod(cross_entropy)
+    """``criterion(logits, target)``: see ``cross_entropy`` (its options as torch's
+    ``nn.CrossEntropyLoss(label_smoothing=..., reduction=...)``)."""
+
+    def __init__(self, label_smoothing=0.0, reduction="mean"):
+        ce_options.checked_options(label_smoothing, reduction)
+        self.label_smoothing, self.reduction = label_smoothing, reduction
+
+    def __call__(self, logits, target):
+        return cross_entropy(logits, target, self.label_smoothing, self.reduction)
+
+    def __repr__(self):
+        options = [f"{name}={value!r}" for name, value, default in
+                   (("label_smoothing", self.label_smoothing, 0.0),
+                    ("reduction", self.reduction, "mean")) if value != default]
+        return f"CrossEntropyLoss({', '.join(options)})"
 
 
 class BCELoss(_Loss):

@@ -51,6 +51,12 @@ def _with_pointwise_methods(cls):
     return cls
 
 
+# torch's tensor-type names, for ``x.type("torch.FloatTensor")``
+_TORCH_TYPE_NAMES = {"torch.FloatTensor": np.float32, "torch.DoubleTensor": np.float64,
+                     "torch.LongTensor": np.int64, "torch.IntTensor": np.int32,
+                     "torch.ByteTensor": np.uint8, "torch.BoolTensor": np.bool_}
+
+
 @_with_pointwise_methods
 class Tensor(Value):
     __array_priority__ = 1000   # NumPy defers to our reflected operators
@@ -145,6 +151,14 @@ class Tensor(Value):
                                "is ambiguous, only one-element tensors have one; reduce it "
                                "first, e.g. bool((x > 0).astype(np.float32).min())")
         return bool(self.item())
+
+    def __index__(self):
+        """A one-element integer tensor as a Python int, so it can index a list or slice
+        (``classes[t.argmax()]``), as torch's."""
+        if self.dtype.kind not in "iu" or self.size != 1:
+            raise TypeError(f"only one-element integer tensors can be used as an index, this "
+                            f"one has shape {self.shape} and dtype {self.dtype}")
+        return int(self.item())
 
     def _python_number(self, name):
         if self.size != 1:
@@ -319,6 +333,13 @@ class Tensor(Value):
     def long(self):
         """As int64 (``self`` when it already is): labels, indices; never differentiable."""
         return self.to(np.int64)
+
+    def type(self, dtype=None):
+        """Without an argument, the dtype's name (``"float32"``); with one, this tensor as that
+        dtype (``x.type(engine.float64)``, or torch's names ``"torch.DoubleTensor"``)."""
+        if dtype is None:
+            return self.dtype.name
+        return self.to(_TORCH_TYPE_NAMES.get(dtype, dtype))
 
     def clone(self):
         """A copy with its own memory; differentiable, as torch's (the gradient passes

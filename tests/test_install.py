@@ -46,8 +46,8 @@ def test_readme_starts_with_the_install_and_the_test_command_that_ci_runs():
     assert ci_lines[-1] == test
 
 
-def test_cuda_extra_brings_the_cuda_toolkit_of_the_required_numba_cuda():
-    required = INSTALL_REQUIRES["numba-cuda"]
+def test_cuda_extra_brings_the_cuda_toolkit_of_the_tested_numba_cuda():
+    required = EXTRAS["test"]["numba-cuda"]
     for extra, toolkit in (("cuda", "cu12"), ("cuda13", "cu13")):
         gpu = EXTRAS[extra]["numba-cuda"]
         assert gpu.extras == {toolkit} and gpu.specifier == required.specifier, gpu
@@ -55,7 +55,8 @@ def test_cuda_extra_brings_the_cuda_toolkit_of_the_required_numba_cuda():
 
 
 def test_the_simulator_that_ci_runs_comes_with_the_test_install():
-    assert "numba-cuda" in INSTALL_REQUIRES   # numba-cuda holds the simulator
+    assert "numba-cuda" in EXTRAS["test"]   # numba-cuda holds the simulator
+    assert "numba-cuda" not in INSTALL_REQUIRES   # the CPU install needs none of CUDA
     assert "pytest" in EXTRAS["test"]
 
 
