@@ -23,15 +23,14 @@ re-exported here, as they were before they had a module of their own.
 """
 import math
 import time
-import weakref
 
 import numpy as np
 
 from engine import distributed as dist
 from engine.autograd import no_grad
 from engine.callbacks import (PROGRESS_EVERY, Callback, JsonLog,  # noqa: F401 (re-exported)
-                              PrintMetrics, ProgressBar, append_record, format_record,
-                              progress_bar, show_progress)
+                              LearningRateScheduler, PrintMetrics, ProgressBar, append_record,
+                              format_record, progress_bar, show_progress)
 from engine.checkpoint import (CHECKPOINT_KEY, RECORD_KEYS,  # noqa: F401 (re-exported)
                                read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.step_capture import capture as engine_capture
@@ -91,28 +90,56 @@ def _train_step(model, optimizer, loss_fn, parameters, clip, metrics, distribute
     """The function of one training step that ``fit`` captures (``engine.capture``): on the
     GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device.
     With ``distributed`` the gradients are averaged over the ranks between backward and
-    ``clip`` (``engine.distributed.all_reduce_gradients``)."""
-    def train_step(inputs, labels):
+    ``clip`` (``engine.distributed.all_reduce_gradients``).
+
+    ``train_step(x, y)`` trains on one batch. ``train_step(x1, y1, x2, y2, ...)`` accumulates
+    the gradients of its n batches, each loss scaled by 1/n, into one optimizer step: the
+    update of one step on the n batches together (for equal batch sizes and a mean loss),
+    and its loss is the mean of theirs."""
+    def train_step(*batches):
         optimizer.zero_grad()
-        logits = model(inputs)
-        loss = loss_fn(logits, labels)
-        loss.backward()
+        pairs = [batches[i:i + 2] for i in range(0, len(batches), 2)]
+        outputs = []
+        for inputs, labels in pairs:
+            logits = model(inputs)
+            loss = loss_fn(logits, labels)
+            (loss if len(pairs) == 1 else loss * (1.0 / len(pairs))).backward()
+            outputs.append((loss, logits, labels))
         if distributed:
             dist.all_reduce_gradients(model)
         if clip is not None:
             clip(parameters)
         optimizer.step()
-        metrics.add(loss.data, logits.data, labels.data)
-        return loss
+        for loss, logits, labels in outputs:
+            metrics.add(loss.data, logits.data, labels.data)
+        if len(outputs) == 1:
+            return outputs[0][0]
+        with no_grad():
+            return sum(loss for loss, _, _ in outputs[1:]) + outputs[0][0] * 0 \
+                if False else _mean([loss for loss, _, _ in outputs])
     return train_step
 
 
+def _mean(losses):
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total * (1.0 / len(losses))
+
+
 def _cursor_step(cursor, train_step):
-    """``train_step`` on the batch of ``count`` samples at the loader's device cursor
-    (``data.loader.EpochCursor``): the step fetches its own batch, so a replay of several
-    steps in one graph launch walks the epoch by itself."""
-    def train_step_at_cursor(count):
-        return train_step(*cursor.next_batch(count))
+    """``train_step`` on batches at the loader's device cursor (``data.loader.EpochCursor``):
+    the step fetches its own batches, so a replay of several steps in one graph launch walks
+    the epoch by itself. Its arguments are ``count, seek`` per batch: ``seek`` is -1, or
+    where the cursor must jump first (a sharded last batch; the position is the same every
+    epoch, so the recording of that step holds it)."""
+    def train_step_at_cursor(*plan):
+        batches = []
+        for count, seek in zip(plan[::2], plan[1::2]):
+            if seek >= 0:
+                cursor.seek(seek)
+            batches += cursor.next_batch(count)
+        return train_step(*batches)
     return train_step_at_cursor
 
 
@@ -155,7 +182,7 @@ def _overrides(callback, hook):
     return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
-def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor):
+def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor, accumulate):
     """One epoch of steps, the callbacks' ``on_step_end`` after each; the record's training
     part, or None when a callback set ``run.stop_training`` in ``on_step_end``. With a
     ``cursor`` the step fetches its own batches, and up to the callbacks' ``step_interval``
@@ -164,8 +191,8 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
     losses = [] if step_losses is not None else None
     watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
     start = time.perf_counter()
-    steps = (_loader_steps(loader, step) if cursor is None else
-             _cursor_steps(cursor, step, _steps_per_replay(watchers, losses)))
+    steps = (_loader_steps(loader, step, accumulate) if cursor is None else
+             _cursor_steps(cursor, step, _steps_per_replay(watchers, losses), accumulate))
     for index, runs, rows, loss in steps:
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
@@ -184,33 +211,47 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
             "samples_per_s": rows / seconds if seconds > 0 else None}
 
 
-def _loader_steps(loader, step):
-    """The epoch's steps over the loader's batches: ``(index, 1, rows, loss)`` per step."""
-    for index, (inputs, labels) in enumerate(loader):
+def _loader_steps(loader, step, accumulate):
+    """The epoch's optimizer steps over the loader's batches, ``accumulate`` batches each
+    (the last group may have fewer): ``(index, 1, rows, loss)`` per step."""
+    group, rows, index = [], 0, -1
+    for inputs, labels in loader:
         if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
             labels = tensor(labels, device=inputs.device)
-        yield index, 1, inputs.shape[0], step(inputs, labels)
+        group += [inputs, labels]
+        rows += inputs.shape[0]
+        if len(group) == 2 * accumulate:
+            index += 1
+            yield index, 1, rows, step(*group)
+            group, rows = [], 0
+    if group:
+        yield index + 1, 1, rows, step(*group)
 
 
-def _cursor_steps(cursor, step, per_replay):
-    """The epoch's steps at the device cursor, up to ``per_replay`` full batches per replay
-    of the captured ``step``, never past a multiple of ``per_replay``: ``(index of the last
-    step, steps run, their rows, the last loss)`` per replay."""
+def _cursor_steps(cursor, step, per_replay, accumulate):
+    """The epoch's optimizer steps at the device cursor, ``accumulate`` batches each (the
+    last group may have fewer), up to ``per_replay`` steps of the same plan per replay of the
+    captured ``step``, never past a multiple of ``per_replay``: ``(index of the last step,
+    steps run, their rows, the last loss)`` per replay."""
     spans = cursor.start_epoch()
-    per_replay = per_replay or len(spans)   # no callback watches steps: the epoch at once
+    plans, expected = [], None
+    for first in range(0, len(spans), accumulate):
+        plan = []
+        for start, count in spans[first:first + accumulate]:
+            plan += [count, start if expected is not None and start != expected else -1]
+            expected = start + cursor.stride if hasattr(cursor, "stride") else None
+        plans.append((tuple(plan), sum(count for _, count in spans[first:first + accumulate])))
+    per_replay = per_replay or len(plans)   # no callback watches steps: the epoch at once
     index = 0
-    while index < len(spans):
-        first, count = spans[index]
+    while index < len(plans):
+        plan, rows = plans[index]
         runs = 1
-        if count == cursor.loader.batch_size:
-            while (runs < per_replay - index % per_replay and index + runs < len(spans)
-                   and spans[index + runs][1] == count):
-                runs += 1
-        else:   # the last, partial batch: its own recording, and its own start
-            cursor.seek(first)
-        loss = step.repeat(runs, count)
+        while (runs < per_replay - index % per_replay and index + runs < len(plans)
+               and plans[index + runs][0] == plan):
+            runs += 1
+        loss = step.repeat(runs, *plan)
         index += runs
-        yield index - 1, runs, runs * count, loss
+        yield index - 1, runs, runs * rows, loss
 
 
 def _steps_per_replay(watchers, losses):
@@ -273,18 +314,28 @@ class Trainer:
     its recording (a host read in the loss, a distributed run's all-reduce), or None.
     ``train_step``: the captured step kept for the next call (an ``engine.capture`` object:
     ``recordings``, ``replayed``), None before the first ``fit`` or with ``capture=False``.
+    ``accumulate_steps=k``: each optimizer step sums the gradients of k batches, each loss
+    scaled by 1/k (the update of one step on the k batches together); an epoch's last group
+    of j < k batches is stepped too, each of its losses scaled by 1/j. Callbacks, schedulers
+    and checkpoints count optimizer steps, and one step of k batches is captured as one.
 
         trainer = Trainer(model, opt, cross_entropy)
         for epoch in range(1, 4):
             trainer.fit(loader, epochs=epoch, start_epoch=epoch - 1, progress=False)"""
 
-    def __init__(self, model, optimizer, loss_fn, clip=None, capture=True, distributed=False):
+    def __init__(self, model, optimizer, loss_fn, clip=None, capture=True, distributed=False,
+                 accumulate_steps=1):
+        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) \
+                or accumulate_steps < 1:
+            raise ValueError(f"Trainer: accumulate_steps must be an integer >= 1, got "
+                             f"{accumulate_steps!r}")
         if clip is not None and not callable(clip):
             raise TypeError(f"Trainer: clip must be a function of the parameters, e.g. "
                             f"functools.partial(optim.clip_grad_norm_, max_norm=1.0), or "
                             f"None; got {clip!r}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip, self.capture, self.distributed = clip, capture, distributed
+        self.accumulate_steps = accumulate_steps
         self.eager_reason = None
         self._kept = None   # (what the captured step was made for, step, metrics)
 
@@ -327,7 +378,12 @@ class Trainer:
         history = [] if history is None else history
         cursor = _epoch_cursor(loader, self.capture)
         step, metrics = self._step_for(model.parameters(), cursor)
-        run = Run(model, self.optimizer, epochs, start_epoch, _length(loader), history,
+        batches = _length(loader)
+        steps = None if batches is None else -(-batches // self.accumulate_steps)
+        if scheduler is not None and getattr(scheduler, "per_batch", False):
+            callbacks.append(LearningRateScheduler(scheduler))   # stepped after every step
+            scheduler = None
+        run = Run(model, self.optimizer, epochs, start_epoch, steps, history,
                   test_loader is not None)
         for callback in callbacks:
             callback.run = run
@@ -343,18 +399,18 @@ class Trainer:
                     callback.on_epoch_begin({"epoch": epoch})
                 model.train()
                 record = _train_epoch(run, epoch, loader, step, metrics, callbacks,
-                                      step_losses, cursor)
+                                      step_losses, cursor, self.accumulate_steps)
                 self.eager_reason = getattr(step, "eager_reason", None)
                 if record is None:   # stopped inside the epoch: no record, no on_epoch_end
                     break
                 if distributed:
                     record = _world_record(record)
-                if scheduler is not None:
-                    scheduler.step()
                 test_loss, test_acc = (evaluate(model, test_loader, self.loss_fn)
                                        if test_loader is not None else (None, None))
                 record.update(epoch=epoch, test_loss=test_loss, test_acc=test_acc)
                 record = {key: record[key] for key in RECORD_KEYS}
+                if scheduler is not None:   # ReduceLROnPlateau reads the record's loss
+                    _step_scheduler(scheduler, record)
                 history.append(record)
                 for callback in callbacks:
                     callback.on_epoch_end(record)
@@ -369,27 +425,41 @@ class Trainer:
         return history
 
 
-# optimizer -> the Trainer that fit made for it, while the optimizer lives
-_trainers_of_fit = weakref.WeakKeyDictionary()
+def _step_scheduler(scheduler, record):
+    """One epoch's ``scheduler.step()``; ``ReduceLROnPlateau`` gets the test loss (the
+    training loss without a test loader)."""
+    if getattr(scheduler, "needs_metric", False):
+        scheduler.step(record["test_loss"] if record["test_loss"] is not None
+                       else record["loss"])
+    else:
+        scheduler.step()
+
+
+# the attribute of an optimizer that holds the Trainer fit made for it: the two live and die
+# together (a table keyed by optimizer would keep every Trainer, and so its optimizer, alive)
+_FIT_TRAINER = "_trainer_of_fit"
 
 
 def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
         clip=None, callbacks=(), on_epoch_end=(), progress=True, verbose=True, log_json=None,
-        start_epoch=0, history=None, step_losses=None, capture=True, distributed=False):
+        start_epoch=0, history=None, step_losses=None, capture=True, distributed=False,
+        accumulate_steps=1):
     """Train ``model`` for epochs ``start_epoch + 1 .. epochs``; returns the list of records.
-    ``Trainer(model, optimizer, loss_fn, clip, capture, distributed).fit(loader, epochs,
-    ...)`` with the other arguments; ``fit`` reuses the Trainer it made for ``optimizer`` at
-    an earlier call with the same model, ``loss_fn``, ``clip``, ``capture`` and
-    ``distributed`` (kept while the optimizer lives), so a loop of one-epoch ``fit`` calls
-    records its step once. ``fit.last_eager_reason`` is that Trainer's ``eager_reason`` after
+    ``Trainer(model, optimizer, loss_fn, clip, capture, distributed, accumulate_steps)
+    .fit(loader, epochs, ...)`` with the other arguments; ``fit`` reuses the Trainer it made
+    for ``optimizer`` at an earlier call with the same model, ``loss_fn``, ``clip``,
+    ``capture``, ``distributed`` and ``accumulate_steps`` (kept with the optimizer), so a
+    loop of one-epoch ``fit`` calls records its step once. ``accumulate_steps=k`` sums the
+    gradients of k batches into each optimizer step (``Trainer``). ``fit.last_eager_reason`` is that Trainer's ``eager_reason`` after
     the last call.
 
     Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, with
     ``distributed`` the gradient all-reduce, ``clip(parameters)`` when given (gradient
     clipping: ``functools.partial(optim.clip_grad_norm_, max_norm=1.0)``; the same object
     in a loop of ``fit`` calls lets them share one recorded step), ``optimizer.step()``.
-    After each epoch: ``scheduler.step()``, the test loss and accuracy on ``test_loader``,
-    then the record ``{"epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
+    After each epoch: the test loss and accuracy on ``test_loader``, ``scheduler.step()``
+    (``ReduceLROnPlateau``'s with the test loss, else the training loss; ``OneCycleLR`` is
+    stepped after every optimizer step instead), then the record ``{"epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
     "samples_per_s"}`` (accuracies as fractions, None when the labels are not class
     indices; test values None without a ``test_loader``; ``seconds`` is training time only)
     is appended to ``history`` (a list, extended in place; a new one by default) and passed
@@ -418,13 +488,14 @@ def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=N
     ``broadcast_model``) and its shard of the data (``DataLoader(..., shard=(rank,
     world_size))``), and evaluates the whole ``test_loader``. Print, log and save on one rank
     only (``progress``, ``verbose``, ``log_json``, checkpoint callbacks)."""
-    trainer = _trainers_of_fit.get(optimizer)
+    trainer = getattr(optimizer, _FIT_TRAINER, None)
     if trainer is None or trainer.model is not model or (
-            trainer.loss_fn, trainer.clip, trainer.capture, trainer.distributed) != (
-            loss_fn, clip, capture, distributed):
-        trainer = Trainer(model, optimizer, loss_fn, clip, capture, distributed)
+            trainer.loss_fn, trainer.clip, trainer.capture, trainer.distributed,
+            trainer.accumulate_steps) != (loss_fn, clip, capture, distributed, accumulate_steps):
+        trainer = Trainer(model, optimizer, loss_fn, clip, capture, distributed,
+                          accumulate_steps)
         if capture:   # what is kept is the captured step
-            _trainers_of_fit[optimizer] = trainer
+            setattr(optimizer, _FIT_TRAINER, trainer)
     try:
         return trainer.fit(loader, epochs, test_loader, scheduler, callbacks, on_epoch_end,
                            progress, verbose, log_json, start_epoch, history, step_losses)

@@ -29,9 +29,10 @@ def test_fit_is_a_plain_function_whose_help_is_its_own():
     assert inspect.isfunction(fit) and "__signature__" not in vars(fit)
     assert list(inspect.signature(fit).parameters)[:5] == ["model", "loader", "optimizer",
                                                             "loss_fn", "epochs"]
-    assert "Trainer(model, optimizer, loss_fn, clip, capture, distributed)" in fit.__doc__
+    assert "Trainer(model, optimizer, loss_fn, clip, capture, distributed, accumulate_steps)" \
+        in " ".join(fit.__doc__.split())
     assert list(inspect.signature(Trainer).parameters) == [
-        "model", "optimizer", "loss_fn", "clip", "capture", "distributed"]
+        "model", "optimizer", "loss_fn", "clip", "capture", "distributed", "accumulate_steps"]
     assert list(inspect.signature(Trainer.fit).parameters)[:3] == ["self", "loader", "epochs"]
 
 
@@ -81,11 +82,11 @@ def test_one_epoch_fit_calls_in_a_loop_record_their_step_once():
     for epoch in (1, 2, 3):
         fit(model, loader, opt, cross_entropy, epoch, start_epoch=epoch - 1, progress=False,
             verbose=False)
-        trainers.append(engine.fit._trainers_of_fit[opt])
+        trainers.append(getattr(opt, engine.fit._FIT_TRAINER))
     assert trainers[0] is trainers[1] is trainers[2] and fit.last_eager_reason is None
     other_loss = lambda logits, labels: cross_entropy(logits, labels)   # noqa: E731
     fit(model, loader, opt, other_loss, 4, start_epoch=3, progress=False, verbose=False)
-    assert engine.fit._trainers_of_fit[opt] is not trainers[0]   # another loss: another step
+    assert getattr(opt, engine.fit._FIT_TRAINER) is not trainers[0]   # another loss: another step
 
 
 def test_a_trainer_without_capture_keeps_no_step():
