@@ -50,6 +50,13 @@ def build_parser():
         "(adamw: decoupled decay) (default 0)")
     add("--clip-norm", type=float, default=0.0, help="clip the global gradient norm to this "
         "(default 0: off)")
+    add("--accumulate", type=int, default=1, metavar="K", help="sum the gradients of K batches "
+        "into each optimizer step, each loss scaled by 1/K: the step of one K times larger "
+        "batch (default 1)")
+    add("--augment", metavar="LIST", help="augment the training images on their device, per "
+        "sample: shift (by up to 2 pixels each way; shift=N for N), crop (a random crop of "
+        "the image padded by 2; crop=N pads N), flip (left-right with probability 0.5), "
+        "comma-separated (default none)")
     add("--seed", type=int, default=0, help="initialisation, shuffling and dropout (default 0)")
     add("--save", metavar="PATH", help="checkpoint (model, optimizer, epoch, history) written "
         "atomically after each epoch; nn.load(PATH) reads its model (default: the --resume "

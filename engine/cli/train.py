@@ -76,6 +76,53 @@ def parse_hidden(text):
         raise BadInput(f"--hidden {error}") from None
 
 
+# --augment's names and their default numbers (pixels of shift, padding of crop)
+AUGMENTATIONS = {"shift": 2, "crop": 2, "flip": None}
+
+
+def parse_augment(text):
+    """``--augment``'s ``[(name, number or None)]`` (empty without the flag)."""
+    if not text:
+        return []
+    chosen = []
+    for part in text.split(","):
+        name, _, number = part.strip().partition("=")
+        if name not in AUGMENTATIONS:
+            raise BadInput(f"--augment: unknown augmentation {name!r}: expected "
+                           f"{', '.join(AUGMENTATIONS)} (comma-separated)")
+        default = AUGMENTATIONS[name]
+        if number and default is None:
+            raise BadInput(f"--augment: {name} takes no number, got {part!r}")
+        try:
+            value = int(number) if number else default
+        except ValueError:
+            value = -1
+        if value is not None and value < 0:
+            raise BadInput(f"--augment: {part!r} needs a whole number of pixels >= 0")
+        chosen.append((name, value))
+    return chosen
+
+
+def augmentation(chosen, image_shape, seed):
+    """The loader's transform for ``--augment``'s ``chosen`` list, or None; each
+    augmentation gets its own seed from ``seed``."""
+    if chosen and len(image_shape) != 2:
+        raise BadInput(f"--augment: needs images (height, width), got samples of shape "
+                       f"{tuple(image_shape)}")
+    transforms = []
+    for index, (name, value) in enumerate(chosen):
+        own_seed = seed * 16 + index
+        if name == "shift":
+            transforms.append(data.RandomShift(value, seed=own_seed))
+        elif name == "crop":
+            transforms.append(data.RandomCrop(tuple(image_shape), padding=value, seed=own_seed))
+        else:
+            transforms.append(data.RandomFlip(0.5, seed=own_seed))
+    if not transforms:
+        return None
+    return transforms[0] if len(transforms) == 1 else data.Compose(transforms)
+
+
 def cosine_schedule(optimizer, epochs, start_epoch=0):
     """Epoch ``e`` (from 1) trains at ``initial_lr * (1 + cos(pi * (e - 1) / epochs)) / 2``,
     down to 0 after the last epoch: a closed form of the epoch (``LambdaLR``), so from the
@@ -107,7 +154,8 @@ def check_arguments(args, outputs=True):
                        f"{', '.join(SCHEDULES)}")
     for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size),
                         ("--limit", args.limit), ("--threads", args.threads),
-                        ("--early-stopping", args.early_stopping)):
+                        ("--early-stopping", args.early_stopping),
+                        ("--accumulate", args.accumulate)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} must be a positive integer, got {value}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -126,6 +174,7 @@ def check_arguments(args, outputs=True):
     if outputs:
         check_outputs(args)
     args.hidden = parse_hidden(args.hidden)
+    args.augment = parse_augment(args.augment)
     try:
         args.device = check_device(args.device)
     except (ValueError, RuntimeError) as error:
@@ -169,6 +218,8 @@ def prepare(args, is_root):
               "schedule": args.schedule}
     if args.model == "mlp":
         config["hidden"] = list(args.hidden)
+    if args.augment:   # only when asked: older checkpoints resume as before
+        config["augment"] = [list(item) for item in args.augment]
     checkpoint = read_resumed(args, config)
     try:
         (x_train, y_train), (x_test, y_test) = load_dataset(args.dataset, args.data_dir,
@@ -196,7 +247,9 @@ def prepare(args, is_root):
     # [0, 1], which the model's Rescaling does); the loaders convert once
     train_loader = data.DataLoader(_pixels(x_train), y_train,
                                    batch_size=args.batch_size // ranks, shuffle=True,
-                                   seed=args.seed, device=args.device, shard=(rank, ranks))
+                                   seed=args.seed, device=args.device, shard=(rank, ranks),
+                                   transform=augmentation(args.augment, x_train.shape[1:],
+                                                          args.seed))
     train_loader.epoch = start_epoch   # shuffling is keyed by (seed, epoch): resumes exactly
     # a seed, though it never shuffles: without one a loader draws it from the engine's
     # generator, after restore_checkpoint set that, and a resumed run's dropout masks would
@@ -266,7 +319,7 @@ def train(args, setup, is_root):
             callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
             progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
             history=history, step_losses=step_losses, capture=not args.no_capture,
-            distributed=args.distributed)
+            distributed=args.distributed, accumulate_steps=args.accumulate)
     except OSError as error:   # the event files: every other write fails as OutputFailure
         failure = boards[0].failure if boards else None
         if failure is None:
