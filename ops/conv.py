@@ -44,7 +44,7 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
   two threads wait on each other (1->32 forward + backward, mean: 5.3 ms serial, 18.6 ms
   on two threads); ``numba.set_num_threads(1)`` gives back the serial time (5.4 ms).
 
-CUDA: three implicit GEMMs of ``ops.matmul``'s template (``conv_gemm_shape`` there), whose
+CUDA: three implicit GEMMs of ``ops.gemm``'s template (``conv_gemm_shape`` of ``ops.gemm.conv_operands``), whose
 tiles are gathered from the NCHW arrays as they are loaded, never materialised as im2col:
 the forward ``y[o, p] = act(b[o] + Σ_k w[o, k] · X[k, p])`` over the output positions p and
 taps k = (c, i, j), stores NCHW; ``dx`` on the flipped filter, the positions p those of the
@@ -63,8 +63,9 @@ from ops.cpu_threads import engine_threads
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, Kernel
 from ops.layout import flat
-from ops.matmul import (CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT, ConvGeometry,
-                        conv_gemm_plan)
+from ops.gemm.conv_operands import ConvGeometry
+from ops.gemm.plans import conv_gemm_plan
+from ops.gemm.tilings import CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT
 from ops.memory import empty
 from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
                            derivative_cpu, value_cpu)
@@ -408,7 +409,7 @@ def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, al
 
 
 def _kernel_geometry(geometry):
-    """The ``ops.matmul.ConvGeometry`` of the op's geometry tuple: everything but the batch."""
+    """The ``ops.gemm.conv_operands.ConvGeometry`` of the op's geometry tuple: everything but the batch."""
     return ConvGeometry(*geometry[1:])
 
 
