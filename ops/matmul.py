@@ -4,8 +4,8 @@ calls.
 CPU: BLAS (``ops.gemm.cpu``), a large product in row blocks across the engine's threads.
 CUDA: our own tiled, register-blocked GEMM template (``ops.gemm.template``), whose tiling and
 split-K count ``ops.gemm.choices`` picks and whose launches ``ops.gemm.plans`` makes; the
-same template carries Dense's fused kernels (``ops.dense``) and the convolutions (``ops.conv``).
-How a call flows from here to a kernel: ops/gemm/README.md."""
+same template carries Dense's fused kernels (``ops.dense``) and the convolutions
+(``ops.conv``). How a call flows from here to a kernel: ops/gemm/README.md."""
 import math
 
 from ops.dispatch import Out, run

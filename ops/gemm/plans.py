@@ -7,6 +7,7 @@ import numpy as np
 
 from ops.cuda_backend import SIMULATOR, cuda, device_reshape
 from ops.gemm.choices import k_slices, mma_format, pick_config, pick_conv_config, pick_tiling
+from ops.gemm import gpu_facts  # noqa: F401  (loaded before a dry device: see gpu_facts)
 from ops.gemm.conv_operands import conv_gemm_shape
 from ops.gemm.mma import pipelined_tiling
 from ops.gemm.template import gemm_kernels
