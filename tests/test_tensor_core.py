@@ -109,7 +109,8 @@ TENSOR_CORE_SHAPES = [(130, 77, 257, False, False), (64, 128, 96, True, False),
 def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, trans_b):
     from ops.cuda_backend import cuda
     from ops.device import to_device
-    from ops.matmul import gemm, mma_format
+    from ops.gemm.choices import mma_format
+    from ops.matmul import gemm
     assert mma_format(np.float32) == {"high": "tf32", "medium": "bf16"}[precision]
     rng = np.random.default_rng(m + k + n)
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
