@@ -26,7 +26,7 @@ already applied to its gradient: cuDNN's kernels alone.
 
 ``--sweep`` times, for each conv GEMM of the CNN (the forward, dx where the layer needs it,
 dw), every candidate config of ``SWEEP_CANDIDATES`` forced through
-``ops.matmul.CONV_CHOICES``, and prints the winners as entries to paste there; each output
+``ops.gemm.choices.CONV_CHOICES``, and prints the winners as entries to paste there; each output
 is compared with the one the rule's config gives (max relative difference).
 
 ``--threads N`` runs the engine's parallel CPU loops (``engine.set_num_threads``) and torch's
@@ -292,7 +292,7 @@ def format_table(result):
     return "\n".join(lines)
 
 
-# The sweep's candidates: every tiling of ops.matmul but the simulator's, and for the weight
+# The sweep's candidates: every tiling of ops.gemm.tilings but the simulator's, and for the weight
 # gradient these split counts (a split that makes the same K slices as a smaller one is timed
 # once). Each tiling costs a compile per GEMM, two for a split dw (about 1 s each on the H200
 # host, so the sweep's two convs compile about 60 kernels).
@@ -313,10 +313,13 @@ def _relative_difference(outputs, references):
 
 def sweep_cuda(batch=BATCH):
     """Per conv GEMM of the CNN: GPU time of every candidate config, cuDNN's beside; the
-    winners as ``CONV_CHOICES`` entries to paste into ops/matmul.py."""
-    import ops.matmul as mm
+    winners as ``CONV_CHOICES`` entries to paste into ops/gemm/choices.py."""
     from ops.conv import Conv2DOp
     from ops.cuda import cuda
+    from ops.gemm import choices, tilings
+    from ops.gemm.choices import CONV_MODE_NAMES
+    from ops.gemm.conv_operands import ConvGeometry, conv_gemm_shape
+    from ops.gemm.tilings import CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT
 
     started = time.perf_counter()
     torch = None
@@ -342,20 +345,20 @@ def sweep_cuda(batch=BATCH):
         arrays = _arrays(layer, x_shape, params, rng)
         op = Conv2DOp(padding="same", activation="relu")
         op.check(*arrays)
-        geometry = mm.ConvGeometry(*op.meta[1:])
+        geometry = ConvGeometry(*op.meta[1:])
         engine_calls = _engine_calls(layer, arrays, params, "cuda")
         torch_calls = (_torch_calls(layer, arrays, params, "cuda") if torch is not None
                        else None)
         label = f"conv {shape[0]}->{params['out']} on {shape[1]}x{shape[2]}"
-        for phase, mode in (("forward", mm.CONV_FORWARD), ("grad_input", mm.CONV_GRAD_INPUT),
-                            ("grad_weight", mm.CONV_GRAD_WEIGHT)):
+        for phase, mode in (("forward", CONV_FORWARD), ("grad_input", CONV_GRAD_INPUT),
+                            ("grad_weight", CONV_GRAD_WEIGHT)):
             if phase not in engine_calls:
                 continue
             call = engine_calls[phase]
-            m, n, k = mm.conv_gemm_shape(mode, geometry, batch)
-            key = (mm.CONV_MODE_NAMES[mode], m, n, k)
-            picked = mm.pick_conv_config(mode, m, n, k, geometry.GROUPS)
-            picked = mm.GemmConfig(picked.tiling, mm.k_slices(k, picked.split,
+            m, n, k = conv_gemm_shape(mode, geometry, batch)
+            key = (CONV_MODE_NAMES[mode], m, n, k)
+            picked = choices.pick_conv_config(mode, m, n, k, geometry.GROUPS)
+            picked = choices.GemmConfig(picked.tiling, choices.k_slices(k, picked.split,
                                                               picked.tiling.BK))
             references = _host_outputs(call())
             cudnn = (min(torch_gpu.seconds_per_call(torch_calls[phase], GPU_CALLS)
@@ -366,33 +369,33 @@ def sweep_cuda(batch=BATCH):
             print("|---|---:|---:|---:|---:|---:|---:|")
             results = []
             seen = set()
-            splits = SWEEP_SPLITS if mode == mm.CONV_GRAD_WEIGHT else (1,)
+            splits = SWEEP_SPLITS if mode == CONV_GRAD_WEIGHT else (1,)
             # the rule's own split too: the 32->64 grad_weight's (53) beat every listed one
-            candidates = [(name, tiling, split) for name, tiling in mm.TILINGS.items()
-                          if tiling is not mm.SIMULATED for split in splits]
-            candidates += [(name, tiling, picked.split) for name, tiling in mm.TILINGS.items()
+            candidates = [(name, tiling, split) for name, tiling in tilings.TILINGS.items()
+                          if tiling is not tilings.SIMULATED for split in splits]
+            candidates += [(name, tiling, picked.split) for name, tiling in tilings.TILINGS.items()
                            if tiling is picked.tiling]
             for tiling_name, tiling, split in candidates:
-                config = mm.GemmConfig(tiling, mm.k_slices(k, split, tiling.BK))
+                config = choices.GemmConfig(tiling, choices.k_slices(k, split, tiling.BK))
                 if config in seen:
                     continue
                 seen.add(config)
-                previous = mm.CONV_CHOICES.get(key)
-                mm.CONV_CHOICES[key] = config
+                previous = choices.CONV_CHOICES.get(key)
+                choices.CONV_CHOICES[key] = config
                 try:
                     gpu = min(engine_gpu.seconds_per_call(call, GPU_CALLS)
                               for _ in range(SWEEP_ROUNDS))
                     difference = _relative_difference(_host_outputs(call()), references)
                 finally:
                     if previous is None:
-                        del mm.CONV_CHOICES[key]
+                        del choices.CONV_CHOICES[key]
                     else:
-                        mm.CONV_CHOICES[key] = previous
+                        choices.CONV_CHOICES[key] = previous
                 blocks = (-(-m // tiling.BM) * -(-n // tiling.BN) * geometry.GROUPS
                           * config.split)
                 mark = "*" if config == picked else ""
                 versus = f"{gpu / cudnn:.2f}x" if cudnn else "-"
-                print(f"| {mark}{tiling_name} | {mm.threads_of(tiling)} | {config.split} | "
+                print(f"| {mark}{tiling_name} | {tilings.threads_of(tiling)} | {config.split} | "
                       f"{blocks} | {gpu * 1e6:.1f} | {versus} | {difference:.1e} |",
                       flush=True)
                 results.append((gpu, tiling_name, config))
@@ -400,7 +403,7 @@ def sweep_cuda(batch=BATCH):
             print(f"\nwinner: {tiling_name} split {config.split}, {gpu * 1e6:.1f} us GPU"
                   + (f", {gpu / cudnn:.2f}x cuDNN" if cudnn else "") + "\n")
             winners.append((key, tiling_name, config.split, gpu, cudnn, f"{label} {phase}"))
-    print("## CONV_CHOICES entries of the winners (paste into ops/matmul.py)\n")
+    print("## CONV_CHOICES entries of the winners (paste into ops/gemm/choices.py)\n")
     for key, tiling_name, split, gpu, cudnn, label in winners:
         versus = "-" if cudnn is None else f"{cudnn * 1e6:.1f}"
         print(f"    {key}: GemmConfig({tiling_name}, {split}),   # {label}: {gpu * 1e6:.1f} us "

@@ -22,7 +22,7 @@ larger of the two).
 
 ``--sweep`` times, at each MLP product, the fused Dense kernel an MLP step runs there
 (forward x·W: bias + relu epilogue; dX = G·Wᵀ: relu' prologue; dW = xᵀ·G with the bias row)
-under every candidate config of ``ops.matmul`` (tiling x split-K count), with cuBLAS's plain
+under every candidate config of ``ops.gemm`` (tiling x split-K count), with cuBLAS's plain
 product beside, and prints the ``GEMM_CHOICES`` entries of the winners.
 """
 import argparse
@@ -157,7 +157,7 @@ def bench_cuda(shapes, precision="highest"):
 # from the grid), but each tiling costs two compiles (its kernel and its partial kernel) per
 # layout it is swept in, about 1 s each on the H200 host: the 3 tilings of the first sweep
 # in 3 layouts compiled 18 kernels, 35 s in all; these 23 tilings-by-layout compile 46. The
-# candidates for latency (ops.matmul) go mostly to forward and dW, where the two big products
+# candidates for latency (ops.gemm.tilings) go mostly to forward and dW, where the two big products
 # fwd L1 and dW1 are (dX's are small); the 64x64 ones only to dW, as MEDIUM lost fwd L1 to
 # COMPACT (25.6 vs 16.9 us) but won dW1.
 BASE_CANDIDATES = {"SMALL": (1, 2, 4, 8), "COMPACT": (1, 2, 4, 8), "MEDIUM": (1, 4)}
@@ -177,15 +177,15 @@ SWEEP_ALPHA = 0.01
 def _candidates(k, trans_a, trans_b):
     """(tiling name, config) of every candidate for this layout at inner dimension k, each
     slicing once."""
-    import ops.matmul as mm
+    from ops.gemm import choices, tilings
     seen, configs = set(), []
     for name, splits in SWEEP_CANDIDATES[trans_a, trans_b].items():
-        tiling = mm.TILINGS[name]
+        tiling = tilings.TILINGS[name]
         for split in splits:
-            slices = mm.k_slices(k, split, tiling.BK)
+            slices = choices.k_slices(k, split, tiling.BK)
             if (name, slices) not in seen:
                 seen.add((name, slices))
-                configs.append((name, mm.GemmConfig(tiling, slices)))
+                configs.append((name, choices.GemmConfig(tiling, slices)))
     return configs
 
 
@@ -238,7 +238,7 @@ def _relative_error(outputs):
 def sweep_cuda(shapes):
     """Per MLP product: GPU and wall time of the Dense kernel under every candidate config,
     cuBLAS's plain product beside; the winners as ``GEMM_CHOICES`` entries to paste."""
-    import ops.matmul as mm
+    from ops.gemm import choices, tilings
     from ops.cuda import cuda
 
     started = time.perf_counter()
@@ -255,9 +255,9 @@ def sweep_cuda(shapes):
         key = (m, n, k, trans_a, trans_b)
         call, outputs = _dense_product(m, k, n, trans_a, trans_b, rng)
         extra_rows = 1 if trans_a else 0   # dW's kernel adds the bias row
-        default = mm.pick_config(m, n, k, trans_a, trans_b, extra_rows)
-        default_slices = mm.GemmConfig(default.tiling,
-                                       mm.k_slices(k, default.split, default.tiling.BK))
+        default = choices.pick_config(m, n, k, trans_a, trans_b, extra_rows)
+        default_slices = choices.GemmConfig(default.tiling,
+                                       choices.k_slices(k, default.split, default.tiling.BK))
         reference = _cublas_gpu_time(torch, cublas_timer, m, k, n, trans_a, trans_b, rng)
         print(f"### {label}: {m}x{k}x{n}" + (" Aᵀ" if trans_a else "") + (" Bᵀ" if trans_b
               else "") + f", cuBLAS {_us(reference)} us GPU\n")
@@ -267,23 +267,23 @@ def sweep_cuda(shapes):
               "|---------:|")
         results = []
         for tiling_name, config in _candidates(k, trans_a, trans_b):
-            previous = mm.GEMM_CHOICES.get(key)
-            mm.GEMM_CHOICES[key] = config
+            previous = choices.GEMM_CHOICES.get(key)
+            choices.GEMM_CHOICES[key] = config
             try:
                 gpu = timer.seconds_per_call(call)
                 wall = _time(call, cuda.synchronize, 100)
                 error = _relative_error(outputs)
             finally:
                 if previous is None:
-                    del mm.GEMM_CHOICES[key]
+                    del choices.GEMM_CHOICES[key]
                 else:
-                    mm.GEMM_CHOICES[key] = previous
+                    choices.GEMM_CHOICES[key] = previous
             tiling = config.tiling
             blocks = -(-(m + extra_rows) // tiling.BM) * -(-n // tiling.BN) * config.split
             mark = "*" if config == default_slices else " "
             ratio = f"{gpu / reference:9.2f}x" if reference else "        -"
-            print(f"| {mark}{tiling_name:<15} | {mm.threads_of(tiling):7} | {config.split:6} | "
-                  f"{blocks:6} | "
+            threads = tilings.threads_of(tiling)
+            print(f"| {mark}{tiling_name:<15} | {threads:7} | {config.split:6} | {blocks:6} | "
                   f"{gpu * 1e6:6.1f} | {wall * 1e6:7.1f} | {ratio} | {error:8.1e} |", flush=True)
             results.append((gpu, tiling_name, config))
         gpu, tiling_name, config = min(results, key=lambda result: result[0])
@@ -291,7 +291,7 @@ def sweep_cuda(shapes):
         print(f"\nwinner: {tiling_name} split {config.split}, {gpu * 1e6:.1f} us GPU{versus} "
               f"(* marks the config the table/rule picks now)\n")
         winners.append((key, tiling_name, config.split, gpu, reference, label))
-    print("## GEMM_CHOICES entries of the winners (paste into ops/matmul.py)\n")
+    print("## GEMM_CHOICES entries of the winners (paste into ops/gemm/choices.py)\n")
     for key, tiling_name, split, gpu, reference, label in winners:
         print(f"    {key}: GemmConfig({tiling_name}, {split}),   # {label}: {gpu * 1e6:.1f} us "
               f"GPU, cuBLAS {_us(reference)} (H200 sweep)")

@@ -1,5 +1,5 @@
 """Candidate tilings of the CUDA GEMM template timed one by one (GPU time): the sweeps behind
-the choice of ``ops.matmul``'s large tilings and of the tensor-core tile rule.
+the choice of ``ops.gemm``'s large tilings and of the tensor-core tile rule.
 
     python -m bench.tiling_sweep tensor-cores   # TF32/bf16 tilings at 4096³ and 1024³
     python -m bench.tiling_sweep pipelined      # the cp.async pipelines: tiles x stages
@@ -7,9 +7,9 @@ the choice of ``ops.matmul``'s large tilings and of the tensor-core tile rule.
     python -m bench.tiling_sweep wide-mlp --only pipelined   # those whose name holds the text
     python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
 
-Each candidate is forced by replacing ``ops.matmul.pick_config`` for the timed calls, so the
+Each candidate is forced by replacing ``ops.gemm.plans.pick_config`` for the timed calls, so the
 plan, the kernels and the launch are those of ``ops.matmul.gemm``; a sweep's winner is what
-the tilings' comments in ``ops/matmul.py`` quote. GPU time from ``bench.gpu_time`` (events
+the tilings' comments in ``ops/gemm/tilings.py`` quote. GPU time from ``bench.gpu_time`` (events
 around calls queued behind a long product); the error is against the float64 product of the
 first 64 rows. Needs a CUDA GPU.
 """
@@ -30,8 +30,8 @@ WIDE_MLP = {"fwd L1 x·W1": (128, 784, 4096, False, False),
 
 
 def tensor_core_candidates():
-    from ops import matmul as mm
-    tiling = mm.Tiling
+    from ops.gemm import tilings
+    tiling = tilings.Tiling
     return {"128x128x16, warps of 64x32": tiling(128, 128, 16, 8, 8, mma="tf32"),
             "the same, 128 registers": tiling(128, 128, 16, 8, 8, max_registers=128, mma="tf32"),
             "64x128x16, warps of 32x32": tiling(64, 128, 16, 4, 8, mma="tf32"),
@@ -46,11 +46,11 @@ def tensor_core_candidates():
 
 
 def pipelined_candidates():
-    from ops import matmul as mm
-    tiling = mm.Tiling
+    from ops.gemm import tilings
+    tiling = tilings.Tiling
     candidates = {}
     for mma in ("tf32", "bf16"):
-        candidates[f"{mma} LARGE 128x128x16, 2 register stages"] = mm.MMA_TILINGS[mma].large
+        candidates[f"{mma} LARGE 128x128x16, 2 register stages"] = tilings.MMA_TILINGS[mma].large
         for bm, bn, bk, tm, tn, stages in ((128, 128, 32, 8, 16, 3), (128, 128, 32, 8, 16, 4),
                                            (128, 128, 16, 8, 16, 4), (128, 128, 64, 8, 16, 3),
                                            (128, 256, 32, 8, 16, 3), (256, 128, 32, 8, 16, 3),
@@ -62,9 +62,9 @@ def pipelined_candidates():
 
 
 def fp32_candidates():
-    from ops import matmul as mm
-    tiling = mm.Tiling
-    return {"LARGE 128x128x8 8x8, 128 registers": mm.LARGE,
+    from ops.gemm import tilings
+    tiling = tilings.Tiling
+    return {"LARGE 128x128x8 8x8, 128 registers": tilings.LARGE,
             "128x128x16 8x8, 128 registers": tiling(128, 128, 16, 8, 8, True, 128),
             "128x128x16 8x8": tiling(128, 128, 16, 8, 8, True),
             "128x128x8 8x8": tiling(128, 128, 8, 8, 8, True),
@@ -78,19 +78,19 @@ def forced(tiling, split, shape):
     """Every GEMM plan inside of op(A) (m, k) @ op(B) (k, n), ``shape`` = (m, n, k), in
     ``tiling``'s format picks ``tiling`` in ``split`` K slices (the timer's busy product, at
     "highest", keeps its own)."""
-    from ops import matmul as mm
-    chosen = mm.pick_config
+    from ops.gemm import choices, plans
+    chosen = plans.pick_config
 
     def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, **options):
         if (m, n, k) == shape and mma == tiling.mma:
-            return mm.GemmConfig(tiling, split)
+            return choices.GemmConfig(tiling, split)
         return chosen(m, n, k, trans_a, trans_b, extra_rows, mma, **options)
 
-    mm.pick_config = pick_config
+    plans.pick_config = pick_config
     try:
         yield
     finally:
-        mm.pick_config = chosen
+        plans.pick_config = chosen
 
 
 def _operands(m, k, n, trans_a, trans_b, rng):
@@ -108,10 +108,11 @@ def time_candidate(timer, operands, trans_a, trans_b, tiling, split, calls):
     """(GPU seconds per call, max error relative to the largest reference value)."""
     from engine import set_float32_matmul_precision
     from ops import matmul as mm
+    from ops.gemm import tilings
     a, b, out, reference = operands
     set_float32_matmul_precision(PRECISION_OF_FORMAT[tiling.mma])
     try:
-        mm.check_tiling(tiling)
+        tilings.check_tiling(tiling)
         m, n = out.shape
         with forced(tiling, split, (m, n, b.shape[1] if trans_b else b.shape[0])):
             seconds = timer.seconds_per_call(lambda: mm.gemm(a, b, trans_a, trans_b, out=out),
@@ -134,15 +135,15 @@ def sweep_square(candidates, sizes, calls=10):
 
 def wide_mlp_candidates():
     """(name, tiling, split) of the TF32 tilings swept at the wide MLP's products."""
-    from ops import matmul as mm
-    tiling = mm.Tiling
-    register = ([("MEDIUM", mm.TF32_MEDIUM, split) for split in (1, 2, 3, 6)]
-                + [("LARGE", mm.TF32_LARGE, split) for split in (1, 4, 8, 16)]
+    from ops.gemm import tilings
+    tiling = tilings.Tiling
+    register = ([("MEDIUM", tilings.TF32_MEDIUM, split) for split in (1, 2, 3, 6)]
+                + [("LARGE", tilings.TF32_LARGE, split) for split in (1, 4, 8, 16)]
                 + [("64x128, warps of 64x64", tiling(64, 128, 16, 8, 16, mma="tf32"), split)
                    for split in (1, 2, 4)])
-    pipelined = ([("PIPELINED 128x128x32", mm.TF32_PIPELINED, split)
+    pipelined = ([("PIPELINED 128x128x32", tilings.TF32_PIPELINED, split)
                   for split in (1, 4, 8, 9, 16)]
-                 + [("PIPELINED 128x128x16", mm.TF32_PIPELINED_PROLOGUE, split)
+                 + [("PIPELINED 128x128x16", tilings.TF32_PIPELINED_PROLOGUE, split)
                     for split in (1, 8, 9)])
     for bm, bn, tm, tn in ((64, 128, 8, 16), (128, 64, 8, 16), (64, 64, 8, 8)):
         pipelined += [(f"pipelined {bm}x{bn}x32, 3 stages",
@@ -152,12 +153,12 @@ def wide_mlp_candidates():
 
 
 def sweep_wide_mlp(calls=20, only=None):
-    from ops import matmul as mm
+    from ops.gemm import choices, tilings
     candidates = [c for c in wide_mlp_candidates() if only is None or only in c[0]]
     timer, rng = engine_timer(), np.random.default_rng(0)
     for label, (m, k, n, trans_a, trans_b) in WIDE_MLP.items():
-        rule = mm.pick_config(m, n, k, trans_a, trans_b, 0, "tf32",
-                              pipelined=mm.MMA_TILINGS["tf32"].pipelined)
+        rule = choices.pick_config(m, n, k, trans_a, trans_b, 0, "tf32",
+                                   pipelined=tilings.MMA_TILINGS["tf32"].pipelined)
         print(f"{label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])}"
               f"{', pipelined' if rule.tiling.stages else ''} in {rule.split} slices",
               flush=True)

@@ -7,5 +7,6 @@ device arrays on CUDA) and nothing of Tensors or the tape; ``engine`` builds on 
 from ops.numba_cache import apply_default as _cache_in_user_folder
 
 _cache_in_user_folder()   # before Numba reads its configuration
-from ops import memory  # noqa: F401, E402  (installs the CUDA caching allocator before any context exists)
+# installs the CUDA caching allocator before any context exists
+from ops import memory  # noqa: F401, E402
 from ops.registry import REGISTRY, Op, register  # noqa: F401, E402

@@ -212,7 +212,7 @@ _numpy_blas_set = False
 
 
 def numpy_blas_on_one_thread():
-    """Before the first GEMM through NumPy's BLAS (``ops.matmul.blas_product``): every BLAS
+    """Before the first GEMM through NumPy's BLAS (``ops.gemm.cpu.blas_product``): every BLAS
     library loaded on one thread, unless one of ``USER_VARIABLES`` chose a count.
     ``engine.blas_threads`` does the same when Numba's first compile loads SciPy's BLAS;
     this covers a GEMM before any compile (a linear Dense forward compiles nothing). Once

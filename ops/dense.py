@@ -1,9 +1,9 @@
 """Fused Dense: ``act(x @ W + b)`` forward in one kernel, backward in at most two (on CUDA a
 split-K GEMM adds its sum kernel to each).
 
-Forward: on CUDA the GEMM template of ``ops.matmul`` adds the bias and applies the
+Forward: on CUDA the GEMM template of ``ops.gemm`` adds the bias and applies the
 activation in its epilogue; on the CPU BLAS writes ``x @ W`` into the output
-(``ops.matmul.blas_product``, NumPy's BLAS called from Python) and one ``@njit`` loop adds
+(``ops.gemm.cpu.blas_product``, NumPy's BLAS called from Python) and one ``@njit`` loop adds
 the bias and activates in place (NumPy's add for a linear layer). The CPU side compiles only
 those loops: with ``np.dot`` inside the kernels, Numba's GEMM wrapper was compiled once per
 operand layout and again into each of the four kernels of the MLP, 1.7-2.1 s of its cold
@@ -34,7 +34,9 @@ from numba import njit
 from ops.cpu_threads import row_blocks, run_blocks
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, Kernel
-from ops.matmul import FORWARD, GRAD_A, GRAD_B, blas_product, gemm_plan
+from ops.gemm.cpu import blas_product
+from ops.gemm.plans import gemm_plan
+from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
 from ops.registry import Op, register
 

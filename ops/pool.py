@@ -25,7 +25,8 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from ops.conv import pair, pool_output_sizes, valid_range
+from ops.conv import pair, pool_output_sizes
+from ops.conv_cpu import valid_range
 from ops.cpu_threads import engine_threads
 from ops.cuda import SIMULATOR, cuda
 from ops.dispatch import Out, run

@@ -1,4 +1,4 @@
-"""The adjoint pairs written as one loop each (``ops.conv._patch_loop``: im2col and
+"""The adjoint pairs written as one loop each (``ops.conv_cpu._patch_loop``: im2col and
 col2im-add; ``ops.pool._avg_pool_loop``: the average pool and its gradient) compute what the
 two loops they replaced computed, bit for bit: against references written as those loops'
 arithmetic in its order, element by element in float32, and against each other (an adjoint
@@ -10,7 +10,7 @@ import pytest
 
 import engine
 from engine.autograd import apply
-from ops.conv import _col2im_add, _im2col
+from ops.conv_cpu import _col2im_add, _im2col
 from ops.pool import AvgPool2DOp, avg_pool_cpu, avg_pool_grad_cpu
 
 # (N, C, H, W, O, KH, KW, SH, SW, PT, PB, PL, PR, DH, DW, GROUPS)
@@ -23,7 +23,7 @@ CONV_GEOMETRIES = {
 
 
 def _geometry(n, c, h, w, o, kh, kw, sh, sw, pt, pb, pl, pr, dh, dw, groups):
-    """The kernels' geometry tuple (ops/conv.py's meta without HAS_BIAS)."""
+    """The kernels' geometry tuple (ops/conv_cpu.py's meta without HAS_BIAS)."""
     oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
     ow = (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
     return (n, c, h, w, o, oh, ow, kh, kw, sh, sw, pt, pl, dh, dw, groups)

@@ -294,13 +294,13 @@ def test_bench_cpu_step_of_the_cnn_names_each_convolution_by_its_channels(capsys
 
 def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
     from bench import tiling_sweep
-    from ops import matmul as mm
+    from ops.gemm import tilings
     for candidates in (tiling_sweep.tensor_core_candidates(), tiling_sweep.pipelined_candidates(),
                        tiling_sweep.fp32_candidates()):
         for tiling in candidates.values():
-            mm.check_tiling(tiling)
+            tilings.check_tiling(tiling)
     for _, tiling, split in tiling_sweep.wide_mlp_candidates():
-        mm.check_tiling(tiling)
+        tilings.check_tiling(tiling)
         assert split >= 1
     with pytest.raises(SystemExit, match="bench.tiling_sweep: needs a CUDA GPU"):
         tiling_sweep.main(["fp32"])

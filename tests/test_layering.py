@@ -102,8 +102,6 @@ def test_the_ops_runtime_floor_in_order():
 
 # numba-cuda and the cuda-python packages it is built on (cuda.core, cuda.bindings, ...)
 _NUMBA_CUDA_MODULES = ("numba.cuda", "numba_cuda", "cuda")
-# temporary: removed when ops/matmul.py, conv.py, batch_norm.py are rewritten (lead)
-_TEMPORARY_SHIMS = ("ops/cuda_backend.py", "ops/tensor_core.py")
 
 
 def _names_numba_cuda(name):
@@ -154,7 +152,6 @@ def test_the_rest_imports_ops_cuda_through_its_interface():
         f"{path.relative_to(ROOT)}: {name}"
         for path in _sources("engine", "ops", "optim", "data", "bench")
         if not str(path.relative_to(ROOT)).startswith("ops/cuda/")
-        and str(path.relative_to(ROOT)) not in _TEMPORARY_SHIMS
         for name in _imported_names(path)
         if name.startswith("ops.cuda.") and name != "ops.cuda.ptx"
         and not _is_exported_name(name))

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 import engine
-import ops.matmul as mm
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
 from ops.batch_norm import BatchNormOp
 from ops.conv import Conv2DOp
+from ops.gemm import choices, tilings
+from ops.gemm.choices import CONV_MODE_NAMES
+from ops.gemm.conv_operands import ConvGeometry, conv_gemm_shape
+from ops.gemm.tilings import CONV_FORWARD, CONV_GRAD_INPUT, CONV_GRAD_WEIGHT
 from ops.pool import AvgPool2DOp, MaxPool2DOp
 from ops.cuda import SIMULATOR
 from ops.device import to_device, to_host
@@ -284,24 +287,24 @@ def _conv_grads(device, arrays, requires, params, dtype=np.float64):
 
 
 def _forcing_conv(monkeypatch, mode, geometry, batch, split, tiling=None):
-    """Force the config of one conv GEMM through an entry of ops.matmul.CONV_CHOICES."""
-    m, n, k = mm.conv_gemm_shape(mode, geometry, batch)
-    tiling = tiling or mm.pick_conv_tiling(m, n, k)
-    monkeypatch.setitem(mm.CONV_CHOICES, (mm.CONV_MODE_NAMES[mode], m, n, k),
-                        mm.GemmConfig(tiling, split))
+    """Force the config of one conv GEMM through an entry of ops.gemm.choices.CONV_CHOICES."""
+    m, n, k = conv_gemm_shape(mode, geometry, batch)
+    tiling = tiling or choices.pick_conv_tiling(m, n, k)
+    monkeypatch.setitem(choices.CONV_CHOICES, (CONV_MODE_NAMES[mode], m, n, k),
+                        choices.GemmConfig(tiling, split))
 
 
 # groups 2, stride 2, padding 1, dilation 2, 7x9: dw's K is N·OH·OW = 2·3·5 = 30 positions
 SPLIT_CASE = ((2, 4, 7, 9), (6, 2, 3, 2), dict(stride=2, padding=1, dilation=2, groups=2,
                                                activation="tanh"))
-SPLIT_GEOMETRY = mm.ConvGeometry(4, 7, 9, 6, 3, 5, 3, 2, 2, 2, 1, 1, 2, 2, 2, 1)
+SPLIT_GEOMETRY = ConvGeometry(4, 7, 9, 6, 3, 5, 3, 2, 2, 2, 1, 1, 2, 2, 2, 1)
 
 
 @pytest.mark.cuda
 def test_conv2d_split_k_weight_gradient_matches_the_cpu(monkeypatch):
     """dw and db as partial products over 3 K slices per group, summed in slice order: equal
     to the CPU's in float64, bit equal run to run."""
-    _forcing_conv(monkeypatch, mm.CONV_GRAD_WEIGHT, SPLIT_GEOMETRY, 2, 3)
+    _forcing_conv(monkeypatch, CONV_GRAD_WEIGHT, SPLIT_GEOMETRY, 2, 3)
     x_shape, w_shape, params = SPLIT_CASE
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
@@ -336,9 +339,9 @@ def test_conv2d_cuda_gradients_of_some_inputs_match_the_cpu(requires):
 def test_conv2d_under_a_real_tiling_matches_the_cpu(monkeypatch, tiling):
     """The tilings a GPU runs (runs of adjacent rows and columns per thread, 128 and 256
     threads; the simulator's own tiling has neither), forced on all three GEMMs, dw split."""
-    for mode, split in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
-                        (mm.CONV_GRAD_WEIGHT, 2)):
-        _forcing_conv(monkeypatch, mode, SPLIT_GEOMETRY, 2, split, mm.TILINGS[tiling])
+    for mode, split in ((CONV_FORWARD, 1), (CONV_GRAD_INPUT, 1),
+                        (CONV_GRAD_WEIGHT, 2)):
+        _forcing_conv(monkeypatch, mode, SPLIT_GEOMETRY, 2, split, tilings.TILINGS[tiling])
     x_shape, w_shape, params = SPLIT_CASE
     rng = np.random.default_rng(6)
     arrays = [rng.standard_normal(s) for s in (x_shape, w_shape, w_shape[:1])]
@@ -348,20 +351,20 @@ def test_conv2d_under_a_real_tiling_matches_the_cpu(monkeypatch, tiling):
 
 
 def test_conv_choices_split_only_the_weight_gradient(monkeypatch):
-    _forcing_conv(monkeypatch, mm.CONV_FORWARD, SPLIT_GEOMETRY, 2, 2, mm.COMPACT)
-    m, n, k = mm.conv_gemm_shape(mm.CONV_FORWARD, SPLIT_GEOMETRY, 2)
+    _forcing_conv(monkeypatch, CONV_FORWARD, SPLIT_GEOMETRY, 2, 2, tilings.COMPACT)
+    m, n, k = conv_gemm_shape(CONV_FORWARD, SPLIT_GEOMETRY, 2)
     with pytest.raises(ValueError, match=r"CONV_CHOICES\[\('forward', 3, 30, 12\)\] asks for "
                                          r"split 2.*only grad_weight splits K"):
-        mm.pick_conv_config(mm.CONV_FORWARD, m, n, k, 2)
+        choices.pick_conv_config(CONV_FORWARD, m, n, k, 2)
 
 
 def test_conv_gemm_shapes_of_the_cnn():
     """(M, N, K) of one group's GEMM: channels by positions, positions the image's."""
-    second = mm.ConvGeometry(32, 14, 14, 64, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1)
-    assert mm.conv_gemm_shape(mm.CONV_FORWARD, second, 128) == (64, 128 * 196, 32 * 9)
-    assert mm.conv_gemm_shape(mm.CONV_GRAD_INPUT, second, 128) == (32, 128 * 196, 64 * 9)
-    assert mm.conv_gemm_shape(mm.CONV_GRAD_WEIGHT, second, 128) == (64, 32 * 9 + 1, 128 * 196)
-    assert mm.conv_gemm_shape(mm.CONV_GRAD_WEIGHT, SPLIT_GEOMETRY._replace(BIAS=0), 2) == (
+    second = ConvGeometry(32, 14, 14, 64, 14, 14, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1)
+    assert conv_gemm_shape(CONV_FORWARD, second, 128) == (64, 128 * 196, 32 * 9)
+    assert conv_gemm_shape(CONV_GRAD_INPUT, second, 128) == (32, 128 * 196, 64 * 9)
+    assert conv_gemm_shape(CONV_GRAD_WEIGHT, second, 128) == (64, 32 * 9 + 1, 128 * 196)
+    assert conv_gemm_shape(CONV_GRAD_WEIGHT, SPLIT_GEOMETRY._replace(BIAS=0), 2) == (
         3, 2 * 3 * 2, 2 * 3 * 5)
 
 
@@ -614,7 +617,7 @@ def test_conv2d_on_large_shapes_matches_torch_in_float64(x_shape, w_shape, param
 
 # the plain-FMA tilings, held to float32 accuracy (the tensor-core tilings round their
 # operands: tests/test_tensor_core.py checks the convolutions under them)
-CONV_TILINGS = [name for name, tiling in mm.TILINGS.items()
+CONV_TILINGS = [name for name, tiling in tilings.TILINGS.items()
                 if name != "SIMULATED" and tiling.mma is None]
 
 
@@ -636,10 +639,10 @@ def test_conv2d_every_tiling_matches_torch_in_float64(monkeypatch, tiling, x_sha
               rng.standard_normal(w_shape[0]).astype(np.float32)]
     op = Conv2DOp(activation="relu", **params)
     op.check(*arrays)
-    geometry = mm.ConvGeometry(*op.meta[1:])
-    for mode, slices in ((mm.CONV_FORWARD, 1), (mm.CONV_GRAD_INPUT, 1),
-                         (mm.CONV_GRAD_WEIGHT, split)):
-        _forcing_conv(monkeypatch, mode, geometry, x_shape[0], slices, mm.TILINGS[tiling])
+    geometry = ConvGeometry(*op.meta[1:])
+    for mode, slices in ((CONV_FORWARD, 1), (CONV_GRAD_INPUT, 1),
+                         (CONV_GRAD_WEIGHT, split)):
+        _forcing_conv(monkeypatch, mode, geometry, x_shape[0], slices, tilings.TILINGS[tiling])
     with LaunchRecorder() as recorder:
         (y, *grads), upstream = _run_twice_on_the_gpu(
             lambda *t: apply(Conv2DOp, *t, activation="relu", **params), arrays, (True,) * 3)
@@ -757,13 +760,13 @@ def test_bench_conv_ops_sweep_prints_conv_choices_entries(monkeypatch, capsys):
     monkeypatch.setattr(conv_ops, "SWEEP_ROUNDS", 1)
     monkeypatch.setattr(conv_ops, "GPU_CALLS", 1)
     monkeypatch.setattr(gpu_time, "BUSY_SIZE", 4)
-    # one candidate the simulator can run (the sweep leaves ops.matmul.SIMULATED out)
-    monkeypatch.setattr(mm, "TILINGS", {"TINY": mm.Tiling(4, 4, 4, 2, 2)})
-    choices_before = dict(mm.CONV_CHOICES)
+    # one candidate the simulator can run (the sweep leaves ops.gemm.tilings.SIMULATED out)
+    monkeypatch.setattr(tilings, "TILINGS", {"TINY": tilings.Tiling(4, 4, 4, 2, 2)})
+    choices_before = dict(choices.CONV_CHOICES)
     conv_ops.main(["--device", "cuda", "--quick", "--sweep"])
     out = capsys.readouterr().out
     entries = out.split("## CONV_CHOICES entries of the winners")[1]
     assert "('forward', 2, 50, 9): GemmConfig(TINY, 1)" in entries
     assert "('grad_input', 2, 32, 27): GemmConfig(TINY, 1)" in entries
     assert entries.count("GemmConfig(TINY") == 5   # forward and dw, then forward, dx and dw
-    assert "max rel diff" in out and mm.CONV_CHOICES == choices_before
+    assert "max rel diff" in out and choices.CONV_CHOICES == choices_before

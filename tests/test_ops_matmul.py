@@ -3,9 +3,9 @@
 Simulator shapes are tiny and odd so they straddle the simulated 4x4 tiles and the K steps;
 small forced tilings (``STRUCTURE_TILINGS``) carry the template's other structures (vec runs
 of 2, rectangular tiles and sub-tiles, 8 threads) through the simulator; the ``gpu`` tests
-run every real tiling of ``ops.matmul.TILINGS`` on large odd shapes against NumPy in
+run every real tiling of ``ops.gemm.tilings.TILINGS`` on large odd shapes against NumPy in
 float64. A tiling and split-K are forced at a shape through an entry of
-``ops.matmul.GEMM_CHOICES`` that the test's monkeypatch removes again.
+``ops.gemm.choices.GEMM_CHOICES`` that the test's monkeypatch removes again.
 """
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ from engine import losses, nn
 from engine.autograd import apply
 from engine.parameter import FlatBuffer, Parameter
 from ops import matmul as mm
+from ops.gemm import choices, tilings
 from ops.dense import DenseOp
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
@@ -326,11 +327,11 @@ def test_gpu_softmax_cross_entropy_large():
 # ------------------------------------------------------------------ split-K
 
 # the simulator's tiling: 4x4 tiles, K steps of 4; the shapes below straddle tiles and steps
-SPLIT_TILING = mm.SIMULATED
+SPLIT_TILING = tilings.SIMULATED
 
 
 def _forcing(monkeypatch, key, split, tiling=SPLIT_TILING):
-    monkeypatch.setitem(mm.GEMM_CHOICES, key, mm.GemmConfig(tiling, split))
+    monkeypatch.setitem(choices.GEMM_CHOICES, key, choices.GemmConfig(tiling, split))
 
 
 def _cuda_kernels_launched(recorder):
@@ -342,7 +343,7 @@ def _cuda_kernels_launched(recorder):
 @pytest.mark.parametrize("split", [1, 2, 3, 8, 64])
 @pytest.mark.parametrize("bk", [4, 16, 32])
 def test_k_slices_cover_k_in_whole_steps_without_an_empty_slice(k, split, bk):
-    slices = mm.k_slices(k, split, bk)
+    slices = choices.k_slices(k, split, bk)
     assert 1 <= slices <= max(split, 1)
     steps = -(-k // bk)
     per_slice = -(-steps // slices) * bk if steps else 0   # the kernel's rule from its grid
@@ -436,12 +437,12 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
 
 # the pipelined tilings copy operands as they are, rows of a multiple of 4 elements, not these
 # odd shapes: tests/test_tensor_core.py runs them on odd shapes they can take
-REAL_TILINGS = [name for name in mm.TILINGS
-                if name != "SIMULATED" and not mm.TILINGS[name].stages]
+REAL_TILINGS = [name for name in tilings.TILINGS
+                if name != "SIMULATED" and not tilings.TILINGS[name].stages]
 # the plain-FMA tilings, held to float32 accuracy; a tensor-core tiling rounds its operands
 # (tests.rounded_operands): the split-K test below compares it with the product of the rounded
 # operands, and tests/test_tensor_core.py checks Dense and the convolutions under it
-FMA_TILINGS = [name for name in REAL_TILINGS if mm.TILINGS[name].mma is None]
+FMA_TILINGS = [name for name in REAL_TILINGS if tilings.TILINGS[name].mma is None]
 
 
 @pytest.mark.gpu
@@ -451,7 +452,7 @@ FMA_TILINGS = [name for name in REAL_TILINGS if mm.TILINGS[name].mma is None]
                                              (True, True)])
 def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, trans_b):
     m, k, n = 131, 1001, 67   # K: a ragged last step and a ragged last slice for every tiling
-    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split, mm.TILINGS[tiling])
+    _forcing(monkeypatch, (m, n, k, trans_a, trans_b), split, tilings.TILINGS[tiling])
     rng = np.random.default_rng(9)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
@@ -461,7 +462,7 @@ def test_gpu_split_k_gemm_against_float64(monkeypatch, tiling, split, trans_a, t
         out = mm.gemm(to_device(stored_a, "cuda"), to_device(stored_b, "cuda"), trans_a, trans_b)
     assert recorder.cuda_kernel_names() == (["gemm_cuda"] if split == 1 else
                                             ["gemm_partial_cuda", "gemm_sum_cuda"])
-    mma = mm.TILINGS[tiling].mma
+    mma = tilings.TILINGS[tiling].mma
     if mma is None:
         want = a.astype(np.float64) @ b.astype(np.float64)
         np.testing.assert_allclose(out.copy_to_host(), want, **_gpu_tolerance(k))
@@ -479,7 +480,7 @@ def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split
     batch, fan_in, fan_out, alpha = 130, 785, 257, 0.1   # the MLP's first layer, made odd
     for key in [(batch, fan_out, fan_in, False, False), (batch, fan_in, fan_out, False, True),
                 (fan_in, fan_out, batch, True, False)]:
-        _forcing(monkeypatch, key, split, mm.TILINGS[tiling])
+        _forcing(monkeypatch, key, split, tilings.TILINGS[tiling])
     rng = np.random.default_rng(10)
     x = rng.standard_normal((batch, fan_in)).astype(np.float32)
     w = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
@@ -505,9 +506,9 @@ def test_gpu_dense_configs_every_mode_against_float64(monkeypatch, tiling, split
 # strided sub-tiles (WIDE without vec), TY != TX and a K step wider than the tile
 # (COMPACT_128 and COMPACT_K64); on a real GPU they run as they are
 STRUCTURE_TILINGS = {
-    "tall, vec runs of 4 and 2": mm.Tiling(8, 4, 2, 4, 2, True),
-    "wide, strided": mm.Tiling(2, 8, 4, 1, 4),
-    "8 threads, BK wider than the tile": mm.Tiling(4, 8, 8, 2, 2, True),
+    "tall, vec runs of 4 and 2": tilings.Tiling(8, 4, 2, 4, 2, True),
+    "wide, strided": tilings.Tiling(2, 8, 4, 1, 4),
+    "8 threads, BK wider than the tile": tilings.Tiling(4, 8, 8, 2, 2, True),
 }
 
 
@@ -548,26 +549,26 @@ def test_dense_tilings_every_mode_against_float64(device, monkeypatch, tiling, s
         assert len(kernels) == (3 if split == 1 else 6)
 
 
-@pytest.mark.parametrize("name", list(mm.TILINGS))
+@pytest.mark.parametrize("name", list(tilings.TILINGS))
 def test_every_named_tiling_is_valid_for_float32(name):
-    mm.check_tiling(mm.TILINGS[name], np.float32)
+    tilings.check_tiling(tilings.TILINGS[name], np.float32)
 
 
 @pytest.mark.parametrize("tiling,message", [
-    (mm.Tiling(32, 32, 16, 3, 2), r"not a whole number of 3x2 sub-tiles"),
-    (mm.Tiling(64, 64, 8, 1, 2), r"2048 threads, more than a block's 1024"),
-    (mm.Tiling(32, 32, 6, 2, 2), r"whole number of loads per thread for 256 threads"),
-    (mm.Tiling(128, 128, 32, 8, 8), r"67584 bytes of shared memory for float32"),
-    (mm.Tiling(4, 4, 0, 2, 2), r"every extent must be at least 1"),
+    (tilings.Tiling(32, 32, 16, 3, 2), r"not a whole number of 3x2 sub-tiles"),
+    (tilings.Tiling(64, 64, 8, 1, 2), r"2048 threads, more than a block's 1024"),
+    (tilings.Tiling(32, 32, 6, 2, 2), r"whole number of loads per thread for 256 threads"),
+    (tilings.Tiling(128, 128, 32, 8, 8), r"67584 bytes of shared memory for float32"),
+    (tilings.Tiling(4, 4, 0, 2, 2), r"every extent must be at least 1"),
 ])
 def test_check_tiling_names_what_is_wrong(tiling, message):
     with pytest.raises(ValueError, match=message):
-        mm.check_tiling(tiling)
+        tilings.check_tiling(tiling)
 
 
 @pytest.mark.cuda
 def test_gemm_rejects_an_invalid_tiling_in_the_table(monkeypatch):
-    _forcing(monkeypatch, (3, 2, 5, False, False), 1, mm.Tiling(4, 4, 3, 2, 1))
+    _forcing(monkeypatch, (3, 2, 5, False, False), 1, tilings.Tiling(4, 4, 3, 2, 1))
     a, b = to_device(np.ones((3, 5)), "cuda"), to_device(np.ones((5, 2)), "cuda")
     with pytest.raises(ValueError, match=r"loads per thread for 8 threads"):
         mm.gemm(a, b)
@@ -577,8 +578,8 @@ def test_gemm_rejects_an_invalid_tiling_in_the_table(monkeypatch):
 def test_float64_takes_the_rule_tiling_where_the_table_tiling_overflows_shared_memory(
         monkeypatch):
     m, k, n = 7, 11, 6
-    assert mm.shared_bytes(mm.WIDE, np.float64) > mm.STATIC_SHARED_BYTES
-    _forcing(monkeypatch, (m, n, k, False, False), 2, mm.WIDE)
+    assert tilings.shared_bytes(tilings.WIDE, np.float64) > tilings.STATIC_SHARED_BYTES
+    _forcing(monkeypatch, (m, n, k, False, False), 2, tilings.WIDE)
     rng = np.random.default_rng(14)
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
     out = mm.gemm(to_device(a, "cuda"), to_device(b, "cuda"))

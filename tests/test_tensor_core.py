@@ -109,7 +109,8 @@ TENSOR_CORE_SHAPES = [(130, 77, 257, False, False), (64, 128, 96, True, False),
 def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, trans_b):
     from ops.cuda import cuda
     from ops.device import to_device
-    from ops.matmul import gemm, mma_format
+    from ops.gemm.choices import mma_format
+    from ops.matmul import gemm
     assert mma_format(np.float32) == {"high": "tf32", "medium": "bf16"}[precision]
     rng = np.random.default_rng(m + k + n)
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
@@ -158,14 +159,15 @@ def test_pipelined_tiles_take_the_rounded_inputs_product(monkeypatch, precision,
     from ops import matmul as mm
     from ops.cuda import cuda
     from ops.device import to_device
+    from ops.gemm import choices, plans, tilings
     rng = np.random.default_rng(m + k + n)
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
     b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
-    tilings = mm.MMA_TILINGS[mm.mma_format(np.float32)]
+    formats = tilings.MMA_TILINGS[choices.mma_format(np.float32)]
     results = []
-    for tiling in (tilings.pipelined, tilings.large, tilings.pipelined):
-        monkeypatch.setattr(mm, "pick_config", lambda *args, tiling=tiling, **options:
-                            mm.GemmConfig(tiling, split))
+    for tiling in (formats.pipelined, formats.large, formats.pipelined):
+        monkeypatch.setattr(plans, "pick_config", lambda *args, tiling=tiling, **options:
+                            choices.GemmConfig(tiling, split))
         out = cuda.device_array((m, n), np.float32)
         mm.gemm(to_device(a, "cuda"), to_device(b, "cuda"), trans_a, trans_b, out=out)
         results.append(out.copy_to_host())
@@ -181,17 +183,18 @@ def test_pipelined_tiles_take_the_rounded_inputs_product(monkeypatch, precision,
 
 
 def test_the_plan_pipelines_only_operands_it_can_copy_as_they_are(monkeypatch):
-    from ops import matmul as mm
-    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)
-    assert mm.pick_config(4096, 4096, 4096, False, False, mma="tf32",
-                          pipelined=mm.TF32_PIPELINED) == mm.GemmConfig(mm.TF32_PIPELINED, 1)
-    assert mm.pick_config(4096, 4096, 4096, False, False,
-                          mma="bf16") == mm.GemmConfig(mm.BF16_LARGE, 1)
+    from ops.gemm import choices, mma, tilings
+    monkeypatch.setattr(choices, "_multiprocessors", lambda: 132)
+    pick_config, GemmConfig = choices.pick_config, choices.GemmConfig
+    assert pick_config(4096, 4096, 4096, False, False, mma="tf32",
+                       pipelined=tilings.TF32_PIPELINED) == GemmConfig(tilings.TF32_PIPELINED, 1)
+    assert pick_config(4096, 4096, 4096, False, False,
+                       mma="bf16") == GemmConfig(tilings.BF16_LARGE, 1)
     # MEDIUM tiles and FMA tilings stay as they are
-    assert mm.pick_config(1024, 1024, 1024, False, False, mma="tf32",
-                          pipelined=mm.TF32_PIPELINED).tiling == mm.TF32_MEDIUM
-    assert mm.pick_config(4096, 4096, 4096, False, False,
-                          pipelined=mm.TF32_PIPELINED).tiling == mm.LARGE
+    assert pick_config(1024, 1024, 1024, False, False, mma="tf32",
+                       pipelined=tilings.TF32_PIPELINED).tiling == tilings.TF32_MEDIUM
+    assert pick_config(4096, 4096, 4096, False, False,
+                       pipelined=tilings.TF32_PIPELINED).tiling == tilings.LARGE
 
     class Operand:
         def __init__(self, address, shape):
@@ -199,14 +202,15 @@ def test_the_plan_pipelines_only_operands_it_can_copy_as_they_are(monkeypatch):
             self.shape = shape
     aligned, shifted, odd = (Operand(1 << 20, (8, 12)), Operand((1 << 20) + 4, (8, 12)),
                              Operand(1 << 20, (8, 13)))
-    assert mm.pipelined_tiling("bf16", mm.FORWARD, (aligned, aligned)) == mm.BF16_PIPELINED
-    assert mm.pipelined_tiling(None, mm.FORWARD, (aligned, aligned)) is None
-    assert mm.pipelined_tiling("tf32", mm.PLAIN, (aligned, shifted)) is None
-    assert mm.pipelined_tiling("tf32", mm.PLAIN, (odd, aligned)) is None
+    assert (mma.pipelined_tiling("bf16", tilings.FORWARD, (aligned, aligned))
+            == tilings.BF16_PIPELINED)
+    assert mma.pipelined_tiling(None, tilings.FORWARD, (aligned, aligned)) is None
+    assert mma.pipelined_tiling("tf32", tilings.PLAIN, (aligned, shifted)) is None
+    assert mma.pipelined_tiling("tf32", tilings.PLAIN, (odd, aligned)) is None
     # the prologue's y (the third operand) is copied too: its own tile per stage
-    assert (mm.pipelined_tiling("tf32", mm.GRAD_A, (aligned, aligned, aligned))
-            == mm.TF32_PIPELINED_PROLOGUE)
-    assert mm.pipelined_tiling("tf32", mm.GRAD_B, (aligned, aligned, shifted)) is None
+    assert (mma.pipelined_tiling("tf32", tilings.GRAD_A, (aligned, aligned, aligned))
+            == tilings.TF32_PIPELINED_PROLOGUE)
+    assert mma.pipelined_tiling("tf32", tilings.GRAD_B, (aligned, aligned, shifted)) is None
 
 
 @pytest.mark.parametrize("tiling, problem", [
@@ -214,9 +218,9 @@ def test_the_plan_pipelines_only_operands_it_can_copy_as_they_are(monkeypatch):
     (dict(mma="tf32", stages=6), "2 to 5 stages"),
     (dict(BM=256, BN=256, BK=64, TM=16, TN=16, mma="tf32", stages=4), "more than the")])
 def test_check_tiling_names_what_a_pipeline_cannot_do(tiling, problem):
-    from ops import matmul as mm
+    from ops.gemm import tilings
     with pytest.raises(ValueError, match=problem):
-        mm.check_tiling(mm.TF32_PIPELINED._replace(**{"mma": None, **tiling}))
+        tilings.check_tiling(tilings.TF32_PIPELINED._replace(**{"mma": None, **tiling}))
 
 
 @pytest.mark.gpu
@@ -249,11 +253,11 @@ def test_pipelined_dense_kernels_give_the_bits_of_registered_ones(monkeypatch, p
     own), against the same kernels on LARGE's register-stashed tiles."""
     import engine
     from engine import nn
-    from ops import matmul as mm
+    from ops.gemm import choices, plans, tilings
     rng = np.random.default_rng(batch + fan_out)
     x_host = rng.standard_normal((batch, fan_in)).astype(np.float32)
     grad_out = rng.standard_normal((batch, fan_out)).astype(np.float32)
-    large = mm.MMA_TILINGS[mm.mma_format(np.float32)].large
+    large = tilings.MMA_TILINGS[choices.mma_format(np.float32)].large
     results = []
     for pipelines in (True, False):
         chosen = []
@@ -261,8 +265,8 @@ def test_pipelined_dense_kernels_give_the_bits_of_registered_ones(monkeypatch, p
         def pick(*args, pipelined=None, pipelines=pipelines, chosen=chosen):
             tiling = pipelined if pipelines and pipelined else large
             chosen.append(tiling)
-            return mm.GemmConfig(tiling, split)
-        monkeypatch.setattr(mm, "pick_config", pick)
+            return choices.GemmConfig(tiling, split)
+        monkeypatch.setattr(plans, "pick_config", pick)
         engine.manual_seed(0)
         model = nn.Sequential([nn.Dense(fan_out, activation="relu", input_shape=(fan_in,))])
         model.to("cuda")
@@ -374,10 +378,10 @@ def test_conv2d_forward_and_backward_take_the_rounded_operands(precision, n, c, 
 ])
 def test_the_tensor_core_plan_takes_large_tiles_when_split_k_fills_the_gpu(monkeypatch, m, n, k,
                                                                            tiling, split):
-    from ops import matmul as mm
-    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)   # the H200's
-    config = mm.pick_config(m, n, k, False, False, mma="tf32")
-    assert config == mm.GemmConfig(mm.TILINGS[tiling], split)
+    from ops.gemm import choices, tilings
+    monkeypatch.setattr(choices, "_multiprocessors", lambda: 132)   # the H200's
+    config = choices.pick_config(m, n, k, False, False, mma="tf32")
+    assert config == choices.GemmConfig(tilings.TILINGS[tiling], split)
 
 
 @pytest.mark.parametrize("m, n, k, split", [
@@ -387,7 +391,8 @@ def test_the_tensor_core_plan_takes_large_tiles_when_split_k_fills_the_gpu(monke
     (128, 8192, 2048, 4),    # 64 tiles in slices of 512 at least: 264 // 64
 ])
 def test_a_pipelined_split_stays_within_one_wave_of_blocks(monkeypatch, m, n, k, split):
-    from ops import matmul as mm
-    monkeypatch.setattr(mm, "_multiprocessors", lambda: 132)
-    config = mm.pick_config(m, n, k, False, False, mma="tf32", pipelined=mm.TF32_PIPELINED)
-    assert config == mm.GemmConfig(mm.TF32_PIPELINED, split)
+    from ops.gemm import choices, tilings
+    monkeypatch.setattr(choices, "_multiprocessors", lambda: 132)
+    config = choices.pick_config(m, n, k, False, False, mma="tf32",
+                                 pipelined=tilings.TF32_PIPELINED)
+    assert config == choices.GemmConfig(tilings.TF32_PIPELINED, split)

@@ -52,7 +52,7 @@ def test_the_first_gemm_through_numpy_sets_its_blas_to_one_thread_before_numba_c
     # before any compile: Numba's first compile loads SciPy's BLAS, which also sets every
     # BLAS library's threads (engine.blas_threads)
     code = ("import sys\nimport numpy as np\nimport engine\n"
-            "from threadpoolctl import threadpool_info\nfrom ops.matmul import blas_product\n"
+            "from threadpoolctl import threadpool_info\nfrom ops.gemm.cpu import blas_product\n"
             "blas_product(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32), "
             "np.empty((64, 64), np.float32))\n"
             "print(sorted({l['num_threads'] for l in threadpool_info() "

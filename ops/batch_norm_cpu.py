@@ -1,0 +1,181 @@
+"""The CPU kernels of BatchNorm (``ops.batch_norm``): one kernel forward (statistics,
+running-statistics update and normalisation) and one backward (both sums and dx), each a
+parallel loop over channels, or over the rows of a (N, C) input.
+
+Measured on the 2-core CPU (128x64x14x14 float32): the two-pass statistics take 1.58 ms
+against 1.24 for one pass of sums and sums of squares, kept for the cancellation the latter
+suffers at large means (the CUDA kernels' one pass is shifted by a value of the channel
+instead); ``prange`` over channels takes the forward from 1.9 to 1.0 ms and the backward from
+1.8 to 0.94 (torch: 2.0 and 1.0 on one thread). A (N, C) input walks its rows, channels inner,
+instead of one strided channel at a time: 128x128 forward 83 -> 15 us, backward 88 -> 17 us
+(torch on one thread: 14 and 27 us).
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ops.launch import CPU_KERNEL
+
+# meta: a tuple of ints (N, C, S, training, has_weight, has_bias); the backward's adds
+# (needs_x, needs_w, needs_b): the buffer of a gradient not asked for is a placeholder never
+# written (a CUDA kernel cannot take an empty array on the fast launch path: its data pointer
+# is NULL)
+
+
+@njit(**CPU_KERNEL)
+def _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
+                     meta, momentum, eps):
+    """The (N, C) forward: rows outer and channels inner (contiguous), each channel's sums
+    still in row order."""
+    nb, channels, training, has_weight, has_bias = meta[0], meta[1], meta[3], meta[4], meta[5]
+    mean, var = np.zeros(channels), np.zeros(channels)
+    if training:
+        for n in range(nb):
+            row = x[n * channels:(n + 1) * channels]
+            for c in range(channels):
+                mean[c] += row[c]
+        for c in range(channels):
+            mean[c] /= nb
+        for n in range(nb):
+            row = x[n * channels:(n + 1) * channels]
+            for c in range(channels):
+                var[c] += (row[c] - mean[c]) ** 2
+        for c in range(channels):
+            var[c] /= nb
+            running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean[c]
+            running_var[c] = (1 - momentum) * running_var[c] + momentum * var[c] * nb / (nb - 1)
+    else:
+        for c in range(channels):
+            mean[c], var[c] = running_mean[c], running_var[c]
+    typed_mean, scale, shift = (np.empty(channels, y.dtype), np.empty(channels, y.dtype),
+                                np.empty(channels, y.dtype))
+    for c in range(channels):
+        invstd = 1 / math.sqrt(var[c] + eps)
+        saved_mean[c], saved_invstd[c] = mean[c], invstd
+        typed_mean[c] = mean[c]
+        scale[c] = invstd * weight[c] if has_weight else invstd
+        shift[c] = bias[c] if has_bias else 0.0
+    for n in range(nb):
+        first = n * channels
+        source, destination = x[first:first + channels], y[first:first + channels]
+        for c in range(channels):
+            destination[c] = (source[c] - typed_mean[c]) * scale[c] + shift[c]
+
+
+@njit(**CPU_KERNEL)
+def _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
+                              grad_b, meta):
+    """The (N, C) backward, rows outer and channels inner (see ``_batch_norm_rows``)."""
+    nb, channels, training, has_weight = meta[0], meta[1], meta[3], meta[4]
+    needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
+    sum_dy, sum_dy_xhat = np.zeros(channels), np.zeros(channels)
+    for n in range(nb):
+        first = n * channels
+        source, gradient = x[first:first + channels], grad_out[first:first + channels]
+        for c in range(channels):
+            sum_dy[c] += gradient[c]
+            sum_dy_xhat[c] += gradient[c] * (source[c] - saved_mean[c])
+    for c in range(channels):
+        sum_dy_xhat[c] *= saved_invstd[c]
+        if needs_b:
+            grad_b[c] = sum_dy[c]
+        if needs_w:
+            grad_w[c] = sum_dy_xhat[c]
+    if not needs_x:
+        return
+    scale, mean_dy, mean_dy_xhat = np.empty(channels), np.zeros(channels), np.zeros(channels)
+    for c in range(channels):
+        scale[c] = saved_invstd[c] * weight[c] if has_weight else saved_invstd[c]
+        if training:
+            mean_dy[c], mean_dy_xhat[c] = sum_dy[c] / nb, sum_dy_xhat[c] / nb
+    for n in range(nb):
+        first = n * channels
+        for c in range(channels):
+            xhat = (x[first + c] - saved_mean[c]) * saved_invstd[c]
+            grad_x[first + c] = scale[c] * (grad_out[first + c] - mean_dy[c]
+                                            - xhat * mean_dy_xhat[c])
+
+
+@njit(**CPU_KERNEL, parallel=True)
+def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
+                   meta, momentum, eps):
+    nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
+                                                           meta[3], meta[4], meta[5])
+    if inner == 1:   # (N, C): a channel's values are strided, so walk the rows instead
+        _batch_norm_rows(x, running_mean, running_var, weight, bias, y, saved_mean,
+                         saved_invstd, meta, momentum, eps)
+        return
+    count = nb * inner
+    for c in prange(channels):
+        if training:
+            total = 0.0
+            for n in range(nb):
+                segment = x[(n * channels + c) * inner:(n * channels + c + 1) * inner]
+                for s in range(inner):
+                    total += segment[s]
+            mean = total / count
+            total = 0.0
+            for n in range(nb):
+                segment = x[(n * channels + c) * inner:(n * channels + c + 1) * inner]
+                for s in range(inner):
+                    total += (segment[s] - mean) ** 2
+            var = total / count
+            running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean
+            running_var[c] = (1 - momentum) * running_var[c] + momentum * var * count / (count - 1)
+        else:
+            mean, var = running_mean[c], running_var[c]
+        invstd = 1 / math.sqrt(var + eps)
+        saved_mean[c], saved_invstd[c] = mean, invstd
+        scale = invstd * weight[c] if has_weight else invstd
+        shift = bias[c] if has_bias else 0.0
+        typed_mean, typed_scale, typed_shift = (y.dtype.type(mean), y.dtype.type(scale),
+                                                y.dtype.type(shift))
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, destination = x[first:first + inner], y[first:first + inner]
+            for s in range(inner):
+                destination[s] = (source[s] - typed_mean) * typed_scale + typed_shift
+
+
+@njit(**CPU_KERNEL, parallel=True)
+def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
+                            grad_b, meta):
+    nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
+    needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
+    if inner == 1:
+        _batch_norm_backward_rows(x, weight, saved_mean, saved_invstd, grad_out, grad_x,
+                                  grad_w, grad_b, meta)
+        return
+    count = nb * inner
+    for c in prange(channels):
+        mean, invstd = saved_mean[c], saved_invstd[c]
+        mean64 = 1.0 * mean   # sums in float64 throughout: backward 2.2 -> 1.8 ms, one thread
+        sum_dy = 0.0
+        sum_dy_xhat = 0.0
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, gradient = x[first:first + inner], grad_out[first:first + inner]
+            for s in range(inner):
+                sum_dy += gradient[s]
+                sum_dy_xhat += gradient[s] * (source[s] - mean64)
+        sum_dy_xhat *= invstd
+        if needs_b:
+            grad_b[c] = sum_dy
+        if needs_w:
+            grad_w[c] = sum_dy_xhat
+        if not needs_x:
+            continue
+        # the coefficients in x's dtype: the loop below then vectorises
+        dtype = grad_x.dtype.type
+        scale = dtype(invstd * weight[c] if has_weight else invstd)
+        mean_dy = dtype(sum_dy / count if training else 0.0)
+        mean_dy_xhat = dtype(sum_dy_xhat / count if training else 0.0)
+        for n in range(nb):
+            first = (n * channels + c) * inner
+            source, gradient = x[first:first + inner], grad_out[first:first + inner]
+            destination = grad_x[first:first + inner]
+            for s in range(inner):
+                xhat = (source[s] - mean) * invstd
+                destination[s] = scale * (gradient[s] - mean_dy - xhat * mean_dy_xhat)
+

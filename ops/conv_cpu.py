@@ -1,0 +1,274 @@
+"""The CPU loops of Conv2D (``ops.conv``): im2col and one BLAS GEMM per sample and group.
+
+CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLAS GEMM
+(``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
+activates in place. The backward computes G once per sample, then ``dx`` as
+``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ``. Samples run in parallel
+(``prange``); the backward splits the batch into ``BACKWARD_TASKS`` fixed slices, each
+summing its own partial dw and db, added in slice order: the same sums on any thread count.
+Measured on the 2-core CPU, the kernels alone, float32, batch 128, best of 25 rounds (thread
+CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
+- forward 8.7 ms serial: the GEMM 6.7 ms (137 GFLOP/s, OpenBLAS), im2col 1.5, bias and
+  relu 0.2; torch on one thread (oneDNN) 3.5 ms, backward 18.1 ms against torch's 7.2;
+- several samples per GEMM do not pay: 1568 and 6272 columns ran at 128 and 112 GFLOP/s;
+  nor in the backward (2-core AMD machine, 2 threads): a slice's G and columns side by
+  side, 2, 4 or 16 samples per dw and dx GEMM, took 15.5-17.1 ms against 14.3-16.5
+  per sample (32->64), 3.0-3.8 against 2.4-3.1 (1->32), the columns out of L2;
+- direct loops lose even with one input channel: 6.0 ms against 0.93 (1->32 on 28x28);
+- im2col copies a row as one shifted run when stride is 1 and OW = W ("same"): 6.4 -> 1.5
+  ms; the bias/activation and act' loops are compiled per activation code (relu over 3.2M
+  float32: 2.5 ms with the code a runtime value, 0.43 ms);
+- ``prange`` on two idle cores: forward 8.7 -> 4.4 ms, backward 18.1 -> 9.0 (1->32: 1.34
+  -> 0.73 and 3.34 -> 1.77); 1-5 us more at tiny shapes. Beside other busy processes the
+  two threads wait on each other (1->32 forward + backward, mean: 5.3 ms serial, 18.6 ms
+  on two threads); ``numba.set_num_threads(1)`` gives back the serial time (5.4 ms).
+"""
+import numpy as np
+from numba import njit, prange
+
+from ops.launch import CPU_KERNEL
+from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
+                           derivative_cpu, value_cpu)
+
+BACKWARD_TASKS = 8   # batch slices of the CPU backward: a few per thread, few partial sums
+
+
+# meta: (N, C, H, W, O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, GROUPS, HAS_BIAS), a tuple of
+# ints that both kernels take: the CPU kernels read it, the CUDA plans make all but N
+# compile-time constants of their GEMMs (nothing travels to the device). PT/PL are the
+# top/left padding (the bottom/right one only shapes OH/OW).
+@njit(inline="always")
+def _geometry_cpu(meta):
+    return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
+            meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15])
+
+
+HAS_BIAS_AT = 16
+
+
+@njit(inline="always")
+def valid_range(count, stride, offset, size):
+    """``[lo, hi)``: the positions p in [0, count) whose ``p·stride + offset`` lies in
+    [0, size)."""
+    lo = 0 if offset >= 0 else (-offset + stride - 1) // stride
+    hi = 0 if size - offset <= 0 else (size - offset + stride - 1) // stride
+    hi = min(hi, count)
+    return lo, max(lo, hi)
+
+
+@njit(inline="always")
+def _is_shift(geometry):
+    """True when every im2col row is the input plane shifted by one offset (stride 1 and the
+    output as wide as the input: 'same' padding), so rows copy in one contiguous run."""
+    return geometry[9] == 1 and geometry[10] == 1 and geometry[6] == geometry[3]
+
+
+@njit(inline="always")
+def _zero_padding_columns(row, at, ow_lo, ow_hi, ow_n, zero):
+    """The columns of output row ``at`` (of ``row``) whose tap reads the left or right
+    padding."""
+    for ow in range(ow_lo):
+        row[at + ow] = zero
+    for ow in range(ow_hi, ow_n):
+        row[at + ow] = zero
+
+
+def _patch_loop(adjoint):
+    """The im2col loop (``adjoint=False``) or its adjoint (``True``), written once; the
+    direction is a constant of the closure, so each compiled kernel holds only its own
+    branches (Numba prunes ``if`` on a frozen closure value).
+
+    im2col, ``_im2col(x, n, g, geometry, cols)``: ``cols[(c·KH + i)·KW + j, oh·OW + ow] =
+    x[n, g·Cg + c, ih, iw]``, 0 in the padding.
+    Its adjoint, ``_col2im_add(grad_x, n, g, geometry, cols)``: ``grad_x[n, g·Cg + c, ih,
+    iw] += cols[...]`` over the taps inside the input, in a fixed order (c, i, j, oh, ow).
+    It zeroes the padding taps of ``cols`` (scratch) on the shift path, which then adds
+    whole rows."""
+    def patch_loop(image, n, g, geometry, cols):
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        cg = c_in // groups
+        positions = oh_n * ow_n
+        zero = cols.dtype.type(0)
+        shifted = _is_shift(geometry)
+        for c in range(cg):
+            first = (n * c_in + g * cg + c) * h * w_in
+            plane = image[first:first + h * w_in]
+            for i in range(kh):
+                oh_lo, oh_hi = valid_range(oh_n, sh, i * dh - pt, h)
+                for j in range(kw):
+                    row = cols[(c * kh + i) * kw + j, :positions]
+                    ow_lo, ow_hi = valid_range(ow_n, sw, j * dw - pl, w_in)
+                    if not adjoint:   # the output rows whose taps all read the padding
+                        row[:oh_lo * ow_n] = zero
+                        row[oh_hi * ow_n:] = zero
+                    if shifted:
+                        if adjoint:   # before the whole run is added
+                            for oh in range(oh_lo, oh_hi):
+                                _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        shift = (i * dh - pt) * w_in + j * dw - pl
+                        lo = max(oh_lo * ow_n, -shift)
+                        hi = min(oh_hi * ow_n, plane.size - shift)
+                        run, window = row[lo:hi], plane[lo + shift:hi + shift]
+                        for p in range(run.size):
+                            if adjoint:
+                                window[p] += run[p]
+                            else:
+                                run[p] = window[p]
+                        if not adjoint:   # after the run copied over them
+                            for oh in range(oh_lo, oh_hi):
+                                _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        continue
+                    for oh in range(oh_lo, oh_hi):
+                        start = (oh * sh - pt + i * dh) * w_in - pl + j * dw
+                        if not adjoint:
+                            _zero_padding_columns(row, oh * ow_n, ow_lo, ow_hi, ow_n, zero)
+                        for ow in range(ow_lo, ow_hi):
+                            if adjoint:
+                                plane[start + ow * sw] += row[oh * ow_n + ow]
+                            else:
+                                row[oh * ow_n + ow] = plane[start + ow * sw]
+
+    patch_loop.__name__ = patch_loop.__qualname__ = "_col2im_add" if adjoint else "_im2col"
+    return njit(**CPU_KERNEL)(patch_loop)
+
+
+_im2col = _patch_loop(adjoint=False)
+_col2im_add = _patch_loop(adjoint=True)
+
+
+@njit(inline="always")
+def _activate_run(destination, source, shift, code, alpha):
+    for p in range(destination.size):
+        destination[p] = value_cpu(code, source[p] + shift, alpha)
+
+
+@njit(inline="always")
+def _activate(destination, source, shift, act, alpha):
+    """destination = act(source + shift), one loop per activation with its code a constant:
+    the loop vectorises (relu over 3.2M float32: 2.5 ms with a runtime code, 0.43 ms)."""
+    if act == RELU:
+        _activate_run(destination, source, shift, RELU, alpha)
+    elif act == LEAKY_RELU:
+        _activate_run(destination, source, shift, LEAKY_RELU, alpha)
+    elif act == SIGMOID:
+        _activate_run(destination, source, shift, SIGMOID, alpha)
+    elif act == TANH:
+        _activate_run(destination, source, shift, TANH, alpha)
+    elif act == IDENTITY:
+        _activate_run(destination, source, shift, IDENTITY, alpha)
+
+
+@njit(inline="always")
+def _gradient_run(destination, grad_out, y, code, alpha):
+    for p in range(destination.size):
+        destination[p] = grad_out[p] * derivative_cpu(code, y[p], y[p], alpha)
+
+
+@njit(inline="always")
+def _gradient(destination, grad_out, y, act, alpha):
+    """destination = grad_out · act'(y), one loop per activation (see ``_activate``)."""
+    if act == RELU:
+        _gradient_run(destination, grad_out, y, RELU, alpha)
+    elif act == LEAKY_RELU:
+        _gradient_run(destination, grad_out, y, LEAKY_RELU, alpha)
+    elif act == SIGMOID:
+        _gradient_run(destination, grad_out, y, SIGMOID, alpha)
+    elif act == TANH:
+        _gradient_run(destination, grad_out, y, TANH, alpha)
+    elif act == IDENTITY:
+        _gradient_run(destination, grad_out, y, IDENTITY, alpha)
+
+
+# the codes ``_activate`` and ``_gradient`` have a loop for; each CPU kernel refuses any
+# other before its parallel loop (a raise inside a prange loop serialises it)
+CPU_FUSED = (IDENTITY, RELU, LEAKY_RELU, SIGMOID, TANH)
+if set(CPU_FUSED) != set(ACTIVATIONS.values()):
+    raise ImportError("ops/conv_cpu.py: the CPU conv's activation loops (_activate, _gradient, "
+                      f"CPU_FUSED {CPU_FUSED}) do not cover ops.pointwise.ACTIVATIONS "
+                      f"{ACTIVATIONS}: add a branch for each fused code")
+
+
+@njit(inline="always")
+def _check_fused(act):
+    if act not in CPU_FUSED:
+        raise ValueError("conv2d: this activation code has no fused CPU loop "
+                         "(ops/conv_cpu.py CPU_FUSED); run the activation after the conv")
+
+
+@njit(**CPU_KERNEL, parallel=True)
+def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
+    _check_fused(act)
+    geometry = _geometry_cpu(meta)
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    has_bias = meta[HAS_BIAS_AT]
+    positions = oh_n * ow_n
+    cg, og = c_in // groups, o_out // groups
+    k = cg * kh * kw
+    for n in prange(nb):
+        cols = np.empty((k, positions), x.dtype)
+        for g in range(groups):
+            _im2col(x, n, g, geometry, cols)
+            at = (n * o_out + g * og) * positions
+            product = out[at:at + og * positions].reshape((og, positions))
+            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
+            for o_local in range(og):
+                o = g * og + o_local
+                _activate(product[o_local], product[o_local],
+                          bias[o] if has_bias else alpha - alpha, act, alpha)
+
+
+@njit(**CPU_KERNEL, parallel=True)
+def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
+                        needs_x, needs_w, needs_b):
+    """The gradients the flags ask for; the buffer of one not asked for is a placeholder
+    that is never written."""
+    _check_fused(act)
+    geometry = _geometry_cpu(meta)
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    positions = oh_n * ow_n
+    cg, og = c_in // groups, o_out // groups
+    k = cg * kh * kw
+    tasks = min(nb, BACKWARD_TASKS)
+    # one partial dw and db per task (a fixed split of the batch), added in task order
+    # below: the same sums on any number of threads
+    w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
+    b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+    for task in prange(tasks):
+        gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+        cols = np.empty((k, positions), x.dtype)
+        product = np.empty((og, k), x.dtype)
+        for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+            at = n * o_out * positions
+            for o in range(o_out):
+                row = gradient[o]
+                _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
+                          y[at + o * positions:at + (o + 1) * positions], act, alpha)
+                if needs_b:
+                    total = b_partials[task, o]
+                    for p in range(positions):
+                        total += row[p]
+                    b_partials[task, o] = total
+            if needs_x:
+                grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+            for g in range(groups):
+                g_group = gradient[g * og:(g + 1) * og]
+                if needs_w:
+                    _im2col(x, n, g, geometry, cols)
+                    np.dot(g_group, cols.T, product)
+                    partial = w_partials[task, g * og * k:(g + 1) * og * k]
+                    flat_product = product.reshape(og * k)
+                    for index in range(og * k):
+                        partial[index] += flat_product[index]
+                if needs_x:
+                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
+                    _col2im_add(grad_x, n, g, geometry, cols)
+    for index in range(w_partials.shape[1]):
+        total = alpha - alpha
+        for task in range(tasks):
+            total += w_partials[task, index]
+        grad_w[index] = total
+    for o in range(b_partials.shape[1]):
+        total = alpha - alpha
+        for task in range(tasks):
+            total += b_partials[task, o]
+        grad_b[o] = total

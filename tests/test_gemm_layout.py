@@ -1,0 +1,68 @@
+"""The GEMM's room, ops/gemm/: its tiling catalogue and pickers read without Numba, the GPU
+facts they ask for replaced by the dry device of ``ops.build_kernels`` per target, and the
+files of the GEMM, the convolution and batch norm within the size the guide allows."""
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# ``ops/__init__.py`` installs the CUDA allocator (Numba) as the package loads: a stand-in
+# package object with the same path lets the child import ops.gemm's modules alone, so what
+# is proven is that they and everything they import need no Numba.
+_WITHOUT_NUMBA = textwrap.dedent("""
+    import sys, types
+    sys.modules["numba"] = None   # any import of numba or numba.* now raises ImportError
+    ops = types.ModuleType("ops")
+    ops.__path__ = [{ops_path!r}]
+    sys.modules["ops"] = ops
+    import ops.gemm.tilings as tilings
+    import ops.gemm.choices as choices
+    loaded = sorted(name for name, module in sys.modules.items()
+                    if module is not None and name.split(".")[0] in ("numba", "llvmlite"))
+    assert not loaded, loaded
+    assert "LARGE" in tilings.TILINGS and "TF32_PIPELINED" in tilings.TILINGS
+    for tiling in tilings.TILINGS.values():
+        tilings.check_tiling(tiling)
+    # a shape of the measured table needs no GPU facts; the rule's would import gpu_facts
+    print(choices.pick_config(128, 256, 784, False, False).split,
+          choices.k_slices(784, 13, 32), len(tilings.TILINGS))
+""")
+
+
+def test_the_tilings_and_their_pickers_import_without_numba():
+    code = _WITHOUT_NUMBA.format(ops_path=str(ROOT / "ops"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    from ops.gemm import choices, tilings
+    entry = choices.GEMM_CHOICES[(128, 256, 784, False, False)]
+    assert result.stdout.split() == [str(entry.split), str(choices.k_slices(784, 13, 32)),
+                                     str(len(tilings.TILINGS))]
+
+
+def test_the_dry_device_gives_the_pickers_each_targets_multiprocessors():
+    """``ops.gemm.choices`` reads the multiprocessor count through ``ops.gemm.gpu_facts``'
+    cache, which the dry device replaces: each target's count, not the first one cached.
+    The build imports engine.train, and with it the GEMM, before it installs a dry device."""
+    import ops.matmul  # noqa: F401
+    from ops.build_kernels import DryDevice
+    from ops.gemm import choices
+    for multiprocessors in (132, 108):
+        with DryDevice(multiprocessors).installed():
+            assert choices._multiprocessors() == multiprocessors
+
+
+def _lines(path):
+    return len(path.read_text().splitlines())
+
+
+def test_the_gemm_conv_and_batch_norm_files_stay_small():
+    files = sorted((ROOT / "ops" / "gemm").glob("*.py")) + [
+        ROOT / "ops" / name for name in ("conv.py", "conv_cpu.py", "batch_norm.py",
+                                         "batch_norm_cpu.py", "batch_norm_cuda.py")]
+    too_long = {str(path.relative_to(ROOT)): _lines(path) for path in files
+                if _lines(path) > 400}
+    assert not too_long, too_long
+    assert _lines(ROOT / "ops" / "matmul.py") <= 120
