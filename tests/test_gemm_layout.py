@@ -47,7 +47,7 @@ def test_the_dry_device_gives_the_pickers_each_targets_multiprocessors():
     cache, which the dry device replaces: each target's count, not the first one cached.
     The build imports engine.train, and with it the GEMM, before it installs a dry device."""
     import ops.matmul  # noqa: F401
-    from ops.build_kernels import DryDevice
+    from ops.cuda.dry_device import DryDevice
     from ops.gemm import choices
     for multiprocessors in (132, 108):
         with DryDevice(multiprocessors).installed():
