@@ -180,7 +180,7 @@ class Optimizer:
         params = group["params"]
         names = self._state_names(group)
         buffer = whole_flat_buffer(params)
-        if (buffer is not None and buffer.grads_valid()
+        if (buffer is not None and buffer.grads_valid() and all(p.requires_grad for p in params)
                 and all(self._unit_of.get(p, buffer) is buffer for p in params)):
             with unrecorded():   # state set-up runs once: a replay must not repeat it
                 storage = self._flat_storage(group, buffer)
@@ -189,7 +189,7 @@ class Optimizer:
                 return
         for p in params:
             grad = p.grad
-            if grad is None:
+            if grad is None or not p.requires_grad:   # frozen: never moved, decay or not
                 continue
             if grad.dtype != p.dtype or grad.device != p.device:
                 raise TypeError(f"{self._name}: the gradient of a {p.dtype} {p.device} parameter "
