@@ -9,7 +9,7 @@ from engine import archive
 from engine.nn.convolutional import Conv1D, Conv2D
 from engine.nn.keras_methods import KerasMethods
 from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten, Layer,
-                              LayerList, MaxPool2D, Normalization, Rescaling, Reshape,
+                              MaxPool2D, Normalization, Rescaling, Reshape,
                               _check_input_dtype, _feature_shape, _float_buffers, _float_dtype,
                               _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
@@ -23,7 +23,7 @@ from ops.launch import note_participant
 
 LAYERS = {cls.__name__: cls for cls in (Dense, Activation, Flatten, Dropout, Conv1D, Conv2D,
                                         MaxPool2D, AvgPool2D, BatchNorm, Reshape, Rescaling,
-                                        Normalization, LayerList)}
+                                        Normalization)}
 
 
 def register(layer_class):
@@ -610,6 +610,9 @@ class Sequential(Model):
         # this module, and the layering keeps nn below it
         import engine
         return engine.onnx.export(self, path, opset, normalize)
+
+
+LAYERS[Sequential.__name__] = Sequential   # a layer of another Sequential
 
 
 def _human_bytes(nbytes):
