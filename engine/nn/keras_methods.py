@@ -232,7 +232,10 @@ class KerasMethods:
         if len(x) != len(y):
             raise ValueError(f"{where}: x has {len(x)} samples, y {len(y)}")
         split = _check_fraction(validation_split, where)
-        if split and validation_data is None:
+        if validation_data is not None:
+            validation_data = (validation_data[0],
+                               self._targets(compiled, validation_data[1], where)[0])
+        elif split:
             at = int(math.ceil(len(x) * (1.0 - split)))   # Keras's split: the last part
             x, y, validation_data = x[:at], y[:at], (x[at:], y[at:])
         self._build_for(x)
@@ -241,9 +244,7 @@ class KerasMethods:
             "one_hot_loss", _CompiledLoss(loss))
         test_loader = None
         if validation_data is not None:
-            x_val, y_val = validation_data[0], self._targets(compiled, validation_data[1],
-                                                             where)[0]
-            test_loader = self._loader(x_val, y_val, max(batch_size, 256), False)
+            test_loader = self._loader(*validation_data, max(batch_size, 256), False)
         records = fit(self, self._loader(x, y, batch_size, shuffle), self._optimizer(compiled),
                       loss, epochs, test_loader=test_loader, callbacks=list(callbacks or ()),
                       progress=verbose == 1, verbose=bool(verbose))
