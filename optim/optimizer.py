@@ -47,6 +47,7 @@ import weakref
 import numpy as np
 
 from engine.autograd import enable_grad
+from engine.parameter import Parameter
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
 from ops.device import copy_into, device_of, to_device, to_host
@@ -112,7 +113,8 @@ class Optimizer:
             if not isinstance(p, Tensor):
                 raise TypeError(f"{self._name}: parameter {position} is a {type(p).__name__}, "
                                 "not an engine Tensor")
-            if not p.requires_grad or not p.is_leaf:
+            # a frozen Parameter may join (torch's rule): it is skipped while frozen
+            if not (p.requires_grad or isinstance(p, Parameter)) or not p.is_leaf:
                 raise ValueError(f"{self._name}: parameter {position} (shape {p.shape}) must be a "
                                  "leaf tensor with requires_grad=True")
         if len({id(p) for p in params}) != len(params):
