@@ -267,11 +267,11 @@ def test_an_unregistered_model_is_refused_before_writing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_capture_replays_a_residual_model_bit_for_bit():
-    x, y = _data(n=48)
+def _capture_residual(device, rows=48, width=16, steps=5):
+    x, y = _data(n=rows)
     results = []
     for captured in (False, True):
-        model = _model()
+        model = _model(width=width).to(device)
         opt = optim.Adam(model.parameters(), lr=0.01)
         loss_fn = nn.CrossEntropyLoss()
 
@@ -283,20 +283,25 @@ def test_capture_replays_a_residual_model_bit_for_bit():
             return loss
 
         step = engine.capture(step) if captured else step
-        xb, yb = engine.tensor(x), engine.tensor(y)
-        losses = [step(xb, yb).numpy().copy() for _ in range(5)]
+        xb, yb = engine.tensor(x, device=device), engine.tensor(y, device=device)
+        losses = [step(xb, yb).numpy().copy() for _ in range(steps)]
+        model.blocks[1].trainable = False   # the host decided otherwise: a new recording
+        losses += [step(xb, yb).numpy().copy() for _ in range(3)]
         if captured:
-            assert step.replayed == 3
-            model.blocks[1].trainable = False   # the host decided otherwise: a new recording
-            losses += [step(xb, yb).numpy().copy() for _ in range(3)]
-            assert step.recordings == 2
-        else:
-            model.blocks[1].trainable = False
-            losses += [step(xb, yb).numpy().copy() for _ in range(3)]
+            assert step.replayed == steps - 2 + 1 and step.recordings == 2
         results.append((losses, model.state_dict()))
     (eager, eager_state), (replayed, replayed_state) = results
     assert all(np.array_equal(a, b) for a, b in zip(eager, replayed))
     assert all(np.array_equal(eager_state[k], replayed_state[k]) for k in eager_state)
+
+
+def test_capture_replays_a_residual_model_bit_for_bit():
+    _capture_residual("cpu")
+
+
+@pytest.mark.cuda
+def test_capture_replays_a_residual_model_bit_for_bit_cuda():
+    _capture_residual("cuda", rows=5, width=3, steps=3)
 
 
 def test_fit_trains_a_model_with_any_forward():
