@@ -1,7 +1,6 @@
 import engine
 from engine import nn, optim
 from data import DataLoader, mnist
-import numpy as np
 
 (x_train, y_train), (x_test, y_test) = mnist.load()   # Fashion-MNIST is not shipped: MNIST
 training_data, test_data = (x_train[:, None], y_train), (x_test[:, None], y_test)
