@@ -30,7 +30,8 @@ class NeuralNetwork(nn.Model):
         return logits
 
 model = NeuralNetwork().to(device)
-print(model.build((1, 28, 28)))
+model.build((1, 28, 28))
+print(model)
 
 loss_fn = nn.CrossEntropyLoss()
 optimizer = optim.SGD(model.parameters(), lr=1e-3)
