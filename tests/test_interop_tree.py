@@ -65,3 +65,18 @@ def test_a_different_structure_is_refused_naming_the_pair():
         copy_from_module(model, wrong)
     with pytest.raises(RuntimeError, match="build the engine model first"):
         copy_from_module(EngineNet(), TorchNet())
+
+
+def test_an_engine_model_with_any_forward_runs_inside_torch_autograd():
+    from engine.interop.torch import as_function
+    model = EngineNet()
+    model.build((12,), dtype=np.float64)
+    model.eval()
+    hybrid = as_function(model)
+    assert len(list(hybrid.parameters())) == len(model.parameters()) == 9
+    x = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+    out = hybrid(x)
+    out.sum().backward()
+    np.testing.assert_array_equal(out.detach().numpy(),
+                                  model(engine.tensor(x.detach().numpy())).numpy())
+    assert x.grad.shape == (4, 12) and model.scale.grad is not None
