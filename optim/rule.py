@@ -8,8 +8,8 @@ values. Every parameter of the rule is a name, and the name says where its value
 - one of the optimizer's ``hyper`` names: the group's value, read from the device array the
   step syncs from ``param_groups`` (``Optimizer._hyper_values``);
 - ``t`` (the unit's step, from 1), ``first_step`` (1 on the first update of the state
-  buffers, else 0: a buffer made later starts then) or ``tiny`` (the dtype's smallest normal
-  number), from the device step counts and the dtype;
+  buffers, else 0: a buffer made later starts then), ``tiny`` (the dtype's smallest normal
+  number) or ``one`` (1 in the dtype), from the device step counts and the dtype;
 - a *derived* scalar: a function of the optimizer's ``derived`` tuple, named as its value,
   whose own parameters are any of the names above (or derived before it), computed once per
   launch in float64 (Adam's bias corrections).
@@ -45,7 +45,7 @@ from ops.twin import twin
 # the step counts' and the dtype's own scalars, computed first (float64)
 _STEP_SCALARS = {"t": f"float64(counts[{T}])",
                  "first_step": f"1.0 if counts[{BUFFER_UPDATES}] == 1 else 0.0",
-                 "tiny": "float64(tiny)"}
+                 "tiny": "float64(tiny)", "one": "1.0"}
 
 # Issue 48's cause (SGD, RMSprop and Adagrad 11-40x slower than Adam on the CPU): the
 # element functions took the arrays and were inlined into the loop, and Numba increfs and
@@ -82,6 +82,9 @@ def {kernel}_cuda({arguments}):
         {results} = rule({rule_arguments})
 {stores}
 """
+# the generated kernels' own names, which no declared value may take
+_RESERVED = {"i", "s", "dtype", "zero", "mode", "counts", "hyper", "rule", "cuda", "np",
+             "float64", "flush_begin", "flush_end"}
 _CPU_FLAGS = dict(CPU_KERNEL, nogil=True, error_model="numpy")
 
 
@@ -97,10 +100,15 @@ class RuleKernels:
         self._kernels = {}
         arrays = ("param", "grad") + self.buffers
         known = set(arrays) | set(self.hyper) | set(_STEP_SCALARS)
-        if len(known) != len(arrays) + len(self.hyper) + len(_STEP_SCALARS):
+        if (len(known) != len(arrays) + len(self.hyper) + len(_STEP_SCALARS)
+                or known & _RESERVED):
             raise TypeError(f"{name}: a name is declared twice among the arrays {arrays}, "
-                            f"the hyper-parameters {self.hyper} and {tuple(_STEP_SCALARS)}")
+                            f"the hyper-parameters {self.hyper} and {tuple(_STEP_SCALARS)}, "
+                            f"or is one of the kernel's own {sorted(_RESERVED)}")
         for function in self.derived:
+            if function.__name__ in known | _RESERVED:
+                raise TypeError(f"{name}: derived scalar {function.__name__} has the name of "
+                                "a declared value or of the kernel's own")
             unknown = [p for p in _parameters(function) if p not in known]
             if unknown:
                 raise TypeError(f"{name}: derived scalar {function.__name__} reads {unknown}, "
