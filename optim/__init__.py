@@ -18,6 +18,7 @@ OPTIMIZERS = {
     "adagrad": ("optim.adagrad", "Adagrad"),
     "adam": ("optim.adam", "Adam"),
     "adamw": ("optim.adam", "AdamW"),
+    "nadam": ("optim.nadam", "NAdam"),
     "rmsprop": ("optim.rmsprop", "RMSprop"),
     "sgd": ("optim.sgd", "SGD"),
 }
