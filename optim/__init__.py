@@ -17,6 +17,7 @@ import importlib
 OPTIMIZERS = {
     "adagrad": ("optim.adagrad", "Adagrad"),
     "adam": ("optim.adam", "Adam"),
+    "adamax": ("optim.adamax", "Adamax"),
     "adamw": ("optim.adam", "AdamW"),
     "nadam": ("optim.nadam", "NAdam"),
     "rmsprop": ("optim.rmsprop", "RMSprop"),
