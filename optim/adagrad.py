@@ -31,10 +31,10 @@ class Adagrad(Optimizer):
         p = p - clr * g / (sqrt(s) + eps)
 
     State: ``sum`` (s), torch's name. Arithmetic is in the parameter's dtype, as torch's
-    (``clr`` in float64, then cast). The kernel reads t from the device step counts, and lr and the other
-    hyper-parameters from a device array the step syncs from ``param_groups``, so a captured
-    step replays with its own t and the current lr. ``initial_accumulator_value`` is read
-    at the first step (torch fills the sum with it when the optimizer is made).
+    (``clr`` in float64, then cast). The kernel reads t from the device step counts, and lr and
+    the other hyper-parameters from a device array the step syncs from ``param_groups``, so a
+    captured step replays with its own t and the current lr. ``initial_accumulator_value`` is
+    read at the first step (torch fills the sum with it when the optimizer is made).
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.

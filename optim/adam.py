@@ -101,11 +101,11 @@ class Adam(Optimizer):
 
     State: ``exp_avg`` (m), ``exp_avg_sq`` (v) and, with ``amsgrad``, ``max_exp_avg_sq``
     (v_max), torch's names. v below the dtype's smallest normal number, and m below that over
-    ``1 - beta1``, are stored as 0 (subnormal arithmetic is ~20x slower on x86; torch keeps them), and the CPU
-    kernel runs with subnormal results flushed to zero (``ops.subnormals``). The kernel reads
-    t from the device step counts that one small kernel advances each step, and lr, the betas,
-    eps and weight_decay from a device array the step syncs from ``param_groups`` (so a
-    captured step replays with its own t and the current lr), and computes the bias
+    ``1 - beta1``, are stored as 0 (subnormal arithmetic is ~20x slower on x86; torch keeps
+    them), and the CPU kernel runs with subnormal results flushed to zero (``ops.subnormals``).
+    The kernel reads t from the device step counts that one small kernel advances each step, and
+    lr, the betas, eps and weight_decay from a device array the step syncs from ``param_groups``
+    (so a captured step replays with its own t and the current lr), and computes the bias
     corrections in float64; the update's arithmetic is in the parameter's dtype, as in torch.
 
     Args:

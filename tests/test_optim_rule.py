@@ -7,7 +7,7 @@ import pytest
 
 import optim
 from optim.optimizer import Optimizer
-from tests.optim_check import check_generated_the_fast_way
+from tests.optim_check import check_checkpoint_round_trip, check_generated_the_fast_way
 
 
 def _registered():
@@ -31,6 +31,17 @@ REGISTERED = _registered()
 @pytest.mark.parametrize("name", sorted(REGISTERED))
 def test_every_optimizer_s_cpu_loop_has_no_reference_counting_and_vectorises(name):
     check_generated_the_fast_way(*REGISTERED[name])
+
+
+@pytest.mark.parametrize("make", [
+    *(pytest.param(lambda ps, name=name: getattr(optim, name)(ps, lr=0.05), id=name)
+      for name in sorted({class_name for _, class_name in optim.OPTIMIZERS.values()})),
+    pytest.param(lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), id="SGD-nesterov"),
+    pytest.param(lambda ps: optim.Adam(ps, lr=0.05, amsgrad=True), id="Adam-amsgrad"),
+    pytest.param(lambda ps: optim.AdamW(ps, lr=0.05, amsgrad=True), id="AdamW-amsgrad"),
+])
+def test_every_optimizer_resumes_from_a_checkpoint_bit_for_bit(make, tmp_path):
+    check_checkpoint_round_trip(make, tmp_path / "checkpoint.npz")
 
 
 def _rule(param, grad, velocity, lr, tiny):
