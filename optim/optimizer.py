@@ -44,6 +44,7 @@ from ops.layout import flat
 from ops.memory import empty
 from ops.step_counter import (BUFFER_UPDATES, T, HostMirror, advance_steps, new_step_counts,
                               store_values)
+from optim.rule import RuleKernels
 
 
 class Optimizer:
@@ -164,9 +165,9 @@ class Optimizer:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "rule" in cls.__dict__:
-            from optim.rule import RuleKernels   # Numba: not imported with ``optim``
-            cls.kernels = RuleKernels(cls.__name__.lower(), cls.__dict__["rule"], cls.hyper,
-                                      cls.buffers, cls.derived, cls.flush_subnormals)
+            rule = cls.__dict__["rule"]
+            cls.kernels = RuleKernels(cls.__name__.lower(), getattr(rule, "__func__", rule),
+                                      cls.hyper, cls.buffers, cls.derived, cls.flush_subnormals)
 
     def _state_names(self, group):
         """The buffers the rule keeps for ``group`` now: all of ``buffers`` unless a subclass
