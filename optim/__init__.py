@@ -1,9 +1,11 @@
-"""Optimizers whose updates are kernels: SGD (momentum, Nesterov), Adam, AdamW, RMSprop,
-Adagrad, L2 weight decay, gradient clipping and learning-rate schedules.
+"""Optimizers whose updates are kernels (every one ``OPTIMIZERS`` names, as torch.optim's),
+gradient clipping and learning-rate schedules.
 
-Each update rule is one ``@njit`` CPU kernel and one ``@cuda.jit`` kernel over flat buffers
-(parameters, gradients, state). For parameters packed in one ``FlatBuffer`` (what
-``engine.nn`` models do), ``step()`` is one launch per param group; ``zero_grad()`` is none.
+Each optimizer is a declaration (``optim.optimizer.Optimizer``'s doc): its update rule,
+written once per element, becomes one ``@njit`` CPU kernel and one ``@cuda.jit`` kernel over
+flat buffers (parameters, gradients, state) through ``optim.rule``. For parameters packed
+in one ``FlatBuffer`` (what ``engine.nn`` models do), ``step()`` is one launch per param
+group; ``zero_grad()`` is none.
 
 The names are imported from their modules on first use: ``import optim`` imports no Numba,
 so ``python -m engine.train --help`` lists ``OPTIMIZERS`` at once.
@@ -15,7 +17,9 @@ import importlib
 OPTIMIZERS = {
     "adagrad": ("optim.adagrad", "Adagrad"),
     "adam": ("optim.adam", "Adam"),
+    "adamax": ("optim.adamax", "Adamax"),
     "adamw": ("optim.adam", "AdamW"),
+    "nadam": ("optim.nadam", "NAdam"),
     "rmsprop": ("optim.rmsprop", "RMSprop"),
     "sgd": ("optim.sgd", "SGD"),
 }

@@ -1,28 +1,22 @@
-"""Adagrad, as ``torch.optim.Adagrad``: one element function, made a kernel by
-``ops.element_kernel``."""
+"""Adagrad, as ``torch.optim.Adagrad``: a rule (``optim.rule``) and its declaration."""
 import math
 
-from ops.element_kernel import element_kernel
-from ops.step_counter import BUFFER_UPDATES, SKIPPED, T
 from optim.optimizer import Optimizer, check_non_negative
 
 
-def _adagrad_element(i, param, grad, state_sum, counts, hyper):
-    # hyper: [lr, lr_decay, weight_decay, initial_accumulator_value, eps]; float64 arithmetic
-    # whatever the storage dtype (as optim.sgd), one rounding per stored value. The flat
-    # state starts at zero, torch's sum at initial_accumulator_value: the sum's first update
-    # starts from that value instead of the stored one. The sum never decreases, so no
-    # subnormal decay (optim.adam) to flush.
-    lr, lr_decay, weight_decay, eps = hyper[0], hyper[1], hyper[2], hyper[4]
-    g = float(grad[i]) + weight_decay * float(param[i])
-    start = hyper[3] if counts[BUFFER_UPDATES] == 1 else float(state_sum[i])
-    state_sum[i] = start + g * g
-    std = math.sqrt(float(state_sum[i])) + eps   # from the stored (rounded) sum, as torch
-    clr = lr / (1.0 + (float(counts[T]) - 1.0) * lr_decay)
-    param[i] = float(param[i]) - clr * g / std   # torch's addcdiv: (value * g) / std
+def _adagrad_rule(param, grad, sum, clr, weight_decay, initial_accumulator_value, eps,
+                  first_step):
+    # in the parameter's dtype, as torch. The flat state starts at zero, torch's sum at
+    # initial_accumulator_value: the sum's first update starts from that value instead of the
+    # stored one. The sum never decreases, so no subnormal decay (optim.adam) to flush.
+    g = grad + weight_decay * param
+    start = initial_accumulator_value if first_step != 0 else sum
+    s = start + g * g
+    return param - clr * g / (math.sqrt(s) + eps), s   # torch's addcdiv: (value * g) / std
 
 
-ADAGRAD_UPDATE = element_kernel("adagrad", _adagrad_element, skip_if=("counts", SKIPPED))
+def clr(lr, lr_decay, t):
+    return lr / (1.0 + (t - 1.0) * lr_decay)
 
 
 class Adagrad(Optimizer):
@@ -36,11 +30,11 @@ class Adagrad(Optimizer):
         s = s + g * g
         p = p - clr * g / (sqrt(s) + eps)
 
-    State: ``sum`` (s), torch's name. Arithmetic is float64 inside the kernel, stored in the
-    parameter's dtype. The kernel reads t from the device step counts, and lr and the other
-    hyper-parameters from a device array the step syncs from ``param_groups``, so a captured
-    step replays with its own t and the current lr. ``initial_accumulator_value`` is read
-    at the first step (torch fills the sum with it when the optimizer is made).
+    State: ``sum`` (s), torch's name. Arithmetic is in the parameter's dtype, as torch's
+    (``clr`` in float64, then cast). The kernel reads t from the device step counts, and lr and
+    the other hyper-parameters from a device array the step syncs from ``param_groups``, so a
+    captured step replays with its own t and the current lr. ``initial_accumulator_value`` is
+    read at the first step (torch fills the sum with it when the optimizer is made).
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -53,6 +47,11 @@ class Adagrad(Optimizer):
             gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
     """
 
+    rule = _adagrad_rule
+    hyper = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    buffers = ("sum",)
+    derived = (clr,)
+
     def __init__(self, params, lr=0.01, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
                  eps=1e-10, skip_nonfinite=False):
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
@@ -64,15 +63,3 @@ class Adagrad(Optimizer):
             check_non_negative(self._name, name, group[name])
             if not math.isfinite(group[name]):
                 raise ValueError(f"{self._name}: invalid {name}: {group[name]} (must be finite)")
-
-    def _state_names(self, group):
-        return ("sum",)
-
-    update_kernel = ADAGRAD_UPDATE
-
-    def _hyper_values(self, group):
-        return (group["lr"], group["lr_decay"], group["weight_decay"],
-                group["initial_accumulator_value"], group["eps"])
-
-    def _update_args(self, param, grad, buffers, counts, hyper):
-        return (param, grad, buffers["sum"], counts, hyper)

@@ -18,28 +18,15 @@ How a group is updated (``step``):
   buffers, and a flat group with a stale slot (a frozen parameter). It is correct but costs
   one launch per parameter.
 
-Everything an update reads that changes between steps is device memory, in eager and
-captured steps alike (``ops.step_counter``), so a recorded step's kernels never need new
-arguments:
-
-- the **step counts** of each update unit (a FlatBuffer, or one parameter): ``[t, updates
-  of its state buffers, skipped]``, moved on by a one-thread kernel before each update and
-  left as they are while an input fault is pending (``ops.flag_buffer``: a bad label in the
-  step), in which case the update kernel changes nothing; ``state[p]["step"]`` reads t;
-- the **hyper-parameters** of each group (``_hyper_values``: lr, betas, momentum, ...), in a
-  ``HostMirror`` synced from ``param_groups`` before each update: a compare per value, one
-  launch when one changed. A replay runs the same sync first (``sync_device``).
+What an update reads from device memory and what the host decides (the capture contract):
+``Optimizer``'s class doc, written once for every optimizer.
 
 State buffers start at zero, as torch's; a rule reads from the step counts whether a buffer
-is new where that matters (SGD's momentum starts from the first gradient). What the host
-decides (the parameters, whether they require grad, the state's layout) is the optimizer's
-``capture_key()``: a recorded step replays only while it is unchanged.
+is new where that matters (SGD's momentum starts from the first gradient). A rule whose
+buffers may start at any step (``lazy_state``: SGD's momentum buffer, made when momentum
+turns non-zero after earlier steps, as in torch) also loads a saved state that lacks them.
 
-Subclasses name their state buffers (``_state_names``), validate their hyper-parameters
-(``_check_group``), list what their kernel reads (``_hyper_values``) and give their kernel
-(``update_kernel``) and its arguments (``_update_args``). A rule whose buffers may start at
-any step (``lazy_state``: SGD's momentum buffer, made when momentum turns non-zero after
-earlier steps, as in torch) also loads a saved state that lacks them.
+An optimizer is a declaration (``Optimizer``'s class doc) and its hyper-parameters' checks.
 """
 import warnings
 import weakref
@@ -58,9 +45,42 @@ from ops.layout import flat
 from ops.memory import empty
 from ops.step_counter import (BUFFER_UPDATES, T, HostMirror, advance_steps, new_step_counts,
                               store_values)
+from optim.rule import RuleKernels
 
 
 class Optimizer:
+    r"""The base of every optimizer; a subclass is a declaration::
+
+        class SGD(Optimizer):
+            rule = _sgd_rule          # the update of one element, by name (optim.rule)
+            hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+            buffers = ("momentum_buffer",)   # its per-element state, torch's names
+            derived = (one_minus_dampening,) # per-launch float64 scalars, by function name
+
+            def _check_group(self, group): ...   # each hyper-parameter, named in the error
+
+    and one line in ``optim.OPTIMIZERS``. The rule's kernels, their arguments and the order
+    of the hyper-parameters on the device all follow from the declaration.
+
+    **The capture contract** (as torch's ``capturable``; ``engine.capture`` records a step
+    and replays its kernels with the arguments they were recorded with):
+
+    - *device state*, read by the kernels and changed only by kernels: the parameters, the
+      gradients, the state buffers, each update unit's step counts ``[t, updates of its
+      buffers, skipped]`` (moved on by a one-thread kernel each step, and held while an input
+      fault is pending: then the update changes nothing), and each group's hyper-parameters
+      (a ``HostMirror`` of ``_hyper_values``, synced from ``param_groups`` before each
+      eager step and each replay: a scheduler's new lr needs no new recording);
+    - *host decisions*, fixed in a recording and named by ``capture_key()``: which
+      parameters each group has and whether they require grad, which buffers the rule keeps
+      for each group (SGD with or without momentum: another kernel), which step counts each
+      parameter's update uses, and the state arrays' layout. A replay runs only while the
+      key is unchanged; a changed key records anew.
+
+    So an eager step and a replayed one run the same kernels on the same arrays and give the
+    same bits; a rule never reads a Python number that changes between steps.
+    """
+
     def __init__(self, params, defaults, skip_nonfinite=False):
         self.defaults = dict(defaults)
         self.state = {}
@@ -131,26 +151,46 @@ class Optimizer:
         """Raise ValueError naming any invalid hyper-parameter of ``group`` (subclasses)."""
         raise NotImplementedError
 
-    def _state_names(self, group):
-        """Names of the per-element state buffers the rule keeps for ``group`` (subclasses)."""
-        raise NotImplementedError
-
+    # ----------------------------------------------------------- the declaration
+    # A subclass declares its rule (optim.rule): ``rule`` (the element function), ``hyper``
+    # (the names of the numbers it reads from its group), ``buffers`` (its per-element state,
+    # torch's names), ``derived`` (per-launch scalars, functions named as their value) and
+    # ``flush_subnormals``; the kernels, their arguments and the hyper-parameters' device
+    # order all follow from it.
+    rule = None
+    hyper = ()
+    buffers = ()
+    derived = ()
+    flush_subnormals = False
     lazy_state = False   # True: a state buffer may be made at any step (see the module doc)
 
-    update_kernel = None   # the rule's ops.launch.Kernel (subclasses)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "rule" in cls.__dict__:
+            rule = cls.__dict__["rule"]
+            cls.kernels = RuleKernels(cls.__name__.lower(), getattr(rule, "__func__", rule),
+                                      cls.hyper, cls.buffers, cls.derived, cls.flush_subnormals)
+
+    def _state_names(self, group):
+        """The buffers the rule keeps for ``group`` now: all of ``buffers`` unless a subclass
+        keeps some only for some settings (SGD's momentum buffer)."""
+        return self.buffers
+
+    def _hyper_source(self, group):
+        """Where ``hyper``'s names are looked up: the group, unless a subclass unpacks a value
+        (Adam's ``betas``) or adds one the class decides (AdamW's decoupled decay)."""
+        return group
 
     def _hyper_values(self, group):
-        """The numbers of ``group`` the kernel reads from its device array, in its order
-        (subclasses)."""
-        raise NotImplementedError
+        """The numbers of ``group`` the kernel reads from its device array, in ``hyper``'s
+        order."""
+        source = self._hyper_source(group)
+        return tuple(source[name] for name in self.hyper)
 
-    def _update_args(self, param, grad, buffers, counts, hyper):
-        """The arguments of ``update_kernel`` for 1-D arrays: ``buffers`` by their
-        ``_state_names`` (a rule whose buffers come and go finds each by name), ``counts`` the unit's device step counts, ``hyper`` the group's device array of
-        ``_hyper_values`` (subclasses)."""
-        raise NotImplementedError
+    def update_kernel(self, group):
+        """The ``ops.launch.Kernel`` of the rule for the buffers ``group`` keeps now."""
+        return self.kernels.kernel(self._state_names(group))
 
-    # ----------------------------------------------------------- stepping
     # ----------------------------------------------------------- stepping
     def zero_grad(self):
         """Forget every gradient without a kernel: flat slots are marked stale (the next
@@ -208,7 +248,9 @@ class Optimizer:
         hyper = self._hyper(index, group, device)
         advance_steps(counts, fault_words(device))
         named = dict(zip(self._state_names(group), buffers))
-        self.update_kernel(*self._update_args(param, grad, named, counts, hyper))
+        kept = [named[name] for name in self.buffers if name in named]   # declared order
+        self.update_kernel(group)(param, grad, *kept, counts, hyper,
+                                  float(np.finfo(param.dtype).tiny))
 
     def _hyper(self, index, group, device):
         """The group's hyper-parameters on ``device``, synced from ``param_groups``."""

@@ -1,47 +1,37 @@
-"""RMSprop, as ``torch.optim.RMSprop``: one element function, made a kernel by
-``ops.element_kernel``."""
+"""RMSprop, as ``torch.optim.RMSprop``: a rule (``optim.rule``) and its declaration."""
 import math
 
-import numpy as np
-
-from ops.element_kernel import element_kernel
-from ops.step_counter import SKIPPED
 from optim.optimizer import Optimizer, check_non_negative
 
 
-def _rmsprop_element(i, param, grad, square_avg, momentum_buffer, grad_avg, counts, hyper,
-                     tiny):
-    # hyper: [lr, alpha, eps, weight_decay, momentum, centered]; float64 arithmetic whatever
-    # the storage dtype (as optim.sgd), one rounding per stored value. The state starts at
-    # zero, as torch's; momentum_buffer and grad_avg are placeholders (param) that are never
-    # touched unless momentum > 0 and centered ask for them.
-    lr, alpha, eps, weight_decay, momentum = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
-    g = float(grad[i]) + weight_decay * float(param[i])
-    v = alpha * float(square_avg[i]) + (1.0 - alpha) * g * g
+def _rmsprop_rule(param, grad, square_avg, momentum_buffer, grad_avg, lr, alpha,
+                  one_minus_alpha, eps, weight_decay, momentum, centered, tiny):
+    # in the parameter's dtype, as torch; the state starts at zero, as torch's. A buffer the
+    # group does not keep (momentum_buffer without momentum, grad_avg uncentered) reads 0 and
+    # is not stored
+    g = grad + weight_decay * param
+    v = alpha * square_avg + one_minus_alpha * g * g
     if v < tiny:   # a gradient stuck at 0 decays v into subnormals: see optim.adam
-        v = 0.0
-    square_avg[i] = v
-    v = float(square_avg[i])   # continue from the stored (rounded) value, as torch
-    if hyper[5] != 0.0:   # centered: subtract the squared mean gradient
-        mean = float(grad_avg[i]) + (1.0 - alpha) * (g - float(grad_avg[i]))   # torch's lerp
+        v = tiny - tiny
+    mean = grad_avg
+    centered_v = v
+    if centered != 0:   # subtract the squared mean gradient
+        mean = grad_avg + one_minus_alpha * (g - grad_avg)   # torch's lerp
         if abs(mean) < tiny:
-            mean = 0.0
-        grad_avg[i] = mean
-        mean = float(grad_avg[i])
-        v = v - mean * mean
-    avg = math.sqrt(v) + eps
-    if momentum > 0.0:
-        buf = momentum * float(momentum_buffer[i]) + g / avg
+            mean = tiny - tiny
+        centered_v = v - mean * mean
+    avg = math.sqrt(centered_v) + eps
+    buf = momentum_buffer
+    if momentum > 0:
+        buf = momentum * momentum_buffer + g / avg
         if abs(buf) < tiny:
-            buf = 0.0
-        momentum_buffer[i] = buf
-        param[i] = float(param[i]) - lr * float(momentum_buffer[i])
-    else:
-        param[i] = float(param[i]) - lr * (g / avg)
+            buf = tiny - tiny
+        return param - lr * buf, v, buf, mean
+    return param - lr * (g / avg), v, buf, mean
 
 
-RMSPROP_UPDATE = element_kernel("rmsprop", _rmsprop_element, skip_if=("counts", SKIPPED),
-                                flush_subnormals=True)
+def one_minus_alpha(alpha):
+    return 1.0 - alpha
 
 
 class RMSprop(Optimizer):
@@ -65,8 +55,8 @@ class RMSprop(Optimizer):
 
     State: ``square_avg`` (v), ``momentum_buffer`` (b, when momentum > 0) and ``grad_avg``
     (gbar, when centered), torch's names; a buffer named only after earlier steps (momentum
-    turned on through ``param_groups``) starts at zero. Arithmetic is float64 inside the
-    kernel, stored in the parameter's dtype; a state value below the dtype's smallest normal
+    turned on through ``param_groups``) starts at zero. Arithmetic is in the parameter's
+    dtype, as torch's; a state value below the dtype's smallest normal
     number is stored as 0 (see ``optim.adam``). The kernel reads lr and the other
     hyper-parameters from a device array the step syncs from ``param_groups``, so a captured
     step replays with the current ones.
@@ -83,6 +73,11 @@ class RMSprop(Optimizer):
             gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
     """
 
+    rule = _rmsprop_rule
+    hyper = ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")
+    buffers = ("square_avg", "momentum_buffer", "grad_avg")
+    derived = (one_minus_alpha,)
+    flush_subnormals = True
     lazy_state = True   # momentum_buffer and grad_avg may start at any step
 
     def __init__(self, params, lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0,
@@ -105,13 +100,3 @@ class RMSprop(Optimizer):
     def _state_names(self, group):
         return (("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ())
                 + (("grad_avg",) if group["centered"] else ()))
-
-    update_kernel = RMSPROP_UPDATE
-
-    def _hyper_values(self, group):
-        return (group["lr"], group["alpha"], group["eps"], group["weight_decay"],
-                group["momentum"], group["centered"])
-
-    def _update_args(self, param, grad, buffers, counts, hyper):
-        return (param, grad, buffers["square_avg"], buffers.get("momentum_buffer", param),
-                buffers.get("grad_avg", param), counts, hyper, float(np.finfo(param.dtype).tiny))

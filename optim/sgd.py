@@ -1,38 +1,31 @@
 """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay."""
 import math
 
-import numpy as np
-
-from ops.element_kernel import element_kernel
-from ops.step_counter import BUFFER_UPDATES, SKIPPED
 from optim.optimizer import Optimizer, check_non_negative
 
 
-def _sgd_element(i, param, grad, momentum_buffer, counts, hyper, tiny):
-    # hyper: [lr, momentum, dampening, weight_decay, nesterov]; the momentum buffer starts
-    # from the first gradient it sees (torch's clone), so the element reads whether this is
-    # that step. float64 arithmetic whatever the storage dtype; one rounding per stored value
-    lr, momentum, dampening, weight_decay = hyper[0], hyper[1], hyper[2], hyper[3]
-    nesterov, first_step = hyper[4] != 0.0, counts[BUFFER_UPDATES] == 1
-    d_p = float(grad[i]) + weight_decay * float(param[i])
-    if momentum != 0.0:
-        if first_step:
+def _sgd_rule(param, grad, momentum_buffer, lr, momentum, one_minus_dampening, weight_decay,
+              nesterov, first_step, tiny):
+    # in the parameter's dtype, as torch; the momentum buffer starts from the first gradient
+    # it sees (torch's clone), and is returned unchanged while momentum is 0
+    d_p = grad + weight_decay * param
+    buf = momentum_buffer
+    if momentum != 0:
+        if first_step != 0:
             buf = d_p
         else:
-            buf = momentum * float(momentum_buffer[i]) + (1.0 - dampening) * d_p
+            buf = momentum * momentum_buffer + one_minus_dampening * d_p
         if abs(buf) < tiny:   # a subnormal buffer (a gradient stuck at 0): see optim.adam
-            buf = 0.0
-        momentum_buffer[i] = buf
-        buf = float(momentum_buffer[i])   # continue from the stored (rounded) buffer, as torch
-        if nesterov:
+            buf = tiny - tiny
+        if nesterov != 0:
             d_p = d_p + momentum * buf
         else:
             d_p = buf
-    param[i] = float(param[i]) - lr * d_p
+    return param - lr * d_p, buf
 
 
-SGD_UPDATE = element_kernel("sgd", _sgd_element, skip_if=("counts", SKIPPED))
-sgd_cpu, sgd_cuda = SGD_UPDATE.cpu.__wrapped__, SGD_UPDATE.cuda   # the compiled kernels, by name
+def one_minus_dampening(dampening):
+    return 1.0 - dampening
 
 
 class SGD(Optimizer):
@@ -51,10 +44,11 @@ class SGD(Optimizer):
     The momentum buffer ``b`` is made when a step first runs with ``momentum != 0`` (also
     when momentum is turned on through ``param_groups`` after earlier steps) and kept when
     momentum is set back to 0, as in torch; a saved state with or without it loads either
-    way. Arithmetic is float64 inside the kernel, stored in the parameter's dtype; a buffer
-    value below the dtype's smallest normal number is stored as 0 (see ``optim.adam``). The
-    kernel reads lr and the other hyper-parameters from a device array the step syncs from
-    ``param_groups``, and whether the buffer is new from the device step counts.
+    way. Arithmetic is in the parameter's dtype, as torch's (``1 - dampening`` in float64,
+    then cast); a buffer value below the dtype's smallest normal number is stored as 0 (see
+    ``optim.adam``). The kernel reads lr and the other hyper-parameters from a device array
+    the step syncs from ``param_groups``, and whether the buffer is new from the device step
+    counts.
 
     Args:
         params: tensors with ``requires_grad=True``, or a list of param-group dicts.
@@ -67,6 +61,10 @@ class SGD(Optimizer):
             gradients hold a NaN or Inf. Costs a check kernel and a device sync per step.
     """
 
+    rule = _sgd_rule
+    hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    buffers = ("momentum_buffer",)
+    derived = (one_minus_dampening,)
     lazy_state = True   # the momentum buffer may start at any step
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
@@ -87,15 +85,4 @@ class SGD(Optimizer):
             raise ValueError(f"SGD: invalid lr: {group['lr']} (must be finite)")
 
     def _state_names(self, group):
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-
-    update_kernel = SGD_UPDATE
-
-    def _hyper_values(self, group):
-        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
-                group["nesterov"])
-
-    def _update_args(self, param, grad, buffers, counts, hyper):
-        momentum_buffer = buffers.get("momentum_buffer", param)   # untouched without momentum
-        return (param, grad, momentum_buffer, counts, hyper,
-                float(np.finfo(momentum_buffer.dtype).tiny))
+        return self.buffers if group["momentum"] != 0 else ()

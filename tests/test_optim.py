@@ -199,19 +199,19 @@ def test_update_kernel_strides_over_the_elements_past_its_grid(decoupled):
     thread strides on: 2 blocks of 4 threads over 37 elements update each as the CPU does."""
     from ops.cuda import cuda
     from ops.step_counter import T
-    from optim.adam import ADAM_UPDATE
 
     rng = np.random.default_rng(3)
     state = [rng.standard_normal(37) for _ in range(3)] + [rng.random(37)]
     counts = np.zeros(3, np.int64)
     counts[T] = 4
-    hyper = np.array([1e-2, 0.9, 0.999, 1e-8, 0.1])
+    # optim.Adam.hyper: lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad
+    hyper = np.array([1e-2, 0.9, 0.999, 1e-8, 0.1, float(decoupled), 0.0])
     tiny = float(np.finfo(np.float64).tiny)
+    update = optim.Adam.kernels.kernel(("exp_avg", "exp_avg_sq"))
     on_cpu = [a.copy() for a in state]
-    ADAM_UPDATE.cpu(*on_cpu, counts, hyper, decoupled, tiny)
+    update.cpu(*on_cpu, counts, hyper, tiny)
     on_cuda = [to_device(a, "cuda") for a in state]
-    ADAM_UPDATE.cuda[2, 4](*on_cuda, to_device(counts, "cuda"),
-                       to_device(hyper, "cuda"), decoupled, tiny)
+    update.cuda[2, 4](*on_cuda, to_device(counts, "cuda"), to_device(hyper, "cuda"), tiny)
     cuda.synchronize()
     for expected, got in zip(on_cpu, on_cuda):
         np.testing.assert_allclose(got.copy_to_host(), expected, rtol=1e-13, atol=1e-15)
@@ -274,7 +274,7 @@ def test_add_param_group_and_duplicates():
 
 
 def test_lr_is_a_kernel_argument_not_a_recompile():
-    from optim.sgd import sgd_cpu
+    sgd_cpu = optim.SGD.kernels.kernel(("momentum_buffer",)).cpu.__wrapped__
     params = make_params("cpu")
     opt = optim.SGD(params, lr=0.1, momentum=0.9)
     set_grads(params, grad_steps(1)[0])

@@ -1,0 +1,118 @@
+"""One optimizer step on the CPU, engine against torch.optim, for every optimizer.
+
+    python -m bench.optimizers [--sizes 235146 669706] [--threads 1 2] [--steps 300]
+                               [--json results.json]
+
+For each size (float32 parameters: 235,146 are the reference MLP's 784-256-128-10, 669,706 a
+784-512-512-10 one), thread count and optimizer, the engine's ``opt.step()`` over its
+parameters in one ``FlatBuffer`` (the flat path: one update kernel, as a model's) and
+``torch.optim``'s over one tensor of the same size, with the same hyper-parameters and the
+same gradient, are timed step by step, alternating engine and torch in this one process, so
+a busy neighbour slows both alike. The table gives each side's median microseconds a step
+and their ratio (engine over torch: below 1 the engine is faster). ``engine.set_num_threads``
+and ``torch.set_num_threads`` both get the thread count. An optimizer the engine lacks (an
+older checkout) is left out of the table.
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from bench.report import emit
+
+# name -> (engine class name, keyword arguments shared by the engine and torch)
+OPTIMIZERS = {
+    "SGD": ("SGD", dict(lr=0.01)),
+    "SGD momentum": ("SGD", dict(lr=0.01, momentum=0.9)),
+    "RMSprop": ("RMSprop", dict(lr=0.01)),
+    "Adagrad": ("Adagrad", dict(lr=0.01)),
+    "Adam": ("Adam", dict(lr=1e-3)),
+    "AdamW": ("AdamW", dict(lr=1e-3)),
+    "Adam amsgrad": ("Adam", dict(lr=1e-3, amsgrad=True)),
+    "NAdam": ("NAdam", dict(lr=2e-3)),
+    "Adamax": ("Adamax", dict(lr=2e-3)),
+}
+SIZES = (235146, 669706)
+
+
+def _engine_step(class_name, options, values, gradient):
+    """The engine's step over ``values`` in one FlatBuffer, or None where the engine lacks
+    the optimizer or the option."""
+    import engine
+    import optim
+    from engine.parameter import FlatBuffer, Parameter
+    cls = getattr(optim, class_name, None)
+    if cls is None:
+        return None
+    params = [Parameter(values.copy())]
+    FlatBuffer(params)
+    try:
+        opt = cls(params, **options)
+    except TypeError:   # an option this checkout does not take (amsgrad before it)
+        return None
+    params[0].grad = engine.tensor(gradient)
+    return opt.step
+
+
+def _torch_step(class_name, options, values, gradient):
+    import torch
+    param = torch.tensor(values.copy(), requires_grad=True)
+    param.grad = torch.tensor(gradient)
+    return getattr(torch.optim, class_name)([param], **options).step
+
+
+def measure(size, threads, steps, names):
+    """{optimizer name: (engine median us, torch median us)} at ``size`` and ``threads``."""
+    import engine
+    import torch
+    engine.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(size).astype(np.float32)
+    gradient = (rng.standard_normal(size) * 1e-2).astype(np.float32)
+    result = {}
+    for name in names:
+        class_name, options = OPTIMIZERS[name]
+        ours = _engine_step(class_name, options, values, gradient)
+        if ours is None:
+            continue
+        theirs = _torch_step(class_name, options, values, gradient)
+        for _ in range(5):   # compile (or load the cache), make the state, warm the caches
+            ours()
+            theirs()
+        times = ([], [])
+        for _ in range(steps):
+            for step, out in ((ours, times[0]), (theirs, times[1])):
+                start = time.perf_counter()
+                step()
+                out.append(time.perf_counter() - start)
+        result[name] = tuple(statistics.median(t) * 1e6 for t in times)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                        choices=list(OPTIMIZERS), metavar="NAME")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    for threads in args.threads:
+        for size in args.sizes:
+            for name, (ours, theirs) in measure(size, threads, args.steps,
+                                                args.optimizers).items():
+                rows.append(dict(optimizer=name, parameters=size, threads=threads,
+                                 engine_us=ours, torch_us=theirs, ratio=ours / theirs))
+    table = ["| optimizer | parameters | threads | engine, us | torch, us | engine / torch |",
+             "|---|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['optimizer']} | {r['parameters']:,} | {r['threads']} | "
+              f"{r['engine_us']:.0f} | {r['torch_us']:.0f} | {r['ratio']:.2f} |" for r in rows]
+    return emit({"steps": args.steps, "results": rows}, "\n".join(table), args.json)
+
+
+if __name__ == "__main__":
+    main()
