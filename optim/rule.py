@@ -35,7 +35,7 @@ import textwrap
 import numpy as np
 from numba import float64, njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.element_kernel import split_over_threads, strided_blocks
 from ops.launch import CPU_KERNEL, Kernel
 from ops.step_counter import BUFFER_UPDATES, SKIPPED, T

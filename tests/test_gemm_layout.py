@@ -1,5 +1,5 @@
 """The GEMM's room, ops/gemm/: its tiling catalogue and pickers read without Numba, the GPU
-facts they ask for replaced by the dry device of ``ops.build_kernels`` per target, and the
+facts they ask for replaced by the dry device of ``engine.cli.build_kernels`` per target, and the
 files of the GEMM, the convolution and batch norm within the size the guide allows."""
 import pathlib
 import subprocess

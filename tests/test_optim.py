@@ -1066,11 +1066,11 @@ def test_the_cpu_update_leaves_the_callers_floating_point_mode_alone():
 def test_every_registered_optimizer_is_its_module_s_class_and_the_command_offers_it():
     import importlib
 
-    from engine import train
+    from engine.cli import arguments
     for name, (module, class_name) in optim.OPTIMIZERS.items():
         cls = getattr(importlib.import_module(module), class_name)
         assert issubclass(cls, optim.Optimizer) and getattr(optim, class_name) is cls, name
-    assert train.OPTIMIZERS == tuple(sorted(optim.OPTIMIZERS))
+    assert arguments.OPTIMIZERS == tuple(sorted(optim.OPTIMIZERS))
     assert set(dir(optim)) >= {"SGD", "Adam", "lr_scheduler", "clip_grad_norm_", "OPTIMIZERS"}
     with pytest.raises(AttributeError, match="module 'optim' has no attribute 'Lion'"):
         optim.Lion
