@@ -39,8 +39,12 @@ rank 0, which alone prints and saves, reports the whole world's.
   a rank killed by a signal does end the run). So in
   a world of several ranks ``init`` makes an uncaught exception print its traceback and then
   abort every rank (``MPI_Abort``, as ``python -m mpi4py`` does), and ``abort(code)`` is the
-  way for a program that handles its errors itself to end a run.
+  way for a program that handles its errors itself to end a run. Over torch.distributed
+  there is no abort to send: the rank ends, gloo's peers see its connections close and fail
+  their collective (a waiting rank raised "Connection closed by peer" in the test), and
+  torchrun then ends the rest.
 """
+import atexit
 import fcntl
 import importlib.util
 import os
@@ -113,8 +117,9 @@ class _MpiChannel:
 class _TorchChannel:
     """The ranks' host channel through torch.distributed's gloo backend, which meets at
     ``MASTER_ADDR:MASTER_PORT`` (a TCPStore that rank 0 serves); NumPy buffers go in place,
-    as tensors sharing their memory. A process group the program made itself is used as
-    it is, when its rank and size are the launcher's."""
+    as tensors sharing their memory. Where the program made a process group itself, its
+    rank and size must be the launcher's, and a group of another backend (NCCL's) gets a
+    gloo group of the same ranks beside it for the host buffers."""
 
     def __init__(self, launch):
         try:
@@ -125,13 +130,18 @@ class _TorchChannel:
                 f"engine.distributed.init: {launch.launcher} started {launch.size} ranks "
                 f"without MPI, so they talk through torch.distributed (gloo), and PyTorch "
                 f"cannot be imported ({error}); {TORCH_INSTALL_HINT}") from None
-        self.torch, self.group = torch, torch_distributed
+        self.torch, self.torch_distributed = torch, torch_distributed
         self.rank, self.size = launch.rank, launch.size
         if not torch_distributed.is_initialized():
             host, port = launch.master
             host = f"[{host}]" if ":" in host else host   # an IPv6 address
             torch_distributed.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                                                  rank=launch.rank, world_size=launch.size)
+            # a group left to the interpreter's exit sometimes ended the process with
+            # "terminate called without an active exception" (SIGABRT) after its work
+            atexit.register(torch_distributed.destroy_process_group)
+        self.ranks = (None if torch_distributed.get_backend() == "gloo"
+                      else torch_distributed.new_group(backend="gloo"))
         found = (torch_distributed.get_rank(), torch_distributed.get_world_size())
         if found != (launch.rank, launch.size):
             raise RuntimeError(f"engine.distributed.init: torch.distributed's process group "
@@ -140,18 +150,19 @@ class _TorchChannel:
 
     def gather(self, value):
         values = [None] * self.size
-        self.group.all_gather_object(values, value)
+        self.torch_distributed.all_gather_object(values, value, group=self.ranks)
         return values
 
     def sum(self, array):
-        self.group.all_reduce(self.torch.from_numpy(array))   # in place, in its memory
+        # in place, in the array's memory
+        self.torch_distributed.all_reduce(self.torch.from_numpy(array), group=self.ranks)
 
     def broadcast(self, array):
-        self.group.broadcast(self.torch.from_numpy(array), src=0)
+        self.torch_distributed.broadcast(self.torch.from_numpy(array), src=0, group=self.ranks)
 
     def broadcast_object(self, value):
         box = [value]
-        self.group.broadcast_object_list(box, src=0)
+        self.torch_distributed.broadcast_object_list(box, src=0, group=self.ranks)
         return box[0]
 
     def node_rank_and_size(self, launch):
