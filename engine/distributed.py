@@ -9,11 +9,16 @@ the gradients, so every rank takes the same step and the replicas stay equal.
 ``mean_over_ranks`` averages host numbers (an epoch's loss and accuracy on each shard), so
 rank 0, which alone prints and saves, reports the whole world's.
 
-- **The world.** ``init()`` reads rank and size from MPI (mpi4py; MPICH from the package
-  index, since Open MPI refuses to run as root). A process not started by ``mpiexec`` is a
-  world of one and imports no MPI at all: everything below then works unchanged, and needs
-  no mpi4py. ``init(device="cuda")`` also gives each rank one GPU (its rank on the node) and
-  an NCCL communicator (nccl4py) whose unique id rank 0 sends over MPI.
+- **The world.** ``init()`` asks ``engine.launchers`` what started the process. Under
+  ``mpiexec``, or ``srun`` with PMI, rank and size come from MPI (mpi4py; MPICH from the
+  package index, since Open MPI refuses to run as root), and srun's or torchrun's variables,
+  where set, must agree with them. Under ``torchrun`` (or ``srun`` without PMI, given
+  ``MASTER_ADDR``/``MASTER_PORT``) the ranks talk through torch.distributed's gloo backend
+  (its TCPStore at the master's address) instead, so PyTorch is needed there and MPI is not.
+  A process no launcher started is a world of one and imports neither: everything below
+  then works unchanged. ``init(device="cuda")`` also gives each rank one GPU (its rank on the
+  machine: MPI's shared-memory split, or ``LOCAL_RANK``/``SLURM_LOCALID``) and an NCCL
+  communicator (nccl4py) whose unique id rank 0 sends over the host channel.
 - **One collective per flat gradient buffer per step**, averaging: MPI ``Allreduce`` in
   place on the NumPy buffer on the CPU; NCCL's ``AVG`` in place on a CUDA buffer, zero-copy
   through the CUDA Array Interface and queued on the engine's stream, so it follows the
@@ -34,11 +39,16 @@ rank 0, which alone prints and saves, reports the whole world's.
   a rank killed by a signal does end the run). So in
   a world of several ranks ``init`` makes an uncaught exception print its traceback and then
   abort every rank (``MPI_Abort``, as ``python -m mpi4py`` does), and ``abort(code)`` is the
-  way for a program that handles its errors itself to end a run.
+  way for a program that handles its errors itself to end a run. Over torch.distributed
+  there is no abort to send: the rank ends, gloo's peers see its connections close and fail
+  their collective (a waiting rank raised "Connection closed by peer" in the test), and
+  torchrun then ends the rest.
 """
+import atexit
 import fcntl
 import importlib.util
 import os
+import socket
 import stat
 import struct
 import sys
@@ -48,15 +58,19 @@ import zlib
 
 import numpy as np
 
+from engine import launchers
 from ops.cuda import SIMULATOR, cuda, engine_stream
 from ops.device import check_device, device_of, to_host
 from ops.launch import note_unrecordable
 
 CHECK_REPLICAS_VARIABLE = "ENGINE_CHECK_REPLICAS"
 ABORT_DRAIN_S = 10.0   # the longest an abort waits for mpiexec to read this rank's output
-# set by the process managers that start MPI ranks: MPICH's hydra, PMIx, Open MPI
+# set by the process managers that start MPI ranks: MPICH's hydra, PMIx, Open MPI (the CLI's
+# early answer and its refusal of ranks without --distributed read these; engine.launchers
+# reads every launcher's)
 LAUNCHER_VARIABLES = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 INSTALL_HINT = "pip install -e '.[distributed]'"
+TORCH_INSTALL_HINT = "pip install -e '.[torch]' (or start the ranks with mpiexec)"
 
 _world = None
 
@@ -70,15 +84,111 @@ class RankMismatch(RuntimeError):
         self.rank = rank
 
 
-class _World:
-    """The ranks of this run: MPI's world communicator (None in a world of one started
-    without mpiexec) and, once asked for, the NCCL communicator of the GPUs."""
+class _MpiChannel:
+    """The ranks' host channel through MPI's world communicator."""
 
     def __init__(self, MPI):
-        self.MPI = MPI   # mpi4py's MPI module, or None
-        self.mpi = None if MPI is None else MPI.COMM_WORLD
-        self.rank = 0 if MPI is None else self.mpi.Get_rank()
-        self.size = 1 if MPI is None else self.mpi.Get_size()
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def gather(self, value):
+        return self.comm.allgather(value)
+
+    def sum(self, array):
+        self.comm.Allreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
+
+    def broadcast(self, array):
+        self.comm.Bcast(array, root=0)
+
+    def broadcast_object(self, value):
+        return self.comm.bcast(value, root=0)
+
+    def node_rank_and_size(self, launch):
+        node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        try:
+            return node.Get_rank(), node.Get_size()
+        finally:
+            node.Free()
+
+    def abort(self, code):
+        self.comm.Abort(code)
+
+
+class _TorchChannel:
+    """The ranks' host channel through torch.distributed's gloo backend, which meets at
+    ``MASTER_ADDR:MASTER_PORT`` (a TCPStore that rank 0 serves); NumPy buffers go in place,
+    as tensors sharing their memory. Where the program made a process group itself, its
+    rank and size must be the launcher's, and a group of another backend (NCCL's) gets a
+    gloo group of the same ranks beside it for the host buffers."""
+
+    def __init__(self, launch):
+        try:
+            import torch
+            import torch.distributed as torch_distributed
+        except ImportError as error:
+            raise RuntimeError(
+                f"engine.distributed.init: {launch.launcher} started {launch.size} ranks "
+                f"without MPI, so they talk through torch.distributed (gloo), and PyTorch "
+                f"cannot be imported ({error}); {TORCH_INSTALL_HINT}") from None
+        self.torch, self.torch_distributed = torch, torch_distributed
+        self.rank, self.size = launch.rank, launch.size
+        if not torch_distributed.is_initialized():
+            host, port = launch.master
+            host = f"[{host}]" if ":" in host else host   # an IPv6 address
+            torch_distributed.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
+                                                 rank=launch.rank, world_size=launch.size)
+            # a group left to the interpreter's exit sometimes ended the process with
+            # "terminate called without an active exception" (SIGABRT) after its work
+            atexit.register(torch_distributed.destroy_process_group)
+        self.ranks = (None if torch_distributed.get_backend() == "gloo"
+                      else torch_distributed.new_group(backend="gloo"))
+        found = (torch_distributed.get_rank(), torch_distributed.get_world_size())
+        if found != (launch.rank, launch.size):
+            raise RuntimeError(f"engine.distributed.init: torch.distributed's process group "
+                               f"is rank {found[0]} of {found[1]}, but {launch.variables[0]}="
+                               f"{launch.rank} and {launch.variables[1]}={launch.size}")
+
+    def gather(self, value):
+        values = [None] * self.size
+        self.torch_distributed.all_gather_object(values, value, group=self.ranks)
+        return values
+
+    def sum(self, array):
+        # in place, in the array's memory
+        self.torch_distributed.all_reduce(self.torch.from_numpy(array), group=self.ranks)
+
+    def broadcast(self, array):
+        self.torch_distributed.broadcast(self.torch.from_numpy(array), src=0, group=self.ranks)
+
+    def broadcast_object(self, value):
+        box = [value]
+        self.torch_distributed.broadcast_object_list(box, src=0, group=self.ranks)
+        return box[0]
+
+    def node_rank_and_size(self, launch):
+        """The launcher's local rank, and how many ranks share this machine's host name."""
+        if launch.local_rank is None:
+            raise RuntimeError(f"engine.distributed.init(device='cuda'): "
+                               f"{launch.variables[2]} is not set, and under "
+                               f"{launch.launcher} it says which GPU of its machine a rank "
+                               f"takes ({launch.variables[0]}={launch.rank})")
+        hosts = self.gather(socket.gethostname())
+        return launch.local_rank, hosts.count(hosts[self.rank])
+
+    def abort(self, code):
+        # gloo's peers see this process's connections close and fail their collectives;
+        # torchrun then ends the other ranks
+        os._exit(code)
+
+
+class _World:
+    """The ranks of this run: the host channel (None in a world of one) and, once asked
+    for, the NCCL communicator of the GPUs."""
+
+    def __init__(self, launch, channel):
+        self.launch, self.channel = launch, channel
+        self.rank = 0 if channel is None else channel.rank
+        self.size = 1 if channel is None else channel.size
         self.nccl = None
         self.nccl_module = None
         self.replica_interval = _replica_interval()
@@ -86,17 +196,13 @@ class _World:
 
     def gather(self, value):
         """Every rank's ``value`` (a picklable object), in rank order."""
-        return [value] if self.size == 1 else self.mpi.allgather(value)
+        return [value] if self.size == 1 else self.channel.gather(value)
 
     def node_rank_and_size(self):
         """This rank's position among the ranks on its machine, and their number."""
-        if self.mpi is None:
-            return 0, 1
-        node = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED)
-        try:
-            return node.Get_rank(), node.Get_size()
-        finally:
-            node.Free()
+        if self.channel is None:
+            return (self.launch.local_rank or 0), 1
+        return self.channel.node_rank_and_size(self.launch)
 
     def average(self, array):
         """Replace ``array`` (host or device) by its mean over the ranks, in place."""
@@ -107,7 +213,7 @@ class _World:
             self._require_nccl()
         if self.size == 1:
             return
-        self.mpi.Allreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
+        self.channel.sum(array)
         np.multiply(array, 1.0 / self.size, out=array)
 
     def broadcast(self, array):
@@ -118,7 +224,7 @@ class _World:
                 return
             self._require_nccl()
         if self.size > 1:
-            self.mpi.Bcast(array, root=0)
+            self.channel.broadcast(array)
 
     def _require_nccl(self):
         if self.size > 1:
@@ -133,14 +239,14 @@ def init(device="cpu", require_mpi=False):
 
     ``device="cuda"`` also takes this rank's GPU and creates the NCCL communicator.
     ``require_mpi=True`` fails when mpi4py is not installed (for a program asked to run
-    distributed), instead of being a world of one. Calling it again adds what a new
-    ``device`` needs and otherwise changes nothing."""
+    distributed), instead of being a world of one; under torchrun, which needs PyTorch
+    instead, it asks nothing more. The launcher's variables that contradict each other or
+    MPI raise ``RuntimeError`` naming them, on every rank alike. Calling it again adds what a
+    new ``device`` needs and otherwise changes nothing."""
     global _world
     device = check_device(device)
     if _world is None:
-        _world = _World(_mpi_module(require_mpi))
-        if _world.size > 1:
-            _abort_on_uncaught_exception()
+        _world = _join(require_mpi)
     if device == "cuda" and _world.nccl is None:
         _attach_nccl(_world)
 
@@ -181,7 +287,7 @@ def abort(code=1):
     if _world is not None and _world.size > 1:
         for stream in (sys.stdout, sys.stderr):
             wait_until_read(stream, ABORT_DRAIN_S)
-        _world.mpi.Abort(code)
+        _world.channel.abort(code)
     sys.exit(code)
 
 
@@ -281,24 +387,42 @@ def _require_world(what):
     return _world
 
 
-def _launched_by_mpiexec():
-    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+def _join(require_mpi):
+    """The world this process's launcher started it in (``engine.launchers``), its host
+    channel open; in a world of several ranks an uncaught exception ends them all."""
+    try:
+        launch = launchers.detect()
+    except RuntimeError as error:
+        raise RuntimeError(f"engine.distributed.init: {error}") from None
+    channel = None
+    if launch.channel == "mpi":
+        channel = _MpiChannel(_mpi_module(launch))
+        problem = launchers.mismatch_with_mpi(launch, None, channel.rank, channel.size)
+        # every rank learns every rank's problem, so all fail together or none does
+        problems = channel.gather(problem) if channel.size > 1 else [problem]
+        failing = [(r, text) for r, text in enumerate(problems) if text]
+        if failing:
+            r, text = failing[0]
+            raise RuntimeError(f"engine.distributed.init: rank {r}: {text}")
+    elif launch.channel == "torch":
+        channel = _TorchChannel(launch)
+    elif require_mpi and importlib.util.find_spec("mpi4py") is None:
+        raise RuntimeError(f"engine.distributed.init: a distributed run needs mpi4py, "
+                           f"which is not installed; {INSTALL_HINT}")
+    world = _World(launch, channel)
+    if world.size > 1:
+        _abort_on_uncaught_exception()
+    return world
 
 
-def _mpi_module(require_mpi):
-    """mpi4py's MPI module (initialising MPI), or None for a world of one started without
-    mpiexec (MPI is then not even imported)."""
-    launched = _launched_by_mpiexec()
-    if not launched:
-        if require_mpi and importlib.util.find_spec("mpi4py") is None:
-            raise RuntimeError(f"engine.distributed.init: a distributed run needs mpi4py, "
-                               f"which is not installed; {INSTALL_HINT}")
-        return None
+def _mpi_module(launch):
+    """mpi4py's MPI module, initialising MPI."""
     try:
         from mpi4py import MPI
     except ImportError as error:
-        raise RuntimeError(f"engine.distributed.init: this process was started by mpiexec "
-                           f"but cannot import mpi4py ({error}); {INSTALL_HINT}") from None
+        raise RuntimeError(f"engine.distributed.init: this process was started by "
+                           f"{launch.launcher} (MPI) but cannot import mpi4py ({error}); "
+                           f"{INSTALL_HINT}") from None
     return MPI
 
 
@@ -335,12 +459,13 @@ def _attach_nccl(world):
                            "or -cu13 to match the CUDA driver)") from None
     node_rank, node_size = world.node_rank_and_size()
     gpus = len(cuda.gpus)
-    if node_size > gpus:
+    if node_size > gpus or node_rank >= gpus:
         raise RuntimeError(f"engine.distributed.init(device='cuda'): {node_size} ranks on "
-                           f"this machine but {gpus} GPU(s); NCCL takes one GPU per rank")
+                           f"this machine (this one its number {node_rank}) but {gpus} "
+                           f"GPU(s); NCCL takes one GPU per rank")
     cuda.select_device(node_rank)
     unique_id = nccl.get_unique_id() if world.rank == 0 else None
     if world.size > 1:
-        unique_id = world.mpi.bcast(unique_id, root=0)
+        unique_id = world.channel.broadcast_object(unique_id)
     world.nccl = nccl.Communicator.init(world.size, world.rank, unique_id)
     world.nccl_module = nccl

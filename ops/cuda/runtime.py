@@ -95,6 +95,7 @@ def import_numba_cuda():
             return _numba_cuda
         from numba import config
         from numba import cuda as numba_cuda
+        _register_overloads_of_removed_numpy_names()
         # Small models launch small grids on purpose (a 128x10 layer is 5 blocks): no warning.
         config.CUDA_LOW_OCCUPANCY_WARNINGS = False
         if not SIMULATOR:
@@ -133,6 +134,30 @@ def import_numba_cuda():
             callback()
         _on_import.clear()
         return numba_cuda
+
+
+def _register_overloads_of_removed_numpy_names():
+    """numba-cuda 0.30's ``numba.cuda.np.arrayobj`` registers an overload of
+    ``np.row_stack`` (for numpy >= 2.0) when it is imported, which happens at the first
+    kernel compile; numpy 2.5 removed ``row_stack`` (an alias of ``vstack`` since 2.0), so
+    that import, and with it every CUDA compile, fails with an AttributeError. The shim: give
+    numpy a ``row_stack`` (calling ``vstack``) only for that import, then take it away again,
+    so the user's numpy is left as it was. numba-cuda's other overloads of names numpy has
+    removed (``trapz``, ``in1d``, ``round_``, ``asfarray``) are behind version checks, and
+    numba 0.68.1's own ``row_stack`` overload checks for numpy < 2.5; nothing to do there."""
+    import numpy as np
+
+    if hasattr(np, "row_stack"):   # numpy < 2.5: the import needs nothing
+        return
+
+    def row_stack(tup, *, dtype=None, casting="same_kind"):
+        return np.vstack(tup, dtype=dtype, casting=casting)
+
+    np.row_stack = row_stack
+    try:
+        from numba.cuda.np import arrayobj   # noqa: F401 (imported for its registrations)
+    finally:
+        del np.row_stack
 
 
 def is_cuda_ndarray(array):
