@@ -118,7 +118,7 @@ _LAZY_NAMES = {
                           "sqrt", "squeeze", "stack", "sub", "sum", "tanh", "transpose",
                           "unsqueeze", "view", "where"),
     "engine.gradcheck": ("GradcheckError", "gradcheck"),
-    "engine.sequence": ("embedding",),
+    "engine.sequence": ("embedding", "layer_norm"),
     "engine.random": ("manual_seed",),
     "engine.step_capture": ("capture",),
     "engine.tensor": ("Tensor", "arange", "from_dlpack", "from_numpy", "full", "ones", "rand",

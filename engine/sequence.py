@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.autograd import Value, apply
 from ops.embedding import EmbeddingOp
+from ops.layer_norm import HAS_BIAS, HAS_WEIGHT, LayerNormOp
 
 
 def embedding(ids, weight, padding_idx=None):
@@ -36,3 +37,20 @@ def embedding(ids, weight, padding_idx=None):
                              f"[{-rows}, {rows}) (num_embeddings {rows})")
         padding_idx = int(padding_idx) % rows
     return apply(EmbeddingOp, ids, weight, padding_idx=padding_idx)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch's ``F.layer_norm``: each row of the trailing ``normalized_shape`` dims (an int
+    or a tuple) scaled to mean 0 and variance 1 (biased), ``/ sqrt(var + eps)``, then times
+    ``weight`` and plus ``bias`` (tensors of ``normalized_shape``) where given."""
+    if isinstance(normalized_shape, (int, np.integer)):
+        normalized_shape = (int(normalized_shape),)
+    normalized_shape = tuple(int(size) for size in normalized_shape)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"layer_norm: eps must be a number, got {eps!r}")
+    affine = (HAS_WEIGHT if weight is not None else 0) | (HAS_BIAS if bias is not None else 0)
+    operands = [x._operand(v) if v is not None and not isinstance(v, Value) else v
+                for v in (weight, bias)]
+    operands = [x.data if v is None else v for v in operands]   # an absent one: never read
+    return apply(LayerNormOp, x, *operands, normalized_shape=normalized_shape,
+                 eps=float(eps), affine=affine)

@@ -73,3 +73,47 @@ class Embedding(Layer):
         if self.dtype != np.float32:
             config["dtype"] = self.dtype.name
         return {**config, **super().get_config()}
+
+
+class LayerNorm(Layer):
+    """Normalise the last axis of each input to mean 0 and variance 1 (biased), then scale by
+    a learned ``weight`` (ones) and shift by a learned ``bias`` (zeros): torch's
+    ``nn.LayerNorm(features)`` with the feature count taken from the first input."""
+
+    def __init__(self, eps=1e-5, dtype=np.float32, input_shape=None):
+        super().__init__(input_shape)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"LayerNorm: eps must be a number > 0, got {eps!r}")
+        self.eps = float(eps)
+        self.dtype = np.dtype(dtype)
+        self.weight = self.bias = None
+
+    def compute_output_shape(self, input_shape):
+        if len(input_shape) < 1:
+            raise ValueError("LayerNorm takes inputs with a feature axis, got per-sample "
+                             "scalars")
+        return input_shape
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        features = (input_shape[-1],)
+        self.weight = Parameter(to_device(np.ones(features, self.dtype), device))
+        self.bias = Parameter(to_device(np.zeros(features, self.dtype), device))
+        return output_shape
+
+    def named_parameters(self):
+        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
+
+    def forward(self, x):
+        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
+        features = self.weight.shape[0]
+        if x.ndim < 1 or x.shape[-1] != features:
+            raise ValueError(f"{self.name} {self!r}: built for {features} features on the "
+                             f"last axis, got input of shape {x.shape}")
+        return S.layer_norm(x, (features,), self.weight, self.bias, self.eps)
+
+    def get_config(self):
+        config = {"eps": self.eps} if self.eps != 1e-5 else {}
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        return {**config, **super().get_config()}
