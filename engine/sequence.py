@@ -8,10 +8,20 @@ methods among them.
 This module sits beside ``engine.functional``, below ``engine.tensor``: it sees tensors as
 ``engine.autograd.Value``s.
 """
+import collections
+
 import numpy as np
 
+from engine import functional as F
 from engine.autograd import Value, apply
+from engine.random import generator
+from ops.dropout import SEED_LIMIT, seed_array
 from ops.embedding import EmbeddingOp
+from ops.layout import normalize_axes
+from ops.multinomial import Multinomial
+from ops.pairwise_extremum import Maximum, Minimum
+from ops.topk import TakeAlongRows, TopK
+from ops.triangle import Triangle
 from ops.layer_norm import HAS_BIAS, HAS_WEIGHT, LayerNormOp
 
 
@@ -54,3 +64,172 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     operands = [x.data if v is None else v for v in operands]   # an absent one: never read
     return apply(LayerNormOp, x, *operands, normalized_shape=normalized_shape,
                  eps=float(eps), affine=affine)
+
+
+# ------------------------------------------------------------------ masks and pieces
+
+def tril(x, diagonal=0):
+    """The lower triangle of the last two dims (``col - row <= diagonal``), the rest 0."""
+    return apply(Triangle, x, diagonal=_int("tril", "diagonal", diagonal), upper=False)
+
+
+def triu(x, diagonal=0):
+    """The upper triangle of the last two dims (``col - row >= diagonal``), the rest 0."""
+    return apply(Triangle, x, diagonal=_int("triu", "diagonal", diagonal), upper=True)
+
+
+def masked_fill(x, mask, value):
+    """``x`` with ``value`` (a number) where the bool ``mask`` (broadcast to x's shape)
+    holds; differentiable in x (zero gradient where filled)."""
+    mask_shape = tuple(np.shape(mask.data if isinstance(mask, Value) else mask))
+    try:
+        fits = np.broadcast_shapes(mask_shape, x.shape) == tuple(x.shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"masked_fill: the mask of shape {mask_shape} does not broadcast to "
+                         f"the tensor's shape {tuple(x.shape)}")
+    if isinstance(value, Value):
+        if value.ndim != 0:
+            raise ValueError(f"masked_fill: value must be a number or a 0-d tensor, got "
+                             f"shape {value.shape}")
+    elif not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"masked_fill: value must be a number, got {type(value).__name__}")
+    return F.where(mask, value, x)
+
+
+def split(x, split_size, dim=-1):
+    """torch's ``split``: pieces of ``split_size`` along ``dim`` (the last smaller), or of the
+    sizes in a list; each piece differentiable."""
+    (axis,) = normalize_axes(dim, x.ndim, "split")
+    length = x.shape[axis]
+    if isinstance(split_size, (list, tuple)):
+        sizes = [_int("split", "a split size", size) for size in split_size]
+        if sum(sizes) != length or any(size < 0 for size in sizes):
+            raise ValueError(f"split: the sizes {list(sizes)} must be >= 0 and sum to the "
+                             f"length {length} of dim {dim} (shape {tuple(x.shape)})")
+    else:
+        size = _int("split", "split_size", split_size)
+        if size <= 0:
+            raise ValueError(f"split: split_size must be positive, got {size}")
+        sizes = [min(size, length - start) for start in range(0, length, size)] or [0]
+    pieces, start = [], 0
+    for size in sizes:
+        key = (slice(None),) * axis + (slice(start, start + size),)
+        pieces.append(F.index(x, key))
+        start += size
+    return tuple(pieces)
+
+
+def chunk(x, chunks, dim=-1):
+    """torch's ``chunk``: ``chunks`` pieces along ``dim`` of ``ceil(length / chunks)`` each
+    (fewer pieces when the length runs out, as torch)."""
+    chunks = _int("chunk", "chunks", chunks)
+    if chunks <= 0:
+        raise ValueError(f"chunk: chunks must be positive, got {chunks}")
+    (axis,) = normalize_axes(dim, x.ndim, "chunk")
+    length = x.shape[axis]
+    return split(x, max(-(-length // chunks), 1), dim=axis)
+
+
+# ------------------------------------------------------------------ extrema
+
+def maximum(a, b):
+    """The elementwise larger of ``a`` and ``b`` broadcast together (NaN propagates; a tie
+    splits the gradient in half, as torch's)."""
+    return apply(Maximum, *F._tensor_pair("maximum", a, b))
+
+
+def minimum(a, b):
+    """The elementwise smaller of ``a`` and ``b`` (see ``maximum``)."""
+    return apply(Minimum, *F._tensor_pair("minimum", a, b))
+
+
+MaxResult = collections.namedtuple("max", ["values", "indices"])
+MinResult = collections.namedtuple("min", ["values", "indices"])
+TopKResult = collections.namedtuple("topk", ["values", "indices"])
+
+
+def _along_last(x, axis):
+    """``x`` with ``axis`` swapped with the last (itself when it is the last)."""
+    return x if axis == x.ndim - 1 else F.transpose(x, axis, x.ndim - 1)
+
+
+def _extremum_along(name, x, dim, keepdim, arg):
+    (axis,) = normalize_axes(dim, x.ndim, name)
+    moved = _along_last(x, axis)
+    positions = arg(moved, axis=-1, keepdims=True)
+    values = _along_last(apply(TakeAlongRows, moved, positions.data), axis)
+    if not keepdim:
+        values = F.squeeze(values, axis)
+    result = MaxResult if name == "max" else MinResult
+    return result(values, arg(x, axis=axis, keepdims=keepdim))
+
+
+def max_along(x, dim, keepdim=False):
+    """torch's ``x.max(dim)``: the named tuple ``(values, indices)`` of the first maximum
+    along ``dim``; the gradient goes to that element."""
+    return _extremum_along("max", x, dim, keepdim, F.argmax)
+
+
+def min_along(x, dim, keepdim=False):
+    """torch's ``x.min(dim)``: ``(values, indices)`` of the first minimum along ``dim``."""
+    return _extremum_along("min", x, dim, keepdim, F.argmin)
+
+
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    """torch's ``topk``: the named tuple ``(values, indices)`` of the ``k`` largest (or
+    smallest) elements along ``dim``, in order (ties: the lower position first; NaN is the
+    largest); differentiable in the values."""
+    k = _int("topk", "k", k)
+    (axis,) = normalize_axes(dim, x.ndim, "topk") if x.ndim else (0,)
+    moved = _along_last(x, axis) if x.ndim else x
+    positions = F._untracked(TopK, moved, k=k, largest=bool(largest))
+    values = apply(TakeAlongRows, moved, positions.data) if x.ndim else moved
+    if x.ndim and axis != x.ndim - 1:   # positions go back through float64 (exact below 2**53)
+        values = _along_last(values, axis)
+        positions = F.astype(_along_last(F.astype(positions, np.float64), axis), np.int64)
+    return TopKResult(values, positions)
+
+
+def multinomial(probs, num_samples, replacement=False, seed=None):
+    """torch's ``multinomial``: ``num_samples`` category positions (int64) drawn from each
+    row of the non-negative weights ``probs`` ((n,) or (rows, n)), without replacement
+    unless ``replacement``; ``seed`` (an int) makes the draw repeatable, else it comes from
+    the engine's generator (``engine.manual_seed``)."""
+    num_samples = _int("multinomial", "num_samples", num_samples)
+    if seed is None:
+        seed = int(generator().integers(SEED_LIMIT))
+    seed = seed_array(seed, probs.device)
+    return F._untracked(Multinomial, probs, seed, samples=num_samples,
+                        replacement=bool(replacement))
+
+
+def _int(name, what, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: {what} must be an int, got {value!r}")
+    return int(value)
+
+
+def extremum_method(name, x, args, kwargs):
+    """``x.max(...)`` / ``x.min(...)`` as torch and NumPy read their arguments (see
+    ``Tensor.max``)."""
+    reduce_values, along, pairwise = ((F.max, max_along, maximum) if name == "max"
+                                      else (F.min, min_along, minimum))
+    if args and not isinstance(args[0], (int, np.integer, tuple, list, type(None))):
+        if len(args) > 1 or kwargs:
+            raise TypeError(f"{name}: x.{name}(other) takes no more arguments")
+        return pairwise(x, args[0])   # torch's x.max(other)
+    if "axis" in kwargs or "keepdims" in kwargs or (args and isinstance(args[0], (tuple,
+                                                                                   list))):
+        return reduce_values(x, *args, **kwargs)   # NumPy's: the values
+    unknown = set(kwargs) - {"dim", "keepdim"}
+    if unknown or len(args) > 2 or (args and "dim" in kwargs):
+        raise TypeError(f"{name}: expected x.{name}(dim, keepdim=False), x.{name}(axis=..., "
+                        f"keepdims=...) or x.{name}(other), got {len(args)} positional "
+                        f"arguments and {sorted(kwargs)}")
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    if dim is None:
+        return reduce_values(x)
+    return along(x, dim, bool(keepdim))
