@@ -15,11 +15,15 @@ import numpy as np
 from engine import functional as F
 from engine.autograd import Value, apply
 from engine.random import generator
-from ops.dropout import SEED_LIMIT, seed_array
+from ops.attention import AttentionOp
+from ops.dropout import SEED_LIMIT, new_seed_state, next_mask_seed, seed_array
 from ops.embedding import EmbeddingOp
+from ops.fill import fill
 from ops.layout import normalize_axes
+from ops.memory import empty
 from ops.multinomial import Multinomial
 from ops.pairwise_extremum import Maximum, Minimum
+from ops.step_counter import new_counter
 from ops.topk import TakeAlongRows, TopK
 from ops.triangle import Triangle
 from ops.layer_norm import HAS_BIAS, HAS_WEIGHT, LayerNormOp
@@ -233,3 +237,90 @@ def extremum_method(name, x, args, kwargs):
     if dim is None:
         return reduce_values(x)
     return along(x, dim, bool(keepdim))
+
+
+# ------------------------------------------------------------------ attention
+
+_dropout_seed_states = {}   # device -> the seed state of the functional attention's dropout
+_no_seeds = {}              # device -> the one-element array a call without dropout passes
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None):
+    """torch's ``F.scaled_dot_product_attention``: ``softmax(q kᵀ · scale + mask) v`` over q
+    (..., Tq, d), k (..., Tk, d), v (..., Tk, dv) with the same leading dims ((N, H) or
+    (N,)). ``attn_mask``: a bool mask (True takes part) or a float mask added to the scores,
+    broadcastable to (..., Tq, Tk); ``is_causal``: query i sees keys j <= i; ``dropout_p``:
+    dropout on the attention weights (drawn from the device seed, as nn.Dropout);
+    ``scale``: default ``1 / sqrt(d)``. One fused kernel per direction on CUDA."""
+    name = "scaled_dot_product_attention"
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Value):
+            raise TypeError(f"{name}: {label} must be an engine Tensor, got {type(t).__name__}")
+        if t.ndim < 2:
+            raise ValueError(f"{name}: {label} needs 2 or more dims (..., T, head dim), got "
+                             f"shape {t.shape}")
+    lead = q.shape[:-2]
+    if k.shape[:-2] != lead or v.shape[:-2] != lead or k.shape[-1] != q.shape[-1] \
+            or v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"{name}: expects q (..., Tq, d), k (..., Tk, d) and v (..., Tk, dv) "
+                         f"with the same leading dims, got {q.shape}, {k.shape}, {v.shape}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"{name}: give attn_mask or is_causal=True, not both (a causal mask "
+                         "and another one: combine them into attn_mask)")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    tq, tk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    bh = int(np.prod(lead)) if lead else 1
+    mask, strides = _attention_mask(name, q, attn_mask, lead, tq, tk)
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    seed = _attention_seed(q.device, dropout_p)
+    out = apply(AttentionOp, F.reshape(q, (bh, tq, d)), F.reshape(k, (bh, tk, d)),
+                F.reshape(v, (bh, tk, dv)), mask, seed, scale=scale, causal=bool(is_causal),
+                mask_strides=strides, dropout_p=float(dropout_p))
+    return F.reshape(out, lead + (tq, dv))
+
+
+def _attention_mask(name, q, attn_mask, lead, tq, tk):
+    """The additive float mask (an array in q's dtype) and its (slice, query, key) strides."""
+    if attn_mask is None:
+        return empty((0,), q.dtype, q.device), (0, 0, 0)
+    if not isinstance(attn_mask, Value):
+        attn_mask = q._operand(attn_mask, dtype=np.asarray(attn_mask).dtype)
+    shape = tuple(attn_mask.shape)
+    target = lead + (tq, tk)
+    try:
+        fits = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}: attn_mask of shape {shape} does not broadcast to the "
+                         f"scores' shape {target} (..., Tq, Tk)")
+    if attn_mask.dtype == np.bool_:
+        attn_mask = F.where(attn_mask, 0.0, -np.inf)
+        attn_mask = F.astype(attn_mask, q.dtype) if attn_mask.dtype != q.dtype else attn_mask
+    elif attn_mask.dtype != q.dtype:
+        attn_mask = F.astype(attn_mask, q.dtype)
+    shape = (1,) * (len(target) - len(shape)) + tuple(attn_mask.shape)
+    mask_lead, (rows, cols) = shape[:-2], shape[-2:]
+    if any(size != 1 for size in mask_lead) and mask_lead != lead:
+        # some leading dims broadcast, some not: spread over all of them
+        attn_mask = F.add(attn_mask, q._wrap(fill(empty(lead + (1, 1), q.dtype, q.device), 0)))
+        mask_lead = lead
+    slice_stride = rows * cols if mask_lead == lead and any(s != 1 for s in lead) else 0
+    data = attn_mask.detach().data
+    return data, (slice_stride, cols if rows != 1 else 0, 1 if cols != 1 else 0)
+
+
+def _attention_seed(device, dropout_p):
+    """The call's dropout seed (a one-element device array): the next of this device's seed
+    state, drawn on the device; without dropout a fixed array nobody reads."""
+    if dropout_p == 0:
+        if device not in _no_seeds:
+            _no_seeds[device] = new_counter(device)
+        return _no_seeds[device]
+    if device not in _dropout_seed_states:
+        _dropout_seed_states[device] = new_seed_state(int(generator().integers(SEED_LIMIT)),
+                                                      device)
+    return next_mask_seed(*_dropout_seed_states[device])
