@@ -27,7 +27,7 @@ from engine.nn.layers import (ACTIVATIONS, Activation, AvgPool2D, BatchNorm, Den
                               Dropout, Flatten, Layer, MaxPool2D, Normalization, Rescaling,
                               Reshape, batch_shape)
 from engine.nn.model import LAYERS, Sequential, load, register  # noqa: F401
-from engine.nn.sequence import Embedding, LayerNorm  # noqa: F401
+from engine.nn.sequence import Embedding, LayerNorm, MultiHeadAttention  # noqa: F401
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
 
