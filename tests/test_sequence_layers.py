@@ -134,3 +134,23 @@ def test_captured_attention_step_equals_eager(device, dropout):
         results.append((losses, [np.array(v).tobytes() for v in model.state_dict().values()]))
     assert results[0] == results[1]
     assert step.replayed >= 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_embedding_and_layer_norm_export_to_onnx_and_load_back(tmp_path, dtype):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    engine.manual_seed(0)
+    model = nn.Sequential([nn.Embedding(9, 4, input_shape=(5,)), nn.LayerNorm(eps=1e-3),
+                           nn.Flatten(), nn.Dense(3)]).to(dtype)
+    ids = np.random.default_rng(0).integers(0, 9, (2, 5))
+    model.eval()
+    expected = model(engine.tensor(ids)).numpy()   # predict() casts its input to floats
+    model.export_onnx(tmp_path / "m.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    (got,) = session.run(None, {"input": ids})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    loaded = nn.load(tmp_path / "m.onnx")
+    assert [type(layer).__name__ for layer in loaded.layers] == ["Embedding", "LayerNorm",
+                                                                 "Flatten", "Dense"]
+    np.testing.assert_allclose(np.asarray(loaded(engine.tensor(ids)).numpy()), expected,
+                               rtol=1e-6, atol=1e-6)
