@@ -236,6 +236,8 @@ def extremum_method(name, x, args, kwargs):
     keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
     if dim is None:
         return reduce_values(x)
+    if isinstance(dim, (tuple, list)):   # several dims: the values (torch's amax/amin)
+        return reduce_values(x, axis=tuple(dim), keepdims=bool(keepdim))
     return along(x, dim, bool(keepdim))
 
 
