@@ -16,9 +16,10 @@ explicit ``pads``, so "same" with an even kernel keeps its extra row at the bott
 activation, ``MaxPool2D`` a ``MaxPool``, ``AvgPool2D`` an ``AveragePool`` counting the
 padded zeros, ``BatchNorm`` a ``BatchNormalization`` on its running statistics (eval
 mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension, ``Rescaling`` a ``Mul`` (and
-an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``, ``Embedding`` a ``Gather`` of the table's rows
-(the graph's input then int64 token ids), ``LayerNorm`` a ``LayerNormalization`` over the
-last axis (opset 17 on); the importer reads those two back. A model that starts
+an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``, ``Embedding`` a
+``Gather`` of the table's rows (the graph's input then int64 token ids), ``LayerNorm`` a
+``LayerNormalization`` over the last axis (opset 17 on); the importer reads those two back.
+A model that starts
 with ``Rescaling`` takes ``uint8`` input (raw images, as ``python -m engine.train``'s models
 do), cast by a first ``Cast`` node. A layer without an
 exporter here is a ValueError naming it.

@@ -17,8 +17,9 @@ Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matr
 The CPU walks query tiles of ``CPU_TILE`` rows, all slices at once: the products are NumPy's
 batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores in memory); the
 softmax is two ``@njit`` row passes around NumPy's vector exp (row sums in float64), the
-second also drawing the dropout factors. dK and dV add the tiles in order, so results repeat bit for bit. A row whose
-every key is masked gives NaN, as torch.
+second also drawing the dropout factors. dK and dV add the tiles in order, so results repeat
+bit for bit. A row whose every key is masked gives NaN, as torch. The mask gets no gradient
+(the CUDA kernels never hold dS whole).
 """
 import numpy as np
 from numba import njit

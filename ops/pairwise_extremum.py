@@ -2,8 +2,9 @@
 broadcast together, NaN propagating (torch's ``maximum``/``minimum``, NumPy's too).
 
 The gradient goes to the operand that was chosen; where the two are equal it is split in
-half between them, and where one is NaN both get it, as torch does. The backward kernel writes both operands' gradients at the
-output's shape, then a fixed-order sum undoes broadcasting (``ops.reduce.sum_to_shape``).
+half between them, and where one is NaN both get it, as torch does. The backward kernel
+writes both operands' gradients at the output's shape, then a fixed-order sum undoes
+broadcasting (``ops.reduce.sum_to_shape``).
 """
 import math
 

@@ -85,7 +85,8 @@ def test_parameter_gradients_repeat_bit_for_bit(device):
 def test_bad_shapes_name_the_op_and_the_shapes():
     x = engine.tensor(np.ones((2, 3)), dtype=np.float32)
     with pytest.raises(ValueError, match=r"layer_norm: normalized_shape \(4,\) must be the "
-                                         r"trailing dims of the input, got input of shape \(2, 3\)"):
+                                         r"trailing dims of the input, got input of shape "
+                                         r"\(2, 3\)"):
         engine.layer_norm(x, 4)
     with pytest.raises(ValueError, match=r"layer_norm: weight of shape \(2,\) must have the "
                                          r"normalized_shape \(3,\)"):
