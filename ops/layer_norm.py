@@ -12,8 +12,9 @@ second pass writes y. On CUDA a row gets a group of a block's threads as softmax
 
 Backward, from ``g = grad_out`` and ``x̂ = (x - mean) · rstd``:
 - ``dx = rstd · (g·w - mean(g·w) - x̂ · mean(g·w · x̂))``: one kernel, a row per group;
-- ``dweight = Σ_rows g · x̂`` and ``dbias = Σ_rows g``: one kernel, a thread per column walking
-  the rows in order (no atomics: the same bits every run).
+- ``dweight = Σ_rows g · x̂`` and ``dbias = Σ_rows g``: partial sums over chunks of
+  ``PARAM_CHUNK`` rows (a thread per chunk and column), then a thread per column adding its
+  chunks in order: no atomics, and the same order on both devices (float64 sums).
 """
 import math
 
@@ -27,6 +28,7 @@ from ops.launch import CPU_KERNEL, Kernel
 from ops.layout import flat
 from ops.registry import Op, register
 from ops.softmax import row_group
+from ops.twin import twin
 
 HAS_WEIGHT, HAS_BIAS = 1, 2
 STATS_DTYPE = np.float64
@@ -181,48 +183,74 @@ def layer_norm_grad_cuda(x, weight, mean, rstd, grad_out, grad_x, rows, n, affin
         grad_x[base + k] = row_rstd * (gw - total - xhat * total_xhat)
 
 
-def _params_grad(j, x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n, which):
-    """Column ``j``'s weight and bias gradients, the rows summed in order (float64)."""
+PARAM_CHUNK = 32   # rows summed into one partial of dweight/dbias (both devices alike)
+
+
+def _partial_sums(c, j, x, mean, rstd, grad_out, partials, rows, n):
+    """Chunk ``c``'s rows of column ``j``, in order, into ``partials[0|1, c, j]`` (Σ g·x̂ and
+    Σ g, float64)."""
     total_xhat = 0.0
     total = 0.0
-    for r in range(rows):
+    for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
         g = float(grad_out[r * n + j])
         total += g
         total_xhat += g * (x[r * n + j] - mean[r]) * rstd[r]
+    partials[0, c, j] = total_xhat
+    partials[1, c, j] = total
+
+
+def _fold(j, partials, grad_weight, grad_bias, which):
+    """Column ``j``'s gradients: its chunks' partials summed in chunk order."""
+    total_xhat = 0.0
+    total = 0.0
+    for c in range(partials.shape[1]):
+        total_xhat += partials[0, c, j]
+        total += partials[1, c, j]
     if which & HAS_WEIGHT:
         grad_weight[j] = total_xhat
     if which & HAS_BIAS:
         grad_bias[j] = total
 
 
-_params_grad_cuda = cuda.jit(device=True)(_params_grad)
+_partial_sums_cpu, _partial_sums_cuda = twin(_partial_sums)
+_fold_cpu, _fold_cuda = twin(_fold)
 
 
-@njit(**CPU_KERNEL)
-def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n,
-                               which):
-    # rows outer for the cache; each column still sums its rows in order, as on CUDA
-    totals = np.zeros(n, np.float64)
-    totals_xhat = np.zeros(n, np.float64)
-    for r in range(rows):
-        base = r * n
+@njit(**CPU_KERNEL, error_model="numpy")
+def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, partials, grad_weight, grad_bias,
+                               rows, n, which):
+    for c in range(partials.shape[1]):
         for j in range(n):
-            g = float(grad_out[base + j])
-            totals[j] += g
-            totals_xhat[j] += g * (x[base + j] - mean[r]) * rstd[r]
+            _partial_sums_cpu(c, j, x, mean, rstd, grad_out, partials, rows, n)
     for j in range(n):
-        if which & HAS_WEIGHT:
-            grad_weight[j] = totals_xhat[j]
-        if which & HAS_BIAS:
-            grad_bias[j] = totals[j]
+        _fold_cpu(j, partials, grad_weight, grad_bias, which)
 
 
 @cuda.jit(cache=True)
-def layer_norm_params_grad_cuda(x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n,
-                                which):
+def layer_norm_partial_sums_cuda(x, mean, rstd, grad_out, partials, grad_weight, grad_bias,
+                                 rows, n, which):
+    t = cuda.grid(1)   # a thread per (chunk, column): neighbours read neighbouring columns
+    if t < partials.shape[1] * n:
+        _partial_sums_cuda(t // n, t % n, x, mean, rstd, grad_out, partials, rows, n)
+
+
+@cuda.jit(cache=True)
+def layer_norm_fold_cuda(x, mean, rstd, grad_out, partials, grad_weight, grad_bias, rows, n,
+                         which):
     j = cuda.grid(1)
     if j < n:
-        _params_grad_cuda(j, x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n, which)
+        _fold_cuda(j, partials, grad_weight, grad_bias, which)
+
+
+def _params_plan(args):
+    """dweight/dbias in two launches: the chunks' partials (chunks x n threads: 512 x 384
+    for 16384 rows of 384, where a thread per column walking every row kept 384 threads
+    busy), then a thread per column folding them in order."""
+    partials, n = args[4], args[8]
+    threads = 256
+    return ((layer_norm_partial_sums_cuda, -(-partials.shape[1] * n // threads), threads,
+             args),
+            (layer_norm_fold_cuda, -(-n // threads), threads, args))
 
 
 def _row_plan(kernel):
@@ -238,7 +266,7 @@ LAYER_NORM = Kernel("layer_norm", layer_norm_cpu, cuda_plan=_row_plan(layer_norm
 LAYER_NORM_GRAD = Kernel("layer_norm_grad", layer_norm_grad_cpu,
                          cuda_plan=_row_plan(layer_norm_grad_cuda))
 LAYER_NORM_PARAMS_GRAD = Kernel("layer_norm_params_grad", layer_norm_params_grad_cpu,
-                                layer_norm_params_grad_cuda, lambda *args: args[7])
+                                cuda_plan=_params_plan)
 
 
 @register
@@ -289,8 +317,9 @@ class LayerNormOp(Op):
             shape = tuple(self.params["normalized_shape"])
             slots = [Out(shape, x.dtype) if which & flag else Out((0,), x.dtype)
                      for flag in (HAS_WEIGHT, HAS_BIAS)]
+            chunks = -(-rows // PARAM_CHUNK)
             run(LAYER_NORM_PARAMS_GRAD, flat(x), self.mean, self.rstd, flat(grad_out),
-                *slots, rows, n, which)
+                Out((2, chunks, n), STATS_DTYPE, flat=False), *slots, rows, n, which)
             grad_w = slots[0].array if which & HAS_WEIGHT else None
             grad_b = slots[1].array if which & HAS_BIAS else None
         return grad_x, grad_w, grad_b
