@@ -9,9 +9,10 @@ devices, so the same inputs give the same bits on the CPU and on CUDA. On CUDA e
 owns one row of the weight's gradient (and a tile of its columns) and scans the ids in
 order, a tile at a time: its threads test a tile of ids against the row into shared memory,
 then each thread adds the matching rows of ``grad_out`` to its column. Every block reads all
-ids (num_embeddings x N reads, from the cache), which costs less than a sort for the
-vocabularies here (65 characters: 0.01 ms); a 50k-token vocabulary would want the ids sorted
-first. The CPU walks the ids once into a float64 table. The ``padding_idx`` row gets a zero
+ids (num_embeddings x N reads, mostly from the cache): little for a character vocabulary
+(65), a lot for a 50k-token one, which wants the ids sorted first (counting sort, then a
+block per present id); not yet measured on a GPU. The CPU walks the ids once into a float64
+table. The ``padding_idx`` row gets a zero
 gradient, as in torch.
 
 Bad ids. An id below 0 or at least num_embeddings is an IndexError naming the op, the id,
