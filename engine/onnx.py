@@ -16,7 +16,10 @@ explicit ``pads``, so "same" with an even kernel keeps its extra row at the bott
 activation, ``MaxPool2D`` a ``MaxPool``, ``AvgPool2D`` an ``AveragePool`` counting the
 padded zeros, ``BatchNorm`` a ``BatchNormalization`` on its running statistics (eval
 mode), ``Reshape`` a ``Reshape`` that keeps the batch dimension, ``Rescaling`` a ``Mul`` (and
-an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``. A model that starts
+an ``Add`` for an offset), ``Normalization`` a ``Sub`` and a ``Div``, ``Embedding`` a
+``Gather`` of the table's rows (the graph's input then int64 token ids), ``LayerNorm`` a
+``LayerNormalization`` over the last axis (opset 17 on); the importer reads those two back.
+A model that starts
 with ``Rescaling`` takes ``uint8`` input (raw images, as ``python -m engine.train``'s models
 do), cast by a first ``Cast`` node. A layer without an
 exporter here is a ValueError naming it.
@@ -176,11 +179,29 @@ def _normalization(graph, layer):   # Keras's floor on the standard deviation, a
     graph.node("Div", layer.name, (graph.weight(f"{layer.name}.std", std),))
 
 
+def _embedding(graph, layer):   # Gather's data is the table, its indices the chain's value
+    table = graph.weight(f"{layer.name}.weight", layer.weight.numpy())
+    output = f"{layer.name}/Gather"
+    graph.nodes.append(graph.onnx.helper.make_node("Gather", [table, graph.value], [output],
+                                                   name=output, axis=0))
+    graph.value = output
+
+
+def _layer_norm(graph, layer):   # ONNX's LayerNormalization: opset 17 on
+    if graph.opset < 17:
+        raise ValueError(f"engine.onnx.export: layer '{layer.name}' (LayerNorm) needs opset 17 "
+                         f"or later (LayerNormalization), got {graph.opset}")
+    graph.node("LayerNormalization", layer.name,
+               [graph.weight(f"{layer.name}.{entry}", getattr(layer, entry).numpy())
+                for entry in ("weight", "bias")], axis=-1, epsilon=layer.eps)
+
+
 EXPORTERS = {"Dense": _dense, "Activation": lambda graph, layer: graph.activation(layer),
              "Rescaling": _rescaling, "Normalization": _normalization, "Flatten": _flatten,
              "Dropout": _dropout, "Conv1D": _conv, "Conv2D": _conv,
              "MaxPool2D": _pool("MaxPool"), "AvgPool2D": _pool("AveragePool", count_include_pad=1),
-             "BatchNorm": _batch_norm, "Reshape": _reshape}
+             "BatchNorm": _batch_norm, "Reshape": _reshape, "Embedding": _embedding,
+             "LayerNorm": _layer_norm}
 
 
 def _check_model(model):
@@ -240,7 +261,9 @@ def to_onnx(model, opset=None, normalize=None):
     dtype = _check_model(model)
     # a model that starts with Rescaling takes raw images: uint8 in, as nn.load's model does
     raw = type(model.layers[0]).__name__ == "Rescaling" and normalize is None
-    graph = _OnnxGraphBuilder(onnx, np.uint8 if raw else dtype, dtype, opset)
+    ids = type(model.layers[0]).__name__ == "Embedding"   # token ids in: int64
+    graph = _OnnxGraphBuilder(onnx, np.uint8 if raw else np.int64 if ids else dtype, dtype,
+                              opset)
     if normalize is not None:
         _standardise(graph, normalize, dtype, model.input_shape)
     for layer in model.layers:
@@ -672,12 +695,36 @@ def _import_dropout(reader, node, layers, shape, dtype):
     return sequential.layer("Dropout", {"p": _short(ratio)})
 
 
+def _import_gather(reader, node, layers, shape, dtype):
+    if layers or reader.attributes(node).get("axis", 0) != 0 or node.input[0] not in \
+            reader.initializers:
+        raise reader.fail(node, "only a first Gather of rows (axis 0) of a stored table, "
+                                "indexed by the input's ids, is an Embedding")
+    table = reader.value(node.input[0], node)
+    return sequential.layer("Embedding", {"num_embeddings": int(table.shape[0]),
+                                          "embedding_dim": int(table.shape[1])}, weight=table)
+
+
+def _import_layer_norm(reader, node, layers, shape, dtype):
+    a = reader.attributes(node)
+    if a.get("axis", -1) not in (-1, len(shape)) or len(node.input) < 2:
+        raise reader.fail(node, f"normalises from axis {a.get('axis')} of a "
+                                f"{len(shape) + 1}-D value; the engine's LayerNorm takes the "
+                                "last axis, with a scale")
+    scale = reader.value(node.input[1], node)
+    bias = (reader.value(node.input[2], node) if len(node.input) > 2 and node.input[2]
+            else np.zeros_like(scale))
+    return sequential.layer("LayerNorm", {"eps": _short(a.get("epsilon", 1e-5))},
+                            weight=scale, bias=bias)
+
+
 IMPORTERS = {"Gemm": _import_gemm, "MatMul": _import_matmul, "Add": _import_add,
              "Conv": _import_conv, "MaxPool": _import_pool("MaxPool2D"),
              "AveragePool": _import_pool("AvgPool2D"), "BatchNormalization": _import_batch_norm,
              "Flatten": _import_flatten, "Reshape": _import_reshape, "Dropout": _import_dropout,
              "Identity": lambda *args: None, "Cast": _import_cast, "Mul": _import_mul,
-             "Sub": _import_sub, "Div": _import_div,
+             "Sub": _import_sub, "Div": _import_div, "Gather": _import_gather,
+             "LayerNormalization": _import_layer_norm,
              **{operator: _import_activation for operator in OPERATOR_ACTIVATIONS}}
 def _chain(reader):
     """The graph's nodes from its one input to its one output, each feeding the next; a
@@ -774,6 +821,8 @@ def _layers(reader, proto):
     if dtype.kind in "iu" and chain and chain[0].op_type == "Cast":   # raw images, cast first
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
             reader.attributes(chain[0])["to"]))
+    if dtype.kind in "iu" and chain and chain[0].op_type == "Gather":   # token ids in
+        dtype = np.dtype(reader.value(chain[0].input[0], chain[0]).dtype)
     if dtype not in FLOAT_TYPES:
         raise reader.fail(None, f"input {graph_input.name!r} is {dtype}; the engine's models "
                                 "take float32 or float64")

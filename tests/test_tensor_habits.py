@@ -376,7 +376,7 @@ def test_dim_and_keepdim_are_torch_names_for_axis_and_keepdims(device):
     x = engine.tensor(np.arange(6.0).reshape(2, 3), device=device)
     assert x.sum(dim=1).numpy().tolist() == [3, 12]
     assert x.mean(dim=-1, keepdim=True).shape == (2, 1)
-    assert x.max(dim=0).numpy().tolist() == [3, 4, 5]
+    assert x.max(dim=0).values.numpy().tolist() == [3, 4, 5]   # torch: (values, indices)
     np.testing.assert_allclose(x.softmax(dim=0).numpy().sum(axis=0), [1, 1, 1], rtol=1e-6)
     assert engine.cat([x, x], dim=1).shape == (2, 6) and x.squeeze(dim=0).shape == (2, 3)
     for call in (lambda: x.sum(axis=0, dim=0), lambda: x.softmax(axis=0, dim=0),
