@@ -47,6 +47,7 @@ import weakref
 import numpy as np
 
 from engine.autograd import enable_grad
+from engine.parameter import Parameter
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
 from ops.device import copy_into, device_of, to_device, to_host
@@ -112,7 +113,8 @@ class Optimizer:
             if not isinstance(p, Tensor):
                 raise TypeError(f"{self._name}: parameter {position} is a {type(p).__name__}, "
                                 "not an engine Tensor")
-            if not p.requires_grad or not p.is_leaf:
+            # a frozen Parameter may join (torch's rule): it is skipped while frozen
+            if not (p.requires_grad or isinstance(p, Parameter)) or not p.is_leaf:
                 raise ValueError(f"{self._name}: parameter {position} (shape {p.shape}) must be a "
                                  "leaf tensor with requires_grad=True")
         if len({id(p) for p in params}) != len(params):
@@ -180,7 +182,7 @@ class Optimizer:
         params = group["params"]
         names = self._state_names(group)
         buffer = whole_flat_buffer(params)
-        if (buffer is not None and buffer.grads_valid()
+        if (buffer is not None and buffer.grads_valid() and all(p.requires_grad for p in params)
                 and all(self._unit_of.get(p, buffer) is buffer for p in params)):
             with unrecorded():   # state set-up runs once: a replay must not repeat it
                 storage = self._flat_storage(group, buffer)
@@ -189,7 +191,7 @@ class Optimizer:
                 return
         for p in params:
             grad = p.grad
-            if grad is None:
+            if grad is None or not p.requires_grad:   # frozen: never moved, decay or not
                 continue
             if grad.dtype != p.dtype or grad.device != p.device:
                 raise TypeError(f"{self._name}: the gradient of a {p.dtype} {p.device} parameter "

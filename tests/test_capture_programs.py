@@ -2,7 +2,8 @@
 captured from the same seed, must give the same losses, errors, weights and optimizer state
 bit for bit (or the captured one runs eagerly and says why).
 
-A program draws a model (Dense stacks, Dropout, BatchNorm), an optimizer and its options, a
+A program draws a model (Dense stacks, Dropout, BatchNorm; or an ``nn.Model`` of residual
+blocks in an ``nn.LayerList``, frozen through ``trainable`` on a nested block), an optimizer and its options, a
 schedule, clipping, a warm-up count, and a list of calls with events between them: partial
 batches, freezing and unfreezing a layer, train/eval switches, a learning rate written by
 hand, a call with a bad label, a call that raises before ``opt.step()``. Some programs read
@@ -43,6 +44,8 @@ def _program(seed):
         "host_read": rng.random() < 0.15,
         "calls": [],
     }
+    # drawn apart, so the programs of earlier seeds stay what they were
+    program["residual"] = bool(layers) and random.Random(seed + 7919).random() < 0.5
     frozen = False
     for call in range(rng.randint(7, 13)):
         events = set()
@@ -75,8 +78,40 @@ def _optimizer(program, params):
                      dampening=0.3 if kind == "dampened" else 0.0, weight_decay=decay)
 
 
+class _Block(nn.Layer):
+    """``x + outer(inner(x))``, BatchNorm and Dropout between when the program has them."""
+
+    def __init__(self, width, program):
+        super().__init__()
+        self.inner = nn.Dense(width, activation="relu")
+        self.between = nn.Sequential([nn.BatchNorm()] * program["batchnorm"]
+                                     + [nn.Dropout(0.3)] * program["dropout"])
+        self.outer = nn.Dense(width)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return x + self.outer(self.between(h) if self.between.layers else h)
+
+
+class _Residual(nn.Model):
+    def __init__(self, program):
+        super().__init__()
+        width = program["layers"][0]
+        self.stem = nn.Dense(width)
+        self.blocks = nn.LayerList([_Block(width, program) for _ in program["layers"]])
+        self.head = nn.Dense(CLASSES)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def _run(program, device, captured, seed):
     engine.manual_seed(seed)
+    if program["residual"]:
+        return _run_model(program, device, captured, seed, _Residual(program))
     layers = [nn.Flatten(input_shape=(FEATURES,))]
     for width in program["layers"]:
         layers.append(nn.Dense(width, activation="relu"))
@@ -85,7 +120,12 @@ def _run(program, device, captured, seed):
         if program["dropout"]:
             layers.append(nn.Dropout(0.3))
     layers.append(nn.Dense(CLASSES))
-    model = nn.Sequential(layers).to(device)
+    return _run_model(program, device, captured, seed, nn.Sequential(layers))
+
+
+def _run_model(program, device, captured, seed, model):
+    model = model.to(device)
+    model.build((FEATURES,))
     opt = _optimizer(program, model.parameters())
     schedule = {None: None,
                 "step": lambda: optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
@@ -114,7 +154,8 @@ def _run(program, device, captured, seed):
     if captured:
         step = engine.capture(step, warmup=program["warmup"])
     rng = np.random.default_rng(seed)
-    first_dense = next(layer for layer in model.layers if isinstance(layer, nn.Dense))
+    frozen = (model.blocks[0] if program["residual"] else
+              next(layer for layer in model.layers if isinstance(layer, nn.Dense)))
     outcomes = []
     for rows, events in program["calls"]:
         x = rng.standard_normal((rows, FEATURES))
@@ -122,8 +163,7 @@ def _run(program, device, captured, seed):
         if "bad_label" in events:
             y[rows // 2] = CLASSES + 4
         if "freeze" in events or "unfreeze" in events:
-            for p in first_dense.named_parameters():
-                p[1].requires_grad = "unfreeze" in events
+            frozen.trainable = "unfreeze" in events   # a nested block of a residual model
         if "eval" in events:
             model.eval()
         if "train" in events:
@@ -191,6 +231,9 @@ def test_the_random_programs_reach_every_event():
                                                   "adam", "adamw"}
     assert any(p["host_read"] for p in programs) and any(p["warmup"] == 0 for p in programs)
     assert {p["clip"] for p in programs} == {None, "norm", "value"}
+    residual = [p for p in programs if p["residual"]]
+    assert any("freeze" in e for p in residual for _, e in p["calls"])
+    assert any(p["dropout"] for p in residual) and any(p["batchnorm"] for p in residual)
 
 
 @pytest.mark.cuda

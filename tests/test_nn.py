@@ -188,9 +188,8 @@ def test_add_rejects_a_layer_that_cannot_take_the_previous_shape():
     assert "layer 2 'dense_1' Dense(units=3" in message and "(None, 5)" in message
     assert "layer 1 'dense' Dense(units=4" in message and "(None, 4)" in message
     assert len(model.layers) == 2 and model.output_shape == (4,)   # the model is unchanged
-    with pytest.raises(ValueError, match=r"layer 0 'dense' Dense\(units=4.*cannot take the model "
-                                         r"input \(None, 2, 3\).*add nn.Flatten\(\)"):
-        nn.Sequential([nn.Dense(4, input_shape=(2, 3))])
+    # Dense takes the last axis of any rank, as torch's Linear and Keras's Dense
+    assert nn.Sequential([nn.Dense(4, input_shape=(2, 3))]).output_shape == (2, 4)
 
 
 def test_bad_layers_and_arguments():

@@ -23,6 +23,10 @@ does, wherever that root lives. And ONE optimizer owns every parameter:
 Arrays cross without a copy: ``to_torch`` and ``from_torch`` share memory (``torch.from_numpy``
 or the CUDA Array Interface one way, ``engine.from_dlpack`` the other).
 
+``copy_from_module(model, module)`` and ``copy_to_module(model, module)`` copy the weights
+between an engine model and a torch module tree of the same structure (a ported
+``nn.Module`` class), the layers that hold weights paired in order.
+
 ``from_sequential(torch_sequential, input_shape)`` and ``to_sequential(model)`` convert whole
 models instead, weights copied: a ``torch.nn.Sequential`` of the modules in
 ``TORCH_MODULES`` becomes the engine ``nn.Sequential`` that computes the same function (in
@@ -538,3 +542,90 @@ def to_sequential(model):
         modules += _to_modules(layer, shape, own, dtype)
         shape = layer.output_shape
     return torch.nn.Sequential(*modules).train(model.training)
+
+
+# ------------------------------------------------------------------ module trees
+
+def _torch_owners(module):
+    """``[(name, module)]``: the modules of a torch tree holding parameters or float buffers
+    of their own, in ``modules()`` order (a module's own before its children's)."""
+    return [(name, m) for name, m in module.named_modules()
+            if any(True for _ in m.parameters(recurse=False))
+            or any(b.is_floating_point() for b in m.buffers(recurse=False))]
+
+
+def _engine_owners(model):
+    """``[(name, layer)]``: the layers of an engine tree holding parameters or float buffers
+    of their own, in the same order as ``_torch_owners``'."""
+    return [(name, layer) for name, layer in [("", model)] + model.named_layers()
+            if any(p is not None for _, p in layer._own_parameters())
+            or any(b is not None and b.dtype.kind == "f" for _, b in layer._own_buffers())]
+
+
+def _torch_arrays(module):
+    """``{engine name: array}`` of a torch module's own state, in the engine's layout."""
+    arrays = {name: _host(p) for name, p in module.named_parameters(recurse=False)}
+    arrays.update({name: _host(b) for name, b in module.named_buffers(recurse=False)
+                   if b.is_floating_point()})
+    if isinstance(module, torch.nn.Linear):
+        arrays["weight"] = arrays["weight"].T   # torch (out, in), the engine (in, out)
+    return arrays
+
+
+def _pairs(model, module, where):
+    """The state owners of both trees, paired in order; a ValueError naming the first pair
+    that differs."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{where}: expected a torch.nn.Module, got {type(module).__name__}")
+    if not model.built:
+        raise RuntimeError(f"{where}: build the engine model first (call it once, or "
+                           "model.build(input_shape))")
+    ours, theirs = _engine_owners(model), _torch_owners(module)
+    for (name, layer), (torch_name, torch_module) in zip(ours, theirs):
+        own = {n for n, p in layer._own_parameters() + layer._own_buffers()
+               if p is not None and p.dtype.kind == "f"}
+        if own != set(_torch_arrays(torch_module)):
+            raise ValueError(f"{where}: engine layer '{name}' ({type(layer).__name__}, "
+                             f"{sorted(own)}) does not match torch module '{torch_name}' "
+                             f"({type(torch_module).__name__}, "
+                             f"{sorted(_torch_arrays(torch_module))})")
+    if len(ours) != len(theirs):
+        raise ValueError(f"{where}: the engine model has {len(ours)} layers with weights, the "
+                         f"torch module {len(theirs)}: {[n for n, _ in ours]} against "
+                         f"{[n for n, _ in theirs]}")
+    return list(zip(ours, theirs))
+
+
+def copy_from_module(model, module):
+    """Copy the weights and BatchNorm statistics of the torch module tree ``module`` into
+    the built engine ``model`` of the same structure (a ported ``nn.Module`` class): the
+    layers that hold weights are paired in order (torch's ``modules()``, the engine's
+    ``named_layers()``), each with the same entries and shapes (a ``Linear``'s kernel
+    transposed into a ``Dense``'s). Nothing is written unless every pair fits. Returns
+    ``model``."""
+    state = {}
+    for (name, _), (_, torch_module) in _pairs(model, module, "copy_from_module"):
+        state.update({(f"{name}.{key}" if name else key): value
+                      for key, value in _torch_arrays(torch_module).items()})
+    current = model.state_dict()
+    state.update({key: value for key, value in current.items() if key not in state})
+    model.load_state_dict(state)
+    return model
+
+
+def copy_to_module(model, module):
+    """The other way: the engine ``model``'s weights and statistics into the torch module
+    tree ``module`` of the same structure (``copy_from_module``'s pairing). Returns
+    ``module``."""
+    state = model.state_dict()
+    pairs = _pairs(model, module, "copy_to_module")
+    with torch.no_grad():
+        for (name, _), (_, torch_module) in pairs:
+            for key, target in list(torch_module.named_parameters(recurse=False)) + [
+                    (k, b) for k, b in torch_module.named_buffers(recurse=False)
+                    if b.is_floating_point()]:
+                value = state[f"{name}.{key}" if name else key]
+                if isinstance(torch_module, torch.nn.Linear) and key == "weight":
+                    value = value.T
+                target.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+    return module

@@ -26,7 +26,10 @@ from engine.nn.convolutional import Conv1D, Conv2D, _Conv  # noqa: F401
 from engine.nn.layers import (ACTIVATIONS, Activation, AvgPool2D, BatchNorm, Dense,  # noqa: F401
                               Dropout, Flatten, Layer, MaxPool2D, Normalization, Rescaling,
                               Reshape, batch_shape)
-from engine.nn.model import LAYERS, Sequential, load, register  # noqa: F401
+from engine.nn.layers import LayerList, Parameter  # noqa: F401
+from engine.nn.keras_methods import (CategoricalCrossentropy, History,  # noqa: F401
+                                     SparseCategoricalCrossentropy)
+from engine.nn.model import LAYERS, Model, Sequential, load, register  # noqa: F401
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
 
@@ -50,7 +53,8 @@ TORCH_EQUIVALENTS = {
     "AvgPool2d": "nn.AvgPool2D(pool_size)",
     "BatchNorm1d": "nn.BatchNorm()",
     "BatchNorm2d": "nn.BatchNorm()",
-    "Module": "nn.Layer (a layer: build, forward, get_config) inside an nn.Sequential",
+    "Module": "nn.Model (a model with any forward; nn.Layer for a part of one)",
+    "ModuleList": "nn.LayerList([...])",
 }
 
 

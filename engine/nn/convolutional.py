@@ -103,11 +103,6 @@ class _Conv(Layer):
                      if self.use_bias else None)
         return output_shape
 
-    def named_parameters(self):
-        if not self.built:
-            return []
-        return [("weight", self.weight)] + ([("bias", self.bias)] if self.use_bias else [])
-
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         fused = self.activation if self.activation in FUSED_ACTIVATIONS else None

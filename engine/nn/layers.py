@@ -10,7 +10,7 @@ from engine import distributed as dist
 from engine import functional as F
 from engine import init
 from engine.autograd import apply
-from engine.parameter import Parameter
+from engine.parameter import Parameter as _Parameter
 from engine.random import generator
 from engine.tensor import Tensor, tensor
 from ops import pointwise
@@ -66,8 +66,10 @@ def _activate(x, name, alpha):
         return x
     if name == "leaky_relu":
         return F.leaky_relu(x, alpha)
-    if name == "softmax":
-        return F.softmax(x, axis=-1)
+    if name == "softmax":   # the logits stay beside it: a Keras loss of its output reads them
+        y = F.softmax(x, axis=-1)
+        y._keras_logits = x
+        return y
     return getattr(F, name)(x)
 
 
@@ -119,51 +121,215 @@ def _arrays_key(named):
     return tuple((name, id(value.data), value.requires_grad) for name, value in named)
 
 
+def _holds_weights(value):
+    """Whether ``value`` (a list, tuple, dict or set) holds a layer, a model or a tensor:
+    weights an attribute of a layer would hold untracked."""
+    items = value.values() if isinstance(value, dict) else value
+    return any(isinstance(item, (Layer, Tensor)) for item in items)
+
+
+def _walk(root, prefix, seen, named):
+    """``named(layer)``'s ``(name, value)`` pairs of ``root`` and its tracked sub-layers,
+    depth first with dotted names; a value (a shared layer's parameter) only once."""
+    for name, value in named(root):
+        if value is not None and id(value) not in seen:
+            seen.add(id(value))
+            yield prefix + name, value
+    for child_name, child in root.named_children():
+        yield from _walk(child, f"{prefix}{child_name}.", seen, named)
+
+
 class Layer:
     """A layer: ``build`` maps an input feature shape to its output shape (making parameters),
-    ``forward`` maps a batch Tensor to a batch Tensor."""
+    ``forward`` maps a batch Tensor to a batch Tensor.
 
-    def __init__(self, input_shape=None):
+    A layer holds layers, models, ``nn.LayerList``s and ``nn.Parameter``s assigned to its
+    attributes, as torch's modules and Keras's layers do: ``named_parameters()``,
+    ``named_buffers()``, ``named_layers()``, ``train()``/``eval()``, ``trainable`` and the
+    capture key walk them with dotted names (``blocks.0.mlp.dense.weight``). State that is
+    saved and moved but not trained is a buffer (``register_buffer``). Holding layers or
+    tensors in a plain list, tuple or dict, or a tensor that is neither, is refused at the
+    assignment, since they would be weights no optimizer and no file sees."""
+
+    def __init__(self, input_shape=None, name=None):
+        object.__setattr__(self, "_children", {})   # attribute -> Layer, in assignment order
+        object.__setattr__(self, "_parameters", {})   # attribute -> Parameter (or None)
+        object.__setattr__(self, "_buffers", {})    # attribute -> Tensor (or None)
         self.input_shape = _feature_shape(input_shape, type(self).__name__)
         self.output_shape = None
-        self.name = type(self).__name__.lower()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}: name must be text, got {name!r}")
+        self.name = name or type(self).__name__.lower()
         self.training = True
         self.built = False
+        self._trainable = True
 
+    # ------------------------------------------------------------- tracking
+    def __setattr__(self, name, value):
+        tables = self.__dict__.get("_children")
+        if tables is None and isinstance(value, (Layer, Tensor)):
+            raise AttributeError(f"{type(self).__name__}: cannot assign {name!r} before "
+                                 "super().__init__() runs; call it first in __init__")
+        if tables is not None and not name.startswith("__"):
+            self._track(name, value)
+        object.__setattr__(self, name, value)
+
+    def _track(self, name, value):
+        children, params, buffers = self._children, self._parameters, self._buffers
+        where = f"{type(self).__name__}.{name}"
+        if isinstance(value, Layer):
+            params.pop(name, None), buffers.pop(name, None)
+            children[name] = value
+        elif isinstance(value, _Parameter):
+            children.pop(name, None), buffers.pop(name, None)
+            params[name] = value
+        elif isinstance(value, Tensor):
+            if name not in buffers:
+                raise TypeError(
+                    f"{where}: a plain Tensor (shape {value.shape}) assigned to a layer is "
+                    f"neither trained nor saved; wrap a weight as nn.Parameter(tensor), or "
+                    f"keep state with self.register_buffer({name!r}, tensor)")
+            buffers[name] = value
+        elif value is None:
+            children.pop(name, None)   # a parameter or buffer slot keeps its place, empty
+            if name in params:
+                params[name] = None
+            if name in buffers:
+                buffers[name] = None
+        elif isinstance(value, (list, tuple, dict, set)) and _holds_weights(value):
+            raise TypeError(
+                f"{where}: a {type(value).__name__} of layers or tensors is not tracked (its "
+                "weights would be neither trained nor saved); hold layers in "
+                "nn.LayerList([...]), and each Parameter as an attribute of its own")
+        else:
+            for table in (children, params, buffers):
+                table.pop(name, None)
+
+    def __delattr__(self, name):
+        for table in (self._children, self._parameters, self._buffers):
+            table.pop(name, None)
+        object.__delattr__(self, name)
+
+    def register_buffer(self, name, value):
+        """Keep ``value`` (a Tensor, or None for now) as the attribute ``name``: saved,
+        loaded and moved with the model, never trained (torch's ``register_buffer``)."""
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{type(self).__name__}.register_buffer({name!r}): expected a "
+                            f"Tensor or None, got {type(value).__name__}")
+        self._children.pop(name, None), self._parameters.pop(name, None)
+        self._buffers[name] = value
+        object.__setattr__(self, name, value)
+
+    def named_children(self):
+        """``[(attribute, layer)]``: the layers this one holds directly."""
+        return list(self._children.items())
+
+    def named_layers(self):
+        """``[(dotted name, layer)]``: every layer under this one, depth first (each once)."""
+        found, seen = [], set()
+
+        def walk(layer, prefix):
+            for name, child in layer.named_children():
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    found.append((prefix + name, child))
+                    walk(child, f"{prefix}{name}.")
+        walk(self, "")
+        return found
+
+    def named_parameters(self):
+        """``[(dotted name, Parameter)]``: this layer's, then each sub-layer's (a parameter
+        shared by two layers once, under its first name)."""
+        return list(_walk(self, "", set(), lambda layer: layer._own_parameters()))
+
+    def _own_parameters(self):
+        return list(self._parameters.items())
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self):
+        """``[(name, Tensor)]``: state that is saved and moved with the model but gets no
+        gradient and no optimizer update (BatchNorm's running statistics)."""
+        return list(_walk(self, "", set(), lambda layer: layer._own_buffers()))
+
+    def _own_buffers(self):
+        return list(self._buffers.items())
+
+    @property
+    def trainable(self):
+        """False freezes the layer (Keras's ``layer.trainable = False``): each of its
+        parameters, and its sub-layers', stops requiring grad; optimizers leave them."""
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        self._trainable = bool(value)
+        for _, layer in [("", self)] + self.named_layers():
+            layer._trainable = self._trainable
+            for _, p in layer._own_parameters():
+                if p is not None:
+                    p.requires_grad = self._trainable
+
+    def _apply_trainable(self):
+        """Freeze the parameters a frozen layer made when it was built."""
+        for _, layer in [("", self)] + self.named_layers():
+            if not layer._trainable:
+                for _, p in layer._own_parameters():
+                    if p is not None:
+                        p.requires_grad = False
+
+    def train(self, mode=True):
+        """Training mode for this layer and every layer under it; returns it."""
+        self.training = bool(mode)
+        for _, layer in self.named_layers():
+            layer.training = self.training
+        return self
+
+    def eval(self):
+        """Inference mode for this layer and every layer under it; returns it."""
+        return self.train(False)
+
+    # ------------------------------------------------------------- building and running
     def build(self, input_shape, device="cpu", initialize=True):
         """Make parameters for inputs of ``input_shape``; returns the output feature shape.
 
+        A layer that holds layers finds its output shape by running its forward once on a
+        zero sample, in eval mode and without the tape (its sub-layers build on the way).
         Raises ValueError with the reason when this layer cannot take that shape."""
-        self.output_shape = self.compute_output_shape(input_shape)
+        if self._children and type(self).compute_output_shape is Layer.compute_output_shape:
+            self.output_shape = _traced_output_shape(self, input_shape, device)
+        else:
+            self.output_shape = self.compute_output_shape(input_shape)
         self.built = True
         return self.output_shape
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
-    def named_parameters(self):
-        return []
-
-    def named_buffers(self):
-        """``[(name, Tensor)]``: state that is saved and moved with the model but gets no
-        gradient and no optimizer update (BatchNorm's running statistics)."""
-        return []
-
     def forward(self, x):
         raise NotImplementedError(f"{type(self).__name__}: no forward")
 
-    def __call__(self, x):
+    def __call__(self, x, *args, **kwargs):
         if not self.built:   # a layer used on its own is built from its first input
-            self.build(x.shape[1:], x.device)
+            if self._children:   # its sub-layers build in the forward that follows
+                self.built = True
+            else:
+                self.build(x.shape[1:], x.device)
+                self._apply_trainable()
         note_participant(self)
-        return self.forward(x)
+        y = self.forward(x, *args, **kwargs)
+        if self.output_shape is None and isinstance(y, Tensor):
+            self.output_shape = y.shape[1:]
+            self._apply_trainable()
+        return y
 
     def capture_key(self):
-        """What the host decides about this layer's kernels: its mode, its parameters and
-        buffers and whether each requires grad (``engine.capture`` replays only while this
-        is unchanged)."""
-        return (self.training, _arrays_key(self.named_parameters()),
-                _arrays_key(self.named_buffers()))
+        """What the host decides about this layer's kernels: its mode and its sub-layers',
+        its parameters and buffers and whether each requires grad (``engine.capture``
+        replays only while this is unchanged)."""
+        return (self.training, tuple(layer.training for _, layer in self.named_layers()),
+                _arrays_key(self.named_parameters()), _arrays_key(self.named_buffers()))
 
     def get_config(self):
         """Constructor arguments as JSON-able values: ``type(self)(**config)`` rebuilds it."""
@@ -173,6 +339,93 @@ class Layer:
         args = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}"
                          for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
+
+
+def _traced_output_shape(layer, input_shape, device, dtype=np.float32):
+    """The feature shape ``layer``'s forward gives a zero sample of ``input_shape``, run in
+    eval mode (no running statistics move, no dropout mask is drawn) without the tape."""
+    from engine.autograd import no_grad
+    was_training = layer.training
+    layer.eval()
+    layer.built = True
+    try:
+        with no_grad():
+            y = layer.forward(Tensor(to_device(np.zeros((1,) + tuple(input_shape), dtype),
+                                               device)))
+    except (ValueError, TypeError):
+        layer.built = False
+        raise
+    finally:
+        layer.train(was_training)
+    return tuple(y.shape[1:])
+
+
+class LayerList(Layer):
+    """Layers in a list, each tracked (torch's ``nn.ModuleList``): index, iterate, append.
+    Their parameters are named by position: ``blocks.0.dense.weight``."""
+
+    def __init__(self, layers=()):
+        super().__init__()
+        self._items = []
+        for layer in layers:
+            self.append(layer)
+
+    def append(self, layer):
+        if not isinstance(layer, Layer):
+            raise TypeError(f"LayerList.append: expected an engine.nn layer or model, got "
+                            f"{type(layer).__name__}")
+        self._items.append(layer)
+        self._children[str(len(self._items) - 1)] = layer
+        return self
+
+    def extend(self, layers):
+        for layer in layers:
+            self.append(layer)
+        return self
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+    def __len__(self):
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def forward(self, x):
+        raise TypeError("LayerList holds layers but is not one to call: iterate over it in "
+                        "the forward of the layer that holds it")
+
+    def __repr__(self):
+        return "LayerList([" + ", ".join(repr(layer) for layer in self._items) + "])"
+
+
+# Keras's names of the initialisers the engine names otherwise
+_INITIALIZER_ALIASES = {"glorot_uniform": "xavier_uniform", "glorot_normal": "xavier_normal"}
+
+
+class Parameter(_Parameter):
+    """A trainable tensor a layer owns once assigned to one of its attributes:
+    ``nn.Parameter(shape, initializer="glorot_uniform", dtype=np.float32)`` makes its values
+    (any initialiser of ``engine.init`` by name, Keras's ``glorot_*`` names, "zeros",
+    "ones", or a function ``(shape, dtype) -> array``); ``nn.Parameter(array)`` takes them."""
+
+    def __init__(self, data, initializer="glorot_uniform", dtype=np.float32):
+        if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
+            data = (data,)
+        if isinstance(data, tuple) and all(isinstance(s, (int, np.integer)) for s in data):
+            shape, dtype = tuple(int(s) for s in data), np.dtype(dtype)
+            if initializer == "ones":
+                values = np.ones(shape, dtype)
+            else:
+                values = init.get(_INITIALIZER_ALIASES.get(initializer, initializer))(
+                    shape, dtype=dtype)
+            data = np.ascontiguousarray(values, dtype)
+        elif isinstance(data, Tensor):
+            data = to_device(data.data, data.device)   # its own copy, as torch's
+        elif not isinstance(data, np.ndarray) and not hasattr(data, "__cuda_array_interface__"):
+            data = np.array(data, dtype=dtype)
+        super().__init__(data)
 
 
 class Dense(Layer):
@@ -195,34 +448,36 @@ class Dense(Layer):
         self.weight = self.bias = None
 
     def compute_output_shape(self, input_shape):
-        if len(input_shape) != 1:
-            raise ValueError(f"Dense takes inputs of shape (None, features), got "
-                             f"{batch_shape(input_shape)}; add nn.Flatten() before it")
-        return (self.units,)
+        if len(input_shape) < 1:
+            raise ValueError(f"Dense takes inputs of shape (None, ..., features), got "
+                             f"{batch_shape(input_shape)}")
+        return tuple(input_shape[:-1]) + (self.units,)
 
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
-        shape = (input_shape[0], self.units)
+        shape = (input_shape[-1], self.units)
         weight = (self.kernel_initializer(shape, dtype=self.dtype) if initialize
                   else np.zeros(shape, self.dtype))
         if tuple(np.shape(weight)) != shape:
             raise ValueError(f"Dense: the kernel initialiser returned shape {np.shape(weight)} "
                              f"for {shape}")
-        self.weight = Parameter(to_device(np.asarray(weight, self.dtype), device))
-        self.bias = Parameter(to_device(init.zeros((self.units,), self.dtype), device))
+        self.weight = _Parameter(to_device(np.asarray(weight, self.dtype), device))
+        self.bias = _Parameter(to_device(init.zeros((self.units,), self.dtype), device))
         return output_shape
-
-    def named_parameters(self):
-        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
 
     def forward(self, x):
         features = self.weight.shape[0]
-        if x.ndim != 2 or x.shape[1] != features:
-            raise ValueError(f"{self.name} {self!r}: expects input of shape (None, {features}), "
-                             f"got {x.shape}")
+        if x.ndim < 2 or x.shape[-1] != features:
+            raise ValueError(f"{self.name} {self!r}: expects input of shape (None, ..., "
+                             f"{features}), got {x.shape}")
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
+        leading = x.shape[:-1]
+        if len(leading) > 1:   # the last axis of any rank: rows of one 2-D GEMM (a view)
+            x = F.reshape(x, (-1, features))
         y = apply(DenseOp, x, self.weight, self.bias, activation=fused, alpha=self.alpha)
+        if len(leading) > 1:
+            y = F.reshape(y, leading + (self.units,))
         return y if fused == self.activation else _activate(y, self.activation, self.alpha)
 
     def get_config(self):
@@ -309,14 +564,10 @@ class Dropout(Layer):
         # this one, from the layer's unique name, so its Dropout layers draw different masks
         base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
                      else zlib.crc32(self.name.encode()))
-        self.seed, self.masks_drawn = (
-            Tensor(array) for array in new_seed_state(base_seed, device))
+        seed, masks_drawn = new_seed_state(base_seed, device)
+        self.register_buffer("seed", Tensor(seed))
+        self.register_buffer("masks_drawn", Tensor(masks_drawn))
         return output_shape
-
-    def named_buffers(self):
-        if not self.built:
-            return []
-        return [("seed", self.seed), ("masks_drawn", self.masks_drawn)]
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
@@ -439,19 +690,11 @@ class BatchNorm(Layer):
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
         channels = (input_shape[0],)
-        self.weight = Parameter(to_device(np.ones(channels, self.dtype), device))
-        self.bias = Parameter(to_device(init.zeros(channels, self.dtype), device))
-        self.running_mean = tensor(np.zeros(channels, self.dtype), device=device)
-        self.running_var = tensor(np.ones(channels, self.dtype), device=device)
+        self.weight = _Parameter(to_device(np.ones(channels, self.dtype), device))
+        self.bias = _Parameter(to_device(init.zeros(channels, self.dtype), device))
+        self.register_buffer("running_mean", tensor(np.zeros(channels, self.dtype), device=device))
+        self.register_buffer("running_var", tensor(np.ones(channels, self.dtype), device=device))
         return output_shape
-
-    def named_parameters(self):
-        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
-
-    def named_buffers(self):
-        if not self.built:
-            return []
-        return [("running_mean", self.running_mean), ("running_var", self.running_var)]
 
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
@@ -588,12 +831,10 @@ class Normalization(Layer):
 
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
-        self.mean = tensor(self.mean_value.astype(self.dtype), device=device)
-        self.variance = tensor(self.variance_value.astype(self.dtype), device=device)
+        self.register_buffer("mean", tensor(self.mean_value.astype(self.dtype), device=device))
+        self.register_buffer("variance", tensor(self.variance_value.astype(self.dtype),
+                                                device=device))
         return output_shape
-
-    def named_buffers(self):
-        return [("mean", self.mean), ("variance", self.variance)] if self.built else []
 
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.mean.dtype)

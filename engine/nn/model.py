@@ -7,12 +7,15 @@ import numpy as np
 
 from engine import archive
 from engine.nn.convolutional import Conv1D, Conv2D
+from engine.nn.keras_methods import KerasMethods
 from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten, Layer,
-                              MaxPool2D, Normalization, Rescaling, Reshape, _check_input_dtype,
-                              _float_buffers, _float_dtype, batch_shape)
+                              MaxPool2D, Normalization, Rescaling, Reshape,
+                              _check_input_dtype, _feature_shape, _float_buffers, _float_dtype,
+                              _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
                                      _read_safetensors)
 from engine.parameter import ParameterStore
+from engine.random import generator
 from engine.tensor import Tensor, tensor
 from ops.device import check_device, copy_into, to_device, to_host
 from ops.launch import note_participant
@@ -46,12 +49,342 @@ def register(layer_class):
 
 # ------------------------------------------------------------------ the model
 
-class Sequential:
+class Model(KerasMethods, Layer):
+    """A model with any ``forward`` (torch's ``nn.Module`` as a root, Keras's subclassed
+    ``Model``): layers, Sequentials, ``LayerList``s and ``Parameter``s assigned to its
+    attributes are tracked, as in ``Layer``.
+
+    It is built by its first call (each sub-layer builds from what reaches it) or by
+    ``build(input_shape, dtype=...)`` (one traced call on a zero sample, in eval mode);
+    building packs every parameter of the tree into one flat buffer per device and dtype,
+    as a Sequential's, so optimizers, ``engine.capture``, ``fit``, ``state_dict`` and the
+    files treat both alike. ``save`` needs the class registered (``@nn.register``) and a
+    ``get_config()`` giving its constructor's arguments: ``nn.load`` rebuilds it from them.
+    """
+
+    def __init__(self, input_shape=None, name=None):
+        super().__init__(input_shape, name)
+        self.device = "cpu"
+        self.input_dtype = None     # the dtype of the inputs it was built for
+        self._flat = []
+        self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
+
+    parameterless = True   # its own parameters exist from __init__; its layers say for theirs
+
+    # ------------------------------------------------------------- building
+    def build(self, input_shape, device=None, initialize=True, dtype=None):
+        """Build for inputs of the feature shape ``input_shape`` (without the batch
+        dimension; Keras's leading None is accepted) and ``dtype`` (float32 by default;
+        an integer dtype for token ids): one call on a zero sample, in eval mode and without
+        the tape, then the parameters are packed. Returns the output feature shape."""
+        shape = tuple(input_shape)
+        if shape and shape[0] is None:
+            shape = shape[1:]
+        shape = _feature_shape(shape, f"{self.name}.build")
+        if device is not None:
+            self.to(device)
+        if self.built:
+            if shape != self.input_shape:
+                raise ValueError(f"{self.name}: built for inputs {batch_shape(self.input_shape)},"
+                                 f" asked for {batch_shape(shape)}")
+            return self.output_shape
+        dtype = np.dtype(np.float32 if dtype is None else dtype)
+        self._initialize = initialize
+        try:
+            self.output_shape = _traced_output_shape(self, shape, self.device, dtype)
+        finally:
+            self._initialize = True
+        self.input_shape, self.input_dtype = shape, dtype
+        self._pack()
+        return self.output_shape
+
+    def _pack(self):
+        """(Re)pack all parameters of the tree into one FlatBuffer per (device, dtype), in
+        ``named_parameters`` order. The root holds the store: a model inside it gives up
+        its own."""
+        self._apply_trainable()
+        self._flat = ParameterStore([p for _, p in self.named_parameters()])
+        for _, layer in self.named_layers():
+            if isinstance(layer, Model):
+                layer._flat = []
+
+    def _unbuilt_layers(self):
+        """The layers of the tree not built yet that make parameters when they build."""
+        layers = [("", self)] + self.named_layers()
+        return [name for name, layer in layers if not layer.built
+                and type(layer).build is not Layer.build
+                and not getattr(layer, "parameterless", False)]
+
+    def _require_built(self, what):
+        if not self.built:
+            raise RuntimeError(f"{self.name}.{what}: the model is not built yet; call it once "
+                               "on a batch, or model.build(input_shape)")
+
+    # ------------------------------------------------------------- parameters and devices
+    def parameters(self):
+        """The Parameters in a stable order (``named_parameters``'). A model whose layers
+        make their parameters when built has none to give before (an optimizer would get
+        an empty list): a RuntimeError says how to build it."""
+        if not self.built and self._unbuilt_layers():
+            self._require_built("parameters")
+        return [p for _, p in self.named_parameters()]
+
+    def flat_buffers(self):
+        """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
+        return list(self._flat)
+
+    def to(self, target):
+        """Move every flat buffer to the device ``target`` ("cpu", "cuda") in one copy each,
+        or convert every parameter and buffer to the float dtype ``target`` (``np.float64``,
+        for float64 checks against references; made afresh, so build the optimizer after);
+        returns the model."""
+        dtype = _float_dtype(target)
+        if dtype is not None:
+            return self._to_dtype(dtype)
+        device = check_device(target)
+        if self._flat:
+            self._flat.to(device)
+        packed = {id(p) for buffer in self._flat for p in buffer.params}
+        for _, value in self.named_parameters() + self.named_buffers():
+            if id(value) not in packed and value.device != device:
+                value.data = to_device(value.data, device)   # not packed yet, or a buffer
+        for _, layer in [("", self)] + self.named_layers():
+            if isinstance(layer, Model):
+                layer.device = device
+        return self
+
+    def _to_dtype(self, dtype):
+        for _, layer in [("", self)] + self.named_layers():
+            if hasattr(layer, "dtype"):
+                layer.dtype = dtype
+            for _, value in layer._own_parameters() + _float_buffers(layer._own_buffers()):
+                if value is not None and value.dtype != dtype:
+                    value.data = to_device(to_host(value.data).astype(dtype), value.device)
+        if self.built:
+            self._pack()
+        return self
+
+    def cuda(self):
+        """``model.to("cuda")``, as torch's ``Module.cuda()``; returns the model."""
+        return self.to("cuda")
+
+    def cpu(self):
+        """``model.to("cpu")``; returns the model."""
+        return self.to("cpu")
+
+    # ------------------------------------------------------------- running
+    def __call__(self, x, *args, **kwargs):
+        if not isinstance(x, Tensor):
+            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
+        if x.device != self.device:
+            raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
+                             f"{self.device}; move one of them with .to('{self.device}')")
+        note_participant(self)
+        if self.built:
+            return self.forward(x, *args, **kwargs)
+        self.built = True   # the first call builds: each layer from what reaches it
+        try:
+            y = self.forward(x, *args, **kwargs)
+        except BaseException:
+            self.built = False
+            raise
+        self.input_shape, self.input_dtype = tuple(x.shape[1:]), x.dtype
+        self.output_shape = tuple(y.shape[1:]) if isinstance(y, Tensor) else None
+        self._pack()
+        return y
+
+    def capture_key(self):
+        """The device, and the tree's modes, parameters and buffers (``Layer.capture_key``):
+        ``engine.capture`` replays only while it holds."""
+        return (self.device,) + super().capture_key()
+
+    def _input_dtype(self, given):
+        """The dtype a NumPy or list input becomes: integers stay integers (token ids), floats
+        take the parameters' dtype."""
+        if given.kind in "iub":
+            return given
+        return self._flat[0].dtype if self._flat else np.dtype(np.float32)
+
+    def predict(self, x, batch_size=256, verbose=0):
+        """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
+        NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
+        tape; the model's mode is restored after."""
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
+                or batch_size < 1:
+            raise ValueError(f"{self.name}.predict: batch_size must be a positive int, "
+                             f"got {batch_size!r}")
+        if not isinstance(x, Tensor):
+            x = np.asarray(x)
+        if x.ndim < 2:
+            raise ValueError(f"{self.name}.predict: expects a batch of shape (None, "
+                             f"features...), got {x.shape}")
+        from engine.autograd import no_grad
+        was_training = self.training
+        self.eval()
+        try:
+            with no_grad():
+                outputs = [self(x[start:start + batch_size]).numpy()
+                           for start in range(0, len(x), batch_size)]
+        finally:
+            self.train(was_training)
+        if not outputs:
+            raise ValueError(f"{self.name}.predict: got no samples ({x.shape})")
+        return np.concatenate(outputs)
+
+    # ------------------------------------------------------------- summary
+    def summary(self):
+        """Print and return a table of the layers this model holds directly (each with its
+        output shape and the parameters under it), and the totals."""
+        self._require_built("summary")
+        rows = [("Layer (type)", "Output Shape", "Param #")]
+        own = sum(p.size for _, p in self._own_parameters() if p is not None)
+        if own:
+            rows.append(("(its own parameters)", "", f"{own:,}"))
+        for name, layer in self.named_children():
+            count = sum(t.size for _, t in layer.named_parameters()
+                        + _float_buffers(layer.named_buffers()))
+            shape = "" if layer.output_shape is None else batch_shape(layer.output_shape)
+            label = name if name == layer.name else f"{name}: {layer.name}"
+            rows.append((f"{label} ({type(layer).__name__})", shape, f"{count:,}"))
+        widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
+        width = sum(widths)
+
+        def line(row):
+            return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
+                    + row[2].rjust(widths[2] - 4)).rstrip()
+
+        params = self.parameters()
+        buffers = [b for _, b in _float_buffers(self.named_buffers())]
+        trainable = sum(p.size for p in params if p.requires_grad)
+        frozen = sum(p.size for p in params if not p.requires_grad) + sum(b.size for b in buffers)
+        nbytes = sum(t.size * t.dtype.itemsize for t in params + buffers)
+        text = "\n".join(
+            [f'Model: "{self.name}" on {self.device}', "_" * width, line(rows[0]), "=" * width]
+            + [line(row) for row in rows[1:]]
+            + ["=" * width, f"Total params: {trainable + frozen:,} ({_human_bytes(nbytes)})",
+               f"Trainable params: {trainable:,}", f"Non-trainable params: {frozen:,}",
+               "_" * width])
+        print(text)
+        return text
+
+    # ------------------------------------------------------------- weights and files
+    def state_dict(self):
+        """``{name: NumPy array}``: a host copy of every parameter (one copy per flat
+        buffer), then of every buffer (running statistics)."""
+        self._require_built("state_dict")
+        values = self._flat.host_values() if self._flat else {}
+        return {**{name: values[id(p)] if id(p) in values else to_host(p.data)
+                   for name, p in self.named_parameters()},
+                **{name: to_device(b.data, "cpu") for name, b in self.named_buffers()}}
+
+    def load_state_dict(self, state):
+        """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters
+        and buffers.
+
+        Every key must match a parameter or buffer and every shape its shape; nothing is
+        written unless all do. Each flat buffer is written in one copy; a layer's buffers
+        are written in place (a captured step keeps updating the same arrays). An integer
+        buffer (Dropout's seed state) missing from ``state`` keeps its value: files written
+        before Dropout had one still load."""
+        self._require_built("load_state_dict")
+        buffers = [(name, b) for name, b in self.named_buffers()
+                   if name in state or b.dtype.kind == "f"]
+        named = self.named_parameters() + buffers
+        expected = [name for name, _ in self.named_parameters() + self.named_buffers()]
+        missing = [name for name, _ in named if name not in state]
+        unexpected = [key for key in state if key not in expected]
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
+                           f"{unexpected}; the model has {expected}")
+        values = {}
+        for name, p in named:
+            value = state[name]
+            value = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
+            if tuple(value.shape) != p.shape:
+                raise ValueError(f"load_state_dict: '{name}' has shape {tuple(value.shape)}, "
+                                 f"the model expects {p.shape}")
+            if value.dtype.kind not in "fiu":
+                raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
+                                "expected numbers")
+            values[id(p)] = value
+        self._flat.load(values)   # reads the parameters' values, not the buffers'
+        for _, buffer in buffers:
+            copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
+            buffer._bump_version()   # written in place, as the parameters
+
+    def get_config(self):
+        """The constructor's arguments (a subclass that takes any gives them): ``nn.load``
+        rebuilds the model as ``type(model)(**config)``."""
+        return {}
+
+    def _file_config(self):
+        """What ``save`` writes as the architecture: the registered class, its config and
+        the input it was built for; a model ``nn.load`` could not rebuild is refused."""
+        cls, where = type(self), f"{self.name}.save"
+        if LAYERS.get(cls.__name__) is not cls:
+            raise TypeError(f"{where}: {cls.__name__} is not registered, so nn.load could not "
+                            f"rebuild it; decorate the class with @nn.register and give it a "
+                            "get_config() returning its constructor's arguments (or save "
+                            "the weights alone: model.state_dict(), safetensors)")
+        config = self.get_config()
+        try:
+            cls(**config)
+            text = json.dumps(config)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"{where}: {cls.__name__}(**get_config()) fails ({error}); "
+                            "get_config() must return the constructor's arguments as "
+                            "JSON values") from None
+        return json.dumps({"format": "engine.nn.Model", "version": FORMAT_VERSION,
+                           "class_name": cls.__name__, "config": json.loads(text),
+                           "input_shape": list(self.input_shape),
+                           "input_dtype": np.dtype(self.input_dtype).name})
+
+    def save(self, path):
+        """Write the architecture and weights to one file at ``path`` with
+        ``engine.archive.atomic_write`` (a temporary file in the same directory renamed over
+        ``path``; the file gets the mode ``open()`` would give it): a ``.safetensors`` path
+        gets a safetensors file (the architecture as JSON in its metadata under
+        ``CONFIG_KEY``; the formats extra), any other an ``.npz``."""
+        folder = os.path.dirname(os.fspath(path)) or "."
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{self.name}.save: the folder {folder!r} of "
+                                    f"{os.fspath(path)!r} does not exist; create it first "
+                                    f"(os.makedirs({folder!r}))")
+        self._require_built("save")
+        config = self._file_config()
+        if _is_safetensors(path):
+            archive.write_safetensors(path, self.state_dict(), {CONFIG_KEY: config})
+            return
+        archive.write_npz(path, {CONFIG_KEY: np.array(config), **self.state_dict()})
+
+    @classmethod
+    def from_file_config(cls, config):
+        """The model an ``engine.nn.Model`` file config describes, built (weights not
+        loaded yet)."""
+        name = config.get("class_name")
+        model_class = LAYERS.get(name) if isinstance(name, str) else None
+        if model_class is None or not issubclass(model_class, Model):
+            raise ValueError(f"unknown model class {name!r}; a model class loads once it is "
+                             "decorated with @nn.register (import it before nn.load)")
+        arguments, shape = config.get("config"), config.get("input_shape")
+        if not isinstance(arguments, dict) or not isinstance(shape, list):
+            raise ValueError("a model config needs a 'config' dict and an 'input_shape' list")
+        model = model_class(**arguments)
+        state = generator().bit_generator.state   # building draws no numbers a load keeps
+        try:
+            model.build(tuple(shape), initialize=False, dtype=config.get("input_dtype"))
+        finally:
+            generator().bit_generator.state = state
+        return model
+
+
+class Sequential(Model):
     """A stack of layers, each fed the previous one's output.
 
     ``Sequential([...])`` (or torch's ``Sequential(a, b, ...)``) or ``model.add(layer)``; the
     first layer's ``input_shape=`` fixes the input (without the batch dimension). Without it
-    the model is built on its first call. ``len(model)`` and ``model[i]`` are its layers.
+    the model is built on its first call. ``len(model)`` and ``model[i]`` are its layers. A
+    Sequential (or an ``nn.Model``) may be one of the layers.
     """
 
     def __init__(self, layers=(), *more_layers, name="sequential"):
@@ -62,14 +395,8 @@ class Sequential:
                             f"got {type(layers).__name__} and then {more_layers!r}")
         if isinstance(name, Layer) or not isinstance(name, str):
             raise TypeError(f"Sequential: name must be text, got {name!r}")
-        self.name = name
+        super().__init__(name=name)
         self.layers = []
-        self.device = "cpu"
-        self.training = True
-        self.input_shape = None     # feature shape of the inputs, once known
-        self.output_shape = None
-        self._flat = []
-        self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
         for layer in layers:
             self.add(layer)
 
@@ -78,7 +405,8 @@ class Sequential:
         """Append ``layer``; builds it now when the input shape is known. Returns the model."""
         if not isinstance(layer, Layer):
             raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
-        if layer.built or any(layer is other for other in self.layers):
+        if layer is self or any(layer is other for other in self.layers) or (
+                layer.built and not isinstance(layer, Model)):
             raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
                              "make a new layer")
         layer.name = self._unique_name(layer)
@@ -97,6 +425,10 @@ class Sequential:
                 raise
             self._pack()
         return self
+
+    def named_children(self):
+        """``[(name, layer)]``: its layers, by their unique names."""
+        return [(layer.name, layer) for layer in self.layers]
 
     def _unique_name(self, layer):
         base = type(layer).__name__.lower()
@@ -138,13 +470,35 @@ class Sequential:
             raise
         self._pack()
 
-    def _pack(self):
-        """(Re)pack all parameters into one FlatBuffer per (device, dtype), in layer order."""
-        self._flat = ParameterStore(self.parameters())
+    def build(self, input_shape, device=None, initialize=True, dtype=None):
+        """Build every layer for inputs of the feature shape ``input_shape`` (as a layer of
+        another model, or by hand); returns the output feature shape."""
+        shape = tuple(input_shape)
+        if shape and shape[0] is None:
+            shape = shape[1:]
+        if device is not None:
+            self.to(device)
+        if self.built:
+            if tuple(shape) != self.input_shape:
+                raise ValueError(f"{self.name}: built for inputs {batch_shape(self.input_shape)},"
+                                 f" gets {batch_shape(shape)}")
+            return self.output_shape
+        if not self.layers:
+            raise ValueError(f"{self.name}: the model has no layers")
+        self._initialize = initialize
+        try:
+            self._build_from(shape)
+        finally:
+            self._initialize = True
+        return self.output_shape
 
     @property
     def built(self):
         return bool(self.layers) and all(layer.built for layer in self.layers)
+
+    @built.setter
+    def built(self, value):
+        """(Layer's constructor says False: a Sequential is built when its layers are.)"""
 
     def __len__(self):
         return len(self.layers)
@@ -161,79 +515,10 @@ class Sequential:
             raise RuntimeError(f"{self.name}.{what}: the model is not built yet; give the first "
                                "layer input_shape=... or call the model once on a batch")
 
-    # ------------------------------------------------------------- parameters and devices
-    def named_parameters(self):
-        """``[(name, Parameter)]`` in layer order: ``"dense.weight"``, ``"dense.bias"``, ..."""
-        return [(f"{layer.name}.{name}", p) for layer in self.layers
-                for name, p in layer.named_parameters()]
-
-    def parameters(self):
-        """The Parameters in a stable order (layer by layer, weight before bias). A model
-        not built yet whose layers will have parameters has none to give yet (an optimizer
-        would get an empty list): a RuntimeError says how to build it."""
-        if not self.built and any(type(layer).named_parameters is not Layer.named_parameters
-                                  for layer in self.layers):
-            self._require_built("parameters")
-        return [p for _, p in self.named_parameters()]
-
-    def named_buffers(self):
-        """``[(name, Tensor)]`` of the layers' buffers (``"batchnorm.running_mean"``, ...):
-        saved and moved with the model, not trained."""
-        return [(f"{layer.name}.{name}", b) for layer in self.layers
-                for name, b in layer.named_buffers()]
-
-    def flat_buffers(self):
-        """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
-        return list(self._flat)
-
-    def to(self, target):
-        """Move every flat buffer to the device ``target`` ("cpu", "cuda") in one copy each,
-        or convert every parameter and buffer to the float dtype ``target`` (``np.float64``,
-        for float64 checks against references; made afresh, so build the optimizer after);
-        returns the model."""
-        dtype = _float_dtype(target)
-        if dtype is not None:
-            return self._to_dtype(dtype)
-        device = check_device(target)
-        if self._flat:   # a model not built yet has no store: its layers build on self.device
-            self._flat.to(device)
-        for _, buffer in self.named_buffers():
-            if buffer.device != device:
-                buffer.data = to_device(buffer.data, device)
-        self.device = device
-        return self
-
-    def _to_dtype(self, dtype):
-        for layer in self.layers:
-            if hasattr(layer, "dtype"):
-                layer.dtype = dtype
-            for _, value in layer.named_parameters() + _float_buffers(layer.named_buffers()):
-                if value.dtype != dtype:
-                    value.data = to_device(to_host(value.data).astype(dtype), value.device)
-        if self.built:
-            self._pack()
-        return self
-
-    def cuda(self):
-        """``model.to("cuda")``, as torch's ``Module.cuda()``; returns the model."""
-        return self.to("cuda")
-
-    def cpu(self):
-        """``model.to("cpu")``; returns the model."""
-        return self.to("cpu")
-
-    def train(self, mode=True):
-        """Training mode (Dropout active, BatchNorm on the batch's statistics); returns the
-        model."""
-        self.training = bool(mode)
-        for layer in self.layers:
-            layer.training = self.training
-        return self
-
-    def eval(self):
-        """Inference mode (Dropout is the identity, BatchNorm uses its running statistics);
-        returns the model."""
-        return self.train(False)
+    def _unbuilt_layers(self):
+        return [layer.name for layer in self.layers if not layer.built
+                and not getattr(layer, "parameterless", False)
+                and (type(layer).build is not Layer.build or layer.named_children())]
 
     # ------------------------------------------------------------- running
     def __call__(self, x):
@@ -253,13 +538,12 @@ class Sequential:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
         note_participant(self)
+        return self.forward(x)
+
+    def forward(self, x):
         for layer in self.layers:
             x = layer.forward(x)
         return x
-
-    def capture_key(self):
-        """Every layer's ``capture_key`` (``engine.capture`` replays only while it holds)."""
-        return (self.device,) + tuple(layer.capture_key() for layer in self.layers)
 
     def _input_dtype(self, given):
         """The dtype a NumPy or list input becomes: its own when integer and the first layer
@@ -272,108 +556,9 @@ class Sequential:
             _check_input_dtype(self.name, given, dtype)
         return dtype
 
-    def predict(self, x, batch_size=256):
-        """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
-        NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
-        tape; the model's mode is restored after."""
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
-                or batch_size < 1:
-            raise ValueError(f"{self.name}.predict: batch_size must be a positive int, "
-                             f"got {batch_size!r}")
-        if not isinstance(x, Tensor):
-            x = np.asarray(x)
-        if x.ndim < 2:
-            raise ValueError(f"{self.name}.predict: expects a batch of shape (None, "
-                             f"features...), got {x.shape}")
-        from engine.autograd import no_grad
-        was_training = self.training
-        self.eval()
-        try:
-            with no_grad():
-                outputs = [self(x[start:start + batch_size]).numpy()
-                           for start in range(0, len(x), batch_size)]
-        finally:
-            self.train(was_training)
-        if not outputs:
-            raise ValueError(f"{self.name}.predict: got no samples ({x.shape})")
-        return np.concatenate(outputs)
-
-    # ------------------------------------------------------------- summary
-    def summary(self):
-        """Print and return a table of layers, output shapes and parameter counts."""
-        self._require_built("summary")
-        rows = [("Layer (type)", "Output Shape", "Param #")]
-        for layer in self.layers:
-            count = sum(t.size for _, t in layer.named_parameters()
-                        + _float_buffers(layer.named_buffers()))
-            rows.append((f"{layer.name} ({type(layer).__name__})",
-                         batch_shape(layer.output_shape), f"{count:,}"))
-        widths = [max(len(row[k]) for row in rows) + 4 for k in range(3)]
-        width = sum(widths)
-
-        def line(row):
-            return (row[0].ljust(widths[0]) + row[1].ljust(widths[1])
-                    + row[2].rjust(widths[2] - 4)).rstrip()
-
-        params, buffers = self.parameters(), [b for _, b in _float_buffers(self.named_buffers())]
-        trainable, frozen = sum(p.size for p in params), sum(b.size for b in buffers)
-        nbytes = sum(t.size * t.dtype.itemsize for t in params + buffers)
-        text = "\n".join(
-            [f'Model: "{self.name}" on {self.device}', "_" * width, line(rows[0]), "=" * width]
-            + [line(row) for row in rows[1:]]
-            + ["=" * width, f"Total params: {trainable + frozen:,} ({_human_bytes(nbytes)})",
-               f"Trainable params: {trainable:,}", f"Non-trainable params: {frozen:,}",
-               "_" * width])
-        print(text)
-        return text
-
     def __repr__(self):
         body = "".join(f"\n  ({layer.name}) {layer!r}" for layer in self.layers)
         return f"Sequential({body}\n)" if body else "Sequential()"
-
-    # ------------------------------------------------------------- weights and files
-    def state_dict(self):
-        """``{name: NumPy array}``: a host copy of every parameter (one copy per flat
-        buffer), then of every buffer (running statistics)."""
-        self._require_built("state_dict")
-        values = self._flat.host_values() if self._flat else {}
-        return {**{name: values[id(p)] for name, p in self.named_parameters()},
-                **{name: to_device(b.data, "cpu") for name, b in self.named_buffers()}}
-
-    def load_state_dict(self, state):
-        """Copy ``state`` (``{name: array}``, as from ``state_dict``) into the parameters
-        and buffers.
-
-        Every key must match a parameter or buffer and every shape its shape; nothing is
-        written unless all do. Each flat buffer is written in one copy; a layer's buffers
-        are written in place (a captured step keeps updating the same arrays). An integer
-        buffer (Dropout's seed state) missing from ``state`` keeps its value: files written
-        before Dropout had one still load."""
-        self._require_built("load_state_dict")
-        buffers = [(name, b) for name, b in self.named_buffers()
-                   if name in state or b.dtype.kind == "f"]
-        named = self.named_parameters() + buffers
-        expected = [name for name, _ in self.named_parameters() + self.named_buffers()]
-        missing = [name for name, _ in named if name not in state]
-        unexpected = [key for key in state if key not in expected]
-        if missing or unexpected:
-            raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
-                           f"{unexpected}; the model has {expected}")
-        values = {}
-        for name, p in named:
-            value = state[name]
-            value = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
-            if tuple(value.shape) != p.shape:
-                raise ValueError(f"load_state_dict: '{name}' has shape {tuple(value.shape)}, "
-                                 f"the model expects {p.shape}")
-            if value.dtype.kind not in "fiu":
-                raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
-                                "expected numbers")
-            values[id(p)] = value
-        self._flat.load(values)   # reads the parameters' values, not the buffers'
-        for _, buffer in buffers:
-            copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
-            buffer._bump_version()   # written in place, as the parameters
 
     def get_config(self):
         return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
@@ -410,26 +595,13 @@ class Sequential:
                 raise ValueError(f"unknown layer type {entry['class_name']!r}; known: "
                                  f"{sorted(LAYERS)}; a custom layer loads once its class is "
                                  "decorated with @nn.register (import it before nn.load)")
-            model.add(layer_class(**entry["config"]))
+            model.add(layer_class.from_config(entry["config"]) if issubclass(layer_class, Sequential)
+                      else layer_class(**entry["config"]))
         model._initialize = True
         return model
 
-    def save(self, path):
-        """Write the architecture and weights to one file at ``path`` with
-        ``engine.archive.atomic_write`` (a temporary file in the same directory renamed over
-        ``path``; the file gets the mode ``open()`` would give it): a ``.safetensors`` path
-        gets a safetensors file (the architecture as JSON in its metadata under
-        ``CONFIG_KEY``; the formats extra), any other an ``.npz``."""
-        folder = os.path.dirname(os.fspath(path)) or "."
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"{self.name}.save: the folder {folder!r} of "
-                                    f"{os.fspath(path)!r} does not exist; create it first "
-                                    f"(os.makedirs({folder!r}))")
-        config = json.dumps(self.get_config())
-        if _is_safetensors(path):
-            archive.write_safetensors(path, self.state_dict(), {CONFIG_KEY: config})
-            return
-        archive.write_npz(path, {CONFIG_KEY: np.array(config), **self.state_dict()})
+    def _file_config(self):
+        return json.dumps(self.get_config())
 
     def export_onnx(self, path, opset=None, normalize=None):
         """Write the model as ONNX to ``path``; returns the ``onnx.ModelProto``
@@ -438,6 +610,9 @@ class Sequential:
         # this module, and the layering keeps nn below it
         import engine
         return engine.onnx.export(self, path, opset, normalize)
+
+
+LAYERS[Sequential.__name__] = Sequential   # a layer of another Sequential
 
 
 def _human_bytes(nbytes):
@@ -465,7 +640,9 @@ def load(path, device="cpu"):
     except ValueError as error:
         raise ValueError(f"nn.load: {error}") from None
     try:
-        model = Sequential.from_config(config)
+        model = (Model.from_file_config(config)
+                 if isinstance(config, dict) and config.get("format") == "engine.nn.Model"
+                 else Sequential.from_config(config))
         model.load_state_dict(state)
     except (KeyError, ValueError, TypeError) as error:
         raise ValueError(f"nn.load: {path!r}: {error}") from None

@@ -1,0 +1,44 @@
+import numpy as np
+import engine
+from engine import nn as layers
+
+num_classes = 10
+input_shape = (1, 28, 28)
+
+(x_train, y_train), (x_test, y_test) = engine.data.mnist.load()
+
+x_train = x_train.astype("float32") / 255
+x_test = x_test.astype("float32") / 255
+x_train = np.expand_dims(x_train, 1)
+x_test = np.expand_dims(x_test, 1)
+print("x_train shape:", x_train.shape)
+print(x_train.shape[0], "train samples")
+print(x_test.shape[0], "test samples")
+
+y_train = np.eye(num_classes, dtype="float32")[y_train]
+y_test = np.eye(num_classes, dtype="float32")[y_test]
+
+model = layers.Sequential(
+    [
+        layers.Conv2D(32, kernel_size=(3, 3), activation="relu", input_shape=input_shape),
+        layers.MaxPool2D(pool_size=(2, 2)),
+        layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPool2D(pool_size=(2, 2)),
+        layers.Flatten(),
+        layers.Dropout(0.5),
+        layers.Dense(num_classes, activation="softmax"),
+    ]
+)
+
+model.summary()
+
+batch_size = 128
+epochs = 15
+
+model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+
+model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, validation_split=0.1)
+
+score = model.evaluate(x_test, y_test, verbose=0)
+print("Test loss:", score[0])
+print("Test accuracy:", score[1])
