@@ -16,6 +16,7 @@ import numbers
 import numpy as np
 
 from engine import functional as F
+from engine import sequence as S
 from engine.autograd import Value
 from engine.random import generator
 from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
@@ -269,11 +270,15 @@ class Tensor(Value):
     def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         return F.mean(self, axis, keepdims, dim=dim, keepdim=keepdim)
 
-    def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.max(self, axis, keepdims, dim=dim, keepdim=keepdim)
+    def max(self, *args, **kwargs):
+        """torch's and NumPy's max: ``x.max()`` the largest value, ``x.max(dim)`` /
+        ``x.max(dim=d, keepdim=k)`` the named tuple (values, indices), ``x.max(axis=a,
+        keepdims=k)`` NumPy's values, ``x.max(other)`` the elementwise maximum."""
+        return S.extremum_method("max", self, args, kwargs)
 
-    def min(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.min(self, axis, keepdims, dim=dim, keepdim=keepdim)
+    def min(self, *args, **kwargs):
+        """The smallest values, as ``max`` reads its arguments."""
+        return S.extremum_method("min", self, args, kwargs)
 
     def argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         return F.argmax(self, axis, keepdims, dim=dim, keepdim=keepdim)
@@ -320,6 +325,25 @@ class Tensor(Value):
         return F.permute(self, *axes)
 
     T = property(F.transpose)
+
+    # ----------------------------------------------------------- sequence models' methods
+    def masked_fill(self, mask, value):
+        return S.masked_fill(self, mask, value)
+
+    def split(self, split_size, dim=-1):
+        return S.split(self, split_size, dim)
+
+    def chunk(self, chunks, dim=-1):
+        return S.chunk(self, chunks, dim)
+
+    def tril(self, diagonal=0):
+        return S.tril(self, diagonal)
+
+    def triu(self, diagonal=0):
+        return S.triu(self, diagonal)
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        return S.topk(self, k, dim, largest, sorted)
 
     # ----------------------------------------------------------- PyTorch's names
     def float(self):

@@ -117,10 +117,11 @@ def test_only_the_cuda_backend_imports_numba_cuda():
 
 
 def test_the_core_layers_in_order():
-    """random, autograd, functional, tensor, parameter: each imports only those before it."""
+    """random, autograd, functional, sequence, tensor, parameter: each imports only those
+    before it."""
     graph = import_graph()
-    order = ["engine.random", "engine.autograd", "engine.functional", "engine.tensor",
-             "engine.parameter"]
+    order = ["engine.random", "engine.autograd", "engine.functional", "engine.sequence",
+             "engine.tensor", "engine.parameter"]
     for position, module in enumerate(order):
         assert graph[module] <= set(order[:position]), (module, graph[module])
 

@@ -1,0 +1,196 @@
+"""Scaled dot-product attention (torch's ``F.scaled_dot_product_attention``), the CPU side and
+the op; the CUDA kernels are ``ops.attention_cuda``'s.
+
+For each of ``bh`` (batch x heads) slices, queries Q (Tq, d), keys K (Tk, d) and values V
+(Tk, dv), with ``s`` the scale (default ``1 / sqrt(d)``), M the additive mask (a boolean mask
+becomes 0 / -inf; ``is_causal`` keeps key j for query i when j <= i) and D the dropout mask
+(element kept with probability 1 - p, scaled by 1 / (1 - p), from the hash of its index and
+the call's device seed as ``ops.dropout``):
+
+    S = s Q Kᵀ + M,   P = softmax(S) by rows,   O = (P ∘ D) V,   lse_i = log Σ_j exp S_ij
+
+Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matrix kept):
+
+    dP = D ∘ (dO Vᵀ),   Δ_i = Σ_j P_ij dP_ij (= dO_i · O_i),   dS = P ∘ (dP - Δ)
+    dQ = s dS K,   dK = s dSᵀ Q,   dV = (P ∘ D)ᵀ dO
+
+The CPU walks query tiles of ``CPU_TILE`` rows, all slices at once: the products are NumPy's
+batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores in memory) and
+the softmax, masks and dropout one ``@njit`` pass over the tile. dK and dV add the tiles in
+order, so results repeat bit for bit. A row whose every key is masked gives NaN, as torch.
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from ops.attention_cuda import backward_plan, forward_plan
+from ops.cpu_threads import numpy_blas_on_one_thread
+from ops.dispatch import Out, run
+from ops.dropout import _keep_cpu
+from ops.launch import CPU_KERNEL, Kernel
+from ops.layout import flat
+from ops.registry import Op, register
+
+CPU_TILE = 64   # query rows a CPU pass scores at once
+
+
+@njit(**CPU_KERNEL)
+def _scores_to_probabilities(scores, lse, mask, mask_strides, first_query, tq, scale, causal,
+                             seed, threshold, keep_scale, dropout, saved):
+    """In place: the tile's raw products ``scores`` (bh, t, Tk) become the dropped-out
+    probabilities ``P ∘ D``. ``saved`` False: computes and stores the rows' ``lse``; True:
+    reads it (the backward's recomputation, which also returns P without dropout in
+    ``scores`` when ``dropout`` is off)."""
+    bh, tile, tk = scores.shape
+    for b in range(bh):
+        for r in range(tile):
+            i = first_query + r
+            top = -math.inf
+            for j in range(tk):
+                value = scores[b, r, j] * scale
+                if mask.size:
+                    value += mask[b * mask_strides[0] + i * mask_strides[1]
+                                  + j * mask_strides[2]]
+                if causal and j > i:
+                    value = -math.inf
+                scores[b, r, j] = value
+                if value > top:
+                    top = value
+            if saved:
+                row_lse = lse[b * tq + i]
+            else:
+                total = 0.0
+                for j in range(tk):
+                    total += math.exp(scores[b, r, j] - top)
+                row_lse = top + math.log(total) if top > -math.inf else math.nan
+                lse[b * tq + i] = row_lse
+            for j in range(tk):
+                p = math.exp(scores[b, r, j] - row_lse)
+                if dropout:
+                    element = (b * tq + i) * tk + j
+                    p = p * keep_scale if _keep_cpu(element, seed[0], threshold) else 0.0
+                scores[b, r, j] = p
+
+
+@njit(**CPU_KERNEL)
+def _score_gradients(probs, grad_probs, dropped, seed, threshold, keep_scale, dropout,
+                     first_query, tq):
+    """In place, from P (``probs``) and dO Vᵀ (``grad_probs``): ``grad_probs`` becomes dS and,
+    with dropout, ``dropped`` P ∘ D (without it the caller reads P for dV)."""
+    bh, tile, tk = probs.shape
+    for b in range(bh):
+        for r in range(tile):
+            i = first_query + r
+            delta = 0.0
+            for j in range(tk):
+                d_p = grad_probs[b, r, j]
+                if dropout:
+                    element = (b * tq + i) * tk + j
+                    factor = keep_scale if _keep_cpu(element, seed[0], threshold) else 0.0
+                    d_p = d_p * factor
+                    dropped[b, r, j] = probs[b, r, j] * factor
+                grad_probs[b, r, j] = d_p
+                delta += probs[b, r, j] * d_p
+            for j in range(tk):
+                grad_probs[b, r, j] = probs[b, r, j] * (grad_probs[b, r, j] - delta)
+
+
+def _views(q, k, v, sizes):
+    bh, tq, tk, d, dv = sizes
+    return (q.reshape(bh, tq, d), k.reshape(bh, tk, d), v.reshape(bh, tk, dv))
+
+
+def attention_cpu(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale, causal,
+                  threshold, keep_scale, dropout):
+    numpy_blas_on_one_thread()
+    bh, tq, tk, d, dv = sizes
+    q3, k3, v3 = _views(q, k, v, sizes)
+    out3 = out.reshape(bh, tq, dv)
+    keys_t = k3.transpose(0, 2, 1)
+    for start in range(0, tq, CPU_TILE):
+        stop = min(start + CPU_TILE, tq)
+        scores = np.matmul(q3[:, start:stop], keys_t)
+        _scores_to_probabilities(scores, lse, mask, mask_strides, start, tq, scale, causal,
+                                 seed, threshold, keep_scale, dropout, False)
+        np.matmul(scores, v3, out=out3[:, start:stop])
+
+
+def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, sizes,
+                       mask_strides, scale, causal, threshold, keep_scale, dropout):
+    numpy_blas_on_one_thread()
+    bh, tq, tk, d, dv = sizes
+    q3, k3, v3 = _views(q, k, v, sizes)
+    g3 = grad_out.reshape(bh, tq, dv)
+    dq3, dk3, dv3 = grad_q.reshape(bh, tq, d), grad_k.reshape(bh, tk, d), \
+        grad_v.reshape(bh, tk, dv)
+    keys_t, values_t = k3.transpose(0, 2, 1), v3.transpose(0, 2, 1)
+    for start in range(0, tq, CPU_TILE):
+        stop = min(start + CPU_TILE, tq)
+        probs = np.matmul(q3[:, start:stop], keys_t)
+        _scores_to_probabilities(probs, lse, mask, mask_strides, start, tq, scale, causal,
+                                 seed, threshold, keep_scale, False, True)
+        grad_scores = np.matmul(g3[:, start:stop], values_t)
+        dropped = np.empty_like(probs) if dropout else probs
+        _score_gradients(probs, grad_scores, dropped, seed, threshold, keep_scale, dropout,
+                         start, tq)
+        grad_scores *= scale
+        np.matmul(grad_scores, k3, out=dq3[:, start:stop])
+        if start == 0:   # the first tile writes dK and dV, later ones add in order
+            np.matmul(grad_scores.transpose(0, 2, 1), q3[:, start:stop], out=dk3)
+            np.matmul(dropped.transpose(0, 2, 1), g3[:, start:stop], out=dv3)
+        else:
+            dk3 += np.matmul(grad_scores.transpose(0, 2, 1), q3[:, start:stop])
+            dv3 += np.matmul(dropped.transpose(0, 2, 1), g3[:, start:stop])
+    if tq == 0:
+        grad_k[:] = 0
+        grad_v[:] = 0
+
+
+# the compiled kernels behind each CPU side (tests/test_registry.py looks for them)
+attention_cpu.__wrapped__ = _scores_to_probabilities
+attention_grad_cpu.__wrapped__ = _score_gradients
+
+ATTENTION = Kernel("attention", attention_cpu, cuda_plan=forward_plan)
+ATTENTION_GRAD = Kernel("attention_grad", attention_grad_cpu, cuda_plan=backward_plan)
+
+
+@register
+class AttentionOp(Op):
+    """Inputs ``(q, k, v, mask, seed)``: q (bh, Tq, d), k (bh, Tk, d), v (bh, Tk, dv) as 3-D
+    arrays, ``mask`` a float additive mask read through ``mask_strides`` (an empty array for
+    none) and ``seed`` a one-element int64 array; params ``scale``, ``causal``,
+    ``mask_strides`` and ``dropout_p``. The mask and the seed get no gradient."""
+    name = "attention"
+    kernels = (ATTENTION, ATTENTION_GRAD)
+    integer_inputs = (4,)
+
+    def check(self, q, k, v, mask, seed):
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or q.shape[0] != k.shape[0] \
+                or k.shape[0] != v.shape[0] or q.shape[2] != k.shape[2] \
+                or k.shape[1] != v.shape[1]:
+            raise ValueError(f"scaled_dot_product_attention: expects q (bh, Tq, d), k (bh, Tk, "
+                             f"d), v (bh, Tk, dv), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        self.sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+
+    def _scalars(self):
+        p = self.params["dropout_p"]
+        return (self.params["mask_strides"], float(self.params["scale"]),
+                bool(self.params["causal"]), int(round(p * 2 ** 32)),
+                float(0.0 if p >= 1 else 1.0 / (1.0 - p)), p > 0)
+
+    def forward(self, q, k, v, mask, seed):
+        bh, tq, tk, d, dv = self.sizes
+        out, self.lse = run(ATTENTION, flat(q), flat(k), flat(v), flat(mask), seed,
+                            Out((bh, tq, dv), q.dtype), Out((bh * tq,), np.float64),
+                            self.sizes, *self._scalars())
+        self.saved = (q, k, v, mask, seed, out)
+        return out
+
+    def backward(self, grad_out, grad_dst):
+        q, k, v, mask, seed, out = self.saved
+        grads = run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
+                    flat(out), flat(grad_out), Out(q.shape, q.dtype), Out(k.shape, k.dtype),
+                    Out(v.shape, v.dtype), self.sizes, *self._scalars())
+        return (*grads, None, None)

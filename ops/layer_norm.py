@@ -1,0 +1,254 @@
+"""Layer normalisation over the trailing ``n`` elements of each row (torch's ``layer_norm``):
+``y = (x - mean) / sqrt(var + eps) * weight + bias``, the variance biased.
+
+The input is ``rows`` rows of ``n`` contiguous elements. Forward: one pass over a row gives
+its statistics as shifted moments, ``s1 = Σ (x - x0)`` and ``s2 = Σ (x - x0)²`` with ``x0``
+the row's first element, in float64: ``mean = x0 + s1 / n``, ``var = s2 / n - (s1 / n)²``.
+The shift keeps the moments' cancellation to the row's spread, not its offset (a row at 1e4
+with spread 1 keeps 1e-8 of relative precision where unshifted float64 moments keep 1e-4).
+The row's mean and ``rstd = 1 / sqrt(var + eps)`` are saved (float64) for the backward; a
+second pass writes y. On CUDA a row gets a group of a block's threads as softmax's rows do
+(``ops.softmax.row_group``), the two sums going through ``ops.block_reduce``'s fixed tree.
+
+Backward, from ``g = grad_out`` and ``x̂ = (x - mean) · rstd``:
+- ``dx = rstd · (g·w - mean(g·w) - x̂ · mean(g·w · x̂))``: one kernel, a row per group;
+- ``dweight = Σ_rows g · x̂`` and ``dbias = Σ_rows g``: one kernel, a thread per column walking
+  the rows in order (no atomics: the same bits every run).
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from ops.block_reduce import REDUCE_THREADS, SUM, group_reduce_cuda
+from ops.cuda_backend import cuda
+from ops.dispatch import Out, run
+from ops.launch import CPU_KERNEL, Kernel
+from ops.layout import flat
+from ops.registry import Op, register
+from ops.softmax import row_group
+
+HAS_WEIGHT, HAS_BIAS = 1, 2
+STATS_DTYPE = np.float64
+
+
+@njit(**CPU_KERNEL)
+def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
+    for r in range(rows):
+        base = r * n
+        shift = x[base]
+        s1 = 0.0
+        s2 = 0.0
+        for k in range(n):
+            d = float(x[base + k] - shift)
+            s1 += d
+            s2 += d * d
+        m1 = s1 / n
+        row_mean = shift + m1
+        row_rstd = 1.0 / math.sqrt(max(s2 / n - m1 * m1, 0.0) + eps)
+        mean[r] = row_mean
+        rstd[r] = row_rstd
+        for k in range(n):
+            value = (x[base + k] - row_mean) * row_rstd
+            if affine & HAS_WEIGHT:
+                value = value * weight[k]
+            if affine & HAS_BIAS:
+                value = value + bias[k]
+            out[base + k] = value
+
+
+@cuda.jit(cache=True)
+def layer_norm_cuda(x, weight, bias, out, mean, rstd, rows, n, eps, affine, group):
+    t = cuda.threadIdx.x
+    lane = t % group
+    r = cuda.blockIdx.x * (REDUCE_THREADS // group) + t // group
+    count = n if r < rows else 0   # a group past the last row still joins the reductions
+    base = r * n
+    shift = x[base] if count else 0.0
+    s1 = 0.0
+    s2 = 0.0
+    for k in range(lane, count, group):
+        d = float(x[base + k] - shift)
+        s1 += d
+        s2 += d * d
+    s1 = group_reduce_cuda(SUM, s1, group)
+    s2 = group_reduce_cuda(SUM, s2, group)
+    if count:
+        m1 = s1 / n
+        row_mean = shift + m1
+        row_rstd = 1.0 / math.sqrt(max(s2 / n - m1 * m1, 0.0) + eps)
+        if lane == 0:
+            mean[r] = row_mean
+            rstd[r] = row_rstd
+        for k in range(lane, count, group):
+            value = (x[base + k] - row_mean) * row_rstd
+            if affine & HAS_WEIGHT:
+                value = value * weight[k]
+            if affine & HAS_BIAS:
+                value = value + bias[k]
+            out[base + k] = value
+
+
+@njit(**CPU_KERNEL)
+def layer_norm_grad_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine):
+    for r in range(rows):
+        base = r * n
+        row_mean, row_rstd = mean[r], rstd[r]
+        total = 0.0
+        total_xhat = 0.0
+        for k in range(n):
+            gw = float(grad_out[base + k])
+            if affine & HAS_WEIGHT:
+                gw *= weight[k]
+            total += gw
+            total_xhat += gw * (x[base + k] - row_mean) * row_rstd
+        total /= n
+        total_xhat /= n
+        for k in range(n):
+            gw = float(grad_out[base + k])
+            if affine & HAS_WEIGHT:
+                gw *= weight[k]
+            xhat = (x[base + k] - row_mean) * row_rstd
+            grad_x[base + k] = row_rstd * (gw - total - xhat * total_xhat)
+
+
+@cuda.jit(cache=True)
+def layer_norm_grad_cuda(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine, group):
+    t = cuda.threadIdx.x
+    lane = t % group
+    r = cuda.blockIdx.x * (REDUCE_THREADS // group) + t // group
+    count = n if r < rows else 0
+    base = r * n
+    row_mean = mean[r] if count else 0.0
+    row_rstd = rstd[r] if count else 0.0
+    total = 0.0
+    total_xhat = 0.0
+    for k in range(lane, count, group):
+        gw = float(grad_out[base + k])
+        if affine & HAS_WEIGHT:
+            gw *= weight[k]
+        total += gw
+        total_xhat += gw * (x[base + k] - row_mean) * row_rstd
+    total = group_reduce_cuda(SUM, total, group) / n
+    total_xhat = group_reduce_cuda(SUM, total_xhat, group) / n
+    for k in range(lane, count, group):
+        gw = float(grad_out[base + k])
+        if affine & HAS_WEIGHT:
+            gw *= weight[k]
+        xhat = (x[base + k] - row_mean) * row_rstd
+        grad_x[base + k] = row_rstd * (gw - total - xhat * total_xhat)
+
+
+def _params_grad(j, x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n, which):
+    """Column ``j``'s weight and bias gradients, the rows summed in order (float64)."""
+    total_xhat = 0.0
+    total = 0.0
+    for r in range(rows):
+        g = float(grad_out[r * n + j])
+        total += g
+        total_xhat += g * (x[r * n + j] - mean[r]) * rstd[r]
+    if which & HAS_WEIGHT:
+        grad_weight[j] = total_xhat
+    if which & HAS_BIAS:
+        grad_bias[j] = total
+
+
+_params_grad_cuda = cuda.jit(device=True)(_params_grad)
+
+
+@njit(**CPU_KERNEL)
+def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n,
+                               which):
+    # rows outer for the cache; each column still sums its rows in order, as on CUDA
+    totals = np.zeros(n, np.float64)
+    totals_xhat = np.zeros(n, np.float64)
+    for r in range(rows):
+        base = r * n
+        for j in range(n):
+            g = float(grad_out[base + j])
+            totals[j] += g
+            totals_xhat[j] += g * (x[base + j] - mean[r]) * rstd[r]
+    for j in range(n):
+        if which & HAS_WEIGHT:
+            grad_weight[j] = totals_xhat[j]
+        if which & HAS_BIAS:
+            grad_bias[j] = totals[j]
+
+
+@cuda.jit(cache=True)
+def layer_norm_params_grad_cuda(x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n,
+                                which):
+    j = cuda.grid(1)
+    if j < n:
+        _params_grad_cuda(j, x, mean, rstd, grad_out, grad_weight, grad_bias, rows, n, which)
+
+
+def _row_plan(kernel):
+    def plan(args):
+        rows, n = args[6], args[7]
+        group = row_group(n, 1)
+        return ((kernel, -(-rows // (REDUCE_THREADS // group)), REDUCE_THREADS,
+                 (*args, group)),)
+    return plan
+
+
+LAYER_NORM = Kernel("layer_norm", layer_norm_cpu, cuda_plan=_row_plan(layer_norm_cuda))
+LAYER_NORM_GRAD = Kernel("layer_norm_grad", layer_norm_grad_cpu,
+                         cuda_plan=_row_plan(layer_norm_grad_cuda))
+LAYER_NORM_PARAMS_GRAD = Kernel("layer_norm_params_grad", layer_norm_params_grad_cpu,
+                                layer_norm_params_grad_cuda, lambda *args: args[7])
+
+
+@register
+class LayerNormOp(Op):
+    """Inputs ``(x, weight, bias)`` with weight and bias of the normalised shape, or x in
+    the place of one that is absent; params ``normalized_shape`` (a tuple: x's trailing
+    dims), ``eps`` and ``affine`` (``HAS_WEIGHT | HAS_BIAS`` of those given)."""
+    name = "layer_norm"
+    kernels = (LAYER_NORM, LAYER_NORM_GRAD, LAYER_NORM_PARAMS_GRAD)
+
+    def check(self, x, weight, bias):
+        shape = tuple(self.params["normalized_shape"])
+        trailing = tuple(x.shape[x.ndim - len(shape):]) if len(shape) <= x.ndim else None
+        if not shape or trailing != shape:
+            raise ValueError(f"layer_norm: normalized_shape {shape} must be the trailing "
+                             f"dims of the input, got input of shape {tuple(x.shape)}")
+        affine = self.params["affine"]
+        for flag, name, array in ((HAS_WEIGHT, "weight", weight), (HAS_BIAS, "bias", bias)):
+            if affine & flag and tuple(array.shape) != shape:
+                raise ValueError(f"layer_norm: {name} of shape {tuple(array.shape)} must have "
+                                 f"the normalized_shape {shape}")
+        eps = self.params["eps"]
+        if not eps >= 0:
+            raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
+        self.n = math.prod(shape)
+        self.rows = x.size // self.n if self.n else 0
+
+    def forward(self, x, weight, bias):
+        out, self.mean, self.rstd = run(
+            LAYER_NORM, flat(x), flat(weight), flat(bias), Out(x.shape, x.dtype),
+            Out((self.rows,), STATS_DTYPE), Out((self.rows,), STATS_DTYPE),
+            self.rows if self.n else 0, self.n, float(self.params["eps"]),
+            self.params["affine"])
+        self.x, self.weight = x, weight
+        return out
+
+    def backward(self, grad_out, grad_dst):
+        needs_x, needs_w, needs_b = self.needs_input_grad
+        affine = self.params["affine"]
+        x, rows, n = self.x, self.rows if self.n else 0, self.n
+        grad_x = grad_w = grad_b = None
+        if needs_x:
+            grad_x = run(LAYER_NORM_GRAD, flat(x), flat(self.weight), self.mean, self.rstd,
+                         flat(grad_out), Out(x.shape, x.dtype), rows, n, affine)
+        which = (HAS_WEIGHT if needs_w and affine & HAS_WEIGHT else 0) | \
+            (HAS_BIAS if needs_b and affine & HAS_BIAS else 0)
+        if which:
+            shape = tuple(self.params["normalized_shape"])
+            slots = [Out(shape, x.dtype) if which & flag else Out((0,), x.dtype)
+                     for flag in (HAS_WEIGHT, HAS_BIAS)]
+            run(LAYER_NORM_PARAMS_GRAD, flat(x), self.mean, self.rstd, flat(grad_out),
+                *slots, rows, n, which)
+            grad_w = slots[0].array if which & HAS_WEIGHT else None
+            grad_b = slots[1].array if which & HAS_BIAS else None
+        return grad_x, grad_w, grad_b

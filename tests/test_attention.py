@@ -1,0 +1,168 @@
+"""Scaled dot-product attention: ``check_op`` (NumPy float64, gradcheck, CPU == CUDA, poison)
+on tiny odd shapes with and without masks, torch's results in float64, dropout from the
+device seed, and bad input."""
+import numpy as np
+import pytest
+
+import engine
+from engine.autograd import apply
+from ops.attention import AttentionOp
+from ops.dropout import dropout, seed_array
+from tests.op_check import Case, check_op
+
+
+def _softmax(s):
+    top = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - top)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _reference(q, k, v, mask=None, causal=False, scale=None, keep=None):
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if mask is not None:
+        s = s + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = _softmax(s)
+    return (p if keep is None else p * keep) @ v
+
+
+def _sdpa(*args, **kwargs):
+    return engine.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _bool_mask(shape):
+    def make(rng):
+        mask = rng.uniform(size=shape) > 0.4
+        mask[..., 0] = True   # every query keeps a key: no NaN row
+        return mask
+    return make
+
+
+def _with_mask(shapes, mask):
+    def make(rng):
+        return [rng.uniform(-2, 2, s) for s in shapes] + [mask(rng)]
+    return make
+
+
+QKV = ((2, 2, 5, 3), (2, 2, 5, 3), (2, 2, 5, 3))
+CASES = [
+    Case("attention", QKV, _sdpa, _reference),
+    Case("attention", QKV, lambda q, k, v: _sdpa(q, k, v, is_causal=True),
+         lambda q, k, v: _reference(q, k, v, causal=True)),
+    Case("attention", ((3, 4, 3), (3, 6, 3), (3, 6, 2)),
+         lambda q, k, v: _sdpa(q, k, v, scale=0.3),
+         lambda q, k, v: _reference(q, k, v, scale=0.3)),
+    Case("attention", ((1, 5, 3), (1, 5, 3), (1, 5, 3), (5, 5)),
+         lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m),
+         lambda q, k, v, m: _reference(q, k, v, mask=m),
+         make_inputs=_with_mask(((1, 5, 3),) * 3, _bool_mask((5, 5)))),
+    Case("attention", ((2, 2, 3, 2), (2, 2, 4, 2), (2, 2, 4, 3), (2, 1, 1, 4)),
+         lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m),
+         lambda q, k, v, m: _reference(q, k, v, mask=m), grad=(True, True, True, False)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_op(case, device):
+    check_op(case, device)
+
+
+def _grads(fn, arrays, library):
+    """The output and the gradients of q, k and v (a mask gets none here)."""
+    if library == "torch":
+        import torch
+        tensors = [torch.tensor(a, requires_grad=n < 3) for n, a in enumerate(arrays)]
+    else:
+        tensors = [engine.tensor(a, requires_grad=n < 3) for n, a in enumerate(arrays)]
+    out = fn(*tensors)
+    g = np.random.default_rng(7).standard_normal(tuple(out.shape))
+    (out * type(out)(g) if library == "engine" else out * __import__("torch").tensor(g)) \
+        .sum().backward()
+    values = out.detach().numpy()
+    return values, [t.grad.numpy() for t in tensors if t.requires_grad]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", ["plain", "causal", "bool", "float", "rectangular", "3d"])
+def test_matches_torch(kind):
+    import torch
+    F = torch.nn.functional.scaled_dot_product_attention
+    rng = np.random.default_rng(1)
+    shapes = {"rectangular": ((2, 3, 70, 8), (2, 3, 9, 8), (2, 3, 9, 5)),
+              "3d": ((4, 66, 8), (4, 66, 8), (4, 66, 8))}.get(kind, ((2, 3, 67, 8),) * 3)
+    arrays = [rng.standard_normal(s) for s in shapes]
+    kwargs = {}
+    if kind == "causal":
+        kwargs["is_causal"] = True
+    extra = {"bool": rng.uniform(size=(67, 67)) > 0.5,
+             "float": rng.standard_normal((2, 1, 67, 67))}.get(kind)
+    if extra is not None:
+        if extra.dtype == bool:
+            extra[:, 0] = True
+        arrays.append(extra)
+
+    def run(library):
+        fn = F if library == "torch" else engine.scaled_dot_product_attention
+        return _grads(lambda q, k, v, *m: fn(q, k, v, *m, **kwargs), arrays, library)
+
+    (ours, our_grads), (theirs, their_grads) = run("engine"), run("torch")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+    for mine, reference in zip(our_grads, their_grads):
+        np.testing.assert_allclose(mine, reference, rtol=1e-9, atol=1e-11)
+
+
+def _dropout_keep(bh, tq, tk, p, seed):
+    """The keep-and-scale factor of each (slice, query, key): ops.dropout's mask of the
+    flat score index, which the attention kernels draw."""
+    return dropout(np.ones(bh * tq * tk), p, seed_array(seed, "cpu")).reshape(bh, tq, tk)
+
+
+def test_dropout_follows_the_seed_and_its_gradient_checks(device):
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((2, 5, 3)) for _ in range(3)]
+    seed = seed_array(11, device)
+
+    def attend(q, k, v):
+        mask = engine.tensor(np.zeros(0), device=device).data
+        return apply(AttentionOp, q, k, v, mask, seed, scale=0.5, causal=True,
+                     mask_strides=(0, 0, 0), dropout_p=0.4)
+
+    tensors = [engine.tensor(a, device=device, requires_grad=True) for a in arrays]
+    keep = _dropout_keep(2, 5, 5, 0.4, 11)
+    assert 0 < (keep == 0).sum() < keep.size
+    np.testing.assert_allclose(attend(*tensors).numpy(),
+                               _reference(*arrays, causal=True, scale=0.5, keep=keep),
+                               rtol=1e-10, atol=1e-12)
+    engine.gradcheck(attend, tensors, fast=device == "cuda")
+
+
+def test_dropout_draws_a_new_mask_each_call_and_repeats_from_manual_seed():
+    q = engine.tensor(np.random.default_rng(3).standard_normal((1, 6, 4)))
+    first = _sdpa(q, q, q, dropout_p=0.5).numpy()
+    assert not np.array_equal(first, _sdpa(q, q, q, dropout_p=0.5).numpy())
+    np.testing.assert_array_equal(_sdpa(q, q, q).numpy(), _sdpa(q, q, q, dropout_p=0.0).numpy())
+
+
+def test_bad_input_names_the_op_and_the_shapes():
+    q = engine.tensor(np.ones((2, 4, 3)))
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: attn_mask of shape "
+                                         r"\(3, 4\) does not broadcast to the scores' shape "
+                                         r"\(2, 4, 4\)"):
+        _sdpa(q, q, q, attn_mask=np.ones((3, 4), bool))
+    with pytest.raises(ValueError, match="give attn_mask or is_causal=True, not both"):
+        _sdpa(q, q, q, attn_mask=np.ones((4, 4), bool), is_causal=True)
+    with pytest.raises(ValueError, match=r"expects q \(..., Tq, d\), k \(..., Tk, d\) and v "
+                                         r"\(..., Tk, dv\) with the same leading dims, got "
+                                         r"\(2, 4, 3\), \(2, 4, 2\)"):
+        _sdpa(q, engine.tensor(np.ones((2, 4, 2))), q)
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        _sdpa(q, q, q, dropout_p=1.0)
+
+
+def test_a_fully_masked_row_is_nan_as_in_torch():
+    q = engine.tensor(np.ones((1, 2, 3)))
+    mask = np.array([[True, True], [False, False]])
+    out = _sdpa(q, q, q, attn_mask=mask).numpy()
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()

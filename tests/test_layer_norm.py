@@ -1,0 +1,124 @@
+"""LayerNorm: ``engine.layer_norm`` and ``nn.LayerNorm`` against NumPy and torch, through
+``check_op``, with rows far from zero, fixed-order parameter gradients and a captured step."""
+import numpy as np
+import pytest
+
+import engine
+import optim
+from engine import nn
+from tests.op_check import Case, check_op
+
+
+def _reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+CASES = [
+    Case("layer_norm", ((3, 5), (5,), (5,)),
+         lambda x, w, b: engine.layer_norm(x, 5, w, b),
+         lambda x, w, b: _reference(x, (5,), w, b)),
+    Case("layer_norm", ((2, 3, 7),), lambda x: engine.layer_norm(x, (7,), eps=0.1),
+         lambda x: _reference(x, (7,), eps=0.1)),
+    Case("layer_norm", ((2, 3, 2), (3, 2)),
+         lambda x, w: engine.layer_norm(x, (3, 2), weight=w),
+         lambda x, w: _reference(x, (3, 2), w)),
+    Case("layer_norm", ((4, 3), (3,)), lambda x, b: engine.layer_norm(x, (3,), bias=b),
+         lambda x, b: _reference(x, (3,), bias=b)),
+    Case("layer_norm", ((5, 2), (2,), (2,)), lambda x, w, b: engine.layer_norm(x, 2, w, b),
+         lambda x, w, b: _reference(x, (2,), w, b), grad=(False, True, True)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_op(case, device):
+    check_op(case, device)
+
+
+@pytest.mark.torch
+def test_matches_torch_forward_and_gradients():
+    import torch
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal((4, 6, 8)), rng.standard_normal(8), rng.standard_normal(8)
+    g = rng.standard_normal((4, 6, 8))
+    tensors = [engine.tensor(a, requires_grad=True) for a in (x, w, b)]
+    out = engine.layer_norm(tensors[0], (8,), tensors[1], tensors[2], eps=1e-3)
+    (out * engine.tensor(g)).sum().backward()
+    expected = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    ref = torch.nn.functional.layer_norm(expected[0], (8,), expected[1], expected[2], eps=1e-3)
+    (ref * torch.tensor(g)).sum().backward()
+    np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(tensors, expected):
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-10,
+                                   atol=1e-12)
+
+
+def test_rows_far_from_zero_keep_their_precision(device):
+    """A row at 1e4 with unit spread: the shifted moments keep float32's own precision."""
+    rng = np.random.default_rng(1)
+    x = 1e4 + rng.standard_normal((3, 33))
+    out = engine.layer_norm(engine.tensor(x, dtype=np.float32, device=device), 33).numpy()
+    expected = _reference(x.astype(np.float32).astype(np.float64), (33,))
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-3)
+
+
+def test_parameter_gradients_repeat_bit_for_bit(device):
+    rng = np.random.default_rng(2)
+    x, g = rng.standard_normal((37, 6)), rng.standard_normal((37, 6))
+    results = []
+    for _ in range(2):
+        layer = nn.LayerNorm()
+        inputs = engine.tensor(x, dtype=np.float32, device=device)
+        layer.build((6,), device)
+        (layer(inputs) * engine.tensor(g, dtype=np.float32, device=device)).sum().backward()
+        results.append((layer.weight.grad.numpy().tobytes(), layer.bias.grad.numpy().tobytes()))
+    assert results[0] == results[1]
+
+
+def test_bad_shapes_name_the_op_and_the_shapes():
+    x = engine.tensor(np.ones((2, 3)), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"layer_norm: normalized_shape \(4,\) must be the "
+                                         r"trailing dims of the input, got input of shape \(2, 3\)"):
+        engine.layer_norm(x, 4)
+    with pytest.raises(ValueError, match=r"layer_norm: weight of shape \(2,\) must have the "
+                                         r"normalized_shape \(3,\)"):
+        engine.layer_norm(x, 3, weight=engine.tensor(np.ones(2), dtype=np.float32))
+    layer = nn.LayerNorm()
+    layer(x)
+    with pytest.raises(ValueError, match=r"built for 3 features on the last axis, got input "
+                                         r"of shape \(2, 4\)"):
+        layer(engine.tensor(np.ones((2, 4)), dtype=np.float32))
+    with pytest.raises(ValueError, match="LayerNorm: eps must be a number > 0"):
+        nn.LayerNorm(eps=0)
+
+
+def test_captured_step_equals_eager(device):
+    rng = np.random.default_rng(0)
+    batches = [engine.tensor(rng.standard_normal((5, 3, 4)), dtype=np.float32, device=device)
+               for _ in range(3)]
+    results = []
+    for captured in (False, True):
+        engine.manual_seed(0)
+        model = nn.Sequential([nn.LayerNorm(input_shape=(3, 4)), nn.Flatten(), nn.Dense(2)])
+        model.to(device)
+        opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x):
+            opt.zero_grad()
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = engine.capture(step) if captured else step
+        losses = [step(x).item() for x in batches * 2]
+        results.append((losses, [np.array(v).tobytes() for v in model.state_dict().values()]))
+    assert results[0] == results[1]
+    assert step.replayed >= 3
