@@ -215,7 +215,7 @@ def run(device, quick=False, threads=None):
 
     def engine_sync():
         if device == "cuda":
-            from ops.cuda_backend import cuda
+            from ops.cuda import cuda
             cuda.synchronize()
 
     def torch_sync():
@@ -316,7 +316,7 @@ def sweep_cuda(batch=BATCH):
     winners as ``CONV_CHOICES`` entries to paste into ops/matmul.py."""
     import ops.matmul as mm
     from ops.conv import Conv2DOp
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
 
     started = time.perf_counter()
     torch = None

@@ -49,7 +49,7 @@ def rank_run(device, hidden, steps, batch_size, threads):
     from engine import distributed as dist
     from engine.losses import cross_entropy
     from engine.models import build_mlp
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
 
     dist.init(device=device)
     if threads:
@@ -136,7 +136,7 @@ def run_world(ranks, device, hidden, steps, batch_size, threads):
 def world_sizes(device):
     if device == "cpu":
         return [1, 2]
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     return [1, 2] if len(cuda.gpus) >= 2 else [1]
 
 

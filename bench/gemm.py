@@ -100,7 +100,7 @@ PRECISION_NAMES = {"highest": ("fp32", "TF32 off"), "high": ("TF32", "TF32 on"),
 
 
 def bench_cuda(shapes, precision="highest"):
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
 
     from ops.device import to_device
     from ops.matmul import gemm
@@ -192,7 +192,7 @@ def _candidates(k, trans_a, trans_b):
 def _dense_product(m, k, n, trans_a, trans_b, rng):
     """The fused Dense call that computes this MLP product in a step (relu), its output arrays
     and their float64 references: x·W (forward), G·Wᵀ (dX), xᵀ·G (dW and db)."""
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.dense import DENSE
     from ops.device import to_device
     from ops.pointwise import RELU
@@ -239,7 +239,7 @@ def sweep_cuda(shapes):
     """Per MLP product: GPU and wall time of the Dense kernel under every candidate config,
     cuBLAS's plain product beside; the winners as ``GEMM_CHOICES`` entries to paste."""
     import ops.matmul as mm
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
 
     started = time.perf_counter()
     torch = _torch_or_none()

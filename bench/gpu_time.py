@@ -33,7 +33,7 @@ class _NumbaEvent:
     """A numba CUDA event with torch.cuda.Event's methods."""
 
     def __init__(self):
-        from ops.cuda_backend import cuda
+        from ops.cuda import cuda
         self.event = cuda.event()
 
     def record(self):
@@ -52,7 +52,7 @@ def engine_timer():
     pipelined tensor-core product took 0.8-1.0 ms, shorter than 20 calls' launches, and the
     small products' GPU times rose 2.5-4x with the launch gaps (fwd L1 128x784x256 at
     "medium": 47.6 us against 11.0 before the pipelines)."""
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.device import to_device
     from ops.matmul import gemm
     from ops.matmul_precision import (get_float32_matmul_precision,

@@ -353,7 +353,7 @@ def format_first_steps(jit):
 
 def machine_description(device):
     if device == "cuda":
-        from ops.cuda_backend import cuda
+        from ops.cuda import cuda
         name = getattr(cuda.get_current_device(), "name", "Numba's CUDA simulator")
         return name.decode() if isinstance(name, bytes) else str(name)
     model = platform.processor() or platform.machine()

@@ -138,7 +138,7 @@ def run(device, quick=False):
 
     def engine_sync():
         if device == "cuda":
-            from ops.cuda_backend import cuda
+            from ops.cuda import cuda
             cuda.synchronize()
 
     def torch_sync():

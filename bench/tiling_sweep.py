@@ -94,7 +94,7 @@ def forced(tiling, split, shape):
 
 
 def _operands(m, k, n, trans_a, trans_b, rng):
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.device import to_device
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
     b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)

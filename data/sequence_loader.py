@@ -18,7 +18,7 @@ from numba import njit
 
 from data.transforms import _GOLDEN, _MASK64, _mix64
 from engine.tensor import Tensor
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import check_device, to_device
 from ops.dispatch import Out, run
 from ops.launch import Kernel, elements

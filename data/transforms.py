@@ -21,7 +21,7 @@ from numba import njit
 
 from engine.random import generator
 from engine.tensor import Tensor
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Out, run
 from ops.launch import Kernel, elements
 from ops.layout import flat

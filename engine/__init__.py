@@ -105,7 +105,7 @@ _apply_default_blas_threads()
 # The public names, imported from their modules on first use: ``import engine`` itself
 # imports neither Numba nor numba.cuda (1.2-1.9 s on the 2-core machine, numba.cuda most of
 # it), so ``python -m engine.train --help`` answers at once. The first tensor pays Numba's;
-# numba.cuda waits for the first CUDA use (ops.cuda_backend).
+# numba.cuda waits for the first CUDA use (ops.cuda).
 _LAZY_NAMES = {
     "engine.autograd": ("AnomalyError", "detect_anomaly", "enable_grad", "is_grad_enabled",
                         "no_grad", "set_grad_enabled"),

@@ -50,7 +50,7 @@ import weakref
 import numpy as np
 
 from ops.check import count_nonfinite
-from ops.cuda_backend import is_device_array
+from ops.cuda import is_device_array
 from ops.device import device_of, to_device
 from ops.elementwise import add_arrays
 from ops.fill import fill

@@ -32,6 +32,7 @@ and the JSON log (``JsonLog``) are callbacks too: ``fit(progress=False, verbose=
 drops the built-in ones, so another bar or logger can take their place. ``TensorBoard``
 writes the records, the learning rate and the training loss as TensorBoard event files.
 """
+import contextlib
 import importlib
 import json
 import math
@@ -429,6 +430,19 @@ class JsonLog(Callback):
         append_record(self.path, logs)
 
 
+class _Sink:
+    """A file that takes every write and keeps nothing."""
+
+    def write(self, data):
+        return len(data)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
 def _summary_writer():
     try:
         return importlib.import_module("tensorboardX").SummaryWriter
@@ -451,7 +465,9 @@ class TensorBoard(Callback):
     counted over the whole run; reading a loss waits for the device, so ``fit`` replays up to
     ``n`` steps between two reads). ``tensorboard --logdir LOG_DIR`` shows the curves. The
     files are flushed after every epoch and closed when training ends. In a distributed run
-    give it to rank 0 only, as the other writers."""
+    give it to rank 0 only, as the other writers. A write that fails (a full disk) raises one
+    ``OSError`` naming ``log_dir``, kept in ``failure``; the writer is then let go without
+    another try, so neither the end of training nor the interpreter's exit fails again."""
 
     def __new__(cls, *args, **kwargs):
         # fit runs every replay unwatched (a whole epoch in one graph launch) unless a
@@ -472,15 +488,16 @@ class TensorBoard(Callback):
                              f"number of steps, got {update_freq!r}")
         self.log_dir, self.update_freq = os.fspath(log_dir), update_freq
         self._writer_class = _summary_writer()   # a missing package fails before training
-        self.writer = None
+        self.writer = self.failure = None
 
     def on_train_begin(self, logs):
         try:
             os.makedirs(self.log_dir, exist_ok=True)
         except OSError as error:
-            raise OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "
-                                       f"({error.strerror or error})") from None
-        self.writer = self._writer_class(self.log_dir)
+            self.failure = OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "
+                                                f"({error.strerror or error})")
+            raise self.failure from None
+        self.writer = self._write(self._writer_class, self.log_dir)
         steps = logs["steps"]
         self.global_step = logs["start_epoch"] * steps if steps else 0   # a resumed run goes on
 
@@ -489,15 +506,52 @@ class TensorBoard(Callback):
 
     def on_epoch_end(self, logs):
         epoch = logs["epoch"]
-        for key, value in logs.items():
-            if key != "epoch" and value is not None:
-                self.writer.add_scalar(f"epoch/{key}", value, epoch)
-        self.writer.add_scalar("epoch/learning_rate", self.learning_rate, epoch)
-        self.writer.flush()
+
+        def write():
+            for key, value in logs.items():
+                if key != "epoch" and value is not None:
+                    self.writer.add_scalar(f"epoch/{key}", value, epoch)
+            self.writer.add_scalar("epoch/learning_rate", self.learning_rate, epoch)
+            self.writer.flush()
+        self._write(write)
 
     def on_train_end(self, logs):
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is None:
+            return
+        try:
+            self._write(self.writer.close)
+        except OSError:
+            if logs.get("error") is None:   # else the error that ended training is the news
+                raise
+        self.writer = None
+
+    def _write(self, write, *args):
+        """``write(*args)``; a write that fails lets the writer go (``_let_go``) and raises
+        an ``OSError`` that names the folder."""
+        try:
+            return write(*args)
+        except OSError as error:
+            self._let_go()
+            self.failure = OSError(error.errno, f"TensorBoard: cannot write the event files "
+                                                f"in {self.log_dir} ({error.strerror or error})")
+            raise self.failure from None
+
+    def _let_go(self):
+        """After a failed write: tensorboardX's writers would flush the bytes the disk
+        refused again, each time failing, at the end of training, in their thread and at
+        the interpreter's exit. Their files are closed here, the bytes dropped, and the
+        writers closed onto a sink; the files keep what was written before."""
+        writer, self.writer = self.writer, None
+        for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
+            events = getattr(file_writer, "event_writer", None)
+            records = getattr(getattr(events, "_ev_writer", None), "_py_recordio_writer", None)
+            if records is None or not hasattr(records, "_writer"):
+                continue   # another tensorboardX than 2.6's: left as it is
+            with contextlib.suppress(OSError):
+                records._writer.close()   # raises the failed flush again, and closes
+            records._writer = _Sink()
+            with contextlib.suppress(OSError):
+                events.close()
             self.writer = None
 
 

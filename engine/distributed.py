@@ -48,7 +48,7 @@ import zlib
 
 import numpy as np
 
-from ops.cuda_backend import SIMULATOR, cuda, engine_stream
+from ops.cuda import SIMULATOR, cuda, engine_stream
 from ops.device import check_device, device_of, to_host
 from ops.launch import note_unrecordable
 

@@ -1,52 +1,43 @@
-"""The training loop (``fit``, ``evaluate``) and the training state it resumes from
-(checkpoints).
+"""The training loop: ``Trainer``, ``fit`` and ``evaluate``.
 
-``fit`` runs epochs of training steps and returns one record per epoch. A step is forward,
-loss, backward, the gradient all-reduce of a distributed run, optional gradient clipping
-and an optimizer step, in one function (``_train_step``) that ``fit`` captures
-(``engine.capture``): callbacks (``engine.callbacks``) run between steps, never inside one.
-Each batch's loss and correct predictions are added up on the batch's own device by one
-small kernel (``ops.metrics``) and read back once at the end of the epoch, so a GPU step
-never waits for the host; the progress bar reads one loss every ``PROGRESS_EVERY`` steps.
-Per-step losses, when asked for, are kept as the steps' own loss arrays and read once at the
-end of the epoch.
+A ``Trainer(model, optimizer, loss_fn)`` owns one training: its step and what it keeps from
+one ``fit`` call to the next. ``trainer.fit(loader, epochs)`` runs epochs of training steps
+and returns one record per epoch; ``fit(model, loader, optimizer, loss_fn, epochs)`` is the
+same loop through a ``Trainer`` it makes (or reuses, see ``fit``). A step is forward, loss,
+backward, the gradient all-reduce of a distributed run, optional gradient clipping and an
+optimizer step, in one function (``_train_step``) that the trainer captures
+(``engine.capture``) and keeps: callbacks (``engine.callbacks``) run between steps, never
+inside one. Each batch's loss and correct predictions are added up on the batch's own device
+by one small kernel (``ops.metrics``) and read back once at the end of the epoch, so a GPU
+step never waits for the host; the progress bar reads one loss every ``PROGRESS_EVERY``
+steps. Per-step losses, when asked for, are kept as the steps' own loss arrays and read once
+at the end of the epoch.
 
 With ``distributed=True`` every rank of ``engine.distributed`` runs ``fit`` on its shard of
 each global batch: the gradients are averaged after each backward, and the epoch's training
 loss, accuracy, seconds and samples/s are the whole world's (means over the ranks; samples/s
 their sum), so every rank holds the same records and every callback decides alike.
 
-A checkpoint is a ``model.save`` file (architecture and weights under their names) plus
-entries under ``nn.TRAINING_PREFIX``: the optimizer state, epoch, history, the run's
-configuration and the engine's RNG state, encoded by ``engine.archive`` and written
-atomically. Reading one checks every value, so a damaged or crafted file is a ``ValueError``
-saying what is wrong, never a crash later in training.
+The checkpoints a run resumes from are ``engine.checkpoint``'s; its functions are
+re-exported here, as they were before they had a module of their own.
 """
-import inspect
-import json
 import math
-import os
 import time
-import weakref
 
 import numpy as np
 
-from engine import archive, nn
 from engine import distributed as dist
 from engine.autograd import no_grad
 from engine.callbacks import (PROGRESS_EVERY, Callback, JsonLog,  # noqa: F401 (re-exported)
-                              PrintMetrics, ProgressBar, append_record, format_record,
-                              progress_bar, show_progress)
-from engine.random import generator
+                              LearningRateScheduler, PrintMetrics, ProgressBar, append_record,
+                              format_record, progress_bar, show_progress)
+from engine.checkpoint import (CHECKPOINT_KEY, RECORD_KEYS,  # noqa: F401 (re-exported)
+                               read_checkpoint, restore_checkpoint, save_checkpoint)
 from engine.step_capture import capture as engine_capture
 from engine.tensor import Tensor, tensor
 from ops.device import to_host
 from ops.metrics import RunningMetrics
 
-RECORD_KEYS = ("epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
-               "samples_per_s")
-# the records of checkpoints written before test_loss was recorded
-RECORD_KEYS_WITHOUT_TEST_LOSS = tuple(key for key in RECORD_KEYS if key != "test_loss")
 WORLD_MEANS = ("loss", "train_acc", "seconds", "samples_per_s")   # averaged over the ranks
 # ------------------------------------------------------------------ the loop
 
@@ -99,58 +90,57 @@ def _train_step(model, optimizer, loss_fn, parameters, clip, metrics, distribute
     """The function of one training step that ``fit`` captures (``engine.capture``): on the
     GPU its replay is one CUDA graph launch, the loss and accuracy summed on the device.
     With ``distributed`` the gradients are averaged over the ranks between backward and
-    ``clip`` (``engine.distributed.all_reduce_gradients``)."""
-    def train_step(inputs, labels):
+    ``clip`` (``engine.distributed.all_reduce_gradients``).
+
+    ``train_step(x, y)`` trains on one batch. ``train_step(x1, y1, x2, y2, ...)`` accumulates
+    the gradients of its n batches, each loss scaled by 1/n, into one optimizer step: the
+    update of one step on the n batches together (for equal batch sizes and a mean loss),
+    and its loss is the mean of theirs."""
+    def train_step(*batches):
         optimizer.zero_grad()
-        logits = model(inputs)
-        loss = loss_fn(logits, labels)
-        loss.backward()
+        pairs = [batches[i:i + 2] for i in range(0, len(batches), 2)]
+        outputs = []
+        for inputs, labels in pairs:
+            logits = model(inputs)
+            loss = loss_fn(logits, labels)
+            (loss if len(pairs) == 1 else loss * (1.0 / len(pairs))).backward()
+            outputs.append((loss, logits, labels))
         if distributed:
             dist.all_reduce_gradients(model)
         if clip is not None:
             clip(parameters)
         optimizer.step()
-        metrics.add(loss.data, logits.data, labels.data)
-        return loss
+        for loss, logits, labels in outputs:
+            metrics.add(loss.data, logits.data, labels.data)
+        if len(outputs) == 1:
+            return outputs[0][0]
+        with no_grad():
+            return sum(loss for loss, _, _ in outputs[1:]) + outputs[0][0] * 0 \
+                if False else _mean([loss for loss, _, _ in outputs])
     return train_step
 
 
+def _mean(losses):
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total * (1.0 / len(losses))
+
+
 def _cursor_step(cursor, train_step):
-    """``train_step`` on the batch of ``count`` samples at the loader's device cursor
-    (``data.loader.EpochCursor``): the step fetches its own batch, so a replay of several
-    steps in one graph launch walks the epoch by itself."""
-    def train_step_at_cursor(count):
-        return train_step(*cursor.next_batch(count))
+    """``train_step`` on batches at the loader's device cursor (``data.loader.EpochCursor``):
+    the step fetches its own batches, so a replay of several steps in one graph launch walks
+    the epoch by itself. Its arguments are ``count, seek`` per batch: ``seek`` is -1, or
+    where the cursor must jump first (a sharded last batch; the position is the same every
+    epoch, so the recording of that step holds it)."""
+    def train_step_at_cursor(*plan):
+        batches = []
+        for count, seek in zip(plan[::2], plan[1::2]):
+            if seek >= 0:
+                cursor.seek(seek)
+            batches += cursor.next_batch(count)
+        return train_step(*batches)
     return train_step_at_cursor
-
-
-class _Steps:
-    """The captured training steps ``fit`` keeps between its calls, by optimizer: a step is
-    reused by the next call for the same model, optimizer, loss, clipping, distribution and
-    loader cursor (its recordings then carry over: a loop of one-epoch ``fit`` calls records
-    once)."""
-
-    def __init__(self):
-        # optimizer -> (what the step was made for, step, metrics)
-        self.kept = weakref.WeakKeyDictionary()
-
-    def step_for(self, model, optimizer, loss_fn, parameters, clip, capture, distributed,
-                 cursor):
-        """The training step and its metrics."""
-        made_for = (id(model), loss_fn, clip, capture, distributed,
-                    tuple(id(p) for p in parameters),
-                    parameters[0].device if parameters else "cpu", id(cursor))
-        kept = self.kept.get(optimizer)
-        if kept is not None and kept[0] == made_for:
-            return kept[1], kept[2]
-        metrics = RunningMetrics(parameters[0].device if parameters else "cpu")
-        step = _train_step(model, optimizer, loss_fn, parameters, clip, metrics, distributed)
-        if cursor is not None:
-            step = _cursor_step(cursor, step)
-        if capture:
-            step = engine_capture(step)
-            self.kept[optimizer] = (made_for, step, metrics)
-        return step, metrics
 
 
 def _epoch_cursor(loader, capture):
@@ -192,7 +182,7 @@ def _overrides(callback, hook):
     return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
-def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor):
+def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, cursor, accumulate):
     """One epoch of steps, the callbacks' ``on_step_end`` after each; the record's training
     part, or None when a callback set ``run.stop_training`` in ``on_step_end``. With a
     ``cursor`` the step fetches its own batches, and up to the callbacks' ``step_interval``
@@ -201,8 +191,8 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
     losses = [] if step_losses is not None else None
     watchers = [callback for callback in callbacks if _overrides(callback, "on_step_end")]
     start = time.perf_counter()
-    steps = (_loader_steps(loader, step) if cursor is None else
-             _cursor_steps(cursor, step, _steps_per_replay(watchers, losses)))
+    steps = (_loader_steps(loader, step, accumulate) if cursor is None else
+             _cursor_steps(cursor, step, _steps_per_replay(watchers, losses), accumulate))
     for index, runs, rows, loss in steps:
         if losses is not None:
             losses.append(loss.data)   # kept, not read: read once after the epoch
@@ -221,33 +211,47 @@ def _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses, curs
             "samples_per_s": rows / seconds if seconds > 0 else None}
 
 
-def _loader_steps(loader, step):
-    """The epoch's steps over the loader's batches: ``(index, 1, rows, loss)`` per step."""
-    for index, (inputs, labels) in enumerate(loader):
+def _loader_steps(loader, step, accumulate):
+    """The epoch's optimizer steps over the loader's batches, ``accumulate`` batches each
+    (the last group may have fewer): ``(index, 1, rows, loss)`` per step."""
+    group, rows, index = [], 0, -1
+    for inputs, labels in loader:
         if not isinstance(labels, Tensor):   # labels may come as NumPy arrays
             labels = tensor(labels, device=inputs.device)
-        yield index, 1, inputs.shape[0], step(inputs, labels)
+        group += [inputs, labels]
+        rows += inputs.shape[0]
+        if len(group) == 2 * accumulate:
+            index += 1
+            yield index, 1, rows, step(*group)
+            group, rows = [], 0
+    if group:
+        yield index + 1, 1, rows, step(*group)
 
 
-def _cursor_steps(cursor, step, per_replay):
-    """The epoch's steps at the device cursor, up to ``per_replay`` full batches per replay
-    of the captured ``step``, never past a multiple of ``per_replay``: ``(index of the last
-    step, steps run, their rows, the last loss)`` per replay."""
+def _cursor_steps(cursor, step, per_replay, accumulate):
+    """The epoch's optimizer steps at the device cursor, ``accumulate`` batches each (the
+    last group may have fewer), up to ``per_replay`` steps of the same plan per replay of the
+    captured ``step``, never past a multiple of ``per_replay``: ``(index of the last step,
+    steps run, their rows, the last loss)`` per replay."""
     spans = cursor.start_epoch()
-    per_replay = per_replay or len(spans)   # no callback watches steps: the epoch at once
+    plans, expected = [], None
+    for first in range(0, len(spans), accumulate):
+        plan = []
+        for start, count in spans[first:first + accumulate]:
+            plan += [count, start if expected is not None and start != expected else -1]
+            expected = start + cursor.stride if hasattr(cursor, "stride") else None
+        plans.append((tuple(plan), sum(count for _, count in spans[first:first + accumulate])))
+    per_replay = per_replay or len(plans)   # no callback watches steps: the epoch at once
     index = 0
-    while index < len(spans):
-        first, count = spans[index]
+    while index < len(plans):
+        plan, rows = plans[index]
         runs = 1
-        if count == cursor.loader.batch_size:
-            while (runs < per_replay - index % per_replay and index + runs < len(spans)
-                   and spans[index + runs][1] == count):
-                runs += 1
-        else:   # the last, partial batch: its own recording, and its own start
-            cursor.seek(first)
-        loss = step.repeat(runs, count)
+        while (runs < per_replay - index % per_replay and index + runs < len(plans)
+               and plans[index + runs][0] == plan):
+            runs += 1
+        loss = step.repeat(runs, *plan)
         index += runs
-        yield index - 1, runs, runs * count, loss
+        yield index - 1, runs, runs * rows, loss
 
 
 def _steps_per_replay(watchers, losses):
@@ -296,36 +300,172 @@ def _callbacks(callbacks, progress, verbose, log_json):
     return [callback for callback in built_in if callback is not None] + list(callbacks)
 
 
-class _Fit:
-    """``fit``: the function below, and what it keeps between calls (the captured steps,
-    ``last_eager_reason``)."""
+class Trainer:
+    """One training: ``model`` trained by ``optimizer`` on ``loss_fn``. The trainer owns the
+    training step, captured (``engine.capture``) unless ``capture=False``, and its on-device
+    metrics, and keeps them from one ``fit`` call to the next: a loop of one-epoch calls
+    records its step once (as chainer's updater owns its step and a Keras model its compiled
+    train function).
 
-    def __init__(self):
-        self.steps = _Steps()
-        self.last_eager_reason = None   # why the last fit's step ran eagerly, or None
+    ``clip``: gradient clipping, a function of the parameters run between backward and the
+    optimizer step (``functools.partial(optim.clip_grad_norm_, max_norm=1.0)``), or None.
+    ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (see
+    ``fit``). ``eager_reason``: why the last epoch's step ran eagerly instead of replaying
+    its recording (a host read in the loss, a distributed run's all-reduce), or None.
+    ``train_step``: the captured step kept for the next call (an ``engine.capture`` object:
+    ``recordings``, ``replayed``), None before the first ``fit`` or with ``capture=False``.
+    ``accumulate_steps=k``: each optimizer step sums the gradients of k batches, each loss
+    scaled by 1/k (the update of one step on the k batches together); an epoch's last group
+    of j < k batches is stepped too, each of its losses scaled by 1/j. Callbacks, schedulers
+    and checkpoints count optimizer steps, and one step of k batches is captured as one.
 
-    def __call__(self, *args, **kwargs):
-        return _fit(self, *args, **kwargs)
+        trainer = Trainer(model, opt, cross_entropy)
+        for epoch in range(1, 4):
+            trainer.fit(loader, epochs=epoch, start_epoch=epoch - 1, progress=False)"""
+
+    def __init__(self, model, optimizer, loss_fn, clip=None, capture=True, distributed=False,
+                 accumulate_steps=1):
+        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) \
+                or accumulate_steps < 1:
+            raise ValueError(f"Trainer: accumulate_steps must be an integer >= 1, got "
+                             f"{accumulate_steps!r}")
+        if clip is not None and not callable(clip):
+            raise TypeError(f"Trainer: clip must be a function of the parameters, e.g. "
+                            f"functools.partial(optim.clip_grad_norm_, max_norm=1.0), or "
+                            f"None; got {clip!r}")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.clip, self.capture, self.distributed = clip, capture, distributed
+        self.accumulate_steps = accumulate_steps
+        self.eager_reason = None
+        self._kept = None   # (what the captured step was made for, step, metrics)
+
+    @property
+    def train_step(self):
+        return None if self._kept is None else self._kept[1]
+
+    def _step_for(self, parameters, cursor):
+        """The training step and its metrics: the captured one kept from the last call when
+        it was made for the same parameters, device and loader cursor."""
+        device = parameters[0].device if parameters else "cpu"
+        made_for = (tuple(id(p) for p in parameters), device, id(cursor))
+        if self._kept is not None and self._kept[0] == made_for:
+            return self._kept[1], self._kept[2]
+        metrics = RunningMetrics(device)
+        step = _train_step(self.model, self.optimizer, self.loss_fn, parameters, self.clip,
+                           metrics, self.distributed)
+        if cursor is not None:
+            step = _cursor_step(cursor, step)
+        if self.capture:
+            step = engine_capture(step)
+            self._kept = (made_for, step, metrics)
+        return step, metrics
+
+    def fit(self, loader, epochs, test_loader=None, scheduler=None, callbacks=(),
+            on_epoch_end=(), progress=True, verbose=True, log_json=None, start_epoch=0,
+            history=None, step_losses=None):
+        """Train for epochs ``start_epoch + 1 .. epochs`` on ``loader``; returns the list of
+        records. The arguments are ``fit``'s (whose docstring says what each does)."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
+        if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
+            raise ValueError(f"fit: start_epoch must be between 0 and epochs={epochs}, "
+                             f"got {start_epoch!r}")
+        model, distributed = self.model, self.distributed
+        if distributed:
+            _check_shard(loader)
+        callbacks = _callbacks(callbacks, progress, verbose, log_json)
+        functions = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
+        history = [] if history is None else history
+        cursor = _epoch_cursor(loader, self.capture)
+        step, metrics = self._step_for(model.parameters(), cursor)
+        batches = _length(loader)
+        steps = None if batches is None else -(-batches // self.accumulate_steps)
+        if scheduler is not None and getattr(scheduler, "per_batch", False):
+            callbacks.append(LearningRateScheduler(scheduler))   # stepped after every step
+            scheduler = None
+        run = Run(model, self.optimizer, epochs, start_epoch, steps, history,
+                  test_loader is not None)
+        for callback in callbacks:
+            callback.run = run
+        error = None
+        try:
+            for callback in callbacks:
+                callback.on_train_begin({"epochs": epochs, "start_epoch": start_epoch,
+                                         "steps": run.steps})
+            epoch = start_epoch
+            while epoch < epochs and not _agree_on_stopping(run, epoch, distributed):
+                epoch += 1
+                for callback in callbacks:
+                    callback.on_epoch_begin({"epoch": epoch})
+                model.train()
+                record = _train_epoch(run, epoch, loader, step, metrics, callbacks,
+                                      step_losses, cursor, self.accumulate_steps)
+                self.eager_reason = getattr(step, "eager_reason", None)
+                if record is None:   # stopped inside the epoch: no record, no on_epoch_end
+                    break
+                if distributed:
+                    record = _world_record(record)
+                test_loss, test_acc = (evaluate(model, test_loader, self.loss_fn)
+                                       if test_loader is not None else (None, None))
+                record.update(epoch=epoch, test_loss=test_loss, test_acc=test_acc)
+                record = {key: record[key] for key in RECORD_KEYS}
+                if scheduler is not None:   # ReduceLROnPlateau reads the record's loss
+                    _step_scheduler(scheduler, record)
+                history.append(record)
+                for callback in callbacks:
+                    callback.on_epoch_end(record)
+                for function in functions:
+                    function(record)
+        except BaseException as failure:
+            error = failure
+            raise
+        finally:
+            for callback in callbacks:
+                callback.on_train_end({"history": history, "error": error})
+        return history
 
 
-def _fit(state, model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
-         clip=None, callbacks=(), on_epoch_end=(), progress=True, verbose=True,
-         log_json=None, start_epoch=0, history=None, step_losses=None, capture=True,
-         distributed=False):
+def _step_scheduler(scheduler, record):
+    """One epoch's ``scheduler.step()``; ``ReduceLROnPlateau`` gets the test loss (the
+    training loss without a test loader)."""
+    if getattr(scheduler, "needs_metric", False):
+        scheduler.step(record["test_loss"] if record["test_loss"] is not None
+                       else record["loss"])
+    else:
+        scheduler.step()
+
+
+# the attribute of an optimizer that holds the Trainer fit made for it: the two live and die
+# together (a table keyed by optimizer would keep every Trainer, and so its optimizer, alive)
+_FIT_TRAINER = "_trainer_of_fit"
+
+
+def fit(model, loader, optimizer, loss_fn, epochs, test_loader=None, scheduler=None,
+        clip=None, callbacks=(), on_epoch_end=(), progress=True, verbose=True, log_json=None,
+        start_epoch=0, history=None, step_losses=None, capture=True, distributed=False,
+        accumulate_steps=1):
     """Train ``model`` for epochs ``start_epoch + 1 .. epochs``; returns the list of records.
+    ``Trainer(model, optimizer, loss_fn, clip, capture, distributed, accumulate_steps)
+    .fit(loader, epochs, ...)`` with the other arguments; ``fit`` reuses the Trainer it made
+    for ``optimizer`` at an earlier call with the same model, ``loss_fn``, ``clip``,
+    ``capture``, ``distributed`` and ``accumulate_steps`` (kept with the optimizer), so a
+    loop of one-epoch ``fit`` calls records its step once. ``accumulate_steps=k`` sums the
+    gradients of k batches into each optimizer step (``Trainer``). ``fit.last_eager_reason`` is that Trainer's ``eager_reason`` after
+    the last call.
 
     Each step: ``optimizer.zero_grad()``, ``loss_fn(model(x), y).backward()``, with
     ``distributed`` the gradient all-reduce, ``clip(parameters)`` when given (gradient
     clipping: ``functools.partial(optim.clip_grad_norm_, max_norm=1.0)``; the same object
-    in a loop of ``fit`` calls lets them share one recorded step), ``optimizer.step()``. After each epoch: ``scheduler.step()``, the test loss and accuracy
-    on ``test_loader``, then the record ``{"epoch", "loss", "train_acc", "test_loss",
-    "test_acc", "seconds", "samples_per_s"}`` (accuracies as fractions, None when the labels
-    are not class indices; test values None without a ``test_loader``; ``seconds`` is
-    training time only) is appended to ``history`` (a list, extended in place; a new one by
-    default) and passed to the callbacks' ``on_epoch_end``, then to each of ``on_epoch_end``
-    (a plain callable or a list of them). ``step_losses``, a list, receives per epoch one
-    float64 array of the batch losses of its steps, read at the end of the epoch (no host
-    sync per step).
+    in a loop of ``fit`` calls lets them share one recorded step), ``optimizer.step()``.
+    After each epoch: the test loss and accuracy on ``test_loader``, ``scheduler.step()``
+    (``ReduceLROnPlateau``'s with the test loss, else the training loss; ``OneCycleLR`` is
+    stepped after every optimizer step instead), then the record ``{"epoch", "loss", "train_acc", "test_loss", "test_acc", "seconds",
+    "samples_per_s"}`` (accuracies as fractions, None when the labels are not class
+    indices; test values None without a ``test_loader``; ``seconds`` is training time only)
+    is appended to ``history`` (a list, extended in place; a new one by default) and passed
+    to the callbacks' ``on_epoch_end``, then to each of ``on_epoch_end`` (a plain callable
+    or a list of them). ``step_losses``, a list, receives per epoch one float64 array of the
+    batch losses of its steps, read at the end of the epoch (no host sync per step).
 
     ``callbacks``: ``engine.callbacks.Callback`` objects (``EarlyStopping``,
     ``ModelCheckpoint``, ...), run after the built-in ones: ``progress`` adds a
@@ -334,188 +474,33 @@ def _fit(state, model, loader, optimizer, loss_fn, epochs, test_loader=None, sch
     that sets ``run.stop_training`` ends training after the current epoch, or at once from
     ``on_step_end`` (``TerminateOnNaN``: the unfinished epoch is not recorded).
 
-    ``capture`` (the default) runs the step through ``engine.capture``: the first step of each
-    batch shape runs eagerly, the second is recorded, the others replay it; the results are
-    the eager ones bit for bit. With a ``data.DataLoader`` (without a transform) the step
+    ``capture`` (the default) runs the step through ``engine.capture``: the first step of
+    each batch shape runs eagerly, the second is recorded, the others replay it; the results
+    are the eager ones bit for bit. With a ``data.DataLoader`` (without a transform) the step
     fetches its own batch at the loader's device cursor, so the epoch's full batches (or
     the smallest ``step_interval`` of the callbacks that watch steps; every step when
     ``step_losses`` is given) replay at once: on the GPU one CUDA graph launch for them. A
     step that cannot be captured (a host read in the loss, a distributed run's all-reduce)
-    runs eagerly; ``fit.last_eager_reason`` says why.
+    runs eagerly; ``fit.last_eager_reason`` (``trainer.eager_reason``) says why.
 
     ``distributed=True``: data-parallel over the ranks of ``engine.distributed`` (module
     docstring), after ``init()``; every rank calls ``fit`` with the same model (after
     ``broadcast_model``) and its shard of the data (``DataLoader(..., shard=(rank,
     world_size))``), and evaluates the whole ``test_loader``. Print, log and save on one rank
     only (``progress``, ``verbose``, ``log_json``, checkpoint callbacks)."""
-    if not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"fit: epochs must be a positive integer, got {epochs!r}")
-    if not isinstance(start_epoch, int) or not 0 <= start_epoch <= epochs:
-        raise ValueError(f"fit: start_epoch must be between 0 and epochs={epochs}, "
-                         f"got {start_epoch!r}")
-    if clip is not None and not callable(clip):
-        raise TypeError(f"fit: clip must be a function of the parameters, e.g. "
-                        f"functools.partial(optim.clip_grad_norm_, max_norm=1.0), or None; "
-                        f"got {clip!r}")
-    if distributed:
-        _check_shard(loader)
-    callbacks = _callbacks(callbacks, progress, verbose, log_json)
-    functions = [on_epoch_end] if callable(on_epoch_end) else list(on_epoch_end or ())
-    history = [] if history is None else history
-    parameters = model.parameters()
-    cursor = _epoch_cursor(loader, capture)
-    step, metrics = state.steps.step_for(model, optimizer, loss_fn, parameters, clip, capture,
-                                         distributed, cursor)
-    run = Run(model, optimizer, epochs, start_epoch, _length(loader), history,
-              test_loader is not None)
-    for callback in callbacks:
-        callback.run = run
-    error = None
+    trainer = getattr(optimizer, _FIT_TRAINER, None)
+    if trainer is None or trainer.model is not model or (
+            trainer.loss_fn, trainer.clip, trainer.capture, trainer.distributed,
+            trainer.accumulate_steps) != (loss_fn, clip, capture, distributed, accumulate_steps):
+        trainer = Trainer(model, optimizer, loss_fn, clip, capture, distributed,
+                          accumulate_steps)
+        if capture:   # what is kept is the captured step
+            setattr(optimizer, _FIT_TRAINER, trainer)
     try:
-        for callback in callbacks:
-            callback.on_train_begin({"epochs": epochs, "start_epoch": start_epoch,
-                                     "steps": run.steps})
-        epoch = start_epoch
-        while epoch < epochs and not _agree_on_stopping(run, epoch, distributed):
-            epoch += 1
-            for callback in callbacks:
-                callback.on_epoch_begin({"epoch": epoch})
-            model.train()
-            record = _train_epoch(run, epoch, loader, step, metrics, callbacks, step_losses,
-                                  cursor)
-            state.last_eager_reason = getattr(step, "eager_reason", None)
-            if record is None:   # stopped inside the epoch: no record, no on_epoch_end
-                break
-            if distributed:
-                record = _world_record(record)
-            if scheduler is not None:
-                scheduler.step()
-            test_loss, test_acc = (evaluate(model, test_loader, loss_fn)
-                                   if test_loader is not None else (None, None))
-            record.update(epoch=epoch, test_loss=test_loss, test_acc=test_acc)
-            record = {key: record[key] for key in RECORD_KEYS}
-            history.append(record)
-            for callback in callbacks:
-                callback.on_epoch_end(record)
-            for function in functions:
-                function(record)
-    except BaseException as failure:
-        error = failure
-        raise
+        return trainer.fit(loader, epochs, test_loader, scheduler, callbacks, on_epoch_end,
+                           progress, verbose, log_json, start_epoch, history, step_losses)
     finally:
-        for callback in callbacks:
-            callback.on_train_end({"history": history, "error": error})
-    return history
+        fit.last_eager_reason = trainer.eager_reason
 
 
-fit = _Fit()
-fit.__doc__ = _fit.__doc__
-fit.__signature__ = inspect.signature(_fit).replace(   # help(fit) without the state
-    parameters=list(inspect.signature(_fit).parameters.values())[1:])
-
-
-# ------------------------------------------------------------------ checkpoints
-
-CHECKPOINT_KEY = nn.TRAINING_PREFIX + "checkpoint"   # the training state's JSON skeleton
-CHECKPOINT_FILE = "a training checkpoint written by --save"
-
-
-def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
-    """Write model and optimizer state, the epoch counter, history, ``config`` and the
-    engine's RNG state to ``path`` (an .npz) with ``engine.archive.atomic_write``. A schedule
-    needs no state of its own: it is a function of the epoch.
-
-    The file is a ``model.save`` file (architecture and weights under their names) plus
-    entries under ``train/``: the training state as JSON and its arrays."""
-    suffix = os.path.splitext(str(path))[1].lower()
-    if suffix in (".safetensors", ".onnx"):
-        raise ValueError(f"save_checkpoint: {path}: a training checkpoint (the model, the "
-                         f"optimizer's state, the history) is an .npz file, not {suffix}; "
-                         "save the model alone with model.save(path) or export_onnx(path)")
-    arrays = {}
-    state = {"optimizer": optimizer.state_dict(), "epoch": epoch, "history": list(history),
-             "config": config or {}, "rng": generator().bit_generator.state}
-    skeleton = json.dumps(archive.encode(state, arrays))
-    archive.write_npz(path, {
-        nn.CONFIG_KEY: np.array(json.dumps(model.get_config())), **model.state_dict(),
-        CHECKPOINT_KEY: np.array(skeleton),
-        **{nn.TRAINING_PREFIX + name: array for name, array in arrays.items()}})
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _with_test_loss(record):
-    """An epoch record of an older checkpoint, with its unrecorded test loss None."""
-    return {key: record.get(key) for key in RECORD_KEYS}
-
-
-def _check_training_state(state):
-    """Raise ValueError naming the first value ``save_checkpoint`` cannot have written;
-    records of checkpoints from before ``test_loss`` was recorded get it, as None."""
-    if not isinstance(state, dict):
-        raise ValueError(f"the training state is a {type(state).__name__}, not a dict")
-    missing = [key for key in ("optimizer", "epoch", "history", "config", "rng")
-               if key not in state]
-    if missing:
-        raise ValueError(f"the training state lacks {missing}")
-    epoch, history = state["epoch"], state["history"]
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-    if not isinstance(history, list):
-        raise ValueError(f"history must be a list of epoch records, got a "
-                         f"{type(history).__name__}")
-    for index, record in enumerate(history):
-        if isinstance(record, dict) and tuple(record) == RECORD_KEYS_WITHOUT_TEST_LOSS:
-            history[index] = record = _with_test_loss(record)
-        if not isinstance(record, dict) or tuple(record) != RECORD_KEYS:
-            raise ValueError(f"a history record must have the keys {RECORD_KEYS}, got "
-                             f"{record!r:.120}")
-        if not (_is_number(record["epoch"]) and isinstance(record["epoch"], int)
-                and 1 <= record["epoch"] <= epoch):
-            raise ValueError(f"a history record's epoch must be 1..{epoch}, got "
-                             f"{record['epoch']!r:.40}")
-        bad = [key for key in RECORD_KEYS[1:]
-               if record[key] is not None and not _is_number(record[key])]
-        if bad:
-            raise ValueError(f"history record {record['epoch']}: {bad[0]} is "
-                             f"{record[bad[0]]!r:.40}, not a number")
-    for key in ("optimizer", "config", "rng"):
-        if not isinstance(state[key], dict):
-            raise ValueError(f"{key} must be a dict, got a {type(state[key]).__name__}")
-    try:   # the state a fresh generator of the same kind accepts is one ours will
-        type(generator().bit_generator)().state = state["rng"]
-    except (TypeError, ValueError, KeyError, OverflowError) as error:
-        raise ValueError(f"rng is not a {type(generator().bit_generator).__name__} state "
-                         f"({type(error).__name__}: {error})") from None
-
-
-def read_checkpoint(path):
-    """The state ``save_checkpoint`` wrote, as host NumPy arrays: ``{"model", "optimizer",
-    "epoch", "history", "config", "rng"}``. A damaged or crafted file (a flipped byte, a
-    negative or text epoch, history that is not a list of records, nesting deeper than
-    ``archive.MAX_DEPTH``) is a ``ValueError`` naming the file and the problem."""
-    stored = archive.read_npz(path, CHECKPOINT_FILE)
-    if CHECKPOINT_KEY not in stored:
-        raise ValueError(f"{path!r} is an .npz but not a training checkpoint (engine.train)")
-    arrays = {name[len(nn.TRAINING_PREFIX):]: array for name, array in stored.items()
-              if name.startswith(nn.TRAINING_PREFIX) and name != CHECKPOINT_KEY}
-    text = archive.text_entry(stored, CHECKPOINT_KEY, path, CHECKPOINT_FILE)
-    try:
-        state = archive.decode(archive.loads_json(text, "the training state"), arrays)
-        _check_training_state(state)
-    except ValueError as error:
-        raise ValueError(f"{path!r} is not {CHECKPOINT_FILE} ({error})") from None
-    state["model"] = {name: array for name, array in stored.items()
-                      if name != nn.CONFIG_KEY and not name.startswith(nn.TRAINING_PREFIX)}
-    return state
-
-
-def restore_checkpoint(state, model, optimizer):
-    """Load a checkpoint's states into ``model``, ``optimizer`` and the engine's RNG; returns
-    ``(epoch, history)`` to continue from."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    generator().bit_generator.state = state["rng"]
-    return state["epoch"], state["history"]
+fit.last_eager_reason = None   # why the step of the last fit call ran eagerly, or None

@@ -56,7 +56,7 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.tensor import Tensor
-from ops import cuda_backend
+from ops import cuda as cuda_runtime
 from ops.array_copy import copy_array
 from ops.matmul_precision import get_float32_matmul_precision
 from ops.device import device_of, to_device
@@ -85,14 +85,14 @@ class _Recording:
         self.loops = {}    # steps % LOOP_UNROLL -> graph looping over the runs (None: none)
         self.remaining = None   # the loop's count of passes, on the device
         self.functions = None
-        if self.device == "cuda" and not cuda_backend.SIMULATOR:   # the simulator has no graphs:
+        if self.device == "cuda" and not cuda_runtime.SIMULATOR:   # the simulator has no graphs:
             self.functions = self._direct_functions()              # its replay relaunches runs
             self.graphs[1] = self._graph(1)
 
     def _direct_functions(self):
         functions = []
         for run in self.runs:
-            function = cuda_backend.direct_function(run.function, run.args)
+            function = cuda_runtime.direct_function(run.function, run.args)
             if not function:
                 raise _NotReady(f"kernel {run.kernel.name} ran through Numba's own launch "
                                 "path (its first launch, or arguments only Numba passes)")
@@ -102,7 +102,7 @@ class _Recording:
     def _graph(self, copies):
         """One executable CUDA graph: ``copies`` chained copies of the runs, each run after
         the one before."""
-        return cuda_backend.build_graph(self._launches() * copies)
+        return cuda_runtime.build_graph(self._launches() * copies)
 
     def _launches(self):
         return [(function, run.grid, run.block, run.args)
@@ -118,7 +118,7 @@ class _Recording:
                 self.remaining = empty(1, np.int64, "cuda")
             tail = steps % LOOP_UNROLL
             if tail not in self.loops:
-                self.loops[tail] = cuda_backend.build_loop_graph(
+                self.loops[tail] = cuda_runtime.build_loop_graph(
                     self._launches(), self.remaining, LOOP_UNROLL, tail)
             if self.loops[tail] is None:
                 self.loops = None
@@ -140,11 +140,11 @@ class _Recording:
             copy_array(destination, source)
         if self.functions is not None:
             note_launcher("cuda", _at_call(call, steps))
-            cuda_backend.launch_graph(self._graph_of(steps))
+            cuda_runtime.launch_graph(self._graph_of(steps))
         elif self.device == "cuda":
             for _ in range(steps):
                 for run in self.runs:
-                    cuda_backend.launch(run.function, run.grid, run.block, run.args)
+                    cuda_runtime.launch(run.function, run.grid, run.block, run.args)
         else:
             for _ in range(steps):
                 for run in self.runs:

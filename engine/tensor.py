@@ -19,7 +19,7 @@ from engine import functional as F
 from engine import sequence as S
 from engine.autograd import Value
 from engine.random import generator
-from ops.cuda_backend import (as_device_array, current_device_id, device_array_from_dlpack,
+from ops.cuda import (as_device_array, current_device_id, device_array_from_dlpack,
                                dlpack_capsule)
 from ops.device import check_device, device_of, read_on_host, to_device, to_host
 from ops.cast import BOOL, BYTE, cast, same_memory_as

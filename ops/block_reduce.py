@@ -10,7 +10,7 @@ its group of the whole block.
 """
 from numba import float64, njit
 
-from ops.cuda_backend import SIMULATOR, cuda
+from ops.cuda import SIMULATOR, cuda
 
 REDUCE_THREADS = 8 if SIMULATOR else 256   # the simulator starts one OS thread per CUDA thread
 SUM, MAX = 0, 1

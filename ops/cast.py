@@ -13,7 +13,7 @@ bool value).
 import numpy as np
 
 from ops.array_copy import COPY
-from ops.cuda_backend import device_view
+from ops.cuda import device_view
 from ops.dispatch import Out, run
 from ops.element_kernel import element_kernel
 from ops.layout import flat

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import device_of, to_host
 from ops.launch import Kernel, elements
 from ops.layout import flat

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from ops.cast import BOOL, BYTE, as_bytes, same_memory_as
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,

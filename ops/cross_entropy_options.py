@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements

@@ -4,7 +4,7 @@ import functools
 import numpy as np
 
 from ops.array_copy import copy_array
-from ops.cuda_backend import SIMULATOR, device_empty, gpu_usable, host_to_device, is_device_array
+from ops.cuda import SIMULATOR, device_empty, gpu_usable, host_to_device, is_device_array
 from ops.flag_buffer import raise_pending
 from ops.launch import note_unrecordable, recording
 

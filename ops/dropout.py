@@ -22,7 +22,7 @@ they draw the same masks.
 import numpy as np
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Out, run
 from ops.launch import Kernel, elements
 from ops.layout import flat

@@ -39,9 +39,9 @@ import inspect
 import numpy as np
 from numba import float64, njit
 
-from ops import cuda_backend
+from ops import cuda as cuda_runtime
 from ops.cpu_threads import element_blocks, run_blocks
-from ops.cuda_backend import SIMULATOR, cuda
+from ops.cuda import SIMULATOR, cuda
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, elements
 from ops.subnormals import flush_begin, flush_end
 from ops.twin import twin
@@ -154,6 +154,6 @@ def strided_blocks(position):
         if SIMULATOR:
             return size
         blocks = min(-(-size // THREADS_PER_BLOCK),
-                     SCALAR_BLOCKS_PER_SM * cuda_backend.multiprocessor_count())
+                     SCALAR_BLOCKS_PER_SM * cuda_runtime.multiprocessor_count())
         return (blocks, THREADS_PER_BLOCK)
     return grid

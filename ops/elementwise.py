@@ -16,7 +16,7 @@ import numbers
 
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,

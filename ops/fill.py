@@ -1,7 +1,7 @@
 """Filling a buffer with one value: poison mode, ``ones`` and the root gradient of backward."""
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.launch import CPU_KERNEL, Kernel, elements
 
 

@@ -16,7 +16,7 @@ words are read right after the call.
 """
 import numpy as np
 
-from ops.cuda_backend import SIMULATOR, mapped_pair
+from ops.cuda import SIMULATOR, mapped_pair
 
 WORDS = 4        # flag, value, where, limit
 MAX_KINDS = 8    # ops that check their inputs in a kernel (index, cross_entropy, gather_rows)

@@ -13,7 +13,7 @@ replay of the step gathers the next batch without Python between them.
 """
 import numpy as np
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer

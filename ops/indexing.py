@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 
 from ops.cast import BOOL, as_bytes, cast
-from ops.cuda_backend import cuda, is_device_array
+from ops.cuda import cuda, is_device_array
 from ops.device import device_of, to_device, to_host
 from ops.dispatch import Meta, Out, run
 from ops.fill import FILL, fill

@@ -10,7 +10,7 @@ import math
 
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel
 from ops.layout import flat, normalize_axes

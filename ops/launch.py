@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ops import cuda_backend
-from ops.cuda_backend import SIMULATOR, is_device_array
+from ops import cuda as cuda_runtime
+from ops.cuda import SIMULATOR, is_device_array
 
 THREADS_PER_BLOCK = 256
 # The options of a CPU kernel (``@njit(**CPU_KERNEL)``): cached, and without the C-callable
@@ -76,7 +76,7 @@ class Kernel:
                 _record(recorders, KernelRun(self, "cuda", function, blocks, block, cuda_args))
             _refuse_host_arrays(self.name, cuda_args)
             if _launches_something(blocks):
-                cuda_backend.launch(function, blocks, block, cuda_args)
+                cuda_runtime.launch(function, blocks, block, cuda_args)
         return None
 
     def _launch(self, args):

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ops.cuda_backend import device_reshape
+from ops.cuda import device_reshape
 from ops.device import to_device
 from ops.twin import twin
 

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer

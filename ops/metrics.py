@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import to_host
 from ops.launch import Kernel, blocks_of
 from ops.fill import fill

@@ -1,7 +1,7 @@
 """The answer to GPU memory exhaustion: one ``MemoryError`` subclass that says what was asked
 for, what the device has and what this process holds.
 
-The caching pool (``ops.cuda_pool``) raises it when the driver refuses a block even after
+The caching pool (``ops.cuda.pool``) raises it when the driver refuses a block even after
 the pool gave every cached block back and asked once more. Nothing is left half-done by the
 failed request, so the process can go on (free tensors, or use a smaller batch) and the next
 allocation that fits succeeds.

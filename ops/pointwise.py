@@ -21,7 +21,7 @@ import math
 from typing import NamedTuple
 
 from ops.constant_code import cpu_of_constant_code
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,

@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from ops.conv import pair, pool_output_sizes, valid_range
 from ops.cpu_threads import engine_threads
-from ops.cuda_backend import SIMULATOR, cuda
+from ops.cuda import SIMULATOR, cuda
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel
 from ops.layout import flat

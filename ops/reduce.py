@@ -31,10 +31,10 @@ import math
 import numpy as np
 from numba import njit
 
-from ops import cuda_backend
+from ops import cuda as cuda_runtime
 from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combine_cpu,
                                combine_cuda)
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
@@ -52,7 +52,7 @@ MIN = 2   # beside ops.block_reduce's SUM and MAX: reduced as MAX of -x
 # first guess, not yet measured: bench.ops's 1024x1024 sum row is the measurement to take.
 CHUNK_MIN = 8 * REDUCE_THREADS
 BLOCKS_PER_MULTIPROCESSOR = 4
-_multiprocessors = functools.cache(cuda_backend.multiprocessor_count)
+_multiprocessors = functools.cache(cuda_runtime.multiprocessor_count)
 
 
 def chunking(outputs, n_reduced):

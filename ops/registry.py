@@ -15,7 +15,7 @@ An op is a class: one instance per call keeps what its backward needs (and only 
 """
 import numpy as np
 
-from ops.cuda_backend import is_device_array
+from ops.cuda import is_device_array
 from ops.device import device_of
 
 REGISTRY = {}

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from ops.cast import BOOL, as_bytes, same_memory_as
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import device_of
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import MAX, REDUCE_THREADS, SUM, combine_cuda, group_reduce_cuda
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Out, run
 from ops.launch import Kernel
 from ops.layout import axis_layout, flat

@@ -13,7 +13,7 @@ same values, and a recording's kernel arguments never change.
 import numpy as np
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.element_kernel import element_kernel
 from ops.fill import fill
 from ops.launch import CPU_KERNEL, Kernel, unrecorded

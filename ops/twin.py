@@ -11,7 +11,7 @@ device's half of each pair (``ops.layout`` builds its offset functions on one un
 so)."""
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 
 
 def twin(fn, *pairs):

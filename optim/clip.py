@@ -26,7 +26,7 @@ from numba import njit
 from engine.tensor import Tensor
 from ops.block_reduce import (MAX, REDUCE_THREADS, SUM, block_reduce_cuda, combine_cpu,
                                combine_cuda)
-from ops.cuda_backend import SIMULATOR, cuda
+from ops.cuda import SIMULATOR, cuda
 from ops.device import device_of, to_host
 from ops.element_kernel import element_kernel
 from ops.launch import Kernel, blocks_of

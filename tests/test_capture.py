@@ -7,7 +7,7 @@ import engine
 import optim
 from engine import nn
 from engine.losses import cross_entropy
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from tests.training_step import cross_entropy_step
 
 OPTIMIZERS = {

@@ -20,7 +20,7 @@ import engine
 import optim
 from engine import nn
 from engine.losses import cross_entropy
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 
 FEATURES, CLASSES = 5, 3
 

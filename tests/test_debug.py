@@ -4,7 +4,7 @@ import pytest
 from numba import njit
 
 import engine
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.device import to_device, to_host
 from ops.launch import Kernel, elements
 from ops.memory import empty

@@ -417,7 +417,7 @@ def test_a_one_rank_nccl_world_averages_and_broadcasts_on_the_gpu(world_of_one):
 @pytest.mark.gpu
 @needs_mpi
 def test_two_gpu_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_path):
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     if len(cuda.gpus) < RANKS:
         pytest.skip(f"needs {RANKS} GPUs (NCCL refuses two ranks on one GPU)")
     status, output = _run_ranks("train-cuda", tmp_path, replica_interval=1)

@@ -19,7 +19,7 @@ import pytest
 
 import data
 from engine import distributed as dist
-from engine.fit import read_checkpoint
+from engine.checkpoint import read_checkpoint
 from engine.train import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

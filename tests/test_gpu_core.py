@@ -58,7 +58,7 @@ def test_steady_state_steps_allocate_nothing_from_the_driver():
 
 
 def test_fast_launch_path_is_taken_and_agrees_with_numba():
-    from ops import cuda_backend
+    from ops.cuda import direct_launch
     from ops.elementwise import UNARY
     from ops.pointwise import EXP
     exp_cuda = UNARY[EXP][0].cuda
@@ -67,6 +67,6 @@ def test_fast_launch_path_is_taken_and_agrees_with_numba():
     first = x.exp().numpy()    # Numba's path: compiles, launches, records the signature
     second = x.exp().numpy()   # the direct cuda.core launch
     assert any(kernel is exp_cuda and function
-               for (kernel, _), function in cuda_backend._compiled.items())
+               for (kernel, _), function in direct_launch._compiled.items())
     np.testing.assert_array_equal(first, second)
     np.testing.assert_allclose(second, np.exp(a), rtol=1e-6)

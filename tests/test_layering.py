@@ -87,33 +87,95 @@ def test_ops_has_no_import_circle():
 
 def test_the_ops_runtime_floor_in_order():
     """The floor under the op families: each imports only those before it (numba-cuda only
-    through ops.cuda_backend)."""
+    through ops.cuda)."""
     graph = import_graph("ops")
-    order = ["ops.cuda_backend", "ops.twin", "ops.out_of_memory", "ops.launch",
+    order = ["ops.out_of_memory", "ops.cuda.runtime", "ops.cuda.gpu", "ops.cuda.arrays",
+             "ops.cuda.fingerprints", "ops.cuda.shipped", "ops.cuda.direct_launch",
+             "ops.cuda.graphs", "ops.cuda.dry_device", "ops.cuda.pool", "ops.cuda",
+             "ops.twin", "ops.launch",
              "ops.subnormals", "ops.cpu_threads", "ops.element_kernel", "ops.flag_buffer",
-             "ops.array_copy", "ops.device", "ops.fill", "ops.cuda_pool", "ops.memory",
+             "ops.array_copy", "ops.device", "ops.fill", "ops.memory",
              "ops.layout", "ops.dispatch", "ops.block_reduce"]
     for position, module in enumerate(order):
         assert graph[module] <= set(order[:position]), (module, graph[module])
 
 
+# numba-cuda and the cuda-python packages it is built on (cuda.core, cuda.bindings, ...)
+_NUMBA_CUDA_MODULES = ("numba.cuda", "numba_cuda", "cuda")
+# temporary: removed when ops/matmul.py, conv.py, batch_norm.py are rewritten (lead)
+_TEMPORARY_SHIMS = ("ops/cuda_backend.py", "ops/tensor_core.py")
+
+
+def _names_numba_cuda(name):
+    return any(name == module or name.startswith(module + ".") for module in _NUMBA_CUDA_MODULES)
+
+
 def _imports_numba_cuda(node):
     if isinstance(node, ast.Import):
-        return any(alias.name.startswith("numba.cuda") for alias in node.names)
-    if isinstance(node, ast.ImportFrom) and node.module:
-        return (node.module.startswith("numba.cuda")
+        return any(_names_numba_cuda(alias.name) for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return (_names_numba_cuda(node.module)
                 or node.module == "numba" and any(a.name == "cuda" for a in node.names))
     return False
 
 
-def test_only_the_cuda_backend_imports_numba_cuda():
-    """A move from numba-cuda to its successor is a change to ops/cuda_backend.py alone."""
+def _sources(*packages):
+    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+
+
+def test_imports_numba_cuda_sees_every_spelling():
+    spellings = ["import numba.cuda", "from numba import cuda", "from numba.cuda import jit",
+                 "import numba_cuda", "from cuda.core import launch", "from cuda import bindings",
+                 "def f():\n    from numba.cuda.cudadrv import driver"]
+    for code in spellings:
+        assert any(_imports_numba_cuda(node) for node in ast.walk(ast.parse(code))), code
+    for code in ["import numba", "from numba import njit", "from ops.cuda import cuda",
+                 "from ops import cuda as cuda_runtime", "import ops.cuda"]:
+        assert not any(_imports_numba_cuda(node) for node in ast.walk(ast.parse(code))), code
+
+
+def test_only_ops_cuda_imports_numba_cuda():
+    """A move from numba-cuda to its successor is a change to ops/cuda/ alone: no other module
+    imports numba.cuda, numba_cuda or the cuda-python packages, at the top or inside a
+    function."""
     importers = sorted(str(path.relative_to(ROOT))
-                       for package in ("engine", "ops", "optim", "data", "bench")
-                       for path in (ROOT / package).rglob("*.py")
+                       for path in _sources("engine", "ops", "optim", "data", "bench")
                        if any(_imports_numba_cuda(node)
                               for node in ast.walk(ast.parse(path.read_text()))))
-    assert importers == ["ops/cuda_backend.py"]
+    assert "ops/cuda/runtime.py" in importers
+    assert [path for path in importers if not path.startswith("ops/cuda/")] == []
+
+
+def test_the_rest_imports_ops_cuda_through_its_interface():
+    """Outside ops/cuda/, modules import the package (``ops/cuda/__init__.py``), never one of
+    its modules; the one exception is ``ops.cuda.ptx``, which the tensor-core kernel builders
+    import when they build one (importing it imports numba.cuda)."""
+    reaching_in = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _sources("engine", "ops", "optim", "data", "bench")
+        if not str(path.relative_to(ROOT)).startswith("ops/cuda/")
+        and str(path.relative_to(ROOT)) not in _TEMPORARY_SHIMS
+        for name in _imported_names(path)
+        if name.startswith("ops.cuda.") and name != "ops.cuda.ptx"
+        and not _is_exported_name(name))
+    assert reaching_in == [], reaching_in
+
+
+def _is_exported_name(name):
+    """``from ops.cuda import X`` gives the name ``ops.cuda.X``: fine when X is no module."""
+    package, _, attribute = name.rpartition(".")
+    return package == "ops.cuda" and not (ROOT / "ops" / "cuda" / f"{attribute}.py").exists()
+
+
+ABOVE_OPS = {"engine", "optim", "data"}
+
+
+def test_ops_imports_nothing_above_it():
+    """ops knows arrays and nothing of the tape, the optimizers or the data: no module under
+    ops/ imports engine, optim or data, not even inside a function."""
+    importers = sorted(f"{path.relative_to(ROOT)}: {sorted(_imports_of(path) & ABOVE_OPS)}"
+                       for path in _sources("ops") if _imports_of(path) & ABOVE_OPS)
+    assert importers == [], importers
 
 
 def test_the_core_layers_in_order():
@@ -156,15 +218,6 @@ def _imports_of(path):
     return {name.split(".")[0] for name in _imported_names(path)}
 
 
-def test_only_the_command_imports_optim_or_data_in_engine():
-    """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
-    composer (engine/train.py) wires them in (fit is handed clipping, and finds a loader's
-    cursor by its epoch_cursor method)."""
-    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
-                       if _imports_of(path) & {"optim", "data"})
-    assert importers == ["engine/train.py"], importers
-
-
 def test_the_benchmarks_never_import_the_command():
     """DESIGN's rule: bench imports the library, the model recipes (engine.models) and the
     data recipes (data.datasets) too, never the CLI module engine.train."""
@@ -172,3 +225,18 @@ def test_the_benchmarks_never_import_the_command():
                        if any(name == "engine.train" or name.startswith("engine.train.")
                               for name in _imported_names(path)))
     assert importers == [], importers
+
+
+def test_only_the_cli_wing_imports_optim_or_data_in_engine():
+    """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
+    CLI wing (engine/cli/) wires them in (fit is handed clipping, and finds a loader's
+    cursor by its epoch_cursor method). engine/train.py, the shim of ``python -m
+    engine.train``, imports the wing and neither; the benchmarks never import the wing."""
+    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
+                       if _imports_of(path) & {"optim", "data"})
+    assert importers and all(path.startswith("engine/cli/") for path in importers), importers
+    assert not _imports_of(ROOT / "engine" / "train.py") & {"optim", "data"}
+    wing_users = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "bench").rglob("*.py")
+                        if any(name == "engine.cli" or name.startswith("engine.cli.")
+                               for name in _imported_names(path)))
+    assert wing_users == [], wing_users

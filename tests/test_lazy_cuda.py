@@ -1,7 +1,7 @@
 """numba-cuda is imported when CUDA is first used, not by ``import engine`` or CPU work.
 
 Each case runs in a fresh process: the test process itself has imported numba-cuda long ago.
-``ops.cuda_backend`` explains the mechanism (the kernel modules' ``cuda`` is a stand-in until
+``ops.cuda`` explains the mechanism (the kernel modules' ``cuda`` is a stand-in until
 then; the first use puts the real dispatchers into module globals and closure cells)."""
 import os
 import pathlib
@@ -64,7 +64,7 @@ def test_the_first_cuda_tensor_makes_the_module_kernels_real():
     # the simulator stands in for a GPU; the kernels were lazy until the CUDA tensor
     result = _run(
         "import sys, engine, ops.elementwise as elementwise\n"
-        "from ops.cuda_backend import LazyKernel\n"
+        "from ops.cuda import LazyKernel\n"
         "lazy = isinstance(elementwise.BINARY[elementwise.MUL].cuda, LazyKernel)\n"
         "x = engine.tensor([1., 2., 3.], device='cuda', requires_grad=True)\n"
         "(x * x).sum().backward()\n"
@@ -78,7 +78,7 @@ def test_the_first_cuda_tensor_makes_the_module_kernels_real():
 def test_device_functions_held_in_closures_are_made_real_before_the_kernel_runs():
     result = _run(
         "import numpy as np\n"
-        "from ops.cuda_backend import LazyKernel, cuda\n"
+        "from ops.cuda import LazyKernel, cuda\n"
         "def make(factor):\n"
         "    @cuda.jit(device=True)\n"
         "    def scaled(value):\n"
@@ -102,7 +102,7 @@ def test_device_functions_held_in_closures_are_made_real_before_the_kernel_runs(
 def test_auto_device_without_an_nvidia_driver_imports_no_numba_cuda():
     loads, device, *imported = _run(
         "import sys, engine\n"
-        "from ops.cuda_backend import driver_library_loads\n"
+        "from ops.cuda import driver_library_loads\n"
         "from ops.device import check_device\n"
         "loads = driver_library_loads()\n"
         "print(loads, check_device('auto'), engine.zeros(2, device='auto').device,\n"
@@ -113,10 +113,10 @@ def test_auto_device_without_an_nvidia_driver_imports_no_numba_cuda():
 
 
 def test_the_driver_library_check_agrees_with_numba_cuda():
-    """ops.cuda_backend looks for the driver where numba-cuda does, without importing
+    """ops.cuda looks for the driver where numba-cuda does, without importing
     numba.cuda."""
     mine, numbas = _run(
-        "from ops.cuda_backend import driver_library_loads\n"
+        "from ops.cuda import driver_library_loads\n"
         "mine = driver_library_loads()\n"
         "from numba.cuda.cudadrv import driver\n"
         "try:\n"

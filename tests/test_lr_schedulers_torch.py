@@ -191,3 +191,18 @@ def test_reduce_on_plateau_in_fit_reads_the_monitored_record():
     # with a threshold of 1000% no epoch improves on the last (not even on the first's
     # infinite "best", as in torch): with no patience, every epoch halves the rate
     assert len(history) == 3 and lr == 0.05 * 0.5 ** 3
+
+
+def test_fit_s_scheduler_argument_takes_both_kinds():
+    """fit(scheduler=...) steps ReduceLROnPlateau with the epoch's loss and OneCycleLR after
+    every batch, as the callback does."""
+    engine.manual_seed(0)
+    model, loader = _blobs()
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plateau = optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
+    fit(model, loader, opt, cross_entropy, 2, progress=False, verbose=False, scheduler=plateau)
+    assert opt.param_groups[0]["lr"] == 0.05 * 0.5 ** 2 and plateau.last_epoch == 2
+    cycle = optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=12)
+    fit(model, loader, opt, cross_entropy, 4, start_epoch=2, progress=False, verbose=False,
+        scheduler=cycle)
+    assert cycle.last_epoch == 12   # 2 epochs of 6 batches

@@ -16,7 +16,7 @@ from engine.parameter import FlatBuffer, Parameter
 from ops.batch_norm import BatchNormOp
 from ops.conv import Conv2DOp
 from ops.pool import AvgPool2DOp, MaxPool2DOp
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from tests.op_check import Case, check_op

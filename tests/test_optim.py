@@ -197,7 +197,7 @@ def test_cpu_cuda_parity(case, dtype):
 def test_update_kernel_strides_over_the_elements_past_its_grid(decoupled):
     """A large update's grid stops at SCALAR_BLOCKS_PER_SM blocks a multiprocessor and each
     thread strides on: 2 blocks of 4 threads over 37 elements update each as the CPU does."""
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.step_counter import T
     from optim.adam import ADAM_UPDATE
 

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 import engine
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from ops.out_of_memory import OutOfMemoryError
 
 if SIMULATOR:   # the simulator has no memory manager, so no pool
     pytest.skip("the caching pool needs Numba's real CUDA driver module", allow_module_level=True)
 
-from ops.cuda_backend import OUT_OF_MEMORY, CudaAPIError  # noqa: E402
-from ops.cuda_pool import CachingMemoryManager  # noqa: E402
+from ops.cuda import OUT_OF_MEMORY, CachingMemoryManager, CudaAPIError  # noqa: E402
 
 MiB = 1 << 20
 
@@ -92,13 +91,13 @@ def test_other_driver_errors_pass_through_unchanged():
 
 
 def test_the_command_reports_it_as_one_line(monkeypatch, capsys):
-    import engine.train
+    import engine.cli.train
     from tests.test_train import TINY, _run_main
 
     def fit_out_of_memory(*args, **options):
         raise OutOfMemoryError(40 * 2**30, 2**30, 140 * 2**30, 130 * 2**30, 0)
 
-    monkeypatch.setattr(engine.train, "fit", fit_out_of_memory)
+    monkeypatch.setattr(engine.cli.train, "fit", fit_out_of_memory)
     code, captured = _run_main(TINY, capsys)
     assert code == 1
     assert captured.err.strip().splitlines() == [

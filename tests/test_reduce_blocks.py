@@ -11,7 +11,7 @@ import pytest
 
 import engine
 from ops.block_reduce import REDUCE_THREADS
-from ops.cuda_backend import multiprocessor_count
+from ops.cuda import multiprocessor_count
 from ops.launch import LaunchRecorder
 from ops.reduce import BLOCKS_PER_MULTIPROCESSOR, CHUNK_MIN, chunking
 from ops.softmax import LANE_ELEMENTS, row_group

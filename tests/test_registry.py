@@ -15,7 +15,7 @@ import pytest
 from numba.core.registry import CPUDispatcher
 
 import ops
-from ops.cuda_backend import SIMULATOR, is_cuda_kernel
+from ops.cuda import is_cuda_kernel
 from ops.launch import Kernel, LaunchRecorder
 from tests.op_check import check_op
 
@@ -23,9 +23,8 @@ TESTS = pathlib.Path(__file__).parent
 
 
 def _import_all_ops():
-    for module in pkgutil.iter_modules(ops.__path__):
-        if not (SIMULATOR and module.name == "cuda_pool"):   # Numba's allocator: real CUDA only
-            importlib.import_module(f"ops.{module.name}")
+    for module in pkgutil.iter_modules(ops.__path__):   # ops.cuda's own modules hold no op
+        importlib.import_module(f"ops.{module.name}")
     return ops.REGISTRY
 
 

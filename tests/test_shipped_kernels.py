@@ -1,5 +1,5 @@
-"""Kernels compiled ahead of time (ops/kernels/, ``python -m ops.build_kernels``): the shipped
-ones match today's kernels, a change to what a kernel is made from changes its key (so a
+"""Kernels compiled ahead of time (ops/kernels/, ``python -m engine.cli.build_kernels``): the
+shipped ones match today's kernels, a change to what a kernel is made from changes its key (so a
 stale artifact is never found), and on a GPU a step through them computes what Numba's own
 compiles compute."""
 import json
@@ -11,11 +11,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from ops import cuda_backend
+from ops import cuda as cuda_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_real_numba_cuda = pytest.mark.skipif(
-    cuda_backend.SIMULATOR, reason="the simulator has no dispatchers to hash (a CPU test)")
+    cuda_runtime.SIMULATOR, reason="the simulator has no dispatchers to hash (a CPU test)")
 
 
 def _run(code, **environment):
@@ -28,23 +28,23 @@ def _run(code, **environment):
 def test_shipped_kernels_are_those_of_todays_code():
     """Every artifact in ops/kernels/ is keyed by the hash of a kernel variant the CLI's models
     launch today, and every such variant is shipped. On a failure: rerun the build."""
-    child = subprocess.run([sys.executable, "-m", "ops.build_kernels", "--check"], cwd=ROOT,
-                           env={k: v for k, v in os.environ.items()
-                                if k != "NUMBA_ENABLE_CUDASIM"},
+    child = subprocess.run([sys.executable, "-m", "engine.cli.build_kernels", "--check"],
+                           cwd=ROOT, env={k: v for k, v in os.environ.items()
+                                          if k != "NUMBA_ENABLE_CUDASIM"},
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, (
-        f"ops/kernels/ is stale: run python -m ops.build_kernels (ops/README.md, 'Shipped "
-        f"kernels', says what it needs)\n{child.stdout}{child.stderr[-3000:]}")
+        f"ops/kernels/ is stale: run python -m engine.cli.build_kernels (ops/cuda/README.md, "
+        f"'Shipped kernels', says what it needs)\n{child.stdout}{child.stderr[-3000:]}")
 
 
 def test_the_manifest_names_files_that_are_shipped():
-    manifest = cuda_backend.shipped_manifest()
+    manifest = cuda_runtime.shipped_manifest()
     assert manifest is not None and manifest["kernels"], "ops/kernels/manifest.json is missing"
     for key, entry in manifest["kernels"].items():
         assert set(entry["cubins"]) == {"sm_80", "sm_90"}, (key, entry)
         for cubin in entry["cubins"].values():   # the entry point get_kernel asks for is in it
             assert cubin["file"].startswith(key), cubin
-            with open(os.path.join(cuda_backend.SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
+            with open(os.path.join(cuda_runtime.SHIPPED_KERNELS_DIR, cubin["file"]), "rb") as file:
                 assert cubin["entry"].encode() in file.read(), cubin
 
 
@@ -56,13 +56,14 @@ def test_the_key_changes_with_anything_the_code_is_made_from(monkeypatch):
     from numba import types
 
     from ops import block_reduce, loss
+    from ops.cuda import fingerprints
     kernel = loss.cross_entropy_cuda
     argtypes = (types.float32[::1], types.int64[::1], types.float32[::1], types.float32[::1],
                 types.int64[::1])
 
     def key():
-        cuda_backend._fingerprints.clear()   # what a fresh process computes
-        return cuda_backend.artifact_key(kernel, argtypes)
+        fingerprints._fingerprints.clear()   # what a fresh process computes
+        return cuda_runtime.artifact_key(kernel, argtypes)
 
     original = key()
     assert key() == original
@@ -76,7 +77,7 @@ def test_the_key_changes_with_anything_the_code_is_made_from(monkeypatch):
     monkeypatch.setattr(block_reduce, "SUM", block_reduce.SUM + 100)   # a callee's constant
     assert key() != original
     monkeypatch.undo()
-    assert cuda_backend.artifact_key(kernel, argtypes[:-1] + (types.int32[::1],)) != original
+    assert cuda_runtime.artifact_key(kernel, argtypes[:-1] + (types.int32[::1],)) != original
     monkeypatch.setitem(kernel.targetoptions, "fastmath", True)
     assert key() != original
     monkeypatch.undo()
@@ -89,7 +90,7 @@ def test_a_changed_source_gives_a_new_key(tmp_path):
     the kernel calls give different keys; an unchanged one gives the same key."""
     def module(scale):
         return textwrap.dedent(f"""
-            from ops.cuda_backend import cuda
+            from ops.cuda import cuda
 
             @cuda.jit(device=True)
             def scaled(x):
@@ -105,10 +106,11 @@ def test_a_changed_source_gives_a_new_key(tmp_path):
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         from numba import types
-        from ops import cuda_backend
-        cuda_backend._PROJECT_PACKAGES += ("shipped_probe",)
+        from ops import cuda as cuda_runtime
+        from ops.cuda import fingerprints
+        fingerprints.PROJECT_PACKAGES += ("shipped_probe",)
         import shipped_probe
-        print(cuda_backend.artifact_key(shipped_probe.kernel, (types.float32[::1],)))
+        print(cuda_runtime.artifact_key(shipped_probe.kernel, (types.float32[::1],)))
         """
     keys = []
     for scale in (2, 2, 3):
@@ -127,7 +129,7 @@ _STEP = """
     import engine, optim
     from engine.losses import cross_entropy
     from engine.models import build_mlp
-    from ops import cuda_backend
+    from ops.cuda import shipped as shipped_kernels
     engine.manual_seed(0)
     model = build_mlp((28, 28), (256, 128), 10).to("cuda")
     optimizer = optim.Adam(model.parameters(), lr=1e-3)
@@ -142,9 +144,9 @@ _STEP = """
         optimizer.step()
         losses.append(float(loss.item()))
     weights = [p.numpy().tolist() for p in model.parameters()]
-    shipped = sum(1 for f in cuda_backend._shipped.values() if f is not None)
+    shipped = sum(1 for f in shipped_kernels._shipped.values() if f is not None)
     unshipped = sorted(kernel.py_func.__qualname__
-                       for (kernel, _), f in cuda_backend._shipped.items() if f is None)
+                       for (kernel, _), f in shipped_kernels._shipped.items() if f is None)
     print(json.dumps({"losses": losses, "weights": weights, "shipped": shipped,
                       "unshipped": unshipped}))
     """

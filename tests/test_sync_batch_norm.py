@@ -15,7 +15,7 @@ from engine import distributed as dist
 from engine import nn
 from engine.autograd import apply
 from ops.batch_norm import BatchNormOp, SyncBatchNormOp
-from ops.cuda_backend import SIMULATOR
+from ops.cuda import SIMULATOR
 from ops.device import copy_into, to_host
 from tests.op_check import check_op
 from tests.test_ops_conv import _batch_norm_case

@@ -1,4 +1,4 @@
-"""ops.tensor_core's instructions alone: one warp's TF32 and bf16 tiles against NumPy.
+"""ops.cuda.ptx's instructions alone: one warp's TF32 and bf16 tiles against NumPy.
 
 The inputs are rounded in NumPy as the instructions round them (TF32: 10 mantissa bits, ties
 away from zero; bf16: 7 bits, ties to even), so the products must match the float64 product
@@ -23,8 +23,8 @@ def test_rounding_references_keep_the_instructions_mantissa_bits():
 
 @functools.cache
 def _kernels():
-    from ops.cuda_backend import cuda
-    from ops.tensor_core import mma_bf16, mma_tf32, pack_bf16, to_tf32
+    from ops.cuda import cuda
+    from ops.cuda.ptx import mma_bf16, mma_tf32, pack_bf16, to_tf32
 
     @cuda.jit
     def tiles_tf32(a, b, c):
@@ -61,7 +61,7 @@ def _kernels():
 @pytest.mark.parametrize("precision, k", [("tf32", 8), ("tf32", 40), ("bf16", 16),
                                           ("bf16", 48)])
 def test_one_warp_tile_matches_numpy_on_the_rounded_inputs(precision, k):
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     rng = np.random.default_rng(k)
     a = rng.standard_normal((16, k)).astype(np.float32)
     b = rng.standard_normal((k, 8)).astype(np.float32)
@@ -107,7 +107,7 @@ TENSOR_CORE_SHAPES = [(130, 77, 257, False, False), (64, 128, 96, True, False),
 @pytest.mark.parametrize("precision", ["high", "medium"], indirect=True)
 @pytest.mark.parametrize("m, k, n, trans_a, trans_b", TENSOR_CORE_SHAPES)
 def test_gemm_takes_the_rounded_inputs_product(precision, m, k, n, trans_a, trans_b):
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.device import to_device
     from ops.matmul import gemm, mma_format
     assert mma_format(np.float32) == {"high": "tf32", "medium": "bf16"}[precision]
@@ -156,7 +156,7 @@ def test_pipelined_tiles_take_the_rounded_inputs_product(monkeypatch, precision,
     # products in the same order: the same bits. Split, their slices differ (whole steps of
     # their BK): both must be the rounded operands' product, and repeat bit for bit.
     from ops import matmul as mm
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.device import to_device
     rng = np.random.default_rng(m + k + n)
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
@@ -223,7 +223,7 @@ def test_check_tiling_names_what_a_pipeline_cannot_do(tiling, problem):
 @pytest.mark.parametrize("precision", ["high"], indirect=True)
 def test_products_too_small_for_a_fragment_stay_float32(precision):
     """K = 9 (the CNN's first convolution) and N = 10 keep the FMA tilings at any precision."""
-    from ops.cuda_backend import cuda
+    from ops.cuda import cuda
     from ops.device import to_device
     from ops.matmul import gemm
     rng = np.random.default_rng(9)

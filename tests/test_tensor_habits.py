@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import engine
-import ops.cuda_backend
-from ops.cuda_backend import SIMULATOR
+import ops.cuda
+from ops.cuda import SIMULATOR
 from tests.op_check import Case, check_op
 
 
@@ -202,27 +202,27 @@ def test_out_of_range_indices_name_the_index_axis_and_size(device):
     with pytest.raises(IndexError, match="index 7 is out of bounds for axis 1 with size 4"):
         x[:, [0, 7]]
     # a device index tensor on a real GPU is checked on the device: the next call raises
-    deferred = device == "cuda" and not ops.cuda_backend.SIMULATOR
+    deferred = device == "cuda" and not ops.cuda.SIMULATOR
     with pytest.raises(IndexError, match="index -4 is out of bounds for axis 0 with size 3"):
         x[engine.tensor([1, -4], device=device)]
         if deferred:
-            ops.cuda_backend.cuda.synchronize()
+            ops.cuda.cuda.synchronize()
             x[engine.tensor([0], device=device)]
     with pytest.raises(IndexError, match="index 4 is out of bounds for axis 1 with size 4"):
         x[engine.tensor([0], device=device), engine.tensor([[4]], device=device)] = 1.0
         if deferred:
-            ops.cuda_backend.cuda.synchronize()
+            ops.cuda.cuda.synchronize()
             x[engine.tensor([0], device=device)]
     np.testing.assert_array_equal(x[engine.tensor([2], device=device)].numpy(), [[0] * 4])
 
 
 @pytest.mark.gpu
 def test_a_bad_cuda_index_tensor_raises_at_the_next_indexing_call():
-    import ops.cuda_backend
+    import ops.cuda
     x = engine.zeros(3, 4, device="cuda")
     bad = engine.tensor([0, 9], device="cuda")
     x[bad]                                   # checked on the device: nothing raised yet
-    ops.cuda_backend.cuda.synchronize()
+    ops.cuda.cuda.synchronize()
     with pytest.raises(IndexError, match="index 9 is out of bounds for axis 0 with size 3"):
         x[engine.tensor([1], device="cuda")]
     np.testing.assert_array_equal(x[engine.tensor([1], device="cuda")].numpy(), [[0] * 4])

@@ -109,13 +109,13 @@ def test_a_bad_step_interval_is_refused(interval):
 
 def test_the_command_stops_with_one_line_and_keeps_the_last_finite_checkpoint(
         tmp_path, monkeypatch, capsys):
-    import engine.train
+    import engine.cli.train
     path = tmp_path / "run.npz"
 
     def fit_poisoned_in_epoch_2(*args, callbacks=(), **options):
         return fit(*args, callbacks=list(callbacks) + [PoisonAtEpochStart(epoch=2)], **options)
 
-    monkeypatch.setattr(engine.train, "fit", fit_poisoned_in_epoch_2)
+    monkeypatch.setattr(engine.cli.train, "fit", fit_poisoned_in_epoch_2)
     code, captured = _run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
         "engine-train: error: the training loss is nan at epoch 2, step 0: training stopped "

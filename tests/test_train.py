@@ -1,4 +1,4 @@
-"""engine.fit and engine.train: the fit loop, evaluate, checkpoints, and the command's
+"""engine.fit and the command (engine.cli.train): the fit loop, evaluate, checkpoints, and the command's
 behaviour on good and bad input (in process through ``main``: any exception other than
 SystemExit would have been a traceback; one real subprocess checks the module entry point)."""
 import errno
@@ -25,8 +25,8 @@ from engine.fit import (CHECKPOINT_KEY, RECORD_KEYS, evaluate, fit, progress_bar
                         read_checkpoint, save_checkpoint, show_progress)
 from engine.models import build_mlp, preprocessing
 from engine.train import main
-from engine.training_curves import plot_history
-from ops.cuda_backend import SIMULATOR
+from engine.cli.training_curves import plot_history
+from ops.cuda import SIMULATOR
 from ops.device import cuda_available
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -553,10 +553,10 @@ def test_a_failing_first_save_of_a_resumed_run_names_the_resumed_checkpoint(
 
 
 def test_a_log_failing_during_training_is_one_line(tmp_path, monkeypatch, capsys):
-    import engine.train
+    import engine.cli.train
     log, path = tmp_path / "log.jsonl", tmp_path / "run.npz"
-    monkeypatch.setattr(engine.train, "append_record",
-                        _failing_on_call(engine.train.append_record, 2))
+    monkeypatch.setattr(engine.cli.train, "append_record",
+                        _failing_on_call(engine.cli.train.append_record, 2))
     code, captured = _run_main(TINY + ["--epochs", "2", "--save", str(path), "--log-json",
                                        str(log)], capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
@@ -897,7 +897,7 @@ def test_a_run_saves_its_model_in_the_current_folder_by_default(tmp_path, capsys
 
 def _interrupted_after(epochs):
     """``fit`` that Ctrl-C stops after ``epochs`` epochs (their checkpoints written)."""
-    from engine import train as cli
+    from engine.cli import train as cli
     real_fit = cli.fit
 
     def fit(*args, on_epoch_end=(), **kwargs):
@@ -917,7 +917,7 @@ def _interrupted_after(epochs):
     (0, ["--no-save"], "engine-train: interrupted; nothing was saved (--no-save)")])
 def test_an_interrupt_says_which_epoch_the_file_holds(monkeypatch, capsys, epochs, extra,
                                                        message):
-    from engine import train as cli
+    from engine.cli import train as cli
     monkeypatch.setattr(cli, "fit", _interrupted_after(epochs))
     code, captured = _run_main(TINY + ["--epochs", "3"] + extra, capsys)
     assert code == 130 and captured.err.strip().splitlines() == [message]
@@ -935,7 +935,7 @@ def test_resume_says_that_it_keeps_the_checkpoint_s_lr(capsys):
 def test_the_first_run_is_told_that_it_compiles(monkeypatch, tmp_path, capsys):
     from numba import config
 
-    from engine import run_header as cli
+    from engine.cli import run_header as cli
     monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
     assert not cli.kernels_cached()
     main(TINY + ["--no-save"])
@@ -971,8 +971,8 @@ def test_help_and_a_typo_answer_before_numba_is_imported(arguments, status):
 
 
 def test_the_early_answer_knows_the_launchers_of_engine_distributed():
-    from engine import train as cli
     from engine import distributed
+    from engine.cli import arguments as cli
     assert cli.LAUNCHERS == distributed.LAUNCHER_VARIABLES
 
 
@@ -984,7 +984,7 @@ def test_import_engine_imports_no_numba():
 
 
 def test_the_header_names_the_simulator():
-    from engine import run_header as cli
+    from engine.cli import run_header as cli
     assert cli.describe_device("cuda", simulator=False) == "cuda"
     assert cli.describe_device("cpu", simulator=True) == "cpu"
     assert cli.describe_device("cuda", simulator=True).startswith(

@@ -3,11 +3,15 @@ traceback, and a run stopped part way says what its checkpoint holds.
 
 ``BadInput`` (exit status 2) is the command's input: an argument, a path, the data, a
 checkpoint that does not fit. ``OutputFailure`` and ``Diverged`` (status 1) happen during or
-after training, ``Interrupted`` is Ctrl-C (status 130). Nothing here imports Numba: the help
-and the arguments that do not parse are answered before it is imported.
+after training, ``Interrupted`` is Ctrl-C (status 130) or SIGTERM (``Terminated``, status 143,
+raised where Ctrl-C would be while ``sigterm_interrupts`` holds). Nothing here imports Numba:
+the help and the arguments that do not parse are answered before it is imported.
 """
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 PROG = "engine-train"
 
@@ -35,8 +39,46 @@ class Diverged(Exception):
         self.shown = shown
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch system's time limit), raised in the main thread as Ctrl-C's
+    ``KeyboardInterrupt`` is, so it stops the run at the same points and cleans up alike."""
+
+
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training; the message says which epoch the checkpoint file holds."""
+    """Ctrl-C or SIGTERM during training; the message says which epoch the checkpoint file
+    holds, ``terminated`` whether it was SIGTERM."""
+
+    def __init__(self, message, terminated=False):
+        super().__init__(message)
+        self.terminated = terminated
+
+
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a second SIGTERM ends the process at once
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """While it holds, SIGTERM raises ``Terminated`` in the main thread (elsewhere, where no
+    handler can be set, it keeps its default: the process ends)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def report_interrupt(interrupt):
+    """Ctrl-C or SIGTERM as the command's one line on stderr; returns the exit status (130,
+    or 143 for SIGTERM: 128 + the signal's number, as a shell reports a process it ended)."""
+    terminated = isinstance(interrupt, Terminated) or getattr(interrupt, "terminated", False)
+    print(f"{PROG}: " + ("terminated (SIGTERM)" if terminated else "interrupted")
+          + (f"; {interrupt}" if str(interrupt) else ""), file=sys.stderr, flush=True)
+    return 128 + signal.SIGTERM if terminated else 130
 
 
 def report(error):

@@ -11,7 +11,7 @@ Processes of ``mpiexec -n N`` without ``--distributed`` are refused alike
 import os
 
 from engine import distributed as dist
-from engine.cli_failures import BadInput
+from engine.cli.failures import BadInput
 from ops.device import check_device
 
 # paths that may differ between machines (their contents are compared instead) and the

@@ -1,8 +1,8 @@
 """The checkpoint ``python -m engine.train --resume PATH`` continues from: read and matched to
 the run's configuration before the data is loaded, then restored into the model and the
 optimizer the run built; each failure a ``BadInput`` that names the file and the mismatch."""
-from engine.cli_failures import BadInput
-from engine.fit import read_checkpoint, restore_checkpoint
+from engine.checkpoint import read_checkpoint, restore_checkpoint
+from engine.cli.failures import BadInput
 
 
 def read_resumed(args, config):

@@ -31,7 +31,7 @@ def kernels_cached():
 
 
 def print_header(args, setup):
-    """The run as ``args`` ask for it and ``setup`` (``engine.train.prepare``) built it."""
+    """The run as ``args`` ask for it and ``setup`` (``engine.cli.train.prepare``) built it."""
     model, optimizer, start_epoch = setup.model, setup.optimizer, setup.start_epoch
     x_shape = setup.data[0]
     if args.model == "cnn":

@@ -12,8 +12,12 @@ so the process goes on.
 """
 from collections import defaultdict
 
-from ops.cuda_backend import OUT_OF_MEMORY, CudaAPIError, MemoryManagerBase, MemoryPointer
+from numba.cuda.cudadrv.driver import CudaAPIError, MemoryPointer, binding
+from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager as MemoryManagerBase
+
 from ops.out_of_memory import OutOfMemoryError
+
+OUT_OF_MEMORY = binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 
 
 def _bucket(nbytes):

@@ -1,5 +1,7 @@
-"""The files ``python -m engine.train`` writes, checked before any work: each path can be
-written (not a directory, in a folder that exists and takes new files) and the package that
+"""The files ``python -m engine.train`` writes, checked before any work: each path goes through
+``check_output`` (the one check of a path the command writes: names the file system takes,
+not a directory, in a folder that exists and takes new files), no two outputs name one file,
+the checkpoint's name is an ``.npz`` one (``engine.cli.output_names``), and the package that
 writes it is installed; else a ``BadInput`` that names the flag, the path and the fix. After
 training, ``write_after_training`` writes the curves and the ONNX export."""
 import importlib.util
@@ -7,8 +9,10 @@ import os
 
 from engine import onnx as onnx_export
 from engine.archive import probe_writable
-from engine.cli_failures import BadInput, OutputFailure, describe_os_error
-from engine.training_curves import plot_format, plot_formats, plot_history
+from engine.cli.failures import BadInput, OutputFailure, describe_os_error
+from engine.cli.output_names import (check_checkpoint_name, check_distinct_outputs,
+                                     check_name_lengths)
+from engine.cli.training_curves import plot_format, plot_formats, plot_history
 
 
 def checkpoint_path(args):
@@ -19,9 +23,15 @@ def checkpoint_path(args):
     return args.save or args.resume or f"{args.dataset}-{args.model}.npz"
 
 
-def check_output(flag, path, appending=False):
+def check_output(flag, path, appending=False, log_dir=False):
     """Raise ``BadInput`` unless ``path`` can be written (``appending``: extended in place):
-    not a directory, in a folder that exists and takes new files."""
+    the one check of every path the command writes. Its names must be ones the file system
+    takes; a file must not be a directory and must sit in a folder that exists and takes new
+    files; a ``log_dir`` (``--tensorboard``'s folder) is checked by ``check_log_dir``."""
+    check_name_lengths(flag, path)
+    if log_dir:
+        check_log_dir(path)
+        return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise BadInput(f"{flag} {path}: is a directory; give a file name")
@@ -51,7 +61,8 @@ def check_log_dir(path):
 
 
 def check_outputs(args):
-    """The output paths can be written and the packages that write them are installed."""
+    """The output paths can be written, name files of their own (a checkpoint an ``.npz``
+    one), and the packages that write them are installed."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BadInput("--plot needs matplotlib, an optional extra: "
                        "pip install -e '.[plot]'")
@@ -61,6 +72,8 @@ def check_outputs(args):
     if args.export_onnx and importlib.util.find_spec("onnx") is None:
         raise BadInput("--export-onnx needs the onnx package, an optional extra: "
                        "pip install -e '.[onnx]'")
+    check_checkpoint_name(args, checkpoint_path(args))
+    check_distinct_outputs(args, checkpoint_path(args))
     # a resumed run without --save writes its --resume file: checked below, named so
     saved_to = None if args.resume and not args.save else checkpoint_path(args)
     for flag, path in (("--save", saved_to), ("--plot", args.plot),
@@ -68,7 +81,7 @@ def check_outputs(args):
         if path:
             check_output(flag, path, appending=flag == "--log-json")
     if args.tensorboard:
-        check_log_dir(args.tensorboard)
+        check_output("--tensorboard", args.tensorboard, log_dir=True)
     if args.resume and not args.save:
         try:
             check_output("--resume", args.resume)
