@@ -149,7 +149,8 @@ sys.modules[__name__].__class__ = _EngineModule
 _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "losses": "engine.losses", "init": "engine.init", "train": "engine.train",
                     "interop": "engine.interop", "callbacks": "engine.callbacks",
-                    "onnx": "engine.onnx", "distributed": "engine.distributed"}
+                    "onnx": "engine.onnx", "distributed": "engine.distributed",
+                    "fit": "engine.fit"}
 
 
 # torch's dtype names (``engine.float32``, ``engine.long``) as the NumPy dtypes they mean

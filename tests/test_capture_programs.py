@@ -3,12 +3,12 @@ captured from the same seed, must give the same losses, errors, weights and opti
 bit for bit (or the captured one runs eagerly and says why).
 
 A program draws a model (Dense stacks, Dropout, BatchNorm; or an ``nn.Model`` of residual
-blocks in an ``nn.LayerList``, frozen through ``trainable`` on a nested block), an optimizer and its options, a
-schedule, clipping, a warm-up count, and a list of calls with events between them: partial
-batches, freezing and unfreezing a layer, train/eval switches, a learning rate written by
-hand, a call with a bad label, a call that raises before ``opt.step()``. Some programs read
-the loss on the host inside the step (``if loss.item() > ...``): those must run eagerly with
-a reason. The harness reads every returned loss on the host, as a training loop does, so a
+blocks in an ``nn.LayerList``, frozen through ``trainable`` on a nested block), an optimizer
+and its options, a schedule, clipping, a warm-up count, and a list of calls with events
+between them: partial batches, freezing and unfreezing a layer, train/eval switches, a
+learning rate written by hand, a call with a bad label, a call that raises before
+``opt.step()``. Some programs read the loss on the host inside the step (``if loss.item() >
+...``): those must run eagerly with a reason. The harness reads every returned loss on the host, as a training loop does, so a
 bad label raises at the same point on CUDA in both runs.
 """
 import random

@@ -193,7 +193,7 @@ def test_cuda_and_cpu_move_the_model(device):
 
 @pytest.mark.parametrize("name, equivalent", [
     ("Linear", "nn.Dense"), ("Conv2d", "nn.Conv2D"), ("ReLU", "nn.Activation('relu')"),
-    ("Module", "nn.Layer")])
+    ("Module", "nn.Model"), ("ModuleList", "nn.LayerList")])
 def test_torch_layer_names_answer_with_the_engine_s(name, equivalent):
     with pytest.raises(AttributeError, match=re.escape(f"no attribute '{name}'; the engine's "
                                                        f"equivalent is {equivalent}")):

@@ -20,4 +20,5 @@ def changed_lines(name):
 if __name__ == "__main__":
     for name, title in PORTS.items():
         total, removed, added = changed_lines(name)
-        print(f"{title}: {removed} of {total} lines changed or removed, {added} lines in their place")
+        print(f"{title}: {removed} of {total} lines changed or removed, "
+              f"{added} lines in their place")

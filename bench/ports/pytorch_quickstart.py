@@ -1,7 +1,6 @@
 import engine
 from engine import nn, optim
 from data import DataLoader, mnist
-import numpy as np
 
 (x_train, y_train), (x_test, y_test) = mnist.load()   # Fashion-MNIST is not shipped: MNIST
 training_data, test_data = (x_train[:, None], y_train), (x_test[:, None], y_test)
@@ -31,7 +30,8 @@ class NeuralNetwork(nn.Model):
         return logits
 
 model = NeuralNetwork().to(device)
-print(model.build((1, 28, 28)))
+model.build((1, 28, 28))
+print(model)
 
 loss_fn = nn.CrossEntropyLoss()
 optimizer = optim.SGD(model.parameters(), lr=1e-3)

@@ -224,7 +224,7 @@ class KerasMethods:
         ``validation_data=(x_val, y_val)`` gives them. Returns a History:
         ``history.history["loss"]`` (and ``"accuracy"``, ``"val_loss"``,
         ``"val_accuracy"``), one value per epoch; ``history.records`` the loop's records."""
-        from engine.fit import fit
+        import engine   # the facade: the loop (engine.fit) imports nn, so nn never imports it
         where = f"{self.name}.fit"
         compiled = self._compiled("fit")
         x = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
@@ -245,20 +245,21 @@ class KerasMethods:
         test_loader = None
         if validation_data is not None:
             test_loader = self._loader(*validation_data, max(batch_size, 256), False)
-        records = fit(self, self._loader(x, y, batch_size, shuffle), self._optimizer(compiled),
-                      loss, epochs, test_loader=test_loader, callbacks=list(callbacks or ()),
-                      progress=verbose == 1, verbose=bool(verbose))
+        records = engine.fit.fit(self, self._loader(x, y, batch_size, shuffle),
+                                 self._optimizer(compiled), loss, epochs, test_loader=test_loader,
+                                 callbacks=list(callbacks or ()), progress=verbose == 1,
+                                 verbose=bool(verbose))
         return History(records, compiled["accuracy"], test_loader is not None)
 
     def evaluate(self, x, y, batch_size=32, verbose=0):
         """The loss on ``x``, ``y`` (in eval mode), and ``[loss, accuracy]`` when compiled
         with ``metrics=["accuracy"]``, as Keras's ``Model.evaluate``."""
-        from engine.fit import evaluate
+        import engine
         compiled = self._compiled("evaluate")
         y, loss = self._targets(compiled, y, f"{self.name}.evaluate")
         self._build_for(np.asarray(x) if not isinstance(x, Tensor) else x)
-        loss_value, accuracy = evaluate(self, self._loader(x, y, batch_size, False),
-                                        loss or compiled["loss"])
+        loss_value, accuracy = engine.fit.evaluate(
+            self, self._loader(x, y, batch_size, False), loss or compiled["loss"])
         return [loss_value, accuracy] if compiled["accuracy"] else loss_value
 
 

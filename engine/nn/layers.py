@@ -336,6 +336,12 @@ class Layer:
         return {} if self.input_shape is None else {"input_shape": list(self.input_shape)}
 
     def __repr__(self):
+        """Its config; for a layer holding layers the tree, as torch prints a module."""
+        children = self.named_children()
+        if children:
+            body = "".join("\n  (" + name + "): " + repr(layer).replace("\n", "\n  ")
+                           for name, layer in children)
+            return f"{type(self).__name__}({body}\n)"
         args = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}"
                          for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
@@ -395,9 +401,6 @@ class LayerList(Layer):
     def forward(self, x):
         raise TypeError("LayerList holds layers but is not one to call: iterate over it in "
                         "the forward of the layer that holds it")
-
-    def __repr__(self):
-        return "LayerList([" + ", ".join(repr(layer) for layer in self._items) + "])"
 
 
 # Keras's names of the initialisers the engine names otherwise

@@ -67,7 +67,6 @@ class Model(KerasMethods, Layer):
         self.device = "cpu"
         self.input_dtype = None     # the dtype of the inputs it was built for
         self._flat = []
-        self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
 
     parameterless = True   # its own parameters exist from __init__; its layers say for theirs
 
@@ -89,11 +88,8 @@ class Model(KerasMethods, Layer):
                                  f" asked for {batch_shape(shape)}")
             return self.output_shape
         dtype = np.dtype(np.float32 if dtype is None else dtype)
-        self._initialize = initialize
-        try:
-            self.output_shape = _traced_output_shape(self, shape, self.device, dtype)
-        finally:
-            self._initialize = True
+        # (``initialize``, Layer.build's protocol: a loaded model's weights are overwritten)
+        self.output_shape = _traced_output_shape(self, shape, self.device, dtype)
         self.input_shape, self.input_dtype = shape, dtype
         self._pack()
         return self.output_shape
@@ -205,7 +201,7 @@ class Model(KerasMethods, Layer):
             return given
         return self._flat[0].dtype if self._flat else np.dtype(np.float32)
 
-    def predict(self, x, batch_size=256, verbose=0):
+    def predict(self, x, batch_size=256, verbose=0):  # verbose: Keras's signature; quiet
         """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
         NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
         tape; the model's mode is restored after."""
@@ -397,6 +393,7 @@ class Sequential(Model):
             raise TypeError(f"Sequential: name must be text, got {name!r}")
         super().__init__(name=name)
         self.layers = []
+        self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
         for layer in layers:
             self.add(layer)
 
@@ -595,8 +592,9 @@ class Sequential(Model):
                 raise ValueError(f"unknown layer type {entry['class_name']!r}; known: "
                                  f"{sorted(LAYERS)}; a custom layer loads once its class is "
                                  "decorated with @nn.register (import it before nn.load)")
-            model.add(layer_class.from_config(entry["config"]) if issubclass(layer_class, Sequential)
-                      else layer_class(**entry["config"]))
+            config = entry["config"]
+            model.add(layer_class.from_config(config) if issubclass(layer_class, Sequential)
+                      else layer_class(**config))
         model._initialize = True
         return model
 
