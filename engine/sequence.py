@@ -246,13 +246,15 @@ _no_seeds = {}              # device -> the one-element array a call without dro
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None):
+                                 scale=None, *, seed_state=None):
     """torch's ``F.scaled_dot_product_attention``: ``softmax(q kᵀ · scale + mask) v`` over q
     (..., Tq, d), k (..., Tk, d), v (..., Tk, dv) with the same leading dims ((N, H) or
     (N,)). ``attn_mask``: a bool mask (True takes part) or a float mask added to the scores,
     broadcastable to (..., Tq, Tk); ``is_causal``: query i sees keys j <= i; ``dropout_p``:
     dropout on the attention weights (drawn from the device seed, as nn.Dropout);
-    ``scale``: default ``1 / sqrt(d)``. One fused kernel per direction on CUDA."""
+    ``scale``: default ``1 / sqrt(d)``. One fused kernel per direction on CUDA.
+    ``seed_state``: a layer's own dropout seed state (``ops.dropout.new_seed_state``'s two
+    arrays) instead of the one this module keeps per device. The mask gets no gradient."""
     name = "scaled_dot_product_attention"
     for label, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Value):
@@ -275,7 +277,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     bh = int(np.prod(lead)) if lead else 1
     mask, strides = _attention_mask(name, q, attn_mask, lead, tq, tk)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
-    seed = _attention_seed(q.device, dropout_p)
+    seed = _attention_seed(q.device, dropout_p, seed_state)
     out = apply(AttentionOp, F.reshape(q, (bh, tq, d)), F.reshape(k, (bh, tk, d)),
                 F.reshape(v, (bh, tk, dv)), mask, seed, scale=scale, causal=bool(is_causal),
                 mask_strides=strides, dropout_p=float(dropout_p))
@@ -313,13 +315,15 @@ def _attention_mask(name, q, attn_mask, lead, tq, tk):
     return data, (slice_stride, cols if rows != 1 else 0, 1 if cols != 1 else 0)
 
 
-def _attention_seed(device, dropout_p):
-    """The call's dropout seed (a one-element device array): the next of this device's seed
-    state, drawn on the device; without dropout a fixed array nobody reads."""
+def _attention_seed(device, dropout_p, seed_state):
+    """The call's dropout seed (a one-element device array): the next of ``seed_state`` (or
+    this device's), drawn on the device; without dropout a fixed array nobody reads."""
     if dropout_p == 0:
         if device not in _no_seeds:
             _no_seeds[device] = new_counter(device)
         return _no_seeds[device]
+    if seed_state is not None:
+        return next_mask_seed(*seed_state)
     if device not in _dropout_seed_states:
         _dropout_seed_states[device] = new_seed_state(int(generator().integers(SEED_LIMIT)),
                                                       device)

@@ -58,10 +58,17 @@ def _gather_element(k, ids, weight, out, dim, rows, bad):
 _gather_element_cpu, _gather_element_cuda = twin(_gather_element)
 
 
-@njit(**CPU_KERNEL)
+@njit(**CPU_KERNEL, error_model="numpy")
 def embedding_cpu(ids, weight, out, dim, rows, bad):
-    for k in range(out.size):
-        _gather_element_cpu(k, ids, weight, out, dim, rows, bad)
+    for i in range(ids.size):   # a row at a time: one id test, then a contiguous copy
+        row = ids[i]
+        if row < 0 or row >= rows:
+            _gather_element_cpu(i * dim, ids, weight, out, dim, rows, bad)   # records it
+            for j in range(dim):
+                out[i * dim + j] = math.nan
+        else:
+            for j in range(dim):
+                out[i * dim + j] = weight[row * dim + j]
 
 
 @cuda.jit(cache=True)

@@ -32,29 +32,73 @@ HAS_WEIGHT, HAS_BIAS = 1, 2
 STATS_DTYPE = np.float64
 
 
-@njit(**CPU_KERNEL)
+LANES = 8   # independent partial sums of a CPU row: the adds overlap (77 -> 67 us, 768x128)
+
+
+@njit(inline="always", error_model="numpy")
+def _affine_cpu(weight, bias, x, n, affine):
+    """The scale and offset in x's dtype (ones and zeros for those absent): the row loops
+    then carry no branch (a branch per element kept them scalar: 4 ns an element)."""
+    scale = np.ones(n, x.dtype)
+    offset = np.zeros(n, x.dtype)
+    if affine & HAS_WEIGHT:
+        scale[:] = weight[:n]
+    if affine & HAS_BIAS:
+        offset[:] = bias[:n]
+    return scale, offset
+
+
+@njit(inline="always", error_model="numpy")
+def _two_sums_cpu(a, b, n, lanes_a, lanes_b, shift_a, product):
+    """``(Σ (a - shift_a) · w, Σ (a - shift_a)² · w)`` with w = 1, or with ``product``
+    ``(Σ b, Σ b · (a - shift_a))``, in float64, in ``LANES`` partial sums then the rest:
+    a fixed order, the same on every run."""
+    lanes_a[:] = 0.0
+    lanes_b[:] = 0.0
+    body = n - n % LANES
+    for k in range(0, body, LANES):
+        for lane in range(LANES):
+            d = float(a[k + lane]) - shift_a
+            if product:
+                e = float(b[k + lane])
+                lanes_a[lane] += e
+                lanes_b[lane] += e * d
+            else:
+                lanes_a[lane] += d
+                lanes_b[lane] += d * d
+    first = 0.0
+    second = 0.0
+    for k in range(body, n):
+        d = float(a[k]) - shift_a
+        if product:
+            e = float(b[k])
+            first += e
+            second += e * d
+        else:
+            first += d
+            second += d * d
+    for lane in range(LANES):
+        first += lanes_a[lane]
+        second += lanes_b[lane]
+    return first, second
+
+
+@njit(**CPU_KERNEL, error_model="numpy")
 def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
+    scale, offset = _affine_cpu(weight, bias, x, n, affine)
+    lanes_a, lanes_b = np.empty(LANES), np.empty(LANES)
     for r in range(rows):
-        base = r * n
-        shift = x[base]
-        s1 = 0.0
-        s2 = 0.0
-        for k in range(n):
-            d = float(x[base + k] - shift)
-            s1 += d
-            s2 += d * d
+        row = x[r * n:(r + 1) * n]
+        shift = float(row[0])
+        s1, s2 = _two_sums_cpu(row, row, n, lanes_a, lanes_b, shift, False)
         m1 = s1 / n
         row_mean = shift + m1
         row_rstd = 1.0 / math.sqrt(max(s2 / n - m1 * m1, 0.0) + eps)
         mean[r] = row_mean
         rstd[r] = row_rstd
+        target = out[r * n:(r + 1) * n]
         for k in range(n):
-            value = (x[base + k] - row_mean) * row_rstd
-            if affine & HAS_WEIGHT:
-                value = value * weight[k]
-            if affine & HAS_BIAS:
-                value = value + bias[k]
-            out[base + k] = value
+            target[k] = (row[k] - row_mean) * row_rstd * scale[k] + offset[k]
 
 
 @cuda.jit(cache=True)
@@ -89,27 +133,25 @@ def layer_norm_cuda(x, weight, bias, out, mean, rstd, rows, n, eps, affine, grou
             out[base + k] = value
 
 
-@njit(**CPU_KERNEL)
+@njit(**CPU_KERNEL, error_model="numpy")
 def layer_norm_grad_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine):
+    scale, _ = _affine_cpu(weight, weight, x, n, affine & HAS_WEIGHT)
+    lanes_a, lanes_b = np.empty(LANES), np.empty(LANES)
+    scaled = np.empty(n, np.float64)
     for r in range(rows):
-        base = r * n
+        row = x[r * n:(r + 1) * n]
+        g = grad_out[r * n:(r + 1) * n]
         row_mean, row_rstd = mean[r], rstd[r]
-        total = 0.0
-        total_xhat = 0.0
         for k in range(n):
-            gw = float(grad_out[base + k])
-            if affine & HAS_WEIGHT:
-                gw *= weight[k]
-            total += gw
-            total_xhat += gw * (x[base + k] - row_mean) * row_rstd
+            scaled[k] = g[k] * scale[k]
+        # Σ g·w and Σ g·w·(x - mean); times rstd the latter is Σ g·w·x̂
+        total, total_centred = _two_sums_cpu(row, scaled, n, lanes_a, lanes_b, row_mean, True)
         total /= n
-        total_xhat /= n
+        total_xhat = total_centred * row_rstd / n
+        target = grad_x[r * n:(r + 1) * n]
         for k in range(n):
-            gw = float(grad_out[base + k])
-            if affine & HAS_WEIGHT:
-                gw *= weight[k]
-            xhat = (x[base + k] - row_mean) * row_rstd
-            grad_x[base + k] = row_rstd * (gw - total - xhat * total_xhat)
+            xhat = (row[k] - row_mean) * row_rstd
+            target[k] = row_rstd * (scaled[k] - total - xhat * total_xhat)
 
 
 @cuda.jit(cache=True)

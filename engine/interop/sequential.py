@@ -11,7 +11,8 @@ import numpy as np
 
 from engine import nn
 
-WEIGHTED = ("Dense", "Conv1D", "Conv2D", "BatchNorm")   # the layers that take dtype=
+# the layers that take dtype=
+WEIGHTED = ("Dense", "Conv1D", "Conv2D", "BatchNorm", "Embedding", "LayerNorm")
 # the activations each layer computes inside its kernel (Conv2D's fused epilogue has no softmax)
 FUSED = {"Dense": tuple(a for a in nn.ACTIVATIONS if a is not None),
          "Conv1D": ("relu", "leaky_relu", "sigmoid", "tanh"),

@@ -40,7 +40,7 @@ import torch
 from engine import autograd
 from engine.autograd import apply, enable_grad, no_grad
 from engine import nn
-from engine.interop import sequential
+from engine.interop import sequence, sequential
 from engine.parameter import FlatBuffer, Parameter
 from engine.tensor import Tensor, from_dlpack
 from ops.device import device_of
@@ -429,7 +429,7 @@ TORCH_MODULES = {
     "Sigmoid": _activation("sigmoid"), "Tanh": _activation("tanh"), "Softmax": _from_softmax,
     "Flatten": _from_flatten, "Unflatten": _from_unflatten,
     "Dropout": lambda index, module: sequential.layer("Dropout", {"p": module.p}),
-    "Identity": lambda index, module: None}
+    "Identity": lambda index, module: None, **sequence.TORCH_MODULES}
 
 
 def _modules(module):
@@ -486,6 +486,8 @@ def _to_modules(layer, input_shape, state, dtype):
     """The torch modules computing ``layer`` on features of ``input_shape``, in ``dtype``,
     their parameters and statistics set from ``state`` (the layer's entries)."""
     t, kind = torch.nn, type(layer).__name__
+    if kind in sequence.ENGINE_LAYERS:
+        return sequence.ENGINE_LAYERS[kind](layer, input_shape, state, dtype)
     if kind == "Dense":
         module = t.Linear(input_shape[0], layer.units, dtype=dtype)
         _set(module.weight, state["weight"].T)

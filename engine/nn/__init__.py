@@ -30,7 +30,7 @@ from engine.nn.layers import LayerList, Parameter  # noqa: F401
 from engine.nn.keras_methods import (CategoricalCrossentropy, History,  # noqa: F401
                                      SparseCategoricalCrossentropy)
 from engine.nn.model import LAYERS, Model, Sequential, load, register  # noqa: F401
-from engine.nn.sequence import Embedding, LayerNorm  # noqa: F401
+from engine.nn.sequence import Embedding, LayerNorm, MultiHeadAttention  # noqa: F401
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
 

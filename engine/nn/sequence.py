@@ -5,13 +5,22 @@ drawn from N(0, 1) with the padding row zeroed, LayerNorm's scale ones and offse
 attention's projections as torch's ``nn.MultiheadAttention``) and the engine's ``Layer``
 protocol in how they are built (from the first input's feature shape) and saved.
 """
+import zlib
+
 import numpy as np
 
+from engine import functional as F
 from engine import sequence as S
-from engine.nn.layers import Layer, _check_input_dtype
+from engine.autograd import apply
+from engine.init import xavier_uniform
+from engine.nn.layers import Layer, _check_input_dtype, batch_shape
+from engine.nn.model import register
 from engine.parameter import Parameter
 from engine.random import generator
+from engine.tensor import Tensor
+from ops.dense import DenseOp
 from ops.device import to_device
+from ops.dropout import SEED_LIMIT, new_seed_state
 
 
 def _positive_int(value, where, what):
@@ -20,6 +29,7 @@ def _positive_int(value, where, what):
     return int(value)
 
 
+@register
 class Embedding(Layer):
     """A table of ``num_embeddings`` learned vectors of ``embedding_dim``: integer ids of any
     shape -> ``ids.shape + (embedding_dim,)`` (torch's ``nn.Embedding``). The
@@ -75,6 +85,7 @@ class Embedding(Layer):
         return {**config, **super().get_config()}
 
 
+@register
 class LayerNorm(Layer):
     """Normalise the last axis of each input to mean 0 and variance 1 (biased), then scale by
     a learned ``weight`` (ones) and shift by a learned ``bias`` (zeros): torch's
@@ -114,6 +125,102 @@ class LayerNorm(Layer):
 
     def get_config(self):
         config = {"eps": self.eps} if self.eps != 1e-5 else {}
+        if self.dtype != np.float32:
+            config["dtype"] = self.dtype.name
+        return {**config, **super().get_config()}
+
+
+@register
+class MultiHeadAttention(Layer):
+    """Self-attention over (N, T, D) inputs with ``num_heads`` heads of ``D / num_heads``:
+    one fused input projection to queries, keys and values (``in_proj``, D -> 3D), scaled
+    dot-product attention per head (``causal``: each position sees itself and the earlier
+    ones; ``dropout`` on the attention weights in training), and an output projection
+    (``out_proj``, D -> D). torch's ``nn.MultiheadAttention(D, num_heads,
+    batch_first=True)`` called as ``mha(x, x, x)``, with the weights stored (in, out) as
+    the engine's Dense (``engine.interop.torch`` converts them)."""
+
+    def __init__(self, num_heads, causal=False, dropout=0.0, use_bias=True, dtype=np.float32,
+                 input_shape=None):
+        super().__init__(input_shape)
+        self.num_heads = _positive_int(num_heads, "MultiHeadAttention", "num_heads")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+                or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MultiHeadAttention: dropout must be in [0, 1), got {dropout!r}")
+        self.causal, self.dropout, self.use_bias = bool(causal), float(dropout), bool(use_bias)
+        self.dtype = np.dtype(dtype)
+        self.in_weight = self.in_bias = self.out_weight = self.out_bias = None
+        self.seed = self.masks_drawn = None
+
+    def compute_output_shape(self, input_shape):
+        if len(input_shape) != 2:
+            raise ValueError(f"MultiHeadAttention takes inputs of shape (None, T, D), got "
+                             f"{batch_shape(input_shape)}")
+        width = input_shape[-1]
+        if width % self.num_heads:
+            raise ValueError(f"MultiHeadAttention: the width {width} is not divisible by "
+                             f"num_heads {self.num_heads}; choose heads that divide it")
+        return input_shape
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        output_shape = super().build(input_shape, device, initialize)
+        width = input_shape[-1]
+
+        def weight(shape):   # torch's: xavier_uniform for in_proj, its Linear's for out_proj
+            return xavier_uniform(shape, self.dtype) if initialize else np.zeros(shape,
+                                                                                 self.dtype)
+        self.in_weight = Parameter(to_device(weight((width, 3 * width)), device))
+        self.out_weight = Parameter(to_device(weight((width, width)), device))
+        if self.use_bias:
+            self.in_bias = Parameter(to_device(np.zeros(3 * width, self.dtype), device))
+            self.out_bias = Parameter(to_device(np.zeros(width, self.dtype), device))
+        base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
+                     else zlib.crc32(self.name.encode()))
+        self.seed, self.masks_drawn = (Tensor(a) for a in new_seed_state(base_seed, device))
+        return output_shape
+
+    def named_parameters(self):
+        if not self.built:
+            return []
+        named = [("in_proj.weight", self.in_weight), ("in_proj.bias", self.in_bias),
+                 ("out_proj.weight", self.out_weight), ("out_proj.bias", self.out_bias)]
+        return [(name, p) for name, p in named if p is not None]
+
+    def named_buffers(self):
+        if not self.built:
+            return []
+        return [("seed", self.seed), ("masks_drawn", self.masks_drawn)]
+
+    def _project(self, x, weight, bias):
+        if bias is None:
+            return F.matmul(x, weight)
+        return apply(DenseOp, x, weight, bias, activation=None, alpha=0.01)
+
+    def forward(self, x):
+        where = f"{self.name} {self!r}"
+        _check_input_dtype(where, x.dtype, self.in_weight.dtype)
+        width = self.in_weight.shape[0]
+        if x.ndim != 3 or x.shape[-1] != width:
+            raise ValueError(f"{where}: expects input of shape (N, T, {width}), got {x.shape}")
+        n, t, heads = x.shape[0], x.shape[1], self.num_heads
+        qkv = self._project(F.reshape(x, (n * t, width)), self.in_weight, self.in_bias)
+        qkv = F.permute(F.reshape(qkv, (n, t, 3, heads, width // heads)), 2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        p = self.dropout if self.training else 0.0
+        out = S.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                             seed_state=(self.seed.data,
+                                                         self.masks_drawn.data))
+        out = F.reshape(F.permute(out, 0, 2, 1, 3), (n * t, width))
+        return F.reshape(self._project(out, self.out_weight, self.out_bias), (n, t, width))
+
+    def get_config(self):
+        config = {"num_heads": self.num_heads}
+        if self.causal:
+            config["causal"] = True
+        if self.dropout:
+            config["dropout"] = self.dropout
+        if not self.use_bias:
+            config["use_bias"] = False
         if self.dtype != np.float32:
             config["dtype"] = self.dtype.name
         return {**config, **super().get_config()}
