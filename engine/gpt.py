@@ -37,18 +37,20 @@ INIT_STD = 0.02   # nanoGPT's
 
 
 class Block(nn.Layer):
-    """``x + attention(norm1(x))``, then ``x + mlp(norm2(x))``."""
+    """``x + attention(norm1(x))``, then ``x + dropout(proj(gelu(fc(norm2(x)))))``: the
+    layers take any number of positions (a Sequential is built for one input shape)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, **kwargs):
         super().__init__(**kwargs)
         self.norm1, self.norm2 = nn.LayerNorm(), nn.LayerNorm()
         self.attention = nn.MultiHeadAttention(n_head, causal=True, dropout=dropout)
-        self.mlp = nn.Sequential([nn.Dense(4 * n_embd, activation="gelu"), nn.Dense(n_embd),
-                                  nn.Dropout(dropout)])
+        self.fc = nn.Dense(4 * n_embd, activation="gelu")
+        self.proj = nn.Dense(n_embd)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        return x + self.drop(self.proj(self.fc(self.norm2(x))))
 
 
 @nn.register
@@ -137,7 +139,7 @@ def init_like_nanogpt(model):
         value = np.asarray(value)
         if name.endswith("bias") or ".norm" in name or name.startswith("norm"):
             state[name] = value   # LayerNorm's ones and zeros, zero biases: as built
-        elif name.endswith(("out_proj.weight", "mlp.1.weight")):
+        elif name.endswith(("out_proj.weight", ".proj.weight")):
             state[name] = rng.normal(0.0, residual_std, value.shape).astype(value.dtype)
         elif name.endswith("weight") or name.endswith("kernel"):
             state[name] = rng.normal(0.0, INIT_STD, value.shape).astype(value.dtype)
