@@ -51,7 +51,7 @@ def save_checkpoint(path, model, optimizer, epoch=0, history=(), config=None):
              "config": config or {}, "rng": generator().bit_generator.state}
     skeleton = json.dumps(archive.encode(state, arrays))
     archive.write_npz(path, {
-        nn.CONFIG_KEY: np.array(json.dumps(model.get_config())), **model.state_dict(),
+        nn.CONFIG_KEY: np.array(model._file_config()), **model.state_dict(),
         CHECKPOINT_KEY: np.array(skeleton),
         **{nn.TRAINING_PREFIX + name: array for name, array in arrays.items()}})
 

@@ -14,6 +14,7 @@ model = models.build_cnn((28, 28), 10, models.preprocessing(images, (0.1307, 0.3
 import numpy as np
 
 from engine import nn
+from engine.gpt import GPT, gpt_loss, init_like_nanogpt  # noqa: F401  (gpt_loss: the recipe's loss)
 
 MODELS = ("mlp", "cnn")
 CNN_DESCRIPTION = "conv32-maxpool-conv64-batchnorm-avgpool-128"
@@ -81,3 +82,13 @@ def build_model(name, input_shape, hidden, classes, first_layers=()):
     if name == "mlp":
         return build_mlp(input_shape, hidden, classes, first_layers)
     raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
+
+
+def build_gpt(vocab_size, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0,
+              device="cpu"):
+    """nanoGPT's GPT (``engine.gpt.GPT``), built on ``device`` for (N, ``block_size``) ids,
+    its weights drawn as nanoGPT draws them. The defaults are nanoGPT's CPU configuration of
+    the character-level Shakespeare model."""
+    model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+    model.build((block_size,), device=device, dtype=np.int64)
+    return init_like_nanogpt(model)

@@ -121,8 +121,28 @@ class Transpose(Movement):
 
 @njit(cache=True, error_model="numpy")
 def permute_cpu(x, out, meta):
-    for i in range(out.size):
-        out[i] = x[offset_cpu(i, meta, 1, meta[0])]
+    # rows of the last output axis, the others walked as an odometer: a stride added per
+    # row instead of a division and a remainder per axis per element (the GPT's attention
+    # permutes of 295k elements took 7.6 ms each the other way, 26 ns an element)
+    ndim = meta[0]
+    if out.size == 0:
+        return
+    if ndim == 0:   # a scalar
+        out[0] = x[0]
+        return
+    row, row_stride = meta[ndim], meta[2 * ndim]
+    index = np.zeros(max(ndim - 1, 1), np.int64)
+    offset = 0
+    for start in range(0, out.size, row):
+        for j in range(row):
+            out[start + j] = x[offset + j * row_stride]
+        for k in range(ndim - 2, -1, -1):   # the next row's offset
+            index[k] += 1
+            offset += meta[1 + ndim + k]
+            if index[k] < meta[1 + k]:
+                break
+            offset -= meta[1 + ndim + k] * meta[1 + k]
+            index[k] = 0
 
 
 @cuda.jit(cache=True)

@@ -32,6 +32,10 @@ def kernels_cached():
 
 def print_header(args, setup):
     """The run as ``args`` ask for it and ``setup`` (``engine.cli.train.prepare``) built it."""
+    if args.model == "gpt":
+        print(setup.header, flush=True)
+        _compile_notice()
+        return
     model, optimizer, start_epoch = setup.model, setup.optimizer, setup.start_epoch
     x_shape = setup.data[0]
     if args.model == "cnn":
@@ -52,6 +56,10 @@ def print_header(args, setup):
           f"{description} ({n_parameters} parameters); {args.optimizer} lr {lr:g}{kept} "
           f"{args.schedule}, batch {args.batch_size}{ranks}, device {device}"
           + (f"; resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
+    _compile_notice()
+
+
+def _compile_notice():
     if not kernels_cached():
         print("compiling the engine's kernels (Numba JIT, the first run only): the first "
               "epoch takes 10-30 s longer; later runs read them from Numba's cache "

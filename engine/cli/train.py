@@ -50,7 +50,8 @@ from engine import distributed as dist
 from engine.callbacks import PROGRESS_EVERY, EarlyStopping, TensorBoard, TerminateOnNaN
 from engine.checkpoint import save_checkpoint
 from engine.cli.arguments import (DATASETS, MODELS, OPTIMIZERS, SCHEDULES,  # noqa: F401
-                                  build_parser)
+                                  build_parser, resolve_defaults)
+from engine.cli.gpt_run import GPT_DATASETS, check_gpt_arguments, prepare_gpt
 from engine.cli.distributed_start import (agree_on_the_start, fail_every_rank, join_world,
                                           on_every_rank, refuse_ranks_without_distributed)
 from engine.cli.failures import (PROG, BadInput, Diverged, Interrupted, OutputFailure,
@@ -143,6 +144,9 @@ def check_arguments(args, outputs=True):
         raise BadInput(f"unknown dataset {args.dataset!r}: expected one of {', '.join(DATASETS)}")
     if args.model not in MODELS:
         raise BadInput(f"unknown model {args.model!r}: expected one of {', '.join(MODELS)}")
+    if (args.model == "gpt") != (args.dataset in GPT_DATASETS):
+        raise BadInput(f"--model {args.model} --dataset {args.dataset}: the gpt trains on text "
+                       f"({', '.join(GPT_DATASETS)}), the mlp and cnn on images")
     if args.optimizer not in OPTIMIZERS:
         raise BadInput(f"unknown optimizer {args.optimizer!r}: expected one of "
                        f"{', '.join(OPTIMIZERS)}")
@@ -171,6 +175,8 @@ def check_arguments(args, outputs=True):
     if args.no_save and args.resume:
         raise BadInput("--no-save with --resume: a resumed run saves to its checkpoint (or "
                        "to --save PATH); leave out --no-save")
+    if args.model == "gpt":
+        check_gpt_arguments(args)
     if outputs:
         check_outputs(args)
     args.hidden = parse_hidden(args.hidden)
@@ -204,6 +210,8 @@ def prepare(args, is_root):
     """Everything before training that needs no other rank: checks, the checkpoint, the
     data, the model, optimizer, schedule and loaders."""
     check_arguments(args, outputs=is_root)
+    if args.model == "gpt":
+        return prepare_gpt(args)
     rank, ranks = (dist.rank(), dist.world_size()) if args.distributed else (0, 1)
     if args.batch_size % ranks:
         raise BadInput(f"--batch-size {args.batch_size}: with --distributed it is the global "
@@ -259,6 +267,7 @@ def prepare(args, is_root):
     return types.SimpleNamespace(
         checkpoint=checkpoint, config=config, model=model, optimizer=optimizer,
         scheduler=scheduler, start_epoch=start_epoch, history=history, ranks=ranks,
+        loss_fn=cross_entropy, epochs=args.epochs, callbacks=[], prints_records=True,
         train_loader=train_loader, test_loader=test_loader, classes=classes, normalize=normalize,
         data=(x_train.shape, str(x_train.dtype), y_train.shape, x_test.shape, y_test.shape,
               classes, normalize))
@@ -314,10 +323,11 @@ def train(args, setup, is_root):
     clip = (functools.partial(optim.clip_grad_norm_, max_norm=args.clip_norm)
             if args.clip_norm else None)
     try:
-        fit(model, setup.train_loader, optimizer, cross_entropy, args.epochs,
+        fit(model, setup.train_loader, optimizer, setup.loss_fn, setup.epochs,
             test_loader=setup.test_loader, scheduler=setup.scheduler, clip=clip,
-            callbacks=[terminate] + stopping + boards, on_epoch_end=writers,
-            progress=is_root and not args.no_progress, verbose=is_root, start_epoch=start_epoch,
+            callbacks=[terminate] + stopping + boards + setup.callbacks * is_root,
+            on_epoch_end=writers, progress=is_root and not args.no_progress,
+            verbose=is_root and setup.prints_records, start_epoch=start_epoch,
             history=history, step_losses=step_losses, capture=not args.no_capture,
             distributed=args.distributed, accumulate_steps=args.accumulate)
     except OSError as error:   # the event files: every other write fails as OutputFailure
@@ -336,7 +346,11 @@ def train(args, setup, is_root):
         raise Diverged(f"{loss} at epoch {terminate.stopped_epoch}, step "
                        f"{terminate.stopped_step}: training stopped there (a lower --lr or "
                        f"--clip-norm may help); {intact()}", shown=is_root)
-    if is_root and save_path:
+    if is_root and save_path and args.model == "gpt":
+        print(f"model saved to {save_path} (step {saved['epoch'] * args.eval_every}): "
+              f"python -m engine.generate {save_path} --prompt 'ROMEO:' samples from it; "
+              f"--resume {save_path} --steps N trains on", flush=True)
+    elif is_root and save_path:
         print(f"model saved to {save_path} (epoch {saved['epoch']}): "
               f"engine.nn.load({save_path!r}) gives the model, which takes the images as the "
               f"data set ships them; --resume {save_path} --epochs N trains on", flush=True)
@@ -359,7 +373,7 @@ def parse_arguments(argv):
         raise
     if not args.distributed:
         refuse_ranks_without_distributed()
-    return args
+    return resolve_defaults(args)
 
 
 def main(argv=None):

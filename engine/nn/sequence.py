@@ -62,9 +62,6 @@ class Embedding(Layer):
         self.weight = Parameter(to_device(weight, device))
         return output_shape
 
-    def named_parameters(self):
-        return [("weight", self.weight)] if self.built else []
-
     def __call__(self, ids):
         if not self.built:   # ids may be an array or a list: the table is built on the cpu
             self.build(np.shape(ids)[1:], getattr(ids, "device", "cpu"))
@@ -112,9 +109,6 @@ class LayerNorm(Layer):
         self.bias = Parameter(to_device(np.zeros(features, self.dtype), device))
         return output_shape
 
-    def named_parameters(self):
-        return [("weight", self.weight), ("bias", self.bias)] if self.built else []
-
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
         features = self.weight.shape[0]
@@ -150,7 +144,8 @@ class MultiHeadAttention(Layer):
         self.causal, self.dropout, self.use_bias = bool(causal), float(dropout), bool(use_bias)
         self.dtype = np.dtype(dtype)
         self.in_weight = self.in_bias = self.out_weight = self.out_bias = None
-        self.seed = self.masks_drawn = None
+        self.register_buffer("seed", None)
+        self.register_buffer("masks_drawn", None)
 
     def compute_output_shape(self, input_shape):
         if len(input_shape) != 2:
@@ -176,20 +171,15 @@ class MultiHeadAttention(Layer):
             self.out_bias = Parameter(to_device(np.zeros(width, self.dtype), device))
         base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
                      else zlib.crc32(self.name.encode()))
-        self.seed, self.masks_drawn = (Tensor(a) for a in new_seed_state(base_seed, device))
+        seed, masks_drawn = new_seed_state(base_seed, device)
+        self.register_buffer("seed", Tensor(seed))
+        self.register_buffer("masks_drawn", Tensor(masks_drawn))
         return output_shape
 
-    def named_parameters(self):
-        if not self.built:
-            return []
+    def _own_parameters(self):   # torch's names: in_proj.weight, out_proj.bias, ...
         named = [("in_proj.weight", self.in_weight), ("in_proj.bias", self.in_bias),
                  ("out_proj.weight", self.out_weight), ("out_proj.bias", self.out_bias)]
         return [(name, p) for name, p in named if p is not None]
-
-    def named_buffers(self):
-        if not self.built:
-            return []
-        return [("seed", self.seed), ("masks_drawn", self.masks_drawn)]
 
     def _project(self, x, weight, bias):
         if bias is None:
