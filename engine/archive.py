@@ -20,8 +20,10 @@ file as it was. The rules:
 
 Reading. ``read_npz`` reads an ``.npz`` of uncompressed ``.npy`` entries (what ``np.savez``
 writes) without pickles and within bounds: every entry's header must declare exactly the
-bytes the entry holds before anything is allocated, so a damaged or crafted file costs at
-most its own size in memory. Any damage is a ``ValueError`` naming the file.
+bytes the entry holds before anything is allocated, and every entry's declared size is
+charged to the file's ``engine.file_safety.SizeBudget`` first (a stored entry holds exactly
+what it declares), so a damaged or crafted file costs at most its own size in memory.
+Any damage is a ``ValueError`` naming the file.
 
 safetensors. ``write_safetensors`` writes ``{name: array}`` and text metadata through
 ``atomic_write`` with the ``safetensors`` package's NumPy API (the formats extra), adding a
@@ -51,6 +53,7 @@ import zlib
 
 import numpy as np
 
+from engine.file_safety import SizeBudget, check_write_target
 from ops.device import to_host
 
 ZIP_MAGIC = b"PK\x03\x04"   # the first bytes of every .npz (a ZIP archive)
@@ -118,6 +121,7 @@ def atomic_write(path):
     ``path`` in one rename when the block ends without an exception; on an exception the
     temporary file is removed and ``path`` is untouched. Rules in the module docstring."""
     path = os.fspath(path)
+    check_write_target(path)   # a rename over /dev/null would replace the device itself
     folder, name = os.path.split(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=TEMPORARY_SUFFIX,
                                          prefix=_temporary_prefix(name, os.getpid()))
@@ -171,11 +175,13 @@ def remove_stale_temporaries(path):
 
 def probe_writable(path, appending=False):
     """Raise the ``OSError`` that writing ``path`` would meet, without changing anything:
-    a directory in its place, a missing or read-only folder, a file that cannot be opened
-    for appending (``appending``: the file is extended in place, not replaced)."""
+    a directory in its place, a FIFO or device (``engine.file_safety``), a missing or
+    read-only folder, a file that cannot be opened for appending (``appending``: the file
+    is extended in place, not replaced)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(21, "is a directory", path)
+    check_write_target(path)
     folder, name = os.path.split(os.path.abspath(path))
     if appending and os.path.exists(path):
         with open(path, "ab"):
@@ -225,6 +231,19 @@ def _read_entry(archive, info):
     return array.reshape(shape, order="F" if fortran_order else "C")
 
 
+def _charge_entry(budget, info):
+    """Charge ``budget`` with the bytes entry ``info`` declares, before any is read: a stored
+    entry holds exactly its declared size, so a directory that declares more than the file
+    holds (a 1 GB entry in a 2 KB file) is refused here, not zero-filled."""
+    if info.compress_size != info.file_size:
+        raise _Damage(f"entry {info.filename!r} declares {info.file_size:,} bytes but stores "
+                      f"{info.compress_size:,} (a stored entry holds its bytes as they are)")
+    try:
+        budget.charge(info.file_size, f"entry {info.filename!r}")
+    except ValueError as error:
+        raise _Damage(str(error)) from None
+
+
 def read_npz(path, kind, keep=None):
     """``{name: array}`` of the ``.npz`` at ``path`` (entries whose name ``keep`` accepts;
     all by default), read with the bounds of the module docstring. ``kind`` describes what
@@ -237,6 +256,7 @@ def read_npz(path, kind, keep=None):
             raise ValueError(f"{path!r} is not {kind} (not an .npz archive: it starts with "
                              f"{magic!r})")
         file.seek(0)
+        budget = SizeBudget.of_file(file, "the archive", slack=0)
         arrays = {}
         # zipfile and numpy.lib.format raise a dozen undocumented types on damaged bytes
         # (BadZipFile, EOFError, NotImplementedError, struct.error, UnicodeDecodeError,
@@ -253,6 +273,7 @@ def read_npz(path, kind, keep=None):
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise _Damage(f"entry {info.filename!r} is compressed (np.savez "
                                       "writes stored entries)")
+                    _charge_entry(budget, info)
                     try:
                         arrays[name] = _read_entry(archive, info)
                     except Exception as error:

@@ -11,7 +11,7 @@ from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, 
                               MaxPool2D, Normalization, Rescaling, Reshape, _check_input_dtype,
                               _float_buffers, _float_dtype, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
-                                     _read_safetensors)
+                                     _read_safetensors, check_architecture, check_layer_dtype)
 from engine.parameter import ParameterStore
 from engine.tensor import Tensor, tensor
 from ops.device import check_device, copy_into, to_device, to_host
@@ -46,6 +46,26 @@ def register(layer_class):
 
 # ------------------------------------------------------------------ the model
 
+class _NameAllocator:
+    """The names ``Sequential._unique_name`` gives, for many layers in linear time: a
+    class's lower-case name, then ``name_1``, ``name_2``, ... (the first one free)."""
+
+    def __init__(self, layers):
+        self.taken = {layer.name for layer in layers}
+        self.next_suffix = {}
+
+    def allocate(self, base):
+        name = base
+        if name in self.taken:
+            suffix = self.next_suffix.get(base, 1)
+            while f"{base}_{suffix}" in self.taken:
+                suffix += 1
+            self.next_suffix[base] = suffix + 1
+            name = f"{base}_{suffix}"
+        self.taken.add(name)
+        return name
+
+
 class Sequential:
     """A stack of layers, each fed the previous one's output.
 
@@ -70,8 +90,7 @@ class Sequential:
         self.output_shape = None
         self._flat = []
         self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
-        for layer in layers:
-            self.add(layer)
+        self._extend(layers)
 
     # ------------------------------------------------------------- building
     def add(self, layer):
@@ -97,6 +116,29 @@ class Sequential:
                 raise
             self._pack()
         return self
+
+    def _extend(self, layers):
+        """``add`` each of ``layers``, packing the parameters once at the end: linear in the
+        number of layers (``add`` repacks the whole model and rescans every name each time,
+        quadratic over a model read from a file of thousands of layers)."""
+        names = _NameAllocator(self.layers)
+        seen = {id(other) for other in self.layers}
+        for layer in layers:
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
+            if layer.built or id(layer) in seen:
+                raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
+                                 "make a new layer")
+            seen.add(id(layer))
+            layer.name = names.allocate(type(layer).__name__.lower())
+            layer.training = self.training
+            if not self.layers:
+                self.input_shape = self.output_shape = layer.input_shape
+            self.layers.append(layer)
+            if self.output_shape is not None:
+                self._build_layer(len(self.layers) - 1)
+        if self.output_shape is not None:
+            self._pack()
 
     def _unique_name(self, layer):
         base = type(layer).__name__.lower()
@@ -355,7 +397,8 @@ class Sequential:
         named = self.named_parameters() + buffers
         expected = [name for name, _ in self.named_parameters() + self.named_buffers()]
         missing = [name for name, _ in named if name not in state]
-        unexpected = [key for key in state if key not in expected]
+        known = set(expected)   # a list's `in` would make this quadratic in the layers
+        unexpected = [key for key in state if key not in known]
         if missing or unexpected:
             raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
                            f"{unexpected}; the model has {expected}")
@@ -381,13 +424,15 @@ class Sequential:
                            for layer in self.layers]}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config, weights=None):
         """A model with the architecture of ``config`` (its weights zero, not initialised).
 
         ``config`` is what ``get_config`` returns: ``{"format": "engine.nn.Sequential",
         "version": 1, "name": str, "layers": [{"class_name": str, "config": dict}, ...]}``;
         anything else is a ValueError saying what does not fit (a layer's own checks give
-        ValueError or TypeError)."""
+        ValueError or TypeError). With ``weights`` (``{name: array}``, what ``nn.load``
+        read from the file) the architecture must fit in them before any parameter is made
+        (``serialization.check_architecture``): a small file cannot declare gigabytes."""
         kind = config.get("format") if isinstance(config, dict) else type(config).__name__
         if kind != "engine.nn.Sequential":
             raise ValueError(f"not an engine.nn.Sequential config (format {kind!r})")
@@ -398,8 +443,7 @@ class Sequential:
         if not isinstance(name, str) or not isinstance(layers, list):
             raise ValueError("a config needs a text 'name' and a list of 'layers', got "
                              f"{type(name).__name__} and {type(layers).__name__}")
-        model = cls(name=name)
-        model._initialize = False
+        built = []
         for index, entry in enumerate(layers):
             if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
                     or not isinstance(entry.get("config"), dict)):
@@ -410,7 +454,13 @@ class Sequential:
                 raise ValueError(f"unknown layer type {entry['class_name']!r}; known: "
                                  f"{sorted(LAYERS)}; a custom layer loads once its class is "
                                  "decorated with @nn.register (import it before nn.load)")
-            model.add(layer_class(**entry["config"]))
+            check_layer_dtype(index, entry["class_name"], entry["config"])
+            built.append(layer_class(**entry["config"]))
+        if weights is not None:
+            check_architecture(built, weights)
+        model = cls(name=name)
+        model._initialize = False
+        model._extend(built)
         model._initialize = True
         return model
 
@@ -465,7 +515,7 @@ def load(path, device="cpu"):
     except ValueError as error:
         raise ValueError(f"nn.load: {error}") from None
     try:
-        model = Sequential.from_config(config)
+        model = Sequential.from_config(config, weights=state)
         model.load_state_dict(state)
     except (KeyError, ValueError, TypeError) as error:
         raise ValueError(f"nn.load: {path!r}: {error}") from None
