@@ -66,6 +66,10 @@ _NUMERIC_OR_TEXT = "biufcU"
 _umask_lock = threading.Lock()
 CHECKSUM_KEY = "engine.crc32"   # the safetensors metadata entry of write_safetensors's CRC
 SAFETENSORS_HINT = "pip install 'numba-engine[formats]'"
+_SAFETENSORS_ITEMSIZE = {**dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3"), 1),
+                         **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+                         **dict.fromkeys(("U32", "I32", "F32"), 4),
+                         **dict.fromkeys(("U64", "I64", "F64"), 8)}
 
 
 class _Damage(Exception):
@@ -341,6 +345,19 @@ def write_safetensors(path, arrays, metadata):
         file.write(content)
 
 
+def _charged_tensor(file, name, budget):
+    """Tensor ``name`` of the open safetensors ``file``, its declared bytes charged to the
+    file's ``budget`` first (safetensors checks each tensor's offsets against the file; the
+    budget also bounds them all together)."""
+    declared = file.get_slice(name)
+    itemsize = _SAFETENSORS_ITEMSIZE.get(declared.get_dtype(), 16)   # 16: none is wider
+    try:
+        budget.charge(math.prod(declared.get_shape()) * itemsize, f"tensor {name!r}")
+    except ValueError as error:
+        raise _Damage(str(error)) from None
+    return file.get_tensor(name)
+
+
 def read_safetensors(path, kind):
     """``(arrays, metadata)`` of the safetensors file at ``path``, its checksum checked when
     it has one; ``ValueError("'<path>' is not <kind> (<reason>)")`` for a damaged file,
@@ -349,10 +366,13 @@ def read_safetensors(path, kind):
     safetensors = _safetensors()
     with open(path, "rb") as file:   # FileNotFoundError, PermissionError name the path
         magic = file.read(len(ZIP_MAGIC))
+    budget = SizeBudget.of_file(path, "the file", slack=0)
     try:
         with safetensors.safe_open(path, framework="numpy") as file:
             metadata = file.metadata() or {}
-            arrays = {name: file.get_tensor(name) for name in file.keys()}
+            arrays = {name: _charged_tensor(file, name, budget) for name in file.keys()}
+    except _Damage as error:
+        raise ValueError(f"{path!r} is not {kind} ({error})") from None
     except Exception as error:   # SafetensorError, and the JSON parser's errors inside it
         found = (" but an .npz archive under a .safetensors name (training checkpoints are "
                  ".npz files, whatever their name)" if magic == ZIP_MAGIC else f": {error}")
