@@ -307,6 +307,7 @@ class _Reader:
         self.producer = {output: node for node in self.graph.node for output in node.output}
         self.shapes = {}
         self._values = {}
+        self._constants = {}   # the initializers read so far, as arrays
         self._evaluating = set()   # the values being computed: one met again is a cycle
         # what the shape computations may allocate: about the file's size
         self.budget = SizeBudget("the model file", proto.ByteSize())
@@ -360,8 +361,10 @@ class _Reader:
     def value(self, name, node, batch=PROBE_BATCHES[0]):
         """The array ``name`` holds: an initializer, a Constant, or a shape computation
         (``SHAPE_OPERATORS``) evaluated for inputs of ``batch`` samples."""
-        if name in self.initializers:
-            return self._tensor(self.initializers[name], node)
+        if name in self.initializers:   # read once: a node may name one many times
+            if name not in self._constants:
+                self._constants[name] = self._tensor(self.initializers[name], node)
+            return self._constants[name]
         key = (name, batch)
         if key not in self._values:
             producer = self.producer.get(name)

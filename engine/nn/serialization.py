@@ -50,7 +50,7 @@ def check_layer_dtype(index, class_name, config):
         dtype = np.dtype(config["dtype"])
     except (TypeError, ValueError):
         dtype = None
-    if dtype not in LAYER_DTYPES:
+    if dtype is None or dtype not in LAYER_DTYPES:   # (np.dtype(None) is float64)
         raise ValueError(f"layer {index} ({class_name}): dtype {config['dtype']!r} is not one "
                          f"the layers compute in ({', '.join(map(str, LAYER_DTYPES))})")
 
