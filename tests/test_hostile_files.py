@@ -131,10 +131,12 @@ def test_a_safetensors_architecture_larger_than_its_weights_is_refused_before_bu
         nn.load(path)
 
 
-def test_many_layers_beyond_the_weights_are_refused_at_the_first_that_does_not_fit(tmp_path):
-    """A thousand 1000-unit layers (4 GB) declared beside one small layer's weights."""
+def test_a_stack_of_layers_beyond_the_weights_is_refused_at_the_first_that_does_not_fit(
+        tmp_path):
+    """Twelve 1000-unit layers (48 MB) declared beside one small layer's weights: each fits
+    the budget's slack alone, their sum does not."""
     path = tmp_path / "deep.npz"
-    deep = [{"class_name": "Dense", "config": {"units": 1000}}] * 1000
+    deep = [{"class_name": "Dense", "config": {"units": 1000}}] * 12
     archive.write_npz(path, {CONFIG_KEY: np.array(_config(deep)), **_small_weights()})
     with _peak_below(PEAK_LIMIT), pytest.raises(ValueError, match=r"layer 2 \(Dense\)"):
         nn.load(path)
