@@ -47,8 +47,8 @@ def register(layer_class):
 # ------------------------------------------------------------------ the model
 
 class _NameAllocator:
-    """The names ``Sequential._unique_name`` gives, for many layers in linear time: a
-    class's lower-case name, then ``name_1``, ``name_2``, ... (the first one free)."""
+    """The names a model gives its layers: a class's lower-case name, then ``name_1``,
+    ``name_2``, ... (the first one free); one allocator names many layers in linear time."""
 
     def __init__(self, layers):
         self.taken = {layer.name for layer in layers}
@@ -141,12 +141,7 @@ class Sequential:
             self._pack()
 
     def _unique_name(self, layer):
-        base = type(layer).__name__.lower()
-        taken = {other.name for other in self.layers}
-        if base not in taken:
-            return base
-        return next(f"{base}_{k}" for k in range(1, len(self.layers) + 2)
-                    if f"{base}_{k}" not in taken)
+        return _NameAllocator(self.layers).allocate(type(layer).__name__.lower())
 
     def _build_layer(self, index):
         layer = self.layers[index]
@@ -443,7 +438,7 @@ class Sequential:
         if not isinstance(name, str) or not isinstance(layers, list):
             raise ValueError("a config needs a text 'name' and a list of 'layers', got "
                              f"{type(name).__name__} and {type(layers).__name__}")
-        built = []
+        made = []
         for index, entry in enumerate(layers):
             if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
                     or not isinstance(entry.get("config"), dict)):
@@ -455,12 +450,12 @@ class Sequential:
                                  f"{sorted(LAYERS)}; a custom layer loads once its class is "
                                  "decorated with @nn.register (import it before nn.load)")
             check_layer_dtype(index, entry["class_name"], entry["config"])
-            built.append(layer_class(**entry["config"]))
+            made.append(layer_class(**entry["config"]))
         if weights is not None:
-            check_architecture(built, weights)
+            check_architecture(made, weights)
         model = cls(name=name)
         model._initialize = False
-        model._extend(built)
+        model._extend(made)
         model._initialize = True
         return model
 
