@@ -8,7 +8,14 @@ garbage otherwise loads as silently wrong pixels.
 Reading is bounded by the header: a gzip stream is inflated incrementally
 (``zlib.decompressobj`` with a ``max_length``), never past the bytes the header's shape
 needs plus ``TRAILING_LIMIT``, so a small file that inflates to gigabytes (a gzip bomb)
-costs at most the memory its header declares before it is rejected.
+costs at most the memory its header declares before it is rejected. And the header's
+declaration is checked against the bytes the file holds before its array is allocated (the
+file's size budget, as ``engine.file_safety`` sets it for every reader): a raw file holds
+its data bytes as they are; a gzip stream is trusted to inflate
+to ``INFLATION_TRUSTED`` times its size (handwritten digits: about 5), and one that declares
+more is first inflated in ``_INPUT_STEP`` chunks that are counted and dropped, so a 1 MB
+file whose header declares gigabytes its stream does not hold is refused in linear time
+within about its own size in memory.
 """
 import gzip
 import math
@@ -33,6 +40,7 @@ _CODE_OF_KIND = {(dtype.kind, dtype.itemsize): code for code, dtype in IDX_DTYPE
 _GZIP_MAGIC = b"\x1f\x8b"
 TRAILING_LIMIT = 1 << 20   # trailing bytes are counted exactly up to this many
 _INPUT_STEP = 1 << 20      # compressed bytes given to one decompress call
+INFLATION_TRUSTED = 8      # inflated / compressed size a gzip IDX file is believed without counting
 
 
 class _Content:
@@ -126,6 +134,10 @@ def parse_idx(content, name, digest=None):
     shape = struct.unpack(f">{ndim}I", sizes)
     dtype = IDX_DTYPES[code]
     expected = math.prod(shape) * dtype.itemsize
+    present = _data_bytes_present(content, name, header_size, expected)
+    if expected > present:
+        raise ValueError(f"{name}: truncated: shape {shape} of {dtype.newbyteorder('=')} "
+                         f"needs {expected} data bytes, the file has {present}")
     data = stream.read(expected)
     if len(data) < expected:
         raise ValueError(f"{name}: truncated: shape {shape} of {dtype.newbyteorder('=')} "
@@ -139,6 +151,23 @@ def parse_idx(content, name, digest=None):
     # a view of ``content`` (raw files) is copied; inflated bytes are the array's own and
     # are copied only to swap the byte order
     return array.astype(dtype.newbyteorder("="), copy=not array.flags.writeable)
+
+
+def _data_bytes_present(content, name, header_size, expected):
+    """The data bytes (after the header) the IDX ``content`` can hold: a raw file's own;
+    a gzip stream's, up to ``INFLATION_TRUSTED`` times its size without counting them, else
+    counted (up to ``expected + 1``) by inflating it in chunks that are dropped at once."""
+    if content[:2] != _GZIP_MAGIC:
+        return len(content) - header_size
+    if expected <= INFLATION_TRUSTED * len(content):
+        return INFLATION_TRUSTED * len(content)
+    stream, counted = _Content(content, name, None), 0
+    while counted < header_size + expected + 1:
+        chunk = stream.read(min(_INPUT_STEP, header_size + expected + 1 - counted))
+        if not chunk:
+            break
+        counted += len(chunk)
+    return counted - header_size
 
 
 def write_idx(path, array):

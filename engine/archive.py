@@ -20,8 +20,10 @@ file as it was. The rules:
 
 Reading. ``read_npz`` reads an ``.npz`` of uncompressed ``.npy`` entries (what ``np.savez``
 writes) without pickles and within bounds: every entry's header must declare exactly the
-bytes the entry holds before anything is allocated, so a damaged or crafted file costs at
-most its own size in memory. Any damage is a ``ValueError`` naming the file.
+bytes the entry holds before anything is allocated, and every entry's declared size is
+charged to the file's ``engine.file_safety.SizeBudget`` first (a stored entry holds exactly
+what it declares), so a damaged or crafted file costs at most its own size in memory.
+Any damage is a ``ValueError`` naming the file.
 
 safetensors. ``write_safetensors`` writes ``{name: array}`` and text metadata through
 ``atomic_write`` with the ``safetensors`` package's NumPy API (the formats extra), adding a
@@ -51,6 +53,7 @@ import zlib
 
 import numpy as np
 
+from engine.file_safety import SizeBudget, check_write_target
 from ops.device import to_host
 
 ZIP_MAGIC = b"PK\x03\x04"   # the first bytes of every .npz (a ZIP archive)
@@ -63,6 +66,10 @@ _NUMERIC_OR_TEXT = "biufcU"
 _umask_lock = threading.Lock()
 CHECKSUM_KEY = "engine.crc32"   # the safetensors metadata entry of write_safetensors's CRC
 SAFETENSORS_HINT = "pip install 'numba-engine[formats]'"
+_SAFETENSORS_ITEMSIZE = {**dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3"), 1),
+                         **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+                         **dict.fromkeys(("U32", "I32", "F32"), 4),
+                         **dict.fromkeys(("U64", "I64", "F64"), 8)}
 
 
 class _Damage(Exception):
@@ -118,6 +125,7 @@ def atomic_write(path):
     ``path`` in one rename when the block ends without an exception; on an exception the
     temporary file is removed and ``path`` is untouched. Rules in the module docstring."""
     path = os.fspath(path)
+    check_write_target(path)   # a rename over /dev/null would replace the device itself
     folder, name = os.path.split(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=TEMPORARY_SUFFIX,
                                          prefix=_temporary_prefix(name, os.getpid()))
@@ -171,11 +179,13 @@ def remove_stale_temporaries(path):
 
 def probe_writable(path, appending=False):
     """Raise the ``OSError`` that writing ``path`` would meet, without changing anything:
-    a directory in its place, a missing or read-only folder, a file that cannot be opened
-    for appending (``appending``: the file is extended in place, not replaced)."""
+    a directory in its place, a FIFO or device (``engine.file_safety``), a missing or
+    read-only folder, a file that cannot be opened for appending (``appending``: the file
+    is extended in place, not replaced)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(21, "is a directory", path)
+    check_write_target(path)
     folder, name = os.path.split(os.path.abspath(path))
     if appending and os.path.exists(path):
         with open(path, "ab"):
@@ -225,6 +235,19 @@ def _read_entry(archive, info):
     return array.reshape(shape, order="F" if fortran_order else "C")
 
 
+def _charge_entry(budget, info):
+    """Charge ``budget`` with the bytes entry ``info`` declares, before any is read: a stored
+    entry holds exactly its declared size, so a directory that declares more than the file
+    holds (a 1 GB entry in a 2 KB file) is refused here, not zero-filled."""
+    if info.compress_size != info.file_size:
+        raise _Damage(f"entry {info.filename!r} declares {info.file_size:,} bytes but stores "
+                      f"{info.compress_size:,} (a stored entry holds its bytes as they are)")
+    try:
+        budget.charge(info.file_size, f"entry {info.filename!r}")
+    except ValueError as error:
+        raise _Damage(str(error)) from None
+
+
 def read_npz(path, kind, keep=None):
     """``{name: array}`` of the ``.npz`` at ``path`` (entries whose name ``keep`` accepts;
     all by default), read with the bounds of the module docstring. ``kind`` describes what
@@ -237,6 +260,7 @@ def read_npz(path, kind, keep=None):
             raise ValueError(f"{path!r} is not {kind} (not an .npz archive: it starts with "
                              f"{magic!r})")
         file.seek(0)
+        budget = SizeBudget.of_file(file, "the archive", slack=0)
         arrays = {}
         # zipfile and numpy.lib.format raise a dozen undocumented types on damaged bytes
         # (BadZipFile, EOFError, NotImplementedError, struct.error, UnicodeDecodeError,
@@ -253,6 +277,7 @@ def read_npz(path, kind, keep=None):
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise _Damage(f"entry {info.filename!r} is compressed (np.savez "
                                       "writes stored entries)")
+                    _charge_entry(budget, info)
                     try:
                         arrays[name] = _read_entry(archive, info)
                     except Exception as error:
@@ -320,6 +345,19 @@ def write_safetensors(path, arrays, metadata):
         file.write(content)
 
 
+def _charged_tensor(file, name, budget):
+    """Tensor ``name`` of the open safetensors ``file``, its declared bytes charged to the
+    file's ``budget`` first (safetensors checks each tensor's offsets against the file; the
+    budget also bounds them all together)."""
+    declared = file.get_slice(name)
+    itemsize = _SAFETENSORS_ITEMSIZE.get(declared.get_dtype(), 16)   # 16: none is wider
+    try:
+        budget.charge(math.prod(declared.get_shape()) * itemsize, f"tensor {name!r}")
+    except ValueError as error:
+        raise _Damage(str(error)) from None
+    return file.get_tensor(name)
+
+
 def read_safetensors(path, kind):
     """``(arrays, metadata)`` of the safetensors file at ``path``, its checksum checked when
     it has one; ``ValueError("'<path>' is not <kind> (<reason>)")`` for a damaged file,
@@ -328,10 +366,13 @@ def read_safetensors(path, kind):
     safetensors = _safetensors()
     with open(path, "rb") as file:   # FileNotFoundError, PermissionError name the path
         magic = file.read(len(ZIP_MAGIC))
+    budget = SizeBudget.of_file(path, "the file", slack=0)
     try:
         with safetensors.safe_open(path, framework="numpy") as file:
             metadata = file.metadata() or {}
-            arrays = {name: file.get_tensor(name) for name in file.keys()}
+            arrays = {name: _charged_tensor(file, name, budget) for name in file.keys()}
+    except _Damage as error:
+        raise ValueError(f"{path!r} is not {kind} ({error})") from None
     except Exception as error:   # SafetensorError, and the JSON parser's errors inside it
         found = (" but an .npz archive under a .safetensors name (training checkpoints are "
                  ".npz files, whatever their name)" if magic == ZIP_MAGIC else f": {error}")

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from engine import distributed as dist
 from engine.archive import probe_writable
+from engine.file_safety import check_write_target
 
 PROGRESS_EVERY = 20   # steps between two loss reads for the progress bar (each one a sync)
 # the bar without tqdm's batches/s and elapsed time: at 80 columns it keeps a bar of about
@@ -415,7 +416,9 @@ class PrintMetrics(Callback):
 
 def append_record(path, record):
     """Append ``record`` to ``path`` as one JSON line (a log grows in place: each line is
-    written whole by one ``write``, and earlier lines are never rewritten)."""
+    written whole by one ``write``, and earlier lines are never rewritten). A FIFO or device
+    in its place is refused (``engine.file_safety``)."""
+    check_write_target(path)
     with open(path, "a") as log:
         log.write(json.dumps(record) + "\n")
 
@@ -492,6 +495,7 @@ class TensorBoard(Callback):
 
     def on_train_begin(self, logs):
         try:
+            check_write_target(self.log_dir, directory=True)
             os.makedirs(self.log_dir, exist_ok=True)
         except OSError as error:
             self.failure = OSError(error.errno, f"TensorBoard: {self.log_dir} cannot be made "

@@ -49,6 +49,7 @@ import numpy as np
 
 import engine
 from engine import archive, nn
+from engine.file_safety import SizeBudget
 from engine.interop import sequential
 from ops import pointwise
 
@@ -329,6 +330,10 @@ class _Reader:
         self.producer = {output: node for node in self.graph.node for output in node.output}
         self.shapes = {}
         self._values = {}
+        self._constants = {}   # the initializers read so far, as arrays
+        self._evaluating = set()   # the values being computed: one met again is a cycle
+        # what the shape computations may allocate: about the file's size
+        self.budget = SizeBudget("the model file", proto.ByteSize())
 
     def fail(self, node, message):
         where = f"node {node.name!r} ({node.op_type})" if node is not None else "the graph"
@@ -379,8 +384,10 @@ class _Reader:
     def value(self, name, node, batch=PROBE_BATCHES[0]):
         """The array ``name`` holds: an initializer, a Constant, or a shape computation
         (``SHAPE_OPERATORS``) evaluated for inputs of ``batch`` samples."""
-        if name in self.initializers:
-            return self._tensor(self.initializers[name], node)
+        if name in self.initializers:   # read once: a node may name one many times
+            if name not in self._constants:
+                self._constants[name] = self._tensor(self.initializers[name], node)
+            return self._constants[name]
         key = (name, batch)
         if key not in self._values:
             producer = self.producer.get(name)
@@ -388,7 +395,14 @@ class _Reader:
                 made = "the graph input" if producer is None else f"a {producer.op_type} node"
                 raise self.fail(node, f"input {name!r} must be stored in the file (an "
                                       f"initializer or a Constant), but {made} computes it")
-            self._values[key] = self.guarded(producer, self._evaluate, producer, batch)
+            if key in self._evaluating:
+                raise self.fail(producer, f"value {name!r} is computed from itself: the graph "
+                                          "has a cycle")
+            self._evaluating.add(key)
+            try:
+                self._values[key] = self.guarded(producer, self._evaluate, producer, batch)
+            finally:
+                self._evaluating.discard(key)
         return self._values[key]
 
     def guarded(self, node, function, *args):
@@ -417,6 +431,10 @@ class _Reader:
             return shape[a.get("start", 0):a.get("end", len(shape))]
         inputs = [self.value(name, node, batch) if name else None for name in node.input]
         x = inputs[0]
+        try:
+            self.budget.charge(8 * _result_size(node.op_type, inputs, a), "its result")
+        except ValueError as error:
+            raise self.fail(node, str(error)) from None
         if node.op_type in ("Add", "Sub", "Mul", "Mod"):
             operation = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
                          "Mod": np.fmod if a.get("fmod") else np.mod}[node.op_type]
@@ -446,6 +464,24 @@ class _Reader:
         for start, end, axis, step in zip(starts, ends, axes, steps):
             index[int(axis)] = slice(int(start), int(end), int(step))
         return x[tuple(index)]
+
+
+def _result_size(operator, inputs, attributes):
+    """How many elements a shape computation's ``operator`` makes of ``inputs``, known
+    before it runs (0 for a view of its input: Reshape, Squeeze, Slice, ...), so the file's
+    budget is charged before NumPy allocates: a broadcast, a Concat or a Gather of a small
+    file's constants can otherwise ask for gigabytes."""
+    if operator in ("Add", "Sub", "Mul", "Mod", "Div"):
+        return math.prod(np.broadcast_shapes(inputs[0].shape, inputs[1].shape))
+    if operator == "Concat":
+        return sum(value.size for value in inputs if value is not None)
+    if operator == "Gather":
+        x, indices = inputs[0], inputs[1]
+        axis = attributes.get("axis", 0) % max(x.ndim, 1)
+        return math.prod(x.shape[:axis]) * indices.size * math.prod(x.shape[axis + 1:])
+    if operator == "Cast":
+        return inputs[0].size
+    return 0
 
 
 def _image_input(reader, node, shape):
@@ -746,8 +782,12 @@ def _chain(reader):
                                     "is not a chain of layers")
         feeds.setdefault(data[0], []).append(node)
         computed.update(name for name in node.output if name)
-    chain, value = [], inputs[0].name
+    chain, value, visited = [], inputs[0].name, set()
     while value in feeds:
+        if value in visited:   # a node that feeds a value the chain computed before
+            raise reader.fail(feeds[value][0], f"value {value!r} is computed again further "
+                                               "down the chain: the graph has a cycle")
+        visited.add(value)
         if len(feeds[value]) > 1 or value == graph.output[0].name:
             users = [node.name for node in feeds[value]]
             raise reader.fail(None, f"value {value!r} feeds {users}"

@@ -66,6 +66,7 @@ from ops.memory import empty
 from ops.step_counter import store_values
 
 MAX_RECORDINGS = 8
+WARM_KEYS_KEPT = 4 * MAX_RECORDINGS   # warm-up counts kept (the least recently used go)
 LOOP_UNROLL = 8   # steps per pass of a replay's device loop: a pass costs ~3-5 us of its own
 
 
@@ -188,7 +189,10 @@ class CapturedStep:
         self.eager_reason = None
         self.calls = 0
         self.replayed = 0   # calls that ran as a replay (of ``calls``)
-        self._warm = {}   # (signature, host key or None) -> calls run since it was first seen
+        # (signature, host key or None) -> calls run since it was first seen
+        self._warm = OrderedDict()
+        self._new_in_a_row = 0   # calls in a row with a signature never seen, none replayed
+        self._previous = None    # the last call's signature
         self._attempts = 0
         self._recordings = OrderedDict()   # (signature, host key) -> _Recording
 
@@ -209,12 +213,17 @@ class CapturedStep:
                 result = self._eager(args)
                 steps -= 1
                 continue
-            key, recording = self._find(_signature(args))
+            signature = _signature(args)
+            key, recording = self._find(signature)
             if recording is None:
+                self._note_new_signature(signature)
+                if self.eager_reason is not None:
+                    continue
                 result = self._eager_or_record(key, args)
                 steps -= 1
                 continue
             self._recordings.move_to_end(key)
+            self._new_in_a_row, self._previous = 0, signature
             if recording.device == "cuda":   # a fault of an earlier call, read without a sync
                 raise_pending("cuda", _at_call(self.calls, 1))
             self.calls += steps
@@ -237,6 +246,29 @@ class CapturedStep:
                 newest = newest or key
         return newest or (signature, None), None
 
+    def _note_new_signature(self, signature):
+        """Count the calls in a row whose signature was never seen; past ``MAX_RECORDINGS``
+        of them a Python argument changes on every call (a step counter, a float learning
+        rate): each value would need a recording of its own and none would replay, so the
+        step runs eagerly from then on and ``eager_reason`` names the argument."""
+        previous, self._previous = self._previous, signature
+        if any(known == signature for known, _ in self._warm):
+            self._new_in_a_row = 0
+            return
+        self._new_in_a_row += 1
+        if self._new_in_a_row <= MAX_RECORDINGS or previous is None:
+            return
+        changed = [f"argument {index - 1}: {before[1]!r:.40} then {after[1]!r:.40}"
+                   for index, (before, after) in enumerate(zip(previous, signature))
+                   if before != after and before[0] == after[0] == "value"]
+        self.eager_reason = (
+            f"a Python argument changes on every call ({'; '.join(changed) or 'the signature'}"
+            f", {self._new_in_a_row} calls in a row of new values): each value needs a "
+            "recording of its own and none replays; pass a changing number as a Tensor, or "
+            "keep the argument fixed")
+        self._warm.clear()
+        self._recordings.clear()
+
     def _eager(self, args):
         self.calls += 1
         note_launcher("cuda", "")   # its kernels are the eager step's: they say no call
@@ -252,6 +284,10 @@ class CapturedStep:
             after = self._find(key[0])[0]
             self._warm[key] = calls + 1
             self._warm[after] = max(self._warm.get(after, 0), calls + 1)
+            self._warm.move_to_end(key)
+            self._warm.move_to_end(after)
+            while len(self._warm) > WARM_KEYS_KEPT:
+                self._warm.popitem(last=False)
             return result
         return self._record(key, args)
 

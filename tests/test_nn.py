@@ -447,7 +447,7 @@ CRAFTED_CONFIGS = {
         {"class_name": "Dense", "config": {"units": 2, "exec": "rm"}}])), "exec"),
     "a trillion units": (json.dumps(_tiny_config(layers=[
         {"class_name": "Dense", "config": {"units": 10**12, "input_shape": [3]}}])),
-        "more memory than"),
+        "needs 16,000,000,000,000 bytes, but it holds 32 bytes"),   # refused before building
 }
 
 

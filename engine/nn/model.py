@@ -13,7 +13,7 @@ from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, 
                               _check_input_dtype, _feature_shape, _float_buffers, _float_dtype,
                               _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
-                                     _read_safetensors)
+                                     _read_safetensors, check_architecture, check_layer_dtype)
 from engine.parameter import ParameterStore
 from engine.random import generator
 from engine.tensor import Tensor, tensor
@@ -288,7 +288,8 @@ class Model(KerasMethods, Layer):
         named = self.named_parameters() + buffers
         expected = [name for name, _ in self.named_parameters() + self.named_buffers()]
         missing = [name for name, _ in named if name not in state]
-        unexpected = [key for key in state if key not in expected]
+        known = set(expected)   # a list's `in` would make this quadratic in the layers
+        unexpected = [key for key in state if key not in known]
         if missing or unexpected:
             raise KeyError(f"load_state_dict: missing key(s) {missing}, unexpected key(s) "
                            f"{unexpected}; the model has {expected}")
@@ -374,6 +375,26 @@ class Model(KerasMethods, Layer):
         return model
 
 
+class _NameAllocator:
+    """The names a model gives its layers: a class's lower-case name, then ``name_1``,
+    ``name_2``, ... (the first one free); one allocator names many layers in linear time."""
+
+    def __init__(self, layers):
+        self.taken = {layer.name for layer in layers}
+        self.next_suffix = {}
+
+    def allocate(self, base):
+        name = base
+        if name in self.taken:
+            suffix = self.next_suffix.get(base, 1)
+            while f"{base}_{suffix}" in self.taken:
+                suffix += 1
+            self.next_suffix[base] = suffix + 1
+            name = f"{base}_{suffix}"
+        self.taken.add(name)
+        return name
+
+
 class Sequential(Model):
     """A stack of layers, each fed the previous one's output.
 
@@ -394,46 +415,50 @@ class Sequential(Model):
         super().__init__(name=name)
         self.layers = []
         self._initialize = True     # False while ``load`` rebuilds a model to fill from a file
-        for layer in layers:
-            self.add(layer)
+        self._extend(layers)
 
     # ------------------------------------------------------------- building
     def add(self, layer):
         """Append ``layer``; builds it now when the input shape is known. Returns the model."""
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
-        if layer is self or any(layer is other for other in self.layers) or (
-                layer.built and not isinstance(layer, Model)):
-            raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
-                             "make a new layer")
-        layer.name = self._unique_name(layer)
-        layer.training = self.training
-        if not self.layers:
-            self.input_shape = layer.input_shape
-            self.output_shape = layer.input_shape
-        self.layers.append(layer)
-        if self.output_shape is not None:
-            shape = self.output_shape
-            try:
-                self._build_layer(len(self.layers) - 1)
-            except ValueError:
-                self.layers.pop()
-                self.output_shape = shape
-                raise
+        return self._extend([layer])
+
+    def _extend(self, layers):
+        """Append each of ``layers`` (``add``), packing the parameters once at the end and
+        naming them with one allocator: linear in the number of layers (a model read from a
+        file of thousands of layers was quadratic, repacked and renamed at every layer)."""
+        names = _NameAllocator(self.layers)
+        seen = {id(other) for other in self.layers}
+        grew = False
+        for layer in layers:
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
+            if layer is self or id(layer) in seen or (layer.built
+                                                      and not isinstance(layer, Model)):
+                raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
+                                 "make a new layer")
+            seen.add(id(layer))
+            layer.name = names.allocate(type(layer).__name__.lower())
+            layer.training = self.training
+            if not self.layers:
+                self.input_shape = layer.input_shape
+                self.output_shape = layer.input_shape
+            self.layers.append(layer)
+            if self.output_shape is not None:
+                shape = self.output_shape
+                try:
+                    self._build_layer(len(self.layers) - 1)
+                except ValueError:
+                    self.layers.pop()
+                    self.output_shape = shape
+                    raise
+                grew = True
+        if grew:
             self._pack()
         return self
 
     def named_children(self):
         """``[(name, layer)]``: its layers, by their unique names."""
         return [(layer.name, layer) for layer in self.layers]
-
-    def _unique_name(self, layer):
-        base = type(layer).__name__.lower()
-        taken = {other.name for other in self.layers}
-        if base not in taken:
-            return base
-        return next(f"{base}_{k}" for k in range(1, len(self.layers) + 2)
-                    if f"{base}_{k}" not in taken)
 
     def _build_layer(self, index):
         layer = self.layers[index]
@@ -563,13 +588,15 @@ class Sequential(Model):
                            for layer in self.layers]}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config, weights=None):
         """A model with the architecture of ``config`` (its weights zero, not initialised).
 
         ``config`` is what ``get_config`` returns: ``{"format": "engine.nn.Sequential",
         "version": 1, "name": str, "layers": [{"class_name": str, "config": dict}, ...]}``;
         anything else is a ValueError saying what does not fit (a layer's own checks give
-        ValueError or TypeError)."""
+        ValueError or TypeError). With ``weights`` (``{name: array}``, what ``nn.load``
+        read from the file) the architecture must fit in them before any parameter is made
+        (``serialization.check_architecture``): a small file cannot declare gigabytes."""
         kind = config.get("format") if isinstance(config, dict) else type(config).__name__
         if kind != "engine.nn.Sequential":
             raise ValueError(f"not an engine.nn.Sequential config (format {kind!r})")
@@ -580,8 +607,7 @@ class Sequential(Model):
         if not isinstance(name, str) or not isinstance(layers, list):
             raise ValueError("a config needs a text 'name' and a list of 'layers', got "
                              f"{type(name).__name__} and {type(layers).__name__}")
-        model = cls(name=name)
-        model._initialize = False
+        made = []
         for index, entry in enumerate(layers):
             if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
                     or not isinstance(entry.get("config"), dict)):
@@ -593,8 +619,14 @@ class Sequential(Model):
                                  f"{sorted(LAYERS)}; a custom layer loads once its class is "
                                  "decorated with @nn.register (import it before nn.load)")
             config = entry["config"]
-            model.add(layer_class.from_config(config) if issubclass(layer_class, Sequential)
-                      else layer_class(**config))
+            check_layer_dtype(index, entry["class_name"], config)
+            made.append(layer_class.from_config(config) if issubclass(layer_class, Sequential)
+                        else layer_class(**config))
+        if weights is not None:
+            check_architecture(made, weights)
+        model = cls(name=name)
+        model._initialize = False
+        model._extend(made)
         model._initialize = True
         return model
 
@@ -640,7 +672,7 @@ def load(path, device="cpu"):
     try:
         model = (Model.from_file_config(config)
                  if isinstance(config, dict) and config.get("format") == "engine.nn.Model"
-                 else Sequential.from_config(config))
+                 else Sequential.from_config(config, weights=state))
         model.load_state_dict(state)
     except (KeyError, ValueError, TypeError) as error:
         raise ValueError(f"nn.load: {path!r}: {error}") from None
