@@ -57,7 +57,7 @@ def _writers():
 
     def plot(path):
         pytest.importorskip("matplotlib")
-        from engine.training_curves import plot_history
+        from engine.cli.training_curves import plot_history
         plot_history([{"epoch": 1, "loss": 1.0, "train_acc": 0.5, "test_acc": 0.5}],
                      os.fspath(path) + ".png", [])
 
@@ -105,8 +105,8 @@ def test_tensorboard_refuses_a_fifo_for_its_folder(tmp_path):
 
 
 def test_the_cli_refuses_a_fifo_for_save_and_export(tmp_path):
-    from engine.cli_failures import BadInput
-    from engine.output_paths import check_output
+    from engine.cli.failures import BadInput
+    from engine.cli.output_paths import check_output
     for flag in ("--save", "--export-onnx", "--log-json"):
         with _fifo(tmp_path / f"out{flag}") as target:
             with pytest.raises(BadInput, match=f"{flag} .*cannot be written .*FIFO"):
