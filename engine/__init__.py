@@ -113,7 +113,7 @@ _LAZY_NAMES = {
     "engine.functional": ("abs", "add", "argmax", "argmin", "astype", "cat", "clamp", "clip",
                           "div", "eq", "exp", "flatten", "ge", "gelu", "gt", "le",
                           "leaky_relu", "log", "log_softmax", "lt", "matmul", "max", "mean",
-                          "min", "mul", "ne",
+                          "min", "mul", "ne", "maximum", "minimum",
                           "neg", "permute", "pow", "relu", "reshape", "sigmoid", "softmax",
                           "sqrt", "squeeze", "stack", "sub", "sum", "tanh", "transpose",
                           "unsqueeze", "view", "where"),

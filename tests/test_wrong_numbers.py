@@ -7,6 +7,7 @@ import pytest
 
 import engine
 from engine import nn
+from tests.op_check import Case, check_op
 
 
 # ------------------------------------------------------------------ a reduction over size-1 axes
@@ -33,3 +34,51 @@ def test_expand_reads_the_same_shape_layout_element_by_element():
     from ops import reduce as rd
     g = np.arange(6.0).reshape(3, 2, 1)
     np.testing.assert_array_equal(rd.expand(g, (3, 2, 1), (2,), scale=0.5), g * 0.5)
+
+
+# ------------------------------------------------------------------ engine.max(a, b) with a Tensor b
+
+def _ties(rng):   # ties and a broadcast: the gradient halves on the tied elements
+    a = rng.uniform(-2, 2, size=(3, 4))
+    b = rng.uniform(-2, 2, size=(4,))
+    a[1, 2] = b[2]
+    return [a, b]
+
+
+CASES = [
+    Case("maximum", ((3, 4), (3, 4)), engine.maximum, np.maximum),
+    Case("maximum", ((2, 1, 3), (4, 1)), lambda a, b: engine.max(a, b), np.maximum),
+    Case("minimum", ((3, 4), (4,)), engine.minimum, np.minimum),
+    Case("minimum", ((5,), ()), lambda a, b: a.min(b), np.minimum),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_elementwise_extrema(case, device):
+    check_op(case, device)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["max", "min", "maximum", "minimum"])
+def test_elementwise_extrema_match_torch_with_ties_and_nan(name):
+    torch = pytest.importorskip("torch")
+    a, b = _ties(np.random.default_rng(0))
+    a[0, 0], b[3] = np.nan, np.nan
+    g = np.random.default_rng(1).standard_normal((3, 4))
+    ea, eb = (engine.tensor(v, dtype=np.float64, requires_grad=True) for v in (a, b))
+    out = getattr(engine, name)(ea, eb)
+    out.backward(engine.tensor(g))
+    ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
+    expected = getattr(torch, name)(ta, tb)
+    expected.backward(torch.tensor(g))
+    np.testing.assert_array_equal(out.numpy(), expected.detach().numpy())
+    np.testing.assert_array_equal(ea.grad.numpy(), ta.grad.numpy())
+    np.testing.assert_array_equal(eb.grad.numpy(), tb.grad.numpy())
+
+
+def test_max_with_an_empty_tensor_is_no_longer_the_input():
+    a = engine.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"maximum: shapes \(2,\) and \(0,\) cannot be broadcast"):
+        engine.max(a, engine.tensor(np.zeros(0, np.float32)))
+    with pytest.raises(TypeError, match="elementwise max"):
+        engine.max(a, engine.tensor([3.0, 0.0]), keepdims=True)
