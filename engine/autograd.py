@@ -26,11 +26,13 @@ Version counters, as torch's: the storage a tensor shares with its views (``x[2:
 through any of them bumps. A node remembers the versions of its inputs and its output when
 it was recorded; a backward compares them (one int compare each). Only when one differs does
 it look at what the op saved (the arrays on the op instance): a changed input that the op
-did not keep (an add's operands) is no error, as in torch. Kernels writing into buffers they
-own (optimizer updates of the flat parameter buffer, BatchNorm's running statistics, a
-loader's batch buffer) are not in-place writes of a tensor and bump nothing: no recorded
-graph saves a parameter across an optimizer step, as in torch, where ``optimizer.step()``
-runs on leaves whose graph the backward consumed.
+did not keep (an add's operands) is no error, as in torch. An optimizer's update counts as a
+write of every parameter it updates (``optim.optimizer.mark_written``: one increment per
+parameter, not per element), in ``step()`` and before each replay of a captured step (its
+``sync_device``; the replay itself runs no Python): a graph retained across the step that
+saved a parameter refuses its next backward, as torch's does, instead of using the updated
+values. Kernels writing into other buffers they own (BatchNorm's running statistics, a
+loader's batch buffer) bump nothing.
 
 What autograd needs of a tensor is ``Value``, a base class; ``engine.tensor.Tensor`` is its
 one user-facing subclass. Autograd knows nothing else of it, so ``engine.tensor`` and

@@ -207,6 +207,7 @@ class Optimizer:
         advance_steps(counts, fault_words(device))
         named = dict(zip(self._state_names(group), buffers))
         self.update_kernel(*self._update_args(param, grad, named, counts, hyper))
+        mark_written(getattr(unit, "params", (unit,)))
 
     def _hyper(self, index, group, device):
         """The group's hyper-parameters on ``device``, synced from ``param_groups``."""
@@ -224,6 +225,8 @@ class Optimizer:
         for (index, _), mirror in self._hypers.items():
             if index < len(self.param_groups):
                 mirror.sync(self._hyper_values(self.param_groups[index]))
+        for group in self.param_groups:   # the replayed update writes them, as step() does
+            mark_written(group["params"])
 
     def capture_key(self):
         """What the host decides about the update kernels: the parameters of each group,
@@ -448,6 +451,15 @@ class ParameterState(dict):
 
     def __contains__(self, key):
         return key == "step" or super().__contains__(key)
+
+
+def mark_written(params):
+    """Count the optimizer's write into each parameter (``engine.autograd``'s version
+    counters, one increment per parameter): a graph retained across the step that saved one
+    refuses its next backward with torch's error instead of using the updated values."""
+    for p in params:
+        if p._requires_grad:   # a frozen one is not written
+            p._version_counter.value += 1
 
 
 def whole_flat_buffer(params):

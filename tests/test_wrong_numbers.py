@@ -135,3 +135,72 @@ def test_backwards_on_several_threads_sum_every_batchs_gradient_into_the_flat_bu
         for name, p in model.named_parameters():
             np.testing.assert_allclose(p.grad.numpy(), expected[name], rtol=1e-12, atol=1e-12,
                                        err_msg=f"trial {trial}: {name}")
+
+
+# ------------------------------------------------------------------ optimizer.step() between backwards
+
+INPLACE = "modified by an inplace operation"
+
+
+def _retained_loss(model):
+    x = engine.tensor(np.random.default_rng(0).standard_normal((5, 4)), dtype=np.float32)
+    loss = (model(x) ** 2).mean()
+    loss.backward(retain_graph=True)
+    return loss
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_a_step_between_two_backwards_of_a_retained_graph_raises(optimizer):
+    import optim
+    model = nn.Sequential([nn.Dense(3, input_shape=(4,)), nn.Dense(2)])
+    opt = getattr(optim, optimizer)(model.parameters(), lr=0.1)
+    loss = _retained_loss(model)
+    opt.step()
+    grads = [p.grad.numpy().copy() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=INPLACE + ".*dense"):
+        loss.backward()   # it used the updated weights
+    for p, g in zip(model.parameters(), grads):
+        np.testing.assert_array_equal(p.grad.numpy(), g)   # nothing was computed
+
+
+def test_a_step_of_a_plain_tensor_counts_as_a_write():
+    import optim
+    w = engine.tensor(np.ones((4, 2)), requires_grad=True)
+    x = engine.tensor(np.ones((3, 4)))
+    loss = (x @ w).sum()
+    loss.backward(retain_graph=True)
+    optim.SGD([w], lr=0.1).step()
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+
+
+def test_a_graph_made_after_the_step_backwards_as_before():
+    import optim
+    model = nn.Sequential([nn.Dense(3, input_shape=(4,))])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    _retained_loss(model)
+    opt.step()
+    _retained_loss(model).backward()   # versions are taken at the forward: no error
+
+
+def test_a_replayed_step_counts_as_a_write_too():
+    import optim
+    model = nn.Sequential([nn.Dense(3, input_shape=(4,))])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    x = engine.tensor(np.ones((5, 4), np.float32))
+
+    def step(batch):
+        opt.zero_grad()
+        loss = (model(batch) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+    captured = engine.capture(step)
+    for _ in range(3):   # eager, recording, replay
+        captured(x)
+    loss = _retained_loss(model)
+    replayed = captured.replayed
+    captured(x)          # a replay: no Python runs the update, its sync counts the write
+    assert captured.replayed == replayed + 1
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
