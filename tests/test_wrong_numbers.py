@@ -204,3 +204,35 @@ def test_a_replayed_step_counts_as_a_write_too():
     assert captured.replayed == replayed + 1
     with pytest.raises(RuntimeError, match=INPLACE):
         loss.backward()
+
+
+# ------------------------------------------------------------------ files
+
+def test_a_scalar_normalization_round_trips_through_safetensors(tmp_path):
+    pytest.importorskip("safetensors")
+    model = nn.Sequential([nn.Normalization(mean=0.5, variance=4.0, input_shape=(3,)),
+                           nn.Dense(2)])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    expected = model(x).numpy()
+    model.save(tmp_path / "m.safetensors")
+    loaded = nn.load(tmp_path / "m.safetensors")
+    assert loaded.state_dict()["normalization.mean"].shape == ()
+    np.testing.assert_array_equal(loaded(x).numpy(), expected)
+
+
+def test_an_npz_with_two_entries_of_one_name_is_refused(tmp_path):
+    import zipfile
+    model = nn.Sequential([nn.Dense(2, input_shape=(3,))])
+    path = tmp_path / "m.npz"
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    name, data = next((info.filename, data) for info, data in entries
+                      if info.filename.startswith("dense"))
+    doubled = tmp_path / "doubled.npz"
+    with zipfile.ZipFile(doubled, "w") as archive, pytest.warns(UserWarning, match="Duplicate"):
+        for info, content in entries:
+            archive.writestr(info, content)
+        archive.writestr(name, data)   # the same entry again: np.load reads the second
+    with pytest.raises(ValueError, match=rf"doubled\.npz.*two entries are named '{name}'"):
+        nn.load(doubled)
