@@ -236,3 +236,64 @@ def test_an_npz_with_two_entries_of_one_name_is_refused(tmp_path):
         archive.writestr(name, data)   # the same entry again: np.load reads the second
     with pytest.raises(ValueError, match=rf"doubled\.npz.*two entries are named '{name}'"):
         nn.load(doubled)
+
+
+# ------------------------------------------------------------------ engine.interop.torch
+
+def _same_as_torch(module, input_shape, model=None):
+    torch = pytest.importorskip("torch")
+    from engine.interop import torch as interop
+    model = interop.from_sequential(module, input_shape) if model is None else model
+    x = np.random.default_rng(0).standard_normal((2, *input_shape)).astype(np.float32)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(model(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    return model
+
+
+@pytest.mark.torch
+def test_from_sequential_softmax_without_dim_follows_torchs_implicit_dim():
+    torch = pytest.importorskip("torch")
+    from engine.interop import torch as interop
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Softmax())
+    # torch's implicit dim of a 4-D input is 1, the channels: the engine's softmax is over
+    # the last axis, so the import refuses instead of normalising the rows
+    with pytest.warns(UserWarning, match="Implicit dimension"), pytest.raises(
+            ValueError, match=r"module 1 .*dim=None, which torch reads as dim=1 for a 4-d "
+                              r"input.*last axis"):
+        interop.from_sequential(conv, (2, 5, 5))
+    dense = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Softmax())
+    with pytest.warns(UserWarning, match="Implicit dimension"):
+        _same_as_torch(dense, (3,))   # 2-D: dim 1 is the last axis
+    _same_as_torch(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Softmax(dim=1)), (3,))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("first", ["linear", "conv"])
+def test_from_sequential_leaky_relu_of_negative_slope_computes_torchs(first):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer, shape = ((torch.nn.Linear(3, 4), (3,)) if first == "linear"
+                    else (torch.nn.Conv2d(2, 3, 3), (2, 5, 5)))
+    module = torch.nn.Sequential(layer, torch.nn.LeakyReLU(-0.3))
+    model = _same_as_torch(module, shape)
+    x = engine.tensor(np.random.default_rng(1).standard_normal((2, *shape)), dtype=np.float32)
+    model(x).sum().backward()   # the gradient too: the unfused leaky_relu reads its input
+    tx = torch.from_numpy(x.numpy())
+    module(tx).sum().backward()
+    np.testing.assert_allclose(model.layers[0].weight.grad.numpy(),
+                               layer.weight.grad.numpy().T if first == "linear"
+                               else layer.weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_to_sequential_converts_gelu_and_silu_and_back(activation):
+    pytest.importorskip("torch")
+    from engine.interop import torch as interop
+    model = nn.Sequential([nn.Dense(4, activation=activation, input_shape=(3,)),
+                           nn.Activation(activation)])
+    module = interop.to_sequential(model)   # was KeyError
+    _same_as_torch(module, (3,), model)
+    _same_as_torch(module, (3,))            # and back through from_sequential
