@@ -297,3 +297,90 @@ def test_to_sequential_converts_gelu_and_silu_and_back(activation):
     module = interop.to_sequential(model)   # was KeyError
     _same_as_torch(module, (3,), model)
     _same_as_torch(module, (3,))            # and back through from_sequential
+
+
+# ------------------------------------------------------------------ ONNX import
+
+def _onnx_graph(nodes, constants, input_shape, dtype=np.float32, opset=17):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper, numpy_helper
+    element = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, outputs, **attributes)
+         for op, inputs, outputs, attributes in nodes], "g",
+        [helper.make_tensor_value_info("x", element, [None, *input_shape])],
+        [helper.make_tensor_value_info("y", element, None)],
+        [numpy_helper.from_array(np.asarray(value, dtype), name)
+         for name, value in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _import_and_run(tmp_path, proto, x):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    path = str(tmp_path / "m.onnx")
+    onnx.save(proto, path)
+    expected = ort.InferenceSession(path).run(None, {"x": x})[0]
+    model = engine.onnx.load(path)
+    return model(engine.tensor(x, dtype=x.dtype)).numpy(), expected
+
+
+@pytest.mark.parametrize("divisor", [-2.0, 3.0, 0.1, -0.7, [0.5, 0.25, 4.0], [-0.5, -3.0, -4.0]])
+def test_onnx_div_by_a_constant_imports_as_the_exact_division(tmp_path, divisor):
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    proto = _onnx_graph([("Div", ["x", "c"], ["y"], {})], {"c": divisor}, (3,))
+    got, expected = _import_and_run(tmp_path, proto, x)
+    np.testing.assert_array_equal(got, expected)   # -2 lost its sign before
+
+
+@pytest.mark.parametrize("divisor, what", [(1e-8, r"\[1e-08\]"), (0.0, r"\[0.0\]"),
+                                           ([2.0, -2.0, 1.0], r"\[2.0, -2.0, 1.0\]")])
+def test_onnx_div_without_an_exact_layer_is_refused(tmp_path, divisor, what):
+    proto = _onnx_graph([("Div", ["x", "c"], ["y"], {})], {"c": divisor}, (3,))
+    path = str(tmp_path / "m.onnx")
+    pytest.importorskip("onnx").save(proto, path)
+    with pytest.raises(ValueError, match=r"node .*\(Div\): divides by the constant " + what):
+        engine.onnx.load(path)   # 1e-8 was floored to 1e-7
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("size", [7, 8, 9])
+def test_onnx_conv_same_padding_follows_the_input_size(tmp_path, auto_pad, size):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, size, size)).astype(np.float32)
+    proto = _onnx_graph([("Conv", ["x", "w"], ["y"], {"auto_pad": auto_pad, "strides": [2, 2],
+                                                      "kernel_shape": [3, 3]})],
+                        {"w": rng.standard_normal((3, 2, 3, 3))}, (2, size, size))
+    # ONNX pads a total of (ceil(n / 2) - 1) * 2 + 3 - n: 1 for an even side, split
+    # (0, 1) by SAME_UPPER and (1, 0) by SAME_LOWER; 0 or 2 (1, 1) for an odd one
+    if auto_pad == "SAME_UPPER" and size % 2 == 0:
+        path = str(tmp_path / "m.onnx")
+        pytest.importorskip("onnx").save(proto, path)
+        with pytest.raises(ValueError, match=r"pads \[0, 0, 1, 1\] .*no symmetric padding"):
+            engine.onnx.load(path)   # was read as 1 on each side: wrong numbers
+        return
+    got, expected = _import_and_run(tmp_path, proto, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_onnx_float64_graph_keeps_its_dtype(tmp_path):
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    proto = _onnx_graph([("Mul", ["x", "s"], ["a"], {}), ("Add", ["a", "o"], ["b"], {}),
+                         ("Sub", ["b", "m"], ["c"], {}), ("Div", ["c", "d"], ["y"], {})],
+                        {"s": 3.0, "o": 0.25, "m": 0.1, "d": 1.5}, (3,), dtype=np.float64)
+    got, expected = _import_and_run(tmp_path, proto, x)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_engines_own_export_reads_back_gelu_and_float64(tmp_path, dtype):
+    pytest.importorskip("onnx")
+    model = nn.Sequential([nn.Rescaling(0.5, input_shape=(3,)), nn.Normalization(0.2, 4.0),
+                           nn.Dense(4, activation="gelu"), nn.Activation("gelu")])
+    model.to(dtype)
+    model.export_onnx(tmp_path / "m.onnx")   # opset 17: GELU as its erf composition
+    loaded = engine.onnx.load(tmp_path / "m.onnx")
+    x = engine.tensor(np.random.default_rng(0).standard_normal((5, 3)), dtype=dtype)
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6, atol=1e-7)
+    assert [type(layer).__name__ for layer in loaded.layers] == [
+        "Rescaling", "Normalization", "Dense", "Activation"]
