@@ -337,6 +337,10 @@ def transpose(x, *axes):
     if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
         return permute(x, *axes)
     if len(axes) == 2:
+        if x.ndim == 0:   # torch's transpose(0, 0) of a 0-d tensor: nothing to swap
+            if any(axis not in (0, -1) for axis in axes):
+                raise ValueError(f"transpose: axes {axes} of a 0-d input (only 0 and -1)")
+            return reshape(x, (), op_name="transpose")
         first, second = normalize_axes(axes[0], x.ndim, "transpose") + \
             normalize_axes(axes[1], x.ndim, "transpose")
         order = list(range(x.ndim))
