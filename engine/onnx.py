@@ -453,8 +453,16 @@ def _import_gemm(reader, node, layers, shape, dtype):
     if a.get("transB", 0):
         weight = weight.T
     units = weight.shape[1]
-    bias = (np.broadcast_to(reader.value(node.input[2], node), (units,))
-            if len(node.input) > 2 and node.input[2] else np.zeros(units, dtype))
+    bias = np.zeros(units, dtype)
+    if len(node.input) > 2 and node.input[2]:
+        constant = reader.value(node.input[2], node)
+        rows = constant.reshape(-1, constant.shape[-1]) if constant.ndim > 1 else None
+        if constant.ndim > 2 or (rows is not None and rows.shape[0] != 1) or (
+                constant.size not in (1, units)):
+            raise reader.fail(node, f"adds a C of shape {constant.shape} to the product's "
+                                    f"{units} columns; a Dense layer's bias is one value per "
+                                    "column, the same for every row")
+        bias = np.broadcast_to(constant.reshape(-1), (units,))
     return _dense(reader, node, shape, a.get("alpha", 1.0) * weight, a.get("beta", 1.0) * bias)
 
 
@@ -558,9 +566,18 @@ def _config_value(array):
 
 def _import_cast(reader, node, layers, shape, dtype):
     """The cast of integer input (raw images) to the model's float type, written before a
-    ``Rescaling``, which casts integer input itself."""
-    if layers or node.input[0] != reader.graph.input[0].name:
-        raise reader.fail(node, "a Cast is read only as the first node, of integer input")
+    ``Rescaling``, which casts integer input itself; a cast to the type a value already has."""
+    onnx = reader.onnx
+    to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(reader.attributes(node)["to"]))
+    graph_input = reader.graph.input[0]
+    given = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
+        graph_input.type.tensor_type.elem_type))
+    if not layers and node.input[0] == graph_input.name and given.kind in "iu":
+        return None
+    if to != dtype:
+        raise reader.fail(node, f"a Cast to {to} of {dtype} values: the engine's models keep "
+                                "one float dtype (a Cast is read as the first node, of "
+                                "integer input)")
     return None
 
 
@@ -880,6 +897,9 @@ def _layers(reader, proto):
     onnx = reader.onnx
     _opset(reader, proto)
     graph_input, chain = _chain(reader)
+    if not graph_input.type.HasField("tensor_type"):
+        raise reader.fail(None, f"input {graph_input.name!r} is a "
+                                f"{graph_input.type.WhichOneof('value')}, not a tensor")
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type))
     if dtype.kind in "iu" and chain and chain[0].op_type == "Cast":   # raw images, cast first
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
