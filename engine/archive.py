@@ -261,7 +261,7 @@ def read_npz(path, kind, keep=None):
                              f"{magic!r})")
         file.seek(0)
         budget = SizeBudget.of_file(file, "the archive", slack=0)
-        arrays = {}
+        arrays, names = {}, set()
         # zipfile and numpy.lib.format raise a dozen undocumented types on damaged bytes
         # (BadZipFile, EOFError, NotImplementedError, struct.error, UnicodeDecodeError,
         # SyntaxError, OverflowError, ... met by flipping each byte of a model file): all
@@ -272,6 +272,9 @@ def read_npz(path, kind, keep=None):
                     name = info.filename[:-len(".npy")]
                     if not info.filename.endswith(".npy"):
                         raise _Damage(f"entry {info.filename!r} is not an .npy array")
+                    if name in names:   # np.load would silently give the last one
+                        raise _Damage(f"two entries are named {info.filename!r}")
+                    names.add(name)
                     if keep is not None and not keep(name):
                         continue
                     if info.compress_type != zipfile.ZIP_STORED:
@@ -338,7 +341,9 @@ def write_safetensors(path, arrays, metadata):
     """``arrays`` (``{name: array}``, host or device) and ``metadata`` (``{text: text}``) as
     a safetensors file at ``path``, with ``CHECKSUM_KEY``, through ``atomic_write``."""
     safetensors = _safetensors()
-    arrays = {name: np.ascontiguousarray(to_host(array)) for name, array in arrays.items()}
+    # asarray, not ascontiguousarray, which makes a 0-d array (a scalar Normalization's
+    # statistics) 1-d: the file would not load back into the model
+    arrays = {name: np.asarray(to_host(array), order="C") for name, array in arrays.items()}
     metadata = {**metadata, CHECKSUM_KEY: _checksum(arrays, metadata)}
     content = safetensors.numpy.save(arrays, metadata=metadata)
     with atomic_write(path) as file:

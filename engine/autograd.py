@@ -11,7 +11,9 @@ another thread built (the torch bridge runs ours from torch's threads). Grad mod
 
 The rules of a backward:
 
-- it accumulates into the ``.grad`` of the leaves that require grad;
+- it accumulates into the ``.grad`` of the leaves that require grad, under a lock: backwards
+  running on several threads at once over shared leaves lose nothing (see "leaves under
+  threads" below);
 - without ``retain_graph=True`` it releases every node it walked: their saved values and
   inputs are freed, and a later backward that reaches one raises before touching any
   gradient, naming ``retain_graph=True`` as the remedy (never a silent partial gradient);
@@ -24,11 +26,13 @@ Version counters, as torch's: the storage a tensor shares with its views (``x[2:
 through any of them bumps. A node remembers the versions of its inputs and its output when
 it was recorded; a backward compares them (one int compare each). Only when one differs does
 it look at what the op saved (the arrays on the op instance): a changed input that the op
-did not keep (an add's operands) is no error, as in torch. Kernels writing into buffers they
-own (optimizer updates of the flat parameter buffer, BatchNorm's running statistics, a
-loader's batch buffer) are not in-place writes of a tensor and bump nothing: no recorded
-graph saves a parameter across an optimizer step, as in torch, where ``optimizer.step()``
-runs on leaves whose graph the backward consumed.
+did not keep (an add's operands) is no error, as in torch. An optimizer's update counts as a
+write of every parameter it updates (``optim.optimizer.mark_written``: one increment per
+parameter, not per element), in ``step()`` and before each replay of a captured step (its
+``sync_device``; the replay itself runs no Python): a graph retained across the step that
+saved a parameter refuses its next backward, as torch's does, instead of using the updated
+values. Kernels writing into other buffers they own (BatchNorm's running statistics, a
+loader's batch buffer) bump nothing.
 
 What autograd needs of a tensor is ``Value``, a base class; ``engine.tensor.Tensor`` is its
 one user-facing subclass. Autograd knows nothing else of it, so ``engine.tensor`` and
@@ -457,8 +461,9 @@ def backward(root, grad=None, retain_graph=False):
         raise RuntimeError("backward: the tensor does not require grad (no input of the "
                            "computation had requires_grad=True, or it ran under no_grad)")
     root_grad = _root_gradient(root, grad)
+    walk = object()   # this backward, as the owner of the gradient slots it is handed
     if root._node is None:   # a leaf: d root / d root
-        root._accumulate_grad(root_grad)
+        _accumulate_leaves([(root, root_grad)], (), walk)
         return
     nodes = _graph(root)
     anomaly = _state.anomaly
@@ -469,19 +474,27 @@ def backward(root, grad=None, retain_graph=False):
             continue
         if anomaly:
             _check_finite(grad_out, node.op, "backward (gradient reaching it)", node.inputs)
-        input_grads = node.op.backward(grad_out, _grad_destinations(node.inputs))
-        for x, needed, g in zip(node.inputs, node.op.needs_input_grad, input_grads):
-            if not needed or g is None:
-                continue
-            if anomaly:
-                _check_finite(g, node.op, "backward", node.inputs)
-            parent = x._node
-            if parent is None:
-                x._accumulate_grad(g)
-            elif parent in grads:
-                grads[parent] = add_arrays(grads[parent], g)
-            else:
-                grads[parent] = g
+        destinations, claimed = _grad_destinations(node.inputs, walk)
+        try:
+            input_grads = node.op.backward(grad_out, destinations)
+            leaves = []
+            for x, needed, g in zip(node.inputs, node.op.needs_input_grad, input_grads):
+                if not needed or g is None:
+                    continue
+                if anomaly:
+                    _check_finite(g, node.op, "backward", node.inputs)
+                parent = x._node
+                if parent is None:
+                    leaves.append((x, g))
+                elif parent in grads:
+                    grads[parent] = add_arrays(grads[parent], g)
+                else:
+                    grads[parent] = g
+            if leaves:
+                _accumulate_leaves(leaves, claimed, walk)
+        finally:
+            if claimed:
+                _release_claims(claimed, walk)
     tape = root._node.tape
     tape.backwards += 1
     _after_backward(nodes, retain_graph)
@@ -502,15 +515,74 @@ def _after_backward(nodes, retain_graph):
         tape.release(released)
 
 
-def _grad_destinations(inputs):
+# ------------------------------------------------------------------ leaves under threads
+#
+# Backwards may run on several threads at once over shared leaves (a model's parameters, a
+# shared tensor): every accumulation into a leaf's gradient takes ``_leaves``'s lock, so no
+# read-add-write is lost. A leaf's stale gradient slot handed to an op as its destination
+# (``_grad_destination``: the op writes the gradient there, outside the lock) is *claimed* by
+# that backward until it has accumulated it: another backward is handed no destination for
+# that leaf meanwhile, and its accumulation into the leaf waits for the claim to end (else
+# its gradient would be overwritten by the op's write, or the slot added to itself). A node
+# accumulates into the leaves it claimed first, so two backwards never wait on each other.
+_leaves = threading.Condition()
+_claims = {}   # id(leaf) -> (the backward holding its slot, that backward's thread)
+
+
+def _grad_destinations(inputs, walk):
     """Per input, the preallocated gradient buffer a backward rule may write into, or None
-    (a leaf offers it at its first occurrence only: later ones accumulate into it)."""
+    (a leaf offers it at its first occurrence only: later ones accumulate into it; never a
+    slot another backward holds), and the ids of the leaves so claimed by ``walk``."""
+    if not any(isinstance(x, Value) and x._node is None for x in inputs):
+        return (None,) * len(inputs), ()
     seen = set()
     destinations = []
-    for x in inputs:
-        destination = None
-        if isinstance(x, Value) and x._node is None and id(x) not in seen:
-            destination = x._grad_destination()
-            seen.add(id(x))
-        destinations.append(destination)
-    return tuple(destinations)
+    claimed = []
+    with _leaves:
+        for x in inputs:
+            destination = None
+            if isinstance(x, Value) and x._node is None and id(x) not in seen:
+                seen.add(id(x))
+                if id(x) not in _claims:
+                    destination = x._grad_destination()
+                    if destination is not None:
+                        _claims[id(x)] = (walk, threading.get_ident())
+                        claimed.append(id(x))
+            destinations.append(destination)
+    return tuple(destinations), claimed
+
+
+def _accumulate_leaves(leaves, claimed, walk):
+    """Add each ``(leaf, gradient)`` into the leaf's gradient under the lock: first those
+    whose slot ``walk`` claimed (ending the claim), then the others, each once no other
+    backward holds its slot."""
+    mine = [(x, g) for x, g in leaves if id(x) in claimed]
+    others = [(x, g) for x, g in leaves if id(x) not in claimed]
+    with _leaves:
+        for x, g in mine:
+            x._accumulate_grad(g)
+            if _claims.get(id(x), (None,))[0] is walk:
+                del _claims[id(x)]
+        if mine:
+            _leaves.notify_all()
+        for x, g in others:
+            holder = _claims.get(id(x))
+            while holder is not None and holder[0] is not walk:
+                if holder[1] == threading.get_ident():
+                    raise RuntimeError(
+                        "backward: a backward run inside another one's op (on the same "
+                        "thread) reached a leaf whose gradient slot the outer backward is "
+                        "writing; run it after the outer backward returns")
+                _leaves.wait()
+                holder = _claims.get(id(x))
+            x._accumulate_grad(g)
+
+
+def _release_claims(claimed, walk):
+    """End whatever claims of ``walk`` a node still holds (a frozen leaf's slot, a failed
+    backward): its slot stays stale."""
+    with _leaves:
+        for key in claimed:
+            if _claims.get(key, (None,))[0] is walk:
+                del _claims[key]
+        _leaves.notify_all()

@@ -14,6 +14,7 @@ import numbers
 import numpy as np
 
 from engine.autograd import Value, apply
+from ops import binary_extrema as ex
 from ops import cast as ct
 from ops import compare as cmp
 from ops import elementwise as ew
@@ -162,15 +163,40 @@ def mean(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
 
 def max(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
     """The largest values (NumPy's max, torch's amax: not torch's (values, indices) pair;
-    the positions are ``argmax``)."""
+    the positions are ``argmax``). ``max(a, b)`` with a Tensor ``b`` is torch's elementwise
+    form: ``maximum(a, b)``."""
+    if isinstance(axis, Value):
+        return _elementwise_extremum("max", ex.Maximum, x, axis, keepdims, dim, keepdim)
     return apply(rd.Max, x, axis=_axis("max", axis, dim),
                  keepdims=_keepdims("max", keepdims, keepdim))
 
 
 def min(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
-    """The smallest values (NumPy's min, torch's amin; the positions are ``argmin``)."""
+    """The smallest values (NumPy's min, torch's amin; the positions are ``argmin``).
+    ``min(a, b)`` with a Tensor ``b`` is ``minimum(a, b)``, as torch's."""
+    if isinstance(axis, Value):
+        return _elementwise_extremum("min", ex.Minimum, x, axis, keepdims, dim, keepdim)
     return apply(rd.Min, x, axis=_axis("min", axis, dim),
                  keepdims=_keepdims("min", keepdims, keepdim))
+
+
+def _elementwise_extremum(name, op_class, a, b, keepdims, dim, keepdim):
+    """torch's ``max(a, b)`` / ``min(a, b)``: the other operand is a Tensor, not an axis."""
+    if keepdims or dim is not None or keepdim is not None:
+        raise TypeError(f"{name}: the second argument is a Tensor, so this is the elementwise "
+                        f"{name}(a, b) (torch's), which takes no axis, dim or keepdims")
+    return apply(op_class, *_tensor_pair(name, a, b))
+
+
+def maximum(a, b):
+    """The larger of ``a`` and ``b`` elementwise, broadcast together (torch.maximum,
+    np.maximum); NaN where either is NaN. The gradient goes to the larger, halved on ties."""
+    return apply(ex.Maximum, *_tensor_pair("maximum", a, b))
+
+
+def minimum(a, b):
+    """The smaller of ``a`` and ``b`` elementwise (torch.minimum, np.minimum)."""
+    return apply(ex.Minimum, *_tensor_pair("minimum", a, b))
 
 
 def argmax(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
@@ -311,6 +337,10 @@ def transpose(x, *axes):
     if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
         return permute(x, *axes)
     if len(axes) == 2:
+        if x.ndim == 0:   # torch's transpose(0, 0) of a 0-d tensor: nothing to swap
+            if any(axis not in (0, -1) for axis in axes):
+                raise ValueError(f"transpose: axes {axes} of a 0-d input (only 0 and -1)")
+            return reshape(x, (), op_name="transpose")
         first, second = normalize_axes(axes[0], x.ndim, "transpose") + \
             normalize_axes(axes[1], x.ndim, "transpose")
         order = list(range(x.ndim))

@@ -39,7 +39,12 @@ Import. ``load(path)`` (``nn.load`` on a ``.onnx`` path) reads such a chain back
 shape computation beside the chain gives, evaluated with NumPy for two batch sizes;
 weights in an external file beside the model). Each value of the chain feeds the next node
 only: branches, joins and several inputs are refused, as are operators and attributes
-without an engine equivalent, each a ValueError naming the file and the node.
+without an engine equivalent, each a ValueError naming the file and the node. What is read
+computes ONNX's numbers: a ``Div`` by a constant only where a Normalization (and a Rescaling
+by -1 for a negative divisor) divides by it to the bit; ``auto_pad`` SAME_UPPER / SAME_LOWER
+and explicit ``pads`` from the input's size, one-sided ones only where a symmetric padding
+gives the same windows; the constant layers in the graph's float dtype; GELU's erf
+composition (the export below opset 20, torch's exporter) as one GELU.
 """
 import importlib
 import math
@@ -507,8 +512,16 @@ def _import_gemm(reader, node, layers, shape, dtype):
     if a.get("transB", 0):
         weight = weight.T
     units = weight.shape[1]
-    bias = (np.broadcast_to(reader.value(node.input[2], node), (units,))
-            if len(node.input) > 2 and node.input[2] else np.zeros(units, dtype))
+    bias = np.zeros(units, dtype)
+    if len(node.input) > 2 and node.input[2]:
+        constant = reader.value(node.input[2], node)
+        rows = constant.reshape(-1, constant.shape[-1]) if constant.ndim > 1 else None
+        if constant.ndim > 2 or (rows is not None and rows.shape[0] != 1) or (
+                constant.size not in (1, units)):
+            raise reader.fail(node, f"adds a C of shape {constant.shape} to the product's "
+                                    f"{units} columns; a Dense layer's bias is one value per "
+                                    "column, the same for every row")
+        bias = np.broadcast_to(constant.reshape(-1), (units,))
     return _dense(reader, node, shape, a.get("alpha", 1.0) * weight, a.get("beta", 1.0) * bias)
 
 
@@ -533,6 +546,11 @@ def _statistic(reader, node):
     return constant.astype(np.float64)
 
 
+def _typed(config, dtype):
+    """``config`` with the model's float dtype (a float64 graph's layers are float64)."""
+    return config if dtype == np.float32 else {**config, "dtype": dtype.name}
+
+
 def _scalar(reader, node, what):
     constant = _statistic(reader, node)
     if constant.size != 1:
@@ -543,31 +561,62 @@ def _scalar(reader, node, what):
 
 def _import_mul(reader, node, layers, shape, dtype):
     """A multiplication by one number: ``Rescaling`` (what its export writes)."""
-    return sequential.layer("Rescaling", {"scale": _scalar(reader, node, "multiplies")})
+    return sequential.layer("Rescaling", _typed({"scale": _scalar(reader, node, "multiplies")},
+                                                dtype))
 
 
 def _import_sub(reader, node, layers, shape, dtype):
     """A constant subtracted: the mean of a ``Normalization`` (its export writes a Sub and a
     Div by the standard deviation; a Div that follows gives the variance)."""
     mean = _statistic(reader, node)
-    entry = sequential.layer("Normalization", {"mean": _config_value(mean), "variance": 1.0},
+    entry = sequential.layer("Normalization", _typed({"mean": _config_value(mean),
+                                                      "variance": 1.0}, dtype),
                              mean=mean, variance=np.ones(()))
     entry["subtracted"] = True   # a Div next divides this layer, not one of its own
     return entry
 
 
 def _import_div(reader, node, layers, shape, dtype):
-    """A division by a constant: the standard deviation of a ``Normalization``, the one
-    the Sub before it started, else one of mean 0."""
-    std = _statistic(reader, node)
+    """A division by a constant ``c``: the standard deviation of a ``Normalization``, the one
+    the Sub before it started, else one of mean 0. The layer divides by
+    ``max(sqrt(variance), 1e-7)`` in the model's dtype, so ``c`` is read only where that is
+    ``|c|`` to the bit; a negative ``c`` (one sign throughout) is that division followed by a
+    ``Rescaling`` by -1, exact too. Any other divisor (zero, below Keras's floor, mixed signs,
+    one whose square does not give it back) is refused: no engine layer divides by it
+    exactly."""
+    divisor = reader.value(node.input[1], node)
+    constant = _statistic(reader, node)   # as the file wrote it, float32 ones short
+    negative = bool((divisor < 0).all()) and divisor.size > 0
+    # squared in the model's dtype, whose sqrt gives |c| back (in binary floating point,
+    # barring overflow and underflow): squared in float64 and rounded to float32, it may not
+    magnitude = np.abs(divisor).astype(dtype)
+    variance = (magnitude * magnitude).astype(np.float64)
+    divides_exactly = np.array_equal(
+        np.maximum(np.sqrt(variance.astype(dtype)), dtype.type(nn.Normalization.STD_FLOOR)),
+        magnitude)
+    if not (negative or (divisor > 0).all()) or not divides_exactly:
+        raise reader.fail(node, f"divides by the constant {_short_array(constant)}: the "
+                                "importer reads a Div only as a Normalization's division by "
+                                "a standard deviation (every divisor of one sign, its "
+                                f"magnitude at least {nn.Normalization.STD_FLOOR}, exact as "
+                                f"sqrt(divisor ** 2) in {dtype})")
     previous = layers[-1] if layers else None
     mean = np.zeros(())
     if previous is not None and previous.get("subtracted"):
         mean = layers.pop()["weights"]["mean"]
-    variance = std ** 2
-    return sequential.layer("Normalization", {"mean": _config_value(mean),
-                                              "variance": _config_value(variance)},
-                            mean=mean, variance=variance)
+    normalization = sequential.layer("Normalization",
+                                     _typed({"mean": _config_value(mean),
+                                             "variance": _config_value(variance)}, dtype),
+                                     mean=mean, variance=variance)
+    if not negative:
+        return normalization
+    layers.append(normalization)   # it keeps the shape: the Rescaling's is the same
+    return sequential.layer("Rescaling", _typed({"scale": -1.0}, dtype))
+
+
+def _short_array(array):
+    return f"{array.reshape(-1)[:4].tolist()}{'...' if array.size > 4 else ''}" + (
+        f" of shape {array.shape}" if array.ndim else "")
 
 
 def _config_value(array):
@@ -576,9 +625,18 @@ def _config_value(array):
 
 def _import_cast(reader, node, layers, shape, dtype):
     """The cast of integer input (raw images) to the model's float type, written before a
-    ``Rescaling``, which casts integer input itself."""
-    if layers or node.input[0] != reader.graph.input[0].name:
-        raise reader.fail(node, "a Cast is read only as the first node, of integer input")
+    ``Rescaling``, which casts integer input itself; a cast to the type a value already has."""
+    onnx = reader.onnx
+    to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(reader.attributes(node)["to"]))
+    graph_input = reader.graph.input[0]
+    given = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
+        graph_input.type.tensor_type.elem_type))
+    if not layers and node.input[0] == graph_input.name and given.kind in "iu":
+        return None
+    if to != dtype:
+        raise reader.fail(node, f"a Cast to {to} of {dtype} values: the engine's models keep "
+                                "one float dtype (a Cast is read as the first node, of "
+                                "integer input)")
     return None
 
 
@@ -622,20 +680,18 @@ def _import_conv(reader, node, layers, shape, dtype):
     dilation = tuple(a.get("dilations", (1,) * rank))
     auto_pad = a.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    before = [(d * (k - 1)) // 2 for d, k in zip(dilation, kernel)]
-    same = before + [d * (k - 1) - s for d, k, s in zip(dilation, kernel, before)]
-    pads = {"VALID": [0] * (2 * rank), "SAME_UPPER": same}.get(auto_pad,
-                                                               a.get("pads", [0] * (2 * rank)))
-    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER"):
-        raise reader.fail(node, f"auto_pad {auto_pad!r}: the engine pads 'same' with the extra "
-                                "row at the bottom (SAME_UPPER)")
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise reader.fail(node, f"auto_pad {auto_pad!r} is not an ONNX value")
+    extents = [d * (k - 1) + 1 for d, k in zip(dilation, kernel)]
+    if auto_pad.startswith("SAME"):
+        pads = _same_pads(shape[1:], extents, stride, upper=auto_pad == "SAME_UPPER")
+    else:
+        pads = list(a.get("pads", [0] * (2 * rank))) if auto_pad == "NOTSET" else [0] * (2 * rank)
+    same = [(e - 1) // 2 for e in extents] + [e - 1 - (e - 1) // 2 for e in extents]
     if stride == (1,) * rank and list(pads) == same and pads[:rank] != pads[rank:]:
         padding = "same"
-    elif list(pads[:rank]) != list(pads[rank:]):
-        raise reader.fail(node, f"pads {list(pads)} are not symmetric; the engine's {layer} "
-                                "pads each side alike")
     else:
-        padding = list(pads[:rank])
+        padding = _symmetric_equivalent(reader, node, layer, shape[1:], extents, stride, pads)
     config = {"filters": int(weight.shape[0]), "kernel_size": list(kernel),
               "stride": list(stride), "padding": padding, "dilation": list(dilation),
               "groups": int(a.get("group", 1))}
@@ -645,6 +701,30 @@ def _import_conv(reader, node, layers, shape, dtype):
     else:
         config["use_bias"] = False
     return sequential.layer(layer, config, **weights)
+
+
+def _same_pads(sizes, extents, stride, upper):
+    """ONNX's ``pads`` (begins, then ends) for ``auto_pad`` SAME_UPPER (``upper``: an odd
+    total's extra row at the end) or SAME_LOWER (at the beginning): the output
+    ``ceil(size / stride)`` long, from the input's size."""
+    totals = [max((-(-n // s) - 1) * s + e - n, 0) for n, e, s in zip(sizes, extents, stride)]
+    begins = [t // 2 if upper else t - t // 2 for t in totals]
+    return begins + [t - b for t, b in zip(totals, begins)]
+
+
+def _symmetric_equivalent(reader, node, layer, sizes, extents, stride, pads):
+    """The engine's symmetric padding (one per axis) computing what ONNX's ``pads`` compute:
+    each axis padded by its ``begin`` on both sides, where that gives ONNX's output size (the
+    rows past it at the end are then read by no window); else a refusal."""
+    rank = len(sizes)
+    begins, ends = list(pads[:rank]), list(pads[rank:])
+    for n, e, s, begin, end in zip(sizes, extents, stride, begins, ends):
+        if (n + 2 * begin - e) // s != (n + begin + end - e) // s:
+            raise reader.fail(node, f"pads {list(pads)} (begins, then ends) on an input of "
+                                    f"{list(sizes)} with stride {list(stride)}: the engine's "
+                                    f"{layer} pads each side alike, and no symmetric padding "
+                                    "computes this")
+    return begins
 
 
 def _import_pool(class_name):
@@ -773,7 +853,7 @@ def _chain(reader):
                                 f"{len(graph.output)} outputs; a Sequential has one of each")
     computed = {inputs[0].name}   # the values that depend on the input's data
     feeds = {}
-    for node in graph.node:
+    for node in _gelu_compositions_as_nodes(reader):
         data = [name for name in node.input if name in computed]
         if not data or node.op_type == "Shape":   # Shape reads the size, not the data
             continue
@@ -806,6 +886,53 @@ def _chain(reader):
         raise reader.fail(None, f"the output {graph.output[0].name!r} is not computed from "
                                 f"the input {inputs[0].name!r} by a chain of nodes")
     return inputs[0], chain
+
+
+def _gelu_compositions_as_nodes(reader):
+    """The graph's nodes, each GELU written as ``x * (1 + erf(x / sqrt 2)) * 0.5`` (what the
+    export writes below opset 20, as torch's exporter does: ``Div``, ``Erf``, ``Add``, then
+    ``x`` joins again in a ``Mul``, then a ``Mul`` by 0.5) replaced by one ``Gelu`` node."""
+    nodes = list(reader.graph.node)
+    users = {}
+    for node in nodes:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+
+    def only_user(value, op_type):
+        found = users.get(value, [])
+        return found[0] if len(found) == 1 and found[0].op_type == op_type else None
+
+    def constant_of(node, value, expected):
+        """True when ``node``'s other operand than ``value`` is the constant ``expected``."""
+        others = [name for name in node.input if name != value]
+        if len(others) != 1 or len(node.input) != 2:
+            return False
+        try:
+            constant = reader.value(others[0], node)
+        except OnnxImportError:
+            return False
+        return constant.size == 1 and abs(float(constant.reshape(())) - expected) <= 1e-6 * expected
+
+    replaced = {}
+    for div in nodes:
+        if div.op_type != "Div" or not div.input or not constant_of(div, div.input[0],
+                                                                      math.sqrt(2)):
+            continue
+        x = div.input[0]
+        erf = only_user(div.output[0], "Erf")
+        add = erf and only_user(erf.output[0], "Add")
+        mul = add and only_user(add.output[0], "Mul")
+        if not (add and constant_of(add, erf.output[0], 1.0) and mul
+                and sorted(mul.input) == sorted([add.output[0], x])):
+            continue
+        half = only_user(mul.output[0], "Mul")
+        if not (half and constant_of(half, mul.output[0], 0.5)):
+            continue
+        gelu = reader.onnx.helper.make_node("Gelu", [x], [half.output[0]],
+                                            name=half.name or "gelu")
+        replaced.update({id(div): gelu, id(erf): None, id(add): None, id(mul): None,
+                         id(half): None})
+    return [replaced.get(id(node), node) for node in nodes if replaced.get(id(node), 0) is not None]
 
 
 def _feature_shape(reader, value):
@@ -857,6 +984,9 @@ def _layers(reader, proto):
     onnx = reader.onnx
     _opset(reader, proto)
     graph_input, chain = _chain(reader)
+    if not graph_input.type.HasField("tensor_type"):
+        raise reader.fail(None, f"input {graph_input.name!r} is a "
+                                f"{graph_input.type.WhichOneof('value')}, not a tensor")
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type))
     if dtype.kind in "iu" and chain and chain[0].op_type == "Cast":   # raw images, cast first
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(

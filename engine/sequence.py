@@ -1,7 +1,7 @@
 """The functions a sequence model's code reaches for, as torch spells them: ``embedding``,
 ``layer_norm``, ``scaled_dot_product_attention``, ``tril``/``triu``, ``masked_fill``,
-``split``/``chunk``, ``maximum``/``minimum``, the (values, indices) ``max``/``min`` over a
-dim, ``topk`` and ``multinomial``. Each runs registered ops (``ops.embedding``,
+``split``/``chunk``, the (values, indices) ``max``/``min`` over a dim, ``topk`` and
+``multinomial`` (the elementwise ``maximum``/``minimum`` are ``engine.functional``'s). Each runs registered ops (``ops.embedding``,
 ``ops.layer_norm``, ``ops.attention``, ...) or composes existing ones; Tensor binds the
 methods among them.
 
@@ -22,7 +22,6 @@ from ops.fill import fill
 from ops.layout import normalize_axes
 from ops.memory import empty
 from ops.multinomial import Multinomial
-from ops.pairwise_extremum import Maximum, Minimum
 from ops.step_counter import new_counter
 from ops.topk import TakeAlongRows, TopK
 from ops.triangle import Triangle
@@ -136,18 +135,7 @@ def chunk(x, chunks, dim=-1):
     return split(x, max(-(-length // chunks), 1), dim=axis)
 
 
-# ------------------------------------------------------------------ extrema
-
-def maximum(a, b):
-    """The elementwise larger of ``a`` and ``b`` broadcast together (NaN propagates; a tie
-    splits the gradient in half, as torch's)."""
-    return apply(Maximum, *F._tensor_pair("maximum", a, b))
-
-
-def minimum(a, b):
-    """The elementwise smaller of ``a`` and ``b`` (see ``maximum``)."""
-    return apply(Minimum, *F._tensor_pair("minimum", a, b))
-
+# ------------------------------------------------------------------ extrema along an axis
 
 MaxResult = collections.namedtuple("max", ["values", "indices"])
 MinResult = collections.namedtuple("min", ["values", "indices"])
@@ -218,8 +206,8 @@ def _int(name, what, value):
 def extremum_method(name, x, args, kwargs):
     """``x.max(...)`` / ``x.min(...)`` as torch and NumPy read their arguments (see
     ``Tensor.max``)."""
-    reduce_values, along, pairwise = ((F.max, max_along, maximum) if name == "max"
-                                      else (F.min, min_along, minimum))
+    reduce_values, along, pairwise = ((F.max, max_along, F.maximum) if name == "max"
+                                      else (F.min, min_along, F.minimum))
     if args and not isinstance(args[0], (int, np.integer, tuple, list, type(None))):
         if len(args) > 1 or kwargs:
             raise TypeError(f"{name}: x.{name}(other) takes no more arguments")

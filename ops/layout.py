@@ -5,8 +5,10 @@ the shapes and strides of a launch travel as one small int64 array, built here o
 distinct layout and cached: read-only NumPy arrays for the CPU kernels, device arrays for the
 CUDA ones. The three layouts:
 
-- broadcast (binary elementwise ops): ``[ndim, shape, a strides, b strides]`` of the
-  coalesced output, or ``[0]`` when both inputs have the output's shape;
+- broadcast (binary elementwise ops, and ``expand``, a reduction's gradient broadcast back):
+  ``[ndim, shape, a strides, b strides]`` of the coalesced output, or ``[0]`` when both
+  inputs have the output's shape, where ``broadcast_offsets`` reads element ``i`` of each
+  (a kernel may test ``meta[0] == 0`` first to skip the call; none needs to);
 - reduction: ``[n_reduced, n_kept_dims, n_reduced_dims, kept shape, kept strides,
   reduced shape, reduced strides]``;
 - one axis (softmax): ``(rows, n, inner)``, the input seen as ``(outer, n, inner)``, passed
@@ -186,7 +188,11 @@ def _unravel_offsets(index, meta, first, ndim, sets):
 
 def _broadcast_offsets_with(unravel_offsets):
     def broadcast_offsets(i, meta):
-        """Offsets into the two inputs of output element ``i`` of a broadcast layout."""
+        """Offsets into the two inputs of output element ``i`` of a broadcast layout; ``i``
+        itself in both for the same-shape layout ``[0]`` (a sum over size-1 axes expands its
+        gradient so: not a 0-d broadcast of the first element)."""
+        if meta[0] == 0:
+            return i, i
         offset_a, offset_b, _ = unravel_offsets(i, meta, 1, meta[0], 2)
         return offset_a, offset_b
     return broadcast_offsets

@@ -16,7 +16,8 @@ so results are reproducible bit for bit run to run: no float atomics.
 
 Min is the max of ``-x``, negated: the block reduction has one extremum, and negation is
 exact. Backward: sum and mean broadcast ``grad_out`` back over the reduced dims (``expand``,
-one thread per input element, scaled by 1/count for the mean); max and min route
+one thread per input element, scaled by 1/count for the mean; reduced dims all of size 1 give
+the same-shape layout, element ``i`` from element ``i``); max and min route
 ``grad_out`` to the extrema of each group, split evenly among ties.
 
 Argmax and argmin give the first position of the extremum, NaN counting as the extremum (as

@@ -251,6 +251,7 @@ class Optimizer:
         kept = [named[name] for name in self.buffers if name in named]   # declared order
         self.update_kernel(group)(param, grad, *kept, counts, hyper,
                                   float(np.finfo(param.dtype).tiny))
+        mark_written(getattr(unit, "params", (unit,)))
 
     def _hyper(self, index, group, device):
         """The group's hyper-parameters on ``device``, synced from ``param_groups``."""
@@ -268,6 +269,8 @@ class Optimizer:
         for (index, _), mirror in self._hypers.items():
             if index < len(self.param_groups):
                 mirror.sync(self._hyper_values(self.param_groups[index]))
+        for group in self.param_groups:   # the replayed update writes them, as step() does
+            mark_written(group["params"])
 
     def capture_key(self):
         """What the host decides about the update kernels: the parameters of each group,
@@ -492,6 +495,15 @@ class ParameterState(dict):
 
     def __contains__(self, key):
         return key == "step" or super().__contains__(key)
+
+
+def mark_written(params):
+    """Count the optimizer's write into each parameter (``engine.autograd``'s version
+    counters, one increment per parameter): a graph retained across the step that saved one
+    refuses its next backward with torch's error instead of using the updated values."""
+    for p in params:
+        if p._requires_grad:   # a frozen one is not written
+            p._version_counter.value += 1
 
 
 def whole_flat_buffer(params):

@@ -25,14 +25,17 @@ def layer(class_name, config, **weights):
 
 def fuse_activations(layers):
     """``layers`` with each Activation after a Dense or Conv2D without one moved into that
-    layer's kernel (the same function, one kernel instead of two)."""
+    layer's kernel (the same function, one kernel instead of two). A leaky_relu of negative
+    slope (torch and ONNX allow one) stays an Activation of its own: a fused kernel takes
+    the derivative from the output's sign, which a negative slope flips."""
     fused = []
     for entry in layers:
         previous = fused[-1] if fused else None
         if (entry["class_name"] == "Activation" and previous is not None
                 and previous["class_name"] in FUSED
                 and previous["config"].get("activation") is None
-                and entry["config"]["activation"] in FUSED[previous["class_name"]]):
+                and entry["config"]["activation"] in FUSED[previous["class_name"]]
+                and entry["config"].get("alpha", 0.0) >= 0):
             previous["config"].update(entry["config"])
             continue
         fused.append(entry)

@@ -395,11 +395,41 @@ def _from_batch_norm(index, module):
                             running_var=_host(module.running_var))
 
 
-def _from_softmax(index, module):
-    if module.dim not in (-1, None):
-        raise _refuse(index, module, "the engine's softmax is over the last axis: give "
-                                     "dim=-1")
+def _from_softmax(index, module, rank):
+    """``rank``: the number of axes of the module's input, the batch's included."""
+    dim = module.dim
+    if dim is None:   # torch's implicit dim (torch.nn.functional._get_softmax_dim)
+        dim = 0 if rank in (0, 1, 3) else 1
+        given = f"dim=None, which torch reads as dim={dim} for a {rank}-d input"
+    else:
+        given = f"dim={dim}"
+    if dim % max(rank, 1) != rank - 1:
+        raise _refuse(index, module, f"{given}; the engine's softmax is over the last axis "
+                                     f"of this {rank}-d input: give dim=-1")
     return sequential.layer("Activation", {"activation": "softmax"})
+
+
+def _input_ranks(torch_sequential, input_shape):
+    """``{id(module): ndim of its input}`` for the Softmax modules, from one forward on a
+    batch of one zero sample (in eval mode, without gradients: nothing in the module
+    changes)."""
+    ranks, hooks = {}, []
+    for module in _modules(torch_sequential):
+        if isinstance(module, torch.nn.Softmax):
+            hooks.append(module.register_forward_pre_hook(
+                lambda module, args: ranks.__setitem__(id(module), args[0].ndim)))
+    if not hooks:
+        return ranks
+    dtype = next((p.dtype for p in torch_sequential.parameters()), torch.float32)
+    training = torch_sequential.training
+    try:
+        with torch.no_grad():
+            torch_sequential.eval()(torch.zeros((1, *input_shape), dtype=dtype))
+    finally:
+        torch_sequential.train(training)
+        for hook in hooks:
+            hook.remove()
+    return ranks
 
 
 def _from_flatten(index, module):
@@ -416,6 +446,13 @@ def _from_unflatten(index, module):
     return sequential.layer("Reshape", {"shape": list(module.unflattened_size)})
 
 
+def _from_gelu(index, module):
+    if module.approximate != "none":
+        raise _refuse(index, module, f"approximate={module.approximate!r}; the engine's GELU "
+                                     "activation is the exact one (approximate='none')")
+    return sequential.layer("Activation", {"activation": "gelu"})
+
+
 def _activation(name, **config):
     return lambda index, module: sequential.layer("Activation", {"activation": name, **config})
 
@@ -427,6 +464,7 @@ TORCH_MODULES = {
     "LeakyReLU": lambda index, module: sequential.layer(
         "Activation", {"activation": "leaky_relu", "alpha": module.negative_slope}),
     "Sigmoid": _activation("sigmoid"), "Tanh": _activation("tanh"), "Softmax": _from_softmax,
+    "GELU": _from_gelu, "SiLU": _activation("silu"),
     "Flatten": _from_flatten, "Unflatten": _from_unflatten,
     "Dropout": lambda index, module: sequential.layer("Dropout", {"p": module.p}),
     "Identity": lambda index, module: None, **sequence.TORCH_MODULES}
@@ -457,12 +495,14 @@ def from_sequential(torch_sequential, input_shape):
         raise TypeError(f"from_sequential: the parameters are {sorted(map(str, dtypes))}; "
                         "convert the module to one of torch.float32, torch.float64")
     layers = []
+    ranks = _input_ranks(torch_sequential, tuple(input_shape))
     for index, module in enumerate(_modules(torch_sequential)):
         convert = TORCH_MODULES.get(type(module).__name__)
         if convert is None or type(module).__module__.split(".")[0] != "torch":
             raise _refuse(index, module, f"{type(module).__name__} has no engine layer; "
                                          f"converted: {', '.join(TORCH_MODULES)}")
-        layer = convert(index, module)
+        layer = (_from_softmax(index, module, ranks[id(module)]) if convert is _from_softmax
+                 else convert(index, module))
         if layer is not None:
             layers.append(layer)
     model = sequential.build(sequential.fuse_activations(layers), input_shape,
@@ -473,9 +513,14 @@ def from_sequential(torch_sequential, input_shape):
 def _activation_module(name, alpha):
     if name is None:
         return []
-    return [{"relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid, "tanh": torch.nn.Tanh,
-             "softmax": lambda: torch.nn.Softmax(dim=-1),
-             "leaky_relu": lambda: torch.nn.LeakyReLU(alpha)}[name]()]
+    modules = {"relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid, "tanh": torch.nn.Tanh,
+               "gelu": torch.nn.GELU, "silu": torch.nn.SiLU,
+               "softmax": lambda: torch.nn.Softmax(dim=-1),
+               "leaky_relu": lambda: torch.nn.LeakyReLU(alpha)}
+    if name not in modules:
+        raise ValueError(f"to_sequential: activation {name!r} has no torch module here; "
+                         f"converted: {', '.join(modules)}")
+    return [modules[name]()]
 
 
 def _set(parameter, array):
