@@ -24,6 +24,9 @@ def cross_entropy(logits, target, label_smoothing=0.0, reduction="mean"):
         target = np.asarray(target)
     options = dict(label_smoothing=label_smoothing, reduction=reduction)
     if target.dtype.kind == "f" and target.ndim == 2:
+        if isinstance(target, Tensor) and target.requires_grad:
+            raise ValueError("cross_entropy: class-probability targets get no gradient here "
+                             "(torch gives them one); pass target.detach()")
         return apply(ce_options.ProbabilityCrossEntropy, logits,
                      as_tensor(target, logits) if not isinstance(target, Tensor) else target,
                      **options)

@@ -9,7 +9,7 @@ shape, reading the inputs through the broadcast layout.
 """
 from numba import njit
 
-from ops.cuda_backend import cuda
+from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.launch import Kernel, elements
 from ops.layout import broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda, \

@@ -41,7 +41,8 @@ CASE_MODULES = {"Gemm": "gemm", "MatMul": "matmul", "Add": "add", "Conv": "conv"
                 "Reshape": "reshape", "Dropout": "dropout", "Identity": "identity",
                 "Cast": "cast", "Mul": "mul", "Sub": "sub", "Div": "div", "Relu": "relu",
                 "LeakyRelu": "leakyrelu", "Sigmoid": "sigmoid", "Tanh": "tanh",
-                "Gelu": "gelu", "Softmax": "softmax"}
+                "Gelu": "gelu", "Softmax": "softmax", "Gather": "gather",
+                "LayerNormalization": "layernormalization"}
 ROOTS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
               for path in (engine.__file__, sys.modules["ops"].__file__))
 

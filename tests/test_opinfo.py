@@ -221,6 +221,40 @@ def _loss(function, **only):
     return adapter
 
 
+def _cross_entropy(x, target, *args, **kwargs):
+    if args:
+        raise Refused(f"cross_entropy: positional arguments {args!r}")
+    _refuse_unknown("cross_entropy", kwargs, ("weight", "reduction", "ignore_index",
+                                              "label_smoothing"))
+    _only_defaults("cross_entropy", kwargs, weight=None, ignore_index=-100)
+    return losses.cross_entropy(x, target, label_smoothing=kwargs.get("label_smoothing", 0.0),
+                                reduction=kwargs.get("reduction", "mean"))
+
+
+def _embedding(weight, ids, padding_idx=None, *args, **kwargs):
+    # torch's OpInfo takes the table as the input and the ids as its argument
+    if args:
+        raise Refused(f"embedding: positional arguments {args!r} beyond padding_idx")
+    _refuse_unknown("embedding", kwargs, ("padding_idx", "max_norm", "norm_type",
+                                          "scale_grad_by_freq", "sparse"))
+    _only_defaults("embedding", kwargs, max_norm=None, norm_type=2.0,
+                   scale_grad_by_freq=False, sparse=False)
+    return engine.embedding(ids, weight, kwargs.get("padding_idx", padding_idx))
+
+
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, **kwargs):
+    _refuse_unknown("layer_norm", kwargs, ("weight", "bias", "eps"))
+    return engine.layer_norm(x, normalized_shape, kwargs.get("weight", weight),
+                             kwargs.get("bias", bias), kwargs.get("eps", eps))
+
+
+def _triangle(function):
+    def adapter(x, diagonal=0, **kwargs):
+        _refuse_unknown(function.__name__, kwargs, ("diagonal",))
+        return function(x, kwargs.get("diagonal", diagonal))
+    return adapter
+
+
 ADAPTERS = {
     ("add", ""): _binary(engine.add),
     ("sub", ""): _binary(engine.sub),
@@ -272,9 +306,10 @@ ADAPTERS = {
     ("nn.functional.avg_pool2d", ""): _pool(engine.avg_pool2d, ceil_mode=False,
                                             count_include_pad=True, divisor_override=None),
     ("nn.functional.batch_norm", ""): _batch_norm,
-    ("nn.functional.cross_entropy", ""): _loss(losses.cross_entropy, weight=None,
-                                               reduction="mean", ignore_index=-100,
-                                               label_smoothing=0.0),
+    ("nn.functional.cross_entropy", ""): _cross_entropy,
+    ("nn.functional.embedding", ""): _embedding,
+    ("nn.functional.layer_norm", ""): _layer_norm,
+    ("tril", ""): _triangle(engine.tril), ("triu", ""): _triangle(engine.triu),
     ("nn.functional.mse_loss", ""): _loss(losses.mse, reduction="mean"),
     ("nn.functional.binary_cross_entropy", ""): _loss(losses.binary_cross_entropy,
                                                       weight=None, reduction="mean"),
