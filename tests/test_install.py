@@ -32,9 +32,10 @@ EXTRAS = {name: _requirements(text) for name, text in SETUP["options.extras_requ
 
 
 def _readme_setup_commands():
-    first_bash_block = re.search(r"```bash\n(.*?)```", (REPO_ROOT / "README.md").read_text(),
-                                 re.S).group(1)
-    return first_bash_block.strip().splitlines()
+    """The README's first two bash blocks, a command each: the install, the tests."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    assert all(len(block.strip().splitlines()) == 1 for block in blocks[:2]), blocks[:2]
+    return [block.strip() for block in blocks[:2]]
 
 
 def test_readme_starts_with_the_install_and_the_test_command_that_ci_runs():
