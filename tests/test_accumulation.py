@@ -123,3 +123,18 @@ def test_the_trainer_fit_made_dies_with_its_optimizer():
     del opt
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.cuda
+def test_accumulated_steps_on_cuda_capture_as_eager():
+    x, y = _set(14)   # batches of 4, 4, 4, 2: one group of 3, then the last of 1
+    results = []
+    for capture in (True, False):
+        model = _model(np.float32).to("cuda")
+        opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        fit(model, data.DataLoader(x.astype(np.float32), y, batch_size=4, device="cuda"),
+            opt, cross_entropy, 1, progress=False, verbose=False, capture=capture,
+            accumulate_steps=3)
+        results.append(model.state_dict())
+    for name, value in results[1].items():
+        np.testing.assert_array_equal(results[0][name], value, err_msg=name)

@@ -8,9 +8,11 @@ from engine import models, nn, train
 
 
 def test_the_command_names_the_recipes_own_choices():
-    """engine.train spells them out for its help, answered before Numba is imported."""
-    assert train.DATASETS == datasets.DATASETS
-    assert train.MODELS == models.MODELS
+    """engine.train spells them out for its help, answered before Numba is imported: the
+    image recipes' data sets and models, then the GPT's."""
+    from engine.cli.gpt_run import GPT_DATASETS
+    assert train.DATASETS == datasets.DATASETS + GPT_DATASETS
+    assert train.MODELS == models.MODELS + ("gpt",)
 
 
 def test_parse_widths():

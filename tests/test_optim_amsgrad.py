@@ -10,16 +10,16 @@ from tests.optim_check import (check_against_torch, check_captured_equals_eager,
                                check_cpu_equals_cuda, check_resume_bit_for_bit)
 from tests.test_optim import grad_steps, make_params, option_id, run
 
-CASES = [(optim.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+AMSGRAD_CASES = [(optim.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
          (optim.Adam, torch.optim.Adam,
           dict(lr=2e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, amsgrad=True)),
          (optim.AdamW, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
          (optim.AdamW, torch.optim.AdamW,
           dict(lr=2e-2, betas=(0.5, 0.9), weight_decay=0.3, amsgrad=True))]
-IDS = [f"{ours.__name__}-{option_id(options)}" for ours, _, options in CASES]
+IDS = [f"{ours.__name__}-{option_id(options)}" for ours, _, options in AMSGRAD_CASES]
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", AMSGRAD_CASES, ids=IDS)
 @pytest.mark.parametrize("flat", [True, False], ids=["flat", "per_tensor"])
 def test_amsgrad_matches_torch_step_by_step_in_float64(case, flat):
     ours, theirs, options = case
@@ -27,7 +27,7 @@ def test_amsgrad_matches_torch_step_by_step_in_float64(case, flat):
     check_against_torch(ours, theirs, options, flat=flat, steps=8)
 
 
-@pytest.mark.parametrize("case", CASES[1::2], ids=IDS[1::2])
+@pytest.mark.parametrize("case", AMSGRAD_CASES[1::2], ids=IDS[1::2])
 def test_amsgrad_float32_matches_torch(case):
     ours, theirs, options = case
     check_against_torch(ours, theirs, options, dtype=np.float32)

@@ -101,7 +101,8 @@ class DryDevice:
         replacements = self.replacements()
         undo = []
         for module in list(sys.modules.values()):
-            if module is None or module.__name__.split(".")[0] not in PROJECT_PACKAGES:
+            name = getattr(module, "__name__", None)   # sys.modules may hold stand-ins
+            if not isinstance(name, str) or name.split(".")[0] not in PROJECT_PACKAGES:
                 continue
             for name, value in list(vars(module).items()):
                 try:
