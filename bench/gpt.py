@@ -205,7 +205,9 @@ def measure(device, preset, steps, warmup, block, eval_every, eval_batches, comp
             run(count)
             times[name].append((time.perf_counter() - start) / count * 1000)
             done[name] += count
-            if eval_every and (done[name] % eval_every == 0 or done[name] == steps):
+            crossed = done[name] // eval_every > (done[name] - count) // eval_every \
+                if eval_every else False
+            if eval_every and (crossed or done[name] == steps):
                 losses[name].append((done[name], validate(eval_batches)))
     tokens = config["batch_size"] * config["block_size"]
     rows = {name: {"ms_per_iter": statistics.median(times[name]),
