@@ -37,3 +37,20 @@ def test_torch_dtype_names(name, dtype):
 def test_a_tensor_made_with_a_torch_style_dtype():
     assert engine.tensor([1, 2], dtype=engine.float64).dtype == np.float64
     assert engine.zeros((2,), dtype=engine.long).dtype == np.int64
+
+
+@pytest.mark.parametrize("name, words", [
+    ("MaxPooling2D", r"nn.MaxPool2D\(pool_size\)"), ("Input", "input_shape=\\(...\\) on the first"),
+    ("GlobalAveragePooling2D", "nn.AvgPool2D"), ("BatchNormalization", r"nn.BatchNorm\(\)")])
+def test_keras_names_name_the_engine_s_equivalent(name, words):
+    from engine import nn
+    with pytest.raises(AttributeError, match=words):
+        getattr(nn, name)
+
+
+def test_a_channels_last_image_is_named_as_such():
+    from engine import nn
+    with pytest.raises(ValueError, match=r"looks channels last \(NHWC\); move the channels "
+                                         r"first"):
+        nn.Sequential([nn.Conv2D(32, 3, input_shape=(28, 28, 1))])
+    nn.Sequential([nn.Conv2D(4, 3, input_shape=(1, 28, 28))])   # channels first: fine

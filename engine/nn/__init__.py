@@ -59,12 +59,24 @@ TORCH_EQUIVALENTS = {
 }
 
 
+# Keras's names that the engine spells otherwise, or does without
+KERAS_EQUIVALENTS = {
+    "MaxPooling2D": "nn.MaxPool2D(pool_size)",
+    "AveragePooling2D": "nn.AvgPool2D(pool_size)",
+    "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten()",
+    "BatchNormalization": "nn.BatchNorm()",
+    "Input": "input_shape=(...) on the first layer (without the batch dimension)",
+    "InputLayer": "input_shape=(...) on the first layer (without the batch dimension)",
+}
+
+
 def __getattr__(name):
     """``nn.CrossEntropyLoss`` and friends are ``engine.losses``'s, imported on first use;
-    PyTorch's names of layers the engine spells otherwise name the engine's."""
+    PyTorch's and Keras's names of layers the engine spells otherwise name the engine's."""
     if name in _LOSSES:
         return getattr(importlib.import_module("engine.losses"), name)
-    if name in TORCH_EQUIVALENTS:
+    equivalent = TORCH_EQUIVALENTS.get(name) or KERAS_EQUIVALENTS.get(name)
+    if equivalent:
         raise AttributeError(f"module 'engine.nn' has no attribute {name!r}; the engine's "
-                             f"equivalent is {TORCH_EQUIVALENTS[name]}")
+                             f"equivalent is {equivalent}")
     raise AttributeError(f"module 'engine.nn' has no attribute {name!r}")

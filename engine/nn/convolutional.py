@@ -82,6 +82,11 @@ class _Conv(Layer):
                              f"{batch_shape(input_shape)}; add "
                              f"nn.Reshape({self.layout.replace('None, ', '')}) before it")
         channels, spatial = input_shape[0], input_shape[1:]
+        if spatial[-1] in (1, 3, 4) and spatial[-1] < self.kernel_size[-1] <= channels:
+            # (28, 28, 1): channels last, Keras's and TensorFlow's layout, read as 28 channels
+            raise ValueError(f"{where} takes channels first, {self.layout}, and the input "
+                             f"{batch_shape(input_shape)} looks channels last (NHWC); move "
+                             f"the channels first: np.moveaxis(x, -1, 1)")
         if channels % self.groups:
             raise ValueError(f"{where}: the {channels} input channels must divide by groups "
                              f"({self.groups})")
