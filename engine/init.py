@@ -67,8 +67,27 @@ def zeros(shape, dtype=np.float32, seed=None):
     return np.zeros(tuple(int(s) for s in shape), _float_dtype(dtype, "zeros"))
 
 
+def torch(shape, dtype=np.float32, seed=None):
+    """torch's default for ``nn.Linear`` and ``nn.Conv*d`` weights: uniform on ``[-l, l]``
+    with ``l = 1 / sqrt(fan_in)`` (``kaiming_uniform_(a=sqrt(5))``). A layer whose kernel
+    starts this way starts its bias as torch's too (``bias_for``), so a ported program starts
+    from torch's distribution."""
+    fan_in, _ = fans(shape)
+    limit = 1.0 / math.sqrt(fan_in)
+    return generator(seed).uniform(-limit, limit, shape).astype(_float_dtype(dtype, "torch"))
+
+
+def bias_for(kernel_initializer, fan_in, units, dtype=np.float32):
+    """The bias a layer starts with beside ``kernel_initializer``: torch's uniform on
+    ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` beside ``torch``'s kernel, else zeros."""
+    if kernel_initializer is torch:
+        limit = 1.0 / math.sqrt(fan_in)
+        return generator().uniform(-limit, limit, units).astype(_float_dtype(dtype, "torch"))
+    return zeros((units,), dtype)
+
+
 INITIALIZERS = {f.__name__: f for f in (he_normal, he_uniform, xavier_normal, xavier_uniform,
-                                        zeros)}
+                                        zeros, torch)}
 
 
 def get(initializer):

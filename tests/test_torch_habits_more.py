@@ -54,3 +54,21 @@ def test_a_channels_last_image_is_named_as_such():
                                          r"first"):
         nn.Sequential([nn.Conv2D(32, 3, input_shape=(28, 28, 1))])
     nn.Sequential([nn.Conv2D(4, 3, input_shape=(1, 28, 28))])   # channels first: fine
+
+
+def test_torch_s_initialisation_by_name():
+    """kernel_initializer="torch": torch's Linear/Conv weights and biases, U(+-1/sqrt(fan_in))."""
+    from engine import nn
+    engine.manual_seed(0)
+    dense = nn.Sequential([nn.Dense(300, kernel_initializer="torch", input_shape=(400,))])
+    weight, bias = dense.layers[0].weight.numpy(), dense.layers[0].bias.numpy()
+    limit = 1 / np.sqrt(400)
+    assert np.abs(weight).max() <= limit and np.abs(weight).max() > 0.99 * limit
+    assert np.abs(bias).max() <= limit and abs(bias.std() - limit / np.sqrt(3)) < 0.1 * limit
+    conv = nn.Sequential([nn.Conv2D(64, 3, kernel_initializer="torch", input_shape=(2, 9, 9))])
+    conv_limit = 1 / np.sqrt(2 * 3 * 3)
+    assert np.abs(conv.layers[0].weight.numpy()).max() <= conv_limit
+    assert np.abs(conv.layers[0].bias.numpy()).max() > 0.5 * conv_limit
+    assert dense.get_config()["layers"][0]["config"]["kernel_initializer"] == "torch"
+    plain = nn.Sequential([nn.Dense(3, input_shape=(4,))])
+    assert not plain.layers[0].bias.numpy().any()   # the default keeps zero biases

@@ -104,8 +104,10 @@ class _Conv(Layer):
         torch_axes = (self.rank + 1, self.rank) + tuple(range(self.rank))
         weight = np.ascontiguousarray(np.transpose(weight, torch_axes), self.dtype)
         self.weight = Parameter(to_device(weight, device))
-        self.bias = (Parameter(to_device(init.zeros((self.filters,), self.dtype), device))
-                     if self.use_bias else None)
+        fan_in = int(np.prod(asked[:-1]))
+        bias = (init.bias_for(self.kernel_initializer, fan_in, self.filters, self.dtype)
+                if initialize else np.zeros(self.filters, self.dtype))
+        self.bias = Parameter(to_device(bias, device)) if self.use_bias else None
         return output_shape
 
     def forward(self, x):

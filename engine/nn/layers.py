@@ -465,7 +465,9 @@ class Dense(Layer):
             raise ValueError(f"Dense: the kernel initialiser returned shape {np.shape(weight)} "
                              f"for {shape}")
         self.weight = _Parameter(to_device(np.asarray(weight, self.dtype), device))
-        self.bias = _Parameter(to_device(init.zeros((self.units,), self.dtype), device))
+        bias = (init.bias_for(self.kernel_initializer, shape[0], self.units, self.dtype)
+                if initialize else np.zeros(self.units, self.dtype))
+        self.bias = _Parameter(to_device(bias, device))
         return output_shape
 
     def forward(self, x):
