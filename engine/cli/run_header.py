@@ -21,8 +21,9 @@ def describe_device(device, simulator):
 
 def kernels_cached():
     """Whether Numba's cache holds the engine's compiled CPU kernels (a file of the Dense
-    kernels', compiled at the first step of every model here): in NUMBA_CACHE_DIR when set,
-    else in ``__pycache__`` beside ``ops/dense.py``."""
+    kernels', compiled at the first step of every model here): in NUMBA_CACHE_DIR, which
+    ``ops.numba_cache`` sets to a user cache folder unless the user did, else in
+    ``__pycache__`` beside ``ops/dense.py`` (a folder that could not be made)."""
     from numba import config
     folder = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(ops.__file__)),
                                               "__pycache__")
@@ -62,5 +63,6 @@ def print_header(args, setup):
 def _compile_notice():
     if not kernels_cached():
         print("compiling the engine's kernels (Numba JIT, the first run only): the first "
-              "epoch takes 10-30 s longer; later runs read them from Numba's cache "
-              "(__pycache__ beside the engine's sources, or NUMBA_CACHE_DIR)", flush=True)
+              "epoch takes a few seconds longer (2-5 s for the MLP on a 2-core machine); later "
+              "runs read them from Numba's cache (NUMBA_CACHE_DIR, by default "
+              "~/.cache/numba-engine/numba)", flush=True)
