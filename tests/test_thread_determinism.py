@@ -246,3 +246,18 @@ def test_a_forked_child_splits_on_a_pool_of_its_own():
     finally:
         os.waitpid(child, 0)
         os.close(read)
+
+
+def test_a_large_unary_op_and_its_gradient_are_the_same_bits_on_1_and_2_threads():
+    """The exact GELU over 300k elements runs in blocks on 2 threads (ops.elementwise)."""
+    from ops.cpu_threads import element_blocks
+    x = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    results = []
+    for threads in THREAD_COUNTS:
+        engine.set_num_threads(threads)
+        assert len(element_blocks(x.size) or [()]) == threads
+        t = engine.tensor(x, requires_grad=True)
+        y = engine.gelu(t)
+        y.backward(engine.tensor(np.ones_like(x)))
+        results.append([y.numpy().copy(), t.grad.numpy().copy()])
+    assert_same_bits(results)
