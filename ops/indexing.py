@@ -36,6 +36,7 @@ import numbers
 import numpy as np
 from numba import njit
 
+from ops.array_copy import COPY, copy_array
 from ops.cast import BOOL, as_bytes, cast
 from ops.cuda import cuda, is_device_array
 from ops.device import device_of, to_device, to_host
@@ -380,7 +381,7 @@ class Index(Movement):
     """``x[key]``: ``params["key"]`` holds ints, slices, None, ..., and host or device
     integer and bool arrays (a Tensor's storage)."""
     name = "index"
-    kernels = (PACK, GATHER, FILL, SCATTER_ADD)
+    kernels = (PACK, GATHER, FILL, SCATTER_ADD, COPY)
 
     def check(self, x):
         self.device = device_of(x)
@@ -396,6 +397,11 @@ class Index(Movement):
         if bad.deferred:
             bad.raise_if_flagged()
         grad = fill(empty(self.plan.x_shape, grad_out.dtype, self.device), 0)
+        if self.is_view:   # a block of x (attention's x[0] of q, k, v): one plain copy
+            size = math.prod(self.plan.shape)
+            if size:
+                copy_array(flat(grad)[self.plan.base:self.plan.base + size], flat(grad_out))
+            return (grad,)
         run(SCATTER_ADD, flat(grad_out), self.indices, flat(grad), self.plan.meta(
             contiguous_strides(self.plan.shape)), self.plan.rows)
         return (grad,)
