@@ -16,7 +16,7 @@ count on the device.
 import numpy as np
 from numba import njit
 
-from data.transforms import _GOLDEN, _MASK64, _mix64
+from data.transforms import _GOLDEN, _mix64, stream_key
 from engine.tensor import Tensor
 from ops.cuda import cuda
 from ops.device import check_device, to_device
@@ -96,8 +96,7 @@ class SequenceLoader:
             raise ValueError(f"SequenceLoader: steps_per_epoch must be >= 1, got {steps_per_epoch!r}")
         self.device = check_device(device)
         self.ids = to_device(ids.astype(np.int64), self.device)
-        with np.errstate(over="ignore"):
-            self.seed_key = np.uint64(_mix64(np.uint64(self.seed & _MASK64)))
+        self.seed_key = stream_key(self.seed)
         self.epoch = 0   # the next epoch that iter() gives
         self._cursor = None
 
@@ -131,8 +130,12 @@ class SequenceLoader:
 
 
 class _StepCursor:
-    """``start_epoch`` / ``next_batch`` / ``seek`` over a ``SequenceLoader``: every batch of
-    an epoch is full, and ``next_batch`` reads the step count on the device."""
+    """``start_epoch`` / ``next_batch`` / ``seek`` over a ``SequenceLoader``, as
+    ``data.loader.EpochCursor``'s: a span's start is the step (every batch of an epoch is
+    full, one step after the other: ``stride`` 1), and ``next_batch`` reads the step count
+    on the device."""
+
+    stride = 1
 
     def __init__(self, loader):
         self.loader = loader
@@ -141,11 +144,12 @@ class _StepCursor:
     def start_epoch(self):
         loader = self.loader
         epoch, loader.epoch = loader.epoch, loader.epoch + 1
-        set_counter(self.step, epoch * loader.steps_per_epoch)
-        return [(index, loader.batch_size) for index in range(loader.steps_per_epoch)]
+        first = epoch * loader.steps_per_epoch
+        set_counter(self.step, first)
+        return [(first + index, loader.batch_size) for index in range(loader.steps_per_epoch)]
 
-    def seek(self, start):   # every batch is full: fit never seeks (a partial batch would)
-        raise AssertionError("SequenceLoader batches are all full")
+    def seek(self, start):
+        set_counter(self.step, start)
 
     def next_batch(self, count):
         batch = self.loader.batch(self.step)

@@ -38,6 +38,13 @@ def _mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
+def stream_key(seed):
+    """The 64-bit key a device-keyed draw starts from (the windows here, the loader's
+    sequence windows): ``seed`` scrambled, so neighbouring seeds draw unrelated streams."""
+    with np.errstate(over="ignore"):   # uint64 wrap-around is the point of the hash
+        return np.uint64(_mix64(np.uint64(seed & _MASK64)))
+
+
 def _polar_sampler(mix64):
     """The Box-Muller sampler for one device, given that device's compiled ``_mix64``."""
     def polar(key, pair):
@@ -196,8 +203,7 @@ class RandomWindow:
             raise ValueError(f"{type(self).__name__}: p must be in [0, 1], got {flip_p!r}")
         self.flip_p = float(flip_p)
         self.seed = int(generator().integers(2 ** 63)) if seed is None else int(seed)
-        with np.errstate(over="ignore"):
-            self.seed_key = np.uint64(_mix64(np.uint64(self.seed & _MASK64)))
+        self.seed_key = stream_key(self.seed)
 
     def __call__(self, batch, epoch=0, position=0):
         device = getattr(batch, "device", "cpu")

@@ -234,12 +234,13 @@ def _cursor_steps(cursor, step, per_replay, accumulate):
     captured ``step``, never past a multiple of ``per_replay``: ``(index of the last step,
     steps run, their rows, the last loss)`` per replay."""
     spans = cursor.start_epoch()
-    plans, expected = [], None
+    plans = []
+    expected = spans[0][0] if spans else 0   # start_epoch put the cursor on the first batch
     for first in range(0, len(spans), accumulate):
         plan = []
         for start, count in spans[first:first + accumulate]:
-            plan += [count, start if expected is not None and start != expected else -1]
-            expected = start + cursor.stride if hasattr(cursor, "stride") else None
+            plan += [count, -1 if start == expected else start]
+            expected = start + cursor.stride
         plans.append((tuple(plan), sum(count for _, count in spans[first:first + accumulate])))
     per_replay = per_replay or len(plans)   # no callback watches steps: the epoch at once
     index = 0

@@ -27,8 +27,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, reduction="mean"):
         if isinstance(target, Tensor) and target.requires_grad:
             raise ValueError("cross_entropy: class-probability targets get no gradient here "
                              "(torch gives them one); pass target.detach()")
-        return apply(ce_options.ProbabilityCrossEntropy, logits,
-                     as_tensor(target, logits) if not isinstance(target, Tensor) else target,
+        return apply(ce_options.ProbabilityCrossEntropy, logits, as_tensor(target, logits),
                      **options)
     if label_smoothing == 0 and reduction == "mean":
         return apply(ls.CrossEntropy, logits, target)   # the plain op the captured steps run

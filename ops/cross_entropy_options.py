@@ -18,16 +18,15 @@ the backward is one elementwise pass reading ``grad_out`` on the device. Labels 
 """
 import math
 
-import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
 from ops.cuda import cuda
-from ops.device import device_of, to_device
+from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements
 from ops.layout import flat
-from ops.loss import _bad_labels, _check_labels_on_host, _row_loss_cpu, _row_loss_cuda
+from ops.loss import _bad_labels, _row_loss_cpu, _row_loss_cuda, labels_on_device
 from ops.registry import Op, register
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -244,13 +243,7 @@ class LabelCrossEntropy(Op):
         self.smoothing, self.reduction = checked_options(**self.params)
 
     def forward(self, logits, labels):
-        device = device_of(logits)
-        if device_of(labels) != device:
-            _check_labels_on_host(np.asarray(labels), logits.shape[1])
-            labels = to_device(labels, device)
-        bad = _bad_labels(device)
-        if bad.deferred:
-            bad.raise_if_flagged()
+        labels, bad = labels_on_device(logits, labels)
         self.probs, row_losses, loss = run(
             LABEL_CROSS_ENTROPY, flat(logits), labels,
             *_outputs(logits), bad.device,

@@ -132,6 +132,19 @@ def _bad_labels(device):
     return flag_buffer("cross_entropy", device, _bad_label_message, ValueError)
 
 
+def labels_on_device(logits, labels):
+    """``(labels on the logits' device, the bad-label flags)``: host labels checked on the
+    host, then copied; a bad label of an earlier CUDA batch raised, read without a sync."""
+    device = device_of(logits)
+    if device_of(labels) != device:
+        _check_labels_on_host(np.asarray(labels), logits.shape[1])
+        labels = to_device(labels, device)
+    bad = _bad_labels(device)
+    if bad.deferred:
+        bad.raise_if_flagged()
+    return labels, bad
+
+
 def _check_labels_on_host(labels, classes):
     bad = np.flatnonzero((labels < 0) | (labels >= classes))
     if bad.size:
@@ -155,13 +168,7 @@ class CrossEntropy(Op):
             raise ValueError(f"cross_entropy: empty batch, logits of shape {tuple(logits.shape)}")
 
     def forward(self, logits, labels):
-        device = device_of(logits)
-        if device_of(labels) != device:
-            _check_labels_on_host(np.asarray(labels), logits.shape[1])
-            labels = to_device(labels, device)
-        bad = _bad_labels(device)
-        if bad.deferred:
-            bad.raise_if_flagged()   # a previous batch's bad label, read without a sync
+        labels, bad = labels_on_device(logits, labels)
         self.probs, loss = run(CROSS_ENTROPY, flat(logits), labels,
                                Out(logits.shape, logits.dtype), Out((), logits.dtype),
                                bad.device)

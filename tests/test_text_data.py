@@ -152,7 +152,7 @@ class _FloatIds:
         outer = self
 
         class Cursor:
-            loader = outer
+            loader, stride = outer, inner.stride
 
             def start_epoch(self):
                 return inner.start_epoch()

@@ -542,6 +542,19 @@ class Flatten(Layer):
         return F.flatten(x, 1)
 
 
+def register_seed_state(layer, device, initialize):
+    """Give ``layer`` the device seed state its dropout masks are drawn from: the buffers
+    ``seed`` (drawn from the engine's generator, as a weight is) and ``masks_drawn``. A model
+    read from a file (``initialize=False``) gets them from the file and leaves the generator
+    as it was; a file written before the layer had seed state keeps this one, from the
+    layer's unique name, so its layers draw different masks."""
+    base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
+                 else zlib.crc32(layer.name.encode()))
+    seed, masks_drawn = new_seed_state(base_seed, device)
+    layer.register_buffer("seed", Tensor(seed))
+    layer.register_buffer("masks_drawn", Tensor(masks_drawn))
+
+
 class Dropout(Layer):
     """Inverted dropout: in training, zero each element with probability ``p`` and scale the
     rest by ``1 / (1 - p)``; the identity in ``eval()``.
@@ -564,14 +577,7 @@ class Dropout(Layer):
 
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
-        # a model read from a file (initialize=False) gets its seed state from the file and
-        # leaves the generator as it was; a file written before Dropout had seed state keeps
-        # this one, from the layer's unique name, so its Dropout layers draw different masks
-        base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
-                     else zlib.crc32(self.name.encode()))
-        seed, masks_drawn = new_seed_state(base_seed, device)
-        self.register_buffer("seed", Tensor(seed))
-        self.register_buffer("masks_drawn", Tensor(masks_drawn))
+        register_seed_state(self, device, initialize)
         return output_shape
 
     def forward(self, x):

@@ -5,22 +5,18 @@ drawn from N(0, 1) with the padding row zeroed, LayerNorm's scale ones and offse
 attention's projections as torch's ``nn.MultiheadAttention``) and the engine's ``Layer``
 protocol in how they are built (from the first input's feature shape) and saved.
 """
-import zlib
-
 import numpy as np
 
 from engine import functional as F
 from engine import sequence as S
 from engine.autograd import apply
 from engine.init import xavier_uniform
-from engine.nn.layers import Layer, _check_input_dtype, batch_shape
+from engine.nn.layers import Layer, _check_input_dtype, batch_shape, register_seed_state
 from engine.nn.model import register
 from engine.parameter import Parameter
 from engine.random import generator
-from engine.tensor import Tensor
 from ops.dense import DenseOp
 from ops.device import to_device
-from ops.dropout import SEED_LIMIT, new_seed_state
 
 
 def _positive_int(value, where, what):
@@ -169,11 +165,7 @@ class MultiHeadAttention(Layer):
         if self.use_bias:
             self.in_bias = Parameter(to_device(np.zeros(3 * width, self.dtype), device))
             self.out_bias = Parameter(to_device(np.zeros(width, self.dtype), device))
-        base_seed = (int(generator().integers(0, SEED_LIMIT)) if initialize
-                     else zlib.crc32(self.name.encode()))
-        seed, masks_drawn = new_seed_state(base_seed, device)
-        self.register_buffer("seed", Tensor(seed))
-        self.register_buffer("masks_drawn", Tensor(masks_drawn))
+        register_seed_state(self, device, initialize)
         return output_shape
 
     def _own_parameters(self):   # torch's names: in_proj.weight, out_proj.bias, ...
