@@ -21,8 +21,6 @@ prints the per-operator counts.
 import collections
 import copy
 import importlib
-import linecache
-import os
 import sys
 import warnings
 
@@ -33,6 +31,7 @@ onnx = pytest.importorskip("onnx")
 
 import engine  # noqa: E402
 from engine import onnx as engine_onnx  # noqa: E402
+from tests.oracle_check import raised_on_purpose  # noqa: E402
 
 # the onnx package's module of each operator's node cases
 CASE_MODULES = {"Gemm": "gemm", "MatMul": "matmul", "Add": "add", "Conv": "conv",
@@ -43,8 +42,6 @@ CASE_MODULES = {"Gemm": "gemm", "MatMul": "matmul", "Add": "add", "Conv": "conv"
                 "LeakyRelu": "leakyrelu", "Sigmoid": "sigmoid", "Tanh": "tanh",
                 "Gelu": "gelu", "Softmax": "softmax", "Gather": "gather",
                 "LayerNormalization": "layernormalization"}
-ROOTS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
-              for path in (engine.__file__, sys.modules["ops"].__file__))
 
 
 def test_every_operator_the_importer_claims_has_its_cases():
@@ -81,17 +78,6 @@ def _with_constant_operands(model, inputs):
     return model, inputs[0] if inputs else None
 
 
-def _raised_on_purpose(error):
-    if not isinstance(error, (ValueError, TypeError, NotImplementedError)):
-        return False
-    frame = error.__traceback__
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    filename = os.path.abspath(frame.tb_frame.f_code.co_filename)
-    return (filename.startswith(ROOTS)
-            and linecache.getline(filename, frame.tb_lineno).strip().startswith("raise"))
-
-
 def run_case(case):
     """``("matched" | "refused" | "wrong" | "crashed", detail)`` of one ONNX test case."""
     inputs, outputs = case.data_sets[0]
@@ -106,7 +92,7 @@ def run_case(case):
     except Exception as error:
         # "cannot be read (...)": the importer's wrapper of an unexpected failure inside it,
         # meant for damaged files; on ONNX's own valid models it is a crash
-        on_purpose = _raised_on_purpose(error) and "cannot be read (" not in str(error)
+        on_purpose = raised_on_purpose(error) and "cannot be read (" not in str(error)
         return "refused" if on_purpose else "crashed", f"{type(error).__name__}: {error}"
     expected = np.asarray(outputs[0])
     if got.shape != expected.shape:

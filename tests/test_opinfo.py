@@ -22,7 +22,6 @@ minute once Numba's cache is warm). ``python -m tests.test_opinfo`` prints
 the per-op counts.
 """
 import collections
-import linecache
 import os
 import random
 import sys
@@ -35,14 +34,13 @@ pytest.importorskip("expecttest")   # torch.testing._internal imports it
 
 import engine  # noqa: E402
 from engine import losses  # noqa: E402
+from tests.oracle_check import ENGINE_ROOTS, raised_on_purpose  # noqa: E402
 
 MAX_ELEMENTS = 20_000
 MAX_SAMPLES = 60   # an op with more (max_pool2d has 1440) runs a fixed draw of them
 RTOL, ATOL = 1e-7, 1e-9   # float64 both sides; the sums' orders differ by a few ulps
 # where a refusal may be raised: the engine's packages and this file (its adapters)
-ROOTS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
-              for path in (engine.__file__, sys.modules["ops"].__file__)) + (
-    os.path.abspath(__file__),)
+ROOTS = ENGINE_ROOTS + (os.path.abspath(__file__),)
 
 
 class Refused(ValueError):
@@ -351,20 +349,6 @@ def _elements(value):
     return 0
 
 
-def _raised_on_purpose(error):
-    """True when ``error`` is a refusal: a ValueError, TypeError or NotImplementedError that a
-    ``raise`` statement of the engine's or this file's code raised (not Python's own error
-    from a line that was not meant to fail)."""
-    if not isinstance(error, (ValueError, TypeError, NotImplementedError)):
-        return False
-    frame = error.__traceback__
-    while frame.tb_next is not None:
-        frame = frame.tb_next
-    filename = os.path.abspath(frame.tb_frame.f_code.co_filename)
-    line = linecache.getline(filename, frame.tb_lineno).strip()
-    return filename.startswith(ROOTS) and line.startswith("raise")
-
-
 def _compare(name, got, expected):
     got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
     expected = expected.detach().numpy()
@@ -388,7 +372,7 @@ def run_sample(adapter, op, sample):
         kwargs = {k: _to_engine(v, leaves) for k, v in sample.kwargs.items()}
         out = adapter(x, *args, **kwargs)
     except Exception as error:
-        kind = "refused" if _raised_on_purpose(error) else "crashed"
+        kind = "refused" if raised_on_purpose(error, ROOTS) else "crashed"
         return kind, f"{type(error).__name__}: {error}"
     expected = op(sample.input, *sample.args, **sample.kwargs)
     problem = _compare("forward", out, expected)
@@ -403,7 +387,7 @@ def run_sample(adapter, op, sample):
     try:
         out.backward(engine.tensor(upstream.numpy(), dtype=np.float64))
     except Exception as error:
-        kind = "refused" if _raised_on_purpose(error) else "crashed"
+        kind = "refused" if raised_on_purpose(error, ROOTS) else "crashed"
         return kind, f"backward: {type(error).__name__}: {error}"
     for k, ((leaf, tensor), torch_grad) in enumerate(zip(differentiable, torch_grads)):
         torch_grad = torch.zeros_like(leaf) if torch_grad is None else torch_grad
