@@ -132,3 +132,9 @@ def test_a_captured_gpt_step_on_cuda_equals_the_eager_one():
         results.append(model.state_dict())
     for name, value in results[1].items():
         np.testing.assert_array_equal(results[0][name], value, err_msg=name)
+
+
+def test_an_image_model_s_flag_is_refused_for_the_gpt(capsys):
+    with pytest.raises(SystemExit):
+        main(TINY + ["--hidden", "64", "--no-save"])
+    assert "--hidden: not for --model gpt" in capsys.readouterr().err

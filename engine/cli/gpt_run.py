@@ -13,6 +13,7 @@ import types
 
 from engine import data, optim
 from engine.callbacks import Callback
+from engine.cli.arguments import build_parser
 from engine.cli.failures import BadInput
 from engine.cli.resumed_checkpoint import read_resumed, restore_resumed
 from engine.gpt import gpt_loss
@@ -37,8 +38,9 @@ def check_gpt_arguments(args):
     if args.steps % args.eval_every:
         raise BadInput(f"--steps {args.steps} is not a multiple of --eval-every "
                        f"{args.eval_every}: each stretch of steps ends with an evaluation")
+    parser = build_parser()
     for flag in ("hidden", "augment", "distributed", "early_stopping", "export_onnx"):
-        if getattr(args, flag) not in (None, False, "256,128", []):
+        if getattr(args, flag) != parser.get_default(flag):   # given: the image models' flags
             raise BadInput(f"--{flag.replace('_', '-')}: not for --model gpt")
     if args.batch_size is None:
         args.batch_size = PRESETS[args.preset]["batch_size"]
