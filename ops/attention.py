@@ -163,7 +163,7 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
         grad_v[:] = 0
 
 
-# the compiled kernels behind each CPU side (tests/test_registry.py looks for them)
+# the compiled kernels behind each CPU side (tests/ops/test_registry.py looks for them)
 attention_cpu.__wrapped__ = _shift_rows
 attention_grad_cpu.__wrapped__ = _shift_rows
 

@@ -130,7 +130,7 @@ class BatchNormOp(Op):
 #   means.
 # A rank's dx is then the gradient of the sum of all ranks' losses, which the gradient
 # all-reduce's mean turns into the gradient of the global batch's loss: the one-process
-# result (tests/test_distributed.py compares them).
+# result (tests/engine/test_distributed.py compares them).
 
 
 @njit(**CPU_KERNEL)

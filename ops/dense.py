@@ -14,7 +14,7 @@ A large CPU GEMM runs in row blocks of its output across the engine's threads
 slices: the forward's and dX's blocks are batch rows, dW's are input features (a column
 slice of x, read by BLAS in place as the same transposed operand). A row block is the same
 dot products summed in the same order, so the results are bit-identical on any thread count
-(tests/test_thread_determinism.py).
+(tests/ops/test_thread_determinism.py).
 
 Backward, with ``G = grad_out * act'(x)`` written in terms of the saved output ``y``:
 - ``dX = G @ Wᵀ`` (skipped when x needs no gradient: the first layer);

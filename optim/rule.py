@@ -53,7 +53,7 @@ _STANDARD_SCALARS = {"t": f"float64(counts[{T}])",
 # and first step, RMSprop's centered and momentum) its reference-count pruning gave up and
 # left 2 NRT_incref and 2 NRT_decref calls (atomic) per element in the loop, which then
 # could not vectorise: 235k float32 SGD elements took 2.3 ms. Here the rule takes and returns
-# values only; tests/test_optim_rule.py checks every optimizer's compiled loop vectorises and
+# values only; tests/optim/test_rule.py checks every optimizer's compiled loop vectorises and
 # increfs each array at most once (at the kernel's start).
 _CPU_SOURCE = """
 def {kernel}_cpu({arguments}):

@@ -16,20 +16,12 @@ import pytest
 import engine
 from ops import flag_buffer
 from ops.device import SIMULATOR, cuda_available
-from tests import simulator_threads
+from tests.support import simulator_threads
+from tests.support.simulator_repeats import simulator_repeats
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-# CUDA tests the simulator leaves to real GPUs: every CUDA kernel line and branch they reach
-# in the simulator, the simulator tests left in reach too (the file says how that is checked)
-SIMULATOR_REPEATS = os.path.join(os.path.dirname(__file__), "simulator_repeats.txt")
 if SIMULATOR:   # a short switch interval, shared arrays under a lock (the module says why)
     simulator_threads.configure()
-
-
-def simulator_repeats():
-    """The test ids listed in ``SIMULATOR_REPEATS`` (one a line; ``#`` starts a comment)."""
-    with open(SIMULATOR_REPEATS) as listing:
-        return {line.split("#")[0].strip() for line in listing} - {""}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,7 @@ import sys
 import optim
 from engine.cli.failures import PROG, BadInput, report
 
-# data.datasets.DATASETS and engine.models.MODELS (tests/test_models.py checks they agree):
+# data.datasets.DATASETS and engine.models.MODELS (tests/engine/test_models.py checks they agree):
 # the help answered before Numba is imported names them
 DATASETS = ("mnist", "fashion-mnist", "shakespeare")
 MODELS = ("mlp", "cnn", "gpt")
@@ -132,7 +132,7 @@ def resolve_defaults(args):
     return args
 
 
-# engine.distributed.LAUNCHER_VARIABLES (tests/test_train.py checks they agree): that module
+# engine.distributed.LAUNCHER_VARIABLES (tests/engine/test_train.py checks they agree): that module
 # imports Numba, which the early answer below must not wait for
 LAUNCHERS = ("PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from engine import archive
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import REPO_ROOT
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import optim
 from engine import nn
 from engine.losses import cross_entropy
 from ops.cuda import SIMULATOR
-from tests.training_step import cross_entropy_step
+from tests.support import captured_training
+from tests.support.training_step import cross_entropy_step
 
 OPTIMIZERS = {
     "adam": lambda params: optim.Adam(params, lr=1e-2),
@@ -18,62 +19,15 @@ OPTIMIZERS = {
 }
 
 
-def _batches(device, rows=(6, 6, 6, 3), features=5, classes=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return [(engine.tensor(rng.standard_normal((n, features)), dtype=np.float32, device=device),
-             engine.tensor(rng.integers(0, classes, n), device=device)) for n in rows]
-
-
-def _train(device, captured, kind="adam", clip=False, epochs=3, lr_changes=True):
-    engine.manual_seed(0)
-    model = nn.Sequential([nn.Dense(7, activation="relu", input_shape=(5,)),
-                           nn.Dense(4)]).to(device)
-    opt = OPTIMIZERS[kind](model.parameters())
-    sched = optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        if clip:
-            optim.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        return loss
-
-    if captured:
-        step = engine.capture(step)
-    losses = []
-    for epoch in range(epochs):
-        for x, y in _batches(device):
-            losses.append(step(x, y))
-        sched.step()   # a scheduler writes param_groups[0]["lr"] between steps
-        if lr_changes and epoch == 0:
-            opt.param_groups[0]["lr"] *= 3   # and so may the user
-    return [loss.item() for loss in losses], model.state_dict(), opt, step
-
-
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_captured_training_equals_eager_bit_for_bit(device, kind):
     if device == "cuda" and kind != "adam" and SIMULATOR:
         pytest.skip("one optimizer in the slow simulator; the gpu run takes them all")
-    eager_losses, eager_weights, eager_opt, _ = _train(device, False, kind)
-    losses, weights, opt, step = _train(device, True, kind)
-    assert step.eager_reason is None and step.recordings == 2   # full and partial batches
-    assert losses == eager_losses
-    for name in eager_weights:
-        np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
-    eager_state, state = eager_opt.state_dict(), opt.state_dict()
-    assert [s["step"] for s in state["state"].values()] == \
-        [s["step"] for s in eager_state["state"].values()]
+    captured_training.check_captured_equals_eager(OPTIMIZERS[kind], device)
 
 
 def test_clipping_inside_the_captured_step(device):
-    eager_losses, eager_weights, _, _ = _train(device, False, clip=True)
-    losses, weights, _, step = _train(device, True, clip=True)
-    assert step.eager_reason is None
-    assert losses == eager_losses
-    for name in eager_weights:
-        np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
+    captured_training.check_captured_equals_eager(OPTIMIZERS["adam"], device, clip=True)
 
 
 def test_replay_leaves_the_callers_tensors_and_earlier_results_alone(device):
@@ -85,7 +39,7 @@ def test_replay_leaves_the_callers_tensors_and_earlier_results_alone(device):
         with engine.no_grad():
             return model(x) * 2
 
-    batches = [x for x, _ in _batches(device)][:3]
+    batches = [x for x, _ in captured_training.batches(device)][:3]
     copies = [x.numpy().copy() for x in batches]
     results = [predict(x) for x in batches + batches]
     for x, copy in zip(batches, copies):
@@ -107,7 +61,7 @@ def test_a_step_that_reads_the_device_runs_eagerly_and_says_why(device):
         opt.step()
         return loss.item()
 
-    values = [step(x, y) for x, y in _batches(device)[:3]]
+    values = [step(x, y) for x, y in captured_training.batches(device)[:3]]
     # the read is seen on both devices (on the CPU a replay would repeat its value)
     assert "read on the host" in step.eager_reason and step.recordings == 0
     assert all(isinstance(v, float) for v in values)
@@ -178,7 +132,7 @@ def test_a_loaded_optimizer_state_is_recorded_anew_not_replayed_stale(device):
     opt = optim.Adam(model.parameters(), lr=1e-2)
 
     step = engine.capture(cross_entropy_step(model, opt))
-    x, y = _batches(device)[0]
+    x, y = captured_training.batches(device)[0]
     for _ in range(3):
         step(x, y)
     saved = opt.state_dict()
@@ -218,7 +172,7 @@ def test_freezing_a_layer_between_replays_is_honoured(device):
         model, opt = _mlp_and_adam(device)
         step = cross_entropy_step(model, opt)
         step = engine.capture(step) if captured else step
-        x, y = _batches(device)[0]
+        x, y = captured_training.batches(device)[0]
         losses = [step(x, y).item() for _ in range(4)]
         frozen = model.layers[0].weight
         before = frozen.numpy().copy()
@@ -251,7 +205,7 @@ def test_a_host_branch_inside_the_step_runs_eagerly_on_both_devices(device, read
             return loss
 
         step = engine.capture(step) if captured else step
-        losses = [step(x, y).item() for x, y in _batches(device) * 2]
+        losses = [step(x, y).item() for x, y in captured_training.batches(device) * 2]
         runs.append((losses, _weights_and_state(model, opt), step))
     assert runs[1][0] == runs[0][0]
     _assert_same(runs[1][1], runs[0][1])
@@ -278,7 +232,7 @@ def test_a_first_call_that_raises_leaves_nothing_half_recorded(device, warmup):
             return loss
 
         step = engine.capture(step, warmup=warmup) if captured else step
-        x, y = _batches(device)[0]
+        x, y = captured_training.batches(device)[0]
         with pytest.raises(RuntimeError, match="first call fails"):
             step(x, y)
         losses = [step(x, y).item() for _ in range(6)]
@@ -291,7 +245,7 @@ def test_a_first_call_that_raises_leaves_nothing_half_recorded(device, warmup):
 def test_a_bad_label_in_a_replayed_call_changes_nothing(device):
     model, opt = _mlp_and_adam(device)
     step = engine.capture(cross_entropy_step(model, opt))
-    x, y = _batches(device)[0]
+    x, y = captured_training.batches(device)[0]
     for _ in range(4):
         step(x, y).item()
     assert step.replayed == 2
@@ -315,7 +269,7 @@ def test_train_and_eval_modes_each_get_their_recording(device):
         opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         step = cross_entropy_step(model, opt)
         step = engine.capture(step) if captured else step
-        x, y = _batches(device)[0]
+        x, y = captured_training.batches(device)[0]
         losses = []
         for mode in (True, False, True, False):
             model.train(mode)
@@ -338,5 +292,5 @@ def test_capture_rejects_bad_arguments():
 @pytest.mark.gpu
 def test_the_cuda_replay_is_one_graph():
     assert not SIMULATOR
-    _, _, _, step = _train("cuda", True, epochs=2)
+    _, _, _, step = captured_training.train("cuda", True, OPTIMIZERS["adam"], epochs=2)
     assert all(recording.graphs for recording in step._recordings.values())

@@ -1,16 +1,11 @@
 """Data-parallel training: sharded loading (no MPI needed), a world of one, and 2-rank runs.
 
-The 2-rank tests start ``mpiexec -n 2 python -m tests.test_distributed SCENARIO OUT`` (this
-file's ``__main__``: what each rank runs) and are skipped when mpi4py or mpiexec is missing
+The 2-rank tests start ``mpiexec -n 2 python -m tests.support.distributed_ranks SCENARIO OUT``
+(what each rank runs) and are skipped when mpi4py or mpiexec is missing
 (``pip install -e '.[distributed]'`` brings both). The ``gpu`` tests need a real GPU, NCCL
 and nccl4py; the 2-GPU one also needs a second GPU.
 """
 import importlib.util
-import os
-import pathlib
-import shutil
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -18,38 +13,15 @@ import pytest
 
 import data
 import engine
-import optim
 from engine import distributed as dist
-from engine import nn
 from engine.losses import cross_entropy
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SAMPLES, FEATURES, CLASSES = 100, 12, 3
-PER_RANK_BATCH, RANKS, EPOCHS, SEED = 8, 2, 2, 5
-RANK_SEED = 100   # rank r builds its model from seed RANK_SEED + r: broadcast_model must fix it
-MPI_TIMEOUT_S = 240   # a run that takes longer hangs: the test fails, never waits forever
-
-
-def _mpiexec():
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH, or None."""
-    beside = pathlib.Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-needs_mpi = pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
-    reason="needs mpi4py and mpiexec: pip install -e '.[distributed]'")
+from tests.support.distributed_ranks import (PER_RANK_BATCH, RANKS, RANK_SEED, SAMPLES, SEED,
+                                             assert_trains_as_one_process, cnn, image_set,
+                                             indexed_set, needs_mpi, run_ranks, small_model,
+                                             train_cnn)
 
 
 # ------------------------------------------------------------------ sharded loading
-
-def _indexed_set(samples=SAMPLES):
-    """Features whose first column is the sample's index, so a batch says which rows it has."""
-    x = np.random.default_rng(0).normal(size=(samples, FEATURES))
-    x[:, 0] = np.arange(samples)
-    y = np.random.default_rng(1).integers(0, CLASSES, samples)
-    return x, y
-
 
 def _rows(batch):
     return batch[0].numpy()[:, 0].astype(np.int64).tolist()
@@ -57,7 +29,7 @@ def _rows(batch):
 
 def _rank_batches(ranks, batch_size, samples=SAMPLES, **options):
     """Per rank, the list of each step's sample indices, over one epoch."""
-    x, y = _indexed_set(samples)
+    x, y = indexed_set(samples)
     return [[_rows(b) for b in data.DataLoader(x, y, batch_size=batch_size, seed=SEED,
                                                  shard=(r, ranks), **options)]
             for r in range(ranks)]
@@ -66,7 +38,7 @@ def _rank_batches(ranks, batch_size, samples=SAMPLES, **options):
 @pytest.mark.parametrize("ranks, batch_size", [(2, 8), (3, 8), (4, 25), (2, 50), (3, 1)])
 def test_shards_are_one_process_global_batches_split_by_rank(ranks, batch_size):
     """Step i on all ranks together is step i of one loader with batch ranks * batch_size."""
-    x, y = _indexed_set()
+    x, y = indexed_set()
     whole = [_rows(b) for b in data.DataLoader(x, y, batch_size=ranks * batch_size,
                                                 shuffle=True, seed=SEED)]
     per_rank = _rank_batches(ranks, batch_size, shuffle=True)
@@ -84,7 +56,7 @@ def test_shards_are_disjoint_cover_the_epoch_and_give_every_rank_as_many_batches
     per_rank = _rank_batches(ranks, batch_size, samples, shuffle=True, drop_last=drop_last)
     counts = {len(batches) for batches in per_rank}
     assert len(counts) == 1, f"batch counts per rank differ: {counts}"
-    x, y = _indexed_set(samples)
+    x, y = indexed_set(samples)
     loaders = [data.DataLoader(x, y, batch_size=batch_size, shard=(r, ranks),
                                drop_last=drop_last) for r in range(ranks)]
     assert {len(loader) for loader in loaders} == counts
@@ -106,14 +78,14 @@ def test_shards_are_disjoint_cover_the_epoch_and_give_every_rank_as_many_batches
 def test_padding_repeats_the_first_samples_of_the_epoch():
     """10 samples, 3 ranks of 4: the one global batch has 12 places; the last 2 repeat the
     epoch's first two samples, on the last rank."""
-    x, y = _indexed_set(10)
+    x, y = indexed_set(10)
     order = data.DataLoader(x, y, batch_size=4, shuffle=True, seed=SEED).order(0).tolist()
     per_rank = _rank_batches(3, 4, 10, shuffle=True)
     assert per_rank == [[order[0:4]], [order[4:8]], [order[8:10] + order[0:2]]]
 
 
 def test_shards_reshuffle_per_epoch_alike_on_every_rank_and_resume(device):
-    x, y = _indexed_set()
+    x, y = indexed_set()
 
     def epochs(rank, count, start=0):
         loader = data.DataLoader(x, y, batch_size=8, shuffle=True, seed=SEED,
@@ -129,7 +101,7 @@ def test_shards_reshuffle_per_epoch_alike_on_every_rank_and_resume(device):
 
 
 def test_unsharded_loader_is_shard_zero_of_one():
-    x, y = _indexed_set()
+    x, y = indexed_set()
     plain = [_rows(b) for b in data.DataLoader(x, y, batch_size=8, shuffle=True, seed=SEED)]
     assert _rank_batches(1, 8, shuffle=True) == [plain]
 
@@ -140,25 +112,19 @@ def test_unsharded_loader_is_shard_zero_of_one():
     (3, ValueError, "pair (rank, world_size)"), ((0.0, 2), TypeError, "integers"),
     ((True, 2), TypeError, "integers")])
 def test_bad_shard_is_refused_by_name(shard, error, words):
-    x, y = _indexed_set()
+    x, y = indexed_set()
     with pytest.raises(error, match="shard") as raised:
         data.DataLoader(x, y, batch_size=8, shard=shard)
     assert words in str(raised.value)
 
 
 def test_a_sharded_shuffled_loader_needs_a_seed():
-    x, y = _indexed_set()
+    x, y = indexed_set()
     with pytest.raises(ValueError, match="needs seed=.*same on every rank"):
         data.DataLoader(x, y, batch_size=8, shuffle=True, shard=(0, 2))
 
 
 # ------------------------------------------------------------------ a world of one
-
-def _model(dtype=np.float64, hidden=16):
-    return nn.Sequential([nn.Dense(hidden, activation="relu", dtype=dtype,
-                                   input_shape=(FEATURES,)),
-                          nn.Dense(CLASSES, dtype=dtype)])
-
 
 @pytest.fixture
 def world_of_one(monkeypatch):
@@ -174,7 +140,7 @@ def _gradients(model):
 
 
 def _one_backward(model, device="cpu"):
-    x, y = _indexed_set()
+    x, y = indexed_set()
     model.to(device)
     cross_entropy(model(engine.tensor(x[:16], dtype=np.float64, device=device)),
                   y[:16]).backward()
@@ -184,7 +150,7 @@ def test_a_world_of_one_needs_no_mpiexec_and_changes_nothing(world_of_one, monke
     monkeypatch.setitem(sys.modules, "mpi4py", None)   # not even imported
     dist.init()
     assert (dist.rank(), dist.world_size()) == (0, 1)
-    model = _model()
+    model = small_model()
     weights = model.state_dict()
     assert dist.broadcast_model(model) is model
     _one_backward(model)
@@ -200,7 +166,7 @@ def test_a_world_of_one_needs_no_mpiexec_and_changes_nothing(world_of_one, monke
 
 
 def test_nothing_runs_before_init(world_of_one):
-    for call in (dist.rank, dist.world_size, lambda: dist.all_reduce_gradients(_model())):
+    for call in (dist.rank, dist.world_size, lambda: dist.all_reduce_gradients(small_model())):
         with pytest.raises(RuntimeError, match=r"init\(\) first"):
             call()
 
@@ -232,95 +198,11 @@ def test_init_refuses_an_unknown_device(world_of_one):
 
 # ------------------------------------------------------------------ 2 ranks (mpiexec)
 
-def _run_ranks(scenario, out, ranks=RANKS, replica_interval=None):
-    """Run this file's ``__main__`` as ``scenario`` on ``ranks`` MPI ranks; returns
-    ``(exit status, stdout + stderr)``. Past MPI_TIMEOUT_S every rank is killed and the test
-    fails: a distributed run must end, never hang."""
-    env = dict(os.environ)
-    env.pop(dist.CHECK_REPLICAS_VARIABLE, None)
-    if replica_interval is not None:
-        env[dist.CHECK_REPLICAS_VARIABLE] = str(replica_interval)
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "tests.test_distributed",
-               scenario, str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=MPI_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command)} still running after {MPI_TIMEOUT_S} s:\n{output}")
-    return process.returncode, output
-
-
-def _train_single_process(device="cpu"):
-    """What one process with batch RANKS * PER_RANK_BATCH computes, from rank 0's model."""
-    x, y = _indexed_set()
-    engine.manual_seed(RANK_SEED)
-    model = _model().to(device)
-    initial = model.state_dict()
-    optimizer = optim.Adam(model.parameters(), lr=0.01)
-    loader = data.DataLoader(x, y, batch_size=RANKS * PER_RANK_BATCH, shuffle=True,
-                             seed=SEED, device=device)
-    for _ in range(EPOCHS):
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            cross_entropy(model(xb), yb).backward()
-            optimizer.step()
-    return initial, model.state_dict()
-
-
-def _assert_trains_as_one_process(out, device):
-    initial, expected = _train_single_process(device)
-    ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(RANKS)]
-    for weights in ranks:   # ranks 0 and 1 passed [0, 1] and [1, 11]
-        np.testing.assert_array_equal(weights.pop("rank_means"), [0.5, 6.0])
-    for name, value in expected.items():
-        assert np.abs(value - initial[name]).max() > 1e-3, "training did not move the weights"
-        for weights in ranks:
-            np.testing.assert_allclose(weights[name], value, rtol=1e-9, atol=1e-12,
-                                       err_msg=name)
-        np.testing.assert_array_equal(ranks[1][name], ranks[0][name])   # replicas: bit equal
-
-
 @needs_mpi
 def test_two_cpu_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_path):
-    status, output = _run_ranks("train-cpu", tmp_path, replica_interval=1)
+    status, output = run_ranks("train-cpu", tmp_path, replica_interval=1)
     assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cpu")
-
-
-IMAGE = (1, 6, 6)
-
-
-def _image_set(samples=SAMPLES):
-    x = np.random.default_rng(2).normal(size=(samples,) + IMAGE)
-    y = np.random.default_rng(3).integers(0, CLASSES, samples)
-    return x, y
-
-
-def _cnn(sync=True):
-    """Both BatchNorm forms: over the channels of (N, C, H, W) and the features of (N, F)."""
-    return nn.Sequential([
-        nn.Conv2D(3, 3, padding="same", activation="relu", dtype=np.float64, input_shape=IMAGE),
-        nn.BatchNorm(dtype=np.float64, sync=sync), nn.MaxPool2D(2), nn.Flatten(),
-        nn.Dense(8, activation="relu", dtype=np.float64), nn.BatchNorm(dtype=np.float64, sync=sync),
-        nn.Dense(CLASSES, dtype=np.float64)])
-
-
-def _train_cnn(model, loader):
-    # SGD, not Adam: the bias of a Dense unit that the ReLU always passes gets no gradient
-    # (the BatchNorm after it removes any shift), and Adam scales the rounding noise that
-    # stands for that zero up to steps of 1e-10 (measured: 5.4e-10 apart after 14 steps)
-    optimizer = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(EPOCHS):
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            cross_entropy(model(xb), yb).backward()
-            if dist.is_initialized():
-                dist.all_reduce_gradients(model)
-            optimizer.step()
-    return model.state_dict()
+    assert_trains_as_one_process(tmp_path, "cpu")
 
 
 @needs_mpi
@@ -328,13 +210,13 @@ def test_two_cpu_ranks_train_a_cnn_with_batch_norm_as_one_process(tmp_path):
     """SyncBatchNorm: the ranks' BatchNorm statistics are the global batch's, so weights and
     running statistics are the one-process run's on the doubled batch; with each rank's own
     statistics (sync=False, what every rank computed before) they are not."""
-    status, output = _run_ranks("train-cnn-cpu", tmp_path, replica_interval=1)
+    status, output = run_ranks("train-cnn-cpu", tmp_path, replica_interval=1)
     assert status == 0, output
-    x, y = _image_set()
+    x, y = image_set()
     engine.manual_seed(RANK_SEED)
-    model = _cnn()
+    model = cnn()
     initial = model.state_dict()
-    expected = _train_cnn(model, data.DataLoader(x, y, batch_size=RANKS * PER_RANK_BATCH,
+    expected = train_cnn(model, data.DataLoader(x, y, batch_size=RANKS * PER_RANK_BATCH,
                                                  shuffle=True, seed=SEED))
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(RANKS)]
     unsynced = dict(np.load(tmp_path / "rank0-unsynced.npz"))
@@ -354,7 +236,7 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_step(tmp_path):
     """Rank 1 alone sees the first NaN loss (its weights poisoned as epoch 2 begins): the
     ranks agree at the check, so rank 0 stops at that step too instead of waiting in the
     next all-reduce."""
-    status, output = _run_ranks("terminate-on-nan", tmp_path)
+    status, output = run_ranks("terminate-on-nan", tmp_path)
     assert status == 0, output
     stops = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(RANKS)]
     assert stops[0][0] == stops[1][0] == "2 0 1", stops   # epoch 2, step 0; 1 epoch recorded
@@ -367,7 +249,7 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_step(tmp_path):
 
 @needs_mpi
 def test_diverged_replicas_are_caught_naming_the_rank(tmp_path):
-    status, output = _run_ranks("diverge", tmp_path, replica_interval=3)
+    status, output = run_ranks("diverge", tmp_path, replica_interval=3)
     assert status == 0, output
     for r in range(RANKS):   # every rank raised the same error, so none waits for another
         message = (tmp_path / f"rank{r}.txt").read_text()
@@ -378,7 +260,7 @@ def test_diverged_replicas_are_caught_naming_the_rank(tmp_path):
 
 @needs_mpi
 def test_ranks_that_build_different_models_fail_at_the_broadcast(tmp_path):
-    status, output = _run_ranks("mismatch", tmp_path)
+    status, output = run_ranks("mismatch", tmp_path)
     assert status == 0, output
     for r in range(RANKS):
         message = (tmp_path / f"rank{r}.txt").read_text()
@@ -388,7 +270,7 @@ def test_ranks_that_build_different_models_fail_at_the_broadcast(tmp_path):
 
 @needs_mpi
 def test_a_rank_that_dies_ends_the_run_instead_of_hanging_it(tmp_path):
-    status, output = _run_ranks("die", tmp_path)
+    status, output = run_ranks("die", tmp_path)
     assert status != 0
     assert "ValueError: rank 1 fails on purpose" in output
     assert not (tmp_path / "rank0.txt").exists()   # rank 0 never got past the all-reduce
@@ -401,7 +283,7 @@ def test_a_one_rank_nccl_world_averages_and_broadcasts_on_the_gpu(world_of_one):
     pytest.importorskip("nccl.core", reason="needs nccl4py: pip install -e '.[distributed]'")
     dist.init(device="cuda")
     assert dist._world.nccl is not None and dist._world.nccl.nranks == 1
-    model = _model()
+    model = small_model()
     _one_backward(model, "cuda")
     weights = model.state_dict()
     before = [buffer.grad.copy_to_host() for buffer in model.flat_buffers()]
@@ -420,125 +302,8 @@ def test_two_gpu_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_pa
     from ops.cuda import cuda
     if len(cuda.gpus) < RANKS:
         pytest.skip(f"needs {RANKS} GPUs (NCCL refuses two ranks on one GPU)")
-    status, output = _run_ranks("train-cuda", tmp_path, replica_interval=1)
+    status, output = run_ranks("train-cuda", tmp_path, replica_interval=1)
     assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cuda")
+    assert_trains_as_one_process(tmp_path, "cuda")
 
 
-# ------------------------------------------------------------------ what each rank runs
-
-def _rank_trains(device, out):
-    """The data-parallel loop of one rank; writes its final weights to ``rank{r}.npz``."""
-    dist.init(device=device)
-    x, y = _indexed_set()
-    engine.manual_seed(RANK_SEED + dist.rank())
-    model = dist.broadcast_model(_model().to(device))
-    optimizer = optim.Adam(model.parameters(), lr=0.01)
-    loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
-                             device=device, shard=(dist.rank(), dist.world_size()))
-    for _ in range(EPOCHS):
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            cross_entropy(model(xb), yb).backward()
-            dist.all_reduce_gradients(model)
-            optimizer.step()
-    np.savez(out / f"rank{dist.rank()}.npz", **model.state_dict(),
-             rank_means=dist.mean_over_ranks([dist.rank(), 10 * dist.rank() + 1]))
-
-
-def _rank_trains_a_cnn(out):
-    """The data-parallel CNN loop, with synchronised BatchNorm and (as a control) without."""
-    dist.init()
-    x, y = _image_set()
-    for sync, name in ((True, f"rank{dist.rank()}.npz"),
-                       (False, f"rank{dist.rank()}-unsynced.npz")):
-        engine.manual_seed(RANK_SEED + dist.rank())
-        model = dist.broadcast_model(_cnn(sync))
-        loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
-                                 shard=(dist.rank(), dist.world_size()))
-        np.savez(out / name, **_train_cnn(model, loader))
-
-
-def _rank_meets_a_nan_loss(out):
-    import contextlib
-    import io
-    from engine import callbacks
-    from engine.fit import fit
-
-    class PoisonRank1(callbacks.Callback):
-        def on_epoch_begin(self, logs):
-            if logs["epoch"] == 2 and dist.rank() == 1:
-                self.run.model.parameters()[0].detach()[0, 0] = np.nan
-
-    dist.init()
-    x, y = _indexed_set()
-    model = dist.broadcast_model(_model())
-    loader = data.DataLoader(x, y, batch_size=PER_RANK_BATCH, shuffle=True, seed=SEED,
-                             shard=(dist.rank(), dist.world_size()))
-    terminate = callbacks.TerminateOnNaN()
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        history = fit(model, loader, optim.SGD(model.parameters(), lr=0.1), cross_entropy, 3,
-                      callbacks=[PoisonRank1(), terminate], progress=False, verbose=False,
-                      distributed=True)
-    (out / f"rank{dist.rank()}.txt").write_text(
-        f"{terminate.stopped_epoch} {terminate.stopped_step} {len(history)}\n"
-        + printed.getvalue())
-
-
-def _report_mismatch(out, step):
-    """Run ``step``; write the RankMismatch it must raise to ``rank{r}.txt``."""
-    try:
-        step()
-    except dist.RankMismatch as mismatch:
-        (out / f"rank{dist.rank()}.txt").write_text(f"{mismatch.rank}: {mismatch}")
-        return
-    raise AssertionError("no RankMismatch")
-
-
-def _rank_diverges(out):
-    """Rank 1 nudges one weight after step 2; the check before step 3 must catch it."""
-    dist.init()
-    x, y = _indexed_set()
-    model = dist.broadcast_model(_model())
-    optimizer = optim.SGD(model.parameters(), lr=0.1)
-
-    def train():
-        for step in range(5):
-            if step == 2 and dist.rank() == 1:
-                model.flat_buffers()[0].data[0] += 1e-6
-            optimizer.zero_grad()
-            cross_entropy(model(engine.tensor(x[:8], dtype=np.float64)), y[:8]).backward()
-            dist.all_reduce_gradients(model)
-            optimizer.step()
-
-    _report_mismatch(out, train)
-
-
-def _rank_builds_its_own_model(out):
-    dist.init()
-    model = nn.Sequential([nn.Dense(16 + dist.rank(), input_shape=(FEATURES,))])
-    _report_mismatch(out, lambda: dist.broadcast_model(model))
-
-
-def _rank_dies(out):
-    dist.init()
-    model = dist.broadcast_model(_model())
-    x, y = _indexed_set()
-    if dist.rank() == 1:
-        raise ValueError("rank 1 fails on purpose")
-    cross_entropy(model(engine.tensor(x[:8], dtype=np.float64)), y[:8]).backward()
-    dist.all_reduce_gradients(model)   # waits for rank 1 until its abort ends the run
-    (out / "rank0.txt").write_text("past the all-reduce")
-
-
-SCENARIOS = {"train-cpu": lambda out: _rank_trains("cpu", out),
-             "train-cuda": lambda out: _rank_trains("cuda", out),
-             "train-cnn-cpu": _rank_trains_a_cnn,
-             "terminate-on-nan": _rank_meets_a_nan_loss,
-             "diverge": _rank_diverges, "mismatch": _rank_builds_its_own_model,
-             "die": _rank_dies}
-
-if __name__ == "__main__":
-    scenario, out_dir = sys.argv[1:]
-    SCENARIOS[scenario](pathlib.Path(out_dir))

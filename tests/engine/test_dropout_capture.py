@@ -13,7 +13,7 @@ from engine.losses import cross_entropy
 from ops import dropout as dropout_op
 from ops.device import to_device, to_host
 from ops.step_counter import set_counter
-from tests.training_step import cross_entropy_step
+from tests.support.training_step import cross_entropy_step
 
 STEPS = 6
 

@@ -2,14 +2,13 @@
 
 The environment cases read a dictionary; the process cases start real ranks: two processes
 with torchrun's variables (set here, meeting at 127.0.0.1 on a free port) and under
-``torch.distributed.run`` itself, which train as ``tests/test_distributed.py``'s MPI ranks
+``torch.distributed.run`` itself, which train as ``tests/engine/test_distributed.py``'s MPI ranks
 do, exactly as one process on the global batch; and MPICH's ``mpiexec`` giving each rank
 srun's variables (``-env`` per rank; ``env -u`` removes hydra's marks, so the ranks look as
 ``srun --mpi=pmi2`` makes them), consistent with MPI's world and not.
 """
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,8 +17,9 @@ import pytest
 
 from engine import distributed as dist
 from engine import launchers
-from tests.test_distributed import (MPI_TIMEOUT_S, RANKS, ROOT, _assert_trains_as_one_process,
-                                    _mpiexec, needs_mpi)
+from tests.support.distributed_ranks import (RANKS, assert_trains_as_one_process, finish, mpiexec,
+                                             needs_mpi)
+from tests.support.paths import REPO_ROOT
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="needs PyTorch (pip install -e '.[torch]')")
@@ -163,53 +163,38 @@ def _clean_environment(**extra):
     return env
 
 
-def _finish(processes, command):
-    """Each process's (exit status, output); past MPI_TIMEOUT_S all are killed and the test
-    fails: ranks must end, never hang."""
-    results = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=MPI_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                os.killpg(other.pid, signal.SIGKILL)
-            pytest.fail(f"{command} still running after {MPI_TIMEOUT_S} s")
-        results.append((process.returncode, output))
-    return results
-
-
 def _torchrun_style_ranks(scenario, out, ranks=RANKS):
-    """``ranks`` processes of ``tests.test_distributed`` given torchrun's variables."""
+    """``ranks`` processes of ``tests.support.distributed_ranks`` given torchrun's variables."""
     port = str(_free_port())
-    command = [sys.executable, "-m", "tests.test_distributed", scenario, str(out)]
-    processes = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+    command = [sys.executable, "-m", "tests.support.distributed_ranks", scenario, str(out)]
+    processes = [subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                   env=_clean_environment(
                                       RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                       ENGINE_CHECK_REPLICAS="1"))
                  for r in range(ranks)]
-    return _finish(processes, " ".join(command))
+    return finish(processes, " ".join(command))
 
 
 @needs_torch
 def test_torchrun_style_ranks_train_exactly_as_one_process_with_the_global_batch(tmp_path):
     for status, output in _torchrun_style_ranks("train-cpu", tmp_path):
         assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cpu")
+    assert_trains_as_one_process(tmp_path, "cpu")
 
 
 @needs_torch
 def test_torch_distributed_run_itself_starts_the_ranks(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "tests.test_distributed", "train-cpu", str(tmp_path)]
-    process = subprocess.Popen(command, cwd=ROOT, env=_clean_environment(), text=True,
+               "-m", "tests.support.distributed_ranks", "train-cpu", str(tmp_path)]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=_clean_environment(), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
-    [(status, output)] = _finish([process], " ".join(command))
+    [(status, output)] = finish([process], " ".join(command))
     assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cpu")
+    assert_trains_as_one_process(tmp_path, "cpu")
 
 
 @needs_torch
@@ -224,25 +209,25 @@ def test_a_torch_rank_that_dies_ends_the_others_instead_of_hanging_them(tmp_path
 def _srun_style_ranks(out, slurm_per_rank, keep_hydra_marks=False, scenario="train-cpu"):
     """``mpiexec`` with one ``-env`` section per rank: its SLURM_* variables and a step."""
     unset = [] if keep_hydra_marks else ["env", "-u", "MPI_LOCALNRANKS", "-u", "MPI_LOCALRANKID"]
-    command = [_mpiexec()]
+    command = [mpiexec()]
     for r, (procid, ntasks) in enumerate(slurm_per_rank):
         if r:
             command.append(":")
         command += ["-n", "1", "-env", "SLURM_PROCID", str(procid), "-env", "SLURM_NTASKS",
                     str(ntasks), "-env", "SLURM_LOCALID", str(procid), "-env",
                     "SLURM_STEP_ID", "0", *unset, sys.executable, "-m",
-                    "tests.test_distributed", scenario, str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                    "tests.support.distributed_ranks", scenario, str(out)]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                env=_clean_environment(ENGINE_CHECK_REPLICAS="1"))
-    return _finish([process], " ".join(command))[0]
+    return finish([process], " ".join(command))[0]
 
 
 @needs_mpi
 def test_srun_style_ranks_under_mpi_train_exactly_as_one_process(tmp_path):
     status, output = _srun_style_ranks(tmp_path, [(0, 2), (1, 2)])
     assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cpu")
+    assert_trains_as_one_process(tmp_path, "cpu")
 
 
 @needs_mpi
@@ -265,4 +250,4 @@ def test_srun_variables_that_contradict_mpi_fail_every_rank(tmp_path, slurm_per_
 def test_mpiexec_ranks_ignore_slurm_variables_they_inherit(tmp_path):
     status, output = _srun_style_ranks(tmp_path, [(0, 1), (0, 1)], keep_hydra_marks=True)
     assert status == 0, output
-    _assert_trains_as_one_process(tmp_path, "cpu")
+    assert_trains_as_one_process(tmp_path, "cpu")

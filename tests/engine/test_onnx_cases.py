@@ -15,7 +15,7 @@ case's other inputs are stored in the model as initializers holding their test v
 - ``wrong``: the output differs in shape or value;
 - ``crashed``: anything else raised.
 
-A wrong or crashed case fails its operator's test. ``python -m tests.test_onnx_cases``
+A wrong or crashed case fails its operator's test. ``python -m tests.engine.test_onnx_cases``
 prints the per-operator counts.
 """
 import collections
@@ -31,7 +31,7 @@ onnx = pytest.importorskip("onnx")
 
 import engine  # noqa: E402
 from engine import onnx as engine_onnx  # noqa: E402
-from tests.oracle_check import raised_on_purpose  # noqa: E402
+from tests.support.oracle_check import raised_on_purpose  # noqa: E402
 
 # the onnx package's module of each operator's node cases
 CASE_MODULES = {"Gemm": "gemm", "MatMul": "matmul", "Add": "add", "Conv": "conv",

@@ -10,7 +10,7 @@ import pytest
 import engine
 import ops.cuda
 from ops.cuda import SIMULATOR
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _ints(*shapes, low=0, high=3):

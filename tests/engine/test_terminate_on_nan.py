@@ -8,7 +8,7 @@ import optim
 from engine import callbacks, nn
 from engine.fit import fit, read_checkpoint
 from engine.losses import cross_entropy
-from tests.test_train import TINY, _run_main
+from tests.support.training_command import TINY, run_main
 
 
 def _blobs(device="cpu"):
@@ -116,7 +116,7 @@ def test_the_command_stops_with_one_line_and_keeps_the_last_finite_checkpoint(
         return fit(*args, callbacks=list(callbacks) + [PoisonAtEpochStart(epoch=2)], **options)
 
     monkeypatch.setattr(engine.cli.train, "fit", fit_poisoned_in_epoch_2)
-    code, captured = _run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
+    code, captured = run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
         "engine-train: error: the training loss is nan at epoch 2, step 0: training stopped "
         "there (a lower --lr or --clip-norm may help); the checkpoint of epoch 1 in "

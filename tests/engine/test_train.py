@@ -28,10 +28,8 @@ from engine.train import main
 from engine.cli.training_curves import plot_history
 from ops.cuda import SIMULATOR
 from ops.device import cuda_available
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--limit", "192", "--epochs", "1", "--batch-size", "64", "--hidden", "16",
-        "--no-progress"]
+from tests.support.paths import REPO_ROOT
+from tests.support.training_command import TINY, run_main
 
 
 def _blobs_model_and_loader(device, batch_size=8):
@@ -164,12 +162,6 @@ def test_pixel_statistics_are_exact():
 def _in_a_fresh_folder(tmp_path, monkeypatch):
     """Runs save to ``DATASET-MODEL.npz`` in the current folder by default: a test's own."""
     monkeypatch.chdir(tmp_path)
-
-
-def _run_main(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return exit_info.value.code, capsys.readouterr()
 
 
 def test_command_logs_json_records_and_plots(tmp_path, capsys):
@@ -384,7 +376,7 @@ BAD_INPUTS = [
                               for args, _ in BAD_INPUTS])
 def test_bad_input_exits_with_one_line(arguments, message, tmp_path, capsys):
     arguments = [a(tmp_path) if callable(a) else a for a in arguments]
-    code, captured = _run_main(TINY + arguments, capsys)
+    code, captured = run_main(TINY + arguments, capsys)
     assert code != 0
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], captured.err
@@ -394,7 +386,7 @@ def test_bad_input_exits_with_one_line(arguments, message, tmp_path, capsys):
 
 @pytest.mark.skipif(cuda_available(), reason="CUDA is usable here")
 def test_unusable_cuda_device_exits_with_one_line(capsys):
-    code, captured = _run_main(TINY + ["--device", "cuda"], capsys)
+    code, captured = run_main(TINY + ["--device", "cuda"], capsys)
     lines = captured.err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and "cuda" in lines[0]
 
@@ -403,9 +395,9 @@ def test_resume_rejects_another_architecture_and_a_finished_run(tmp_path, capsys
     checkpoint = str(tmp_path / "run.npz")
     main(TINY + ["--save", checkpoint])
     capsys.readouterr()
-    code, captured = _run_main(TINY + ["--hidden", "8", "--resume", checkpoint], capsys)
+    code, captured = run_main(TINY + ["--hidden", "8", "--resume", checkpoint], capsys)
     assert code != 0 and "trained with" in captured.err and len(captured.err.splitlines()) == 1
-    code, captured = _run_main(TINY + ["--resume", checkpoint], capsys)
+    code, captured = run_main(TINY + ["--resume", checkpoint], capsys)
     assert code != 0 and "already trained for 1 epochs" in captured.err
 
 
@@ -414,7 +406,7 @@ def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(
         importlib.util, "find_spec",
         lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
-    code, captured = _run_main(TINY + ["--plot", str(tmp_path / "curves.png")], capsys)
+    code, captured = run_main(TINY + ["--plot", str(tmp_path / "curves.png")], capsys)
     assert code != 0 and "matplotlib" in captured.err and len(captured.err.splitlines()) == 1
 
 
@@ -492,12 +484,12 @@ def test_an_unwritable_output_folder_is_found_before_training(tmp_path, monkeypa
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(archive.tempfile, "mkstemp", read_only_folder)
-    code, captured = _run_main(TINY + ["--save", str(tmp_path / "run.npz")], capsys)
+    code, captured = run_main(TINY + ["--save", str(tmp_path / "run.npz")], capsys)
     assert code == 2 and captured.err.strip().splitlines() == [
         f"engine-train: error: --save {tmp_path / 'run.npz'}: cannot be written "
         "(Permission denied)"]
     assert "epoch 1/" not in captured.out and os.listdir(tmp_path) == ["old.npz"]
-    code, captured = _run_main(TINY + ["--epochs", "2", "--resume", str(checkpoint)], capsys)
+    code, captured = run_main(TINY + ["--epochs", "2", "--resume", str(checkpoint)], capsys)
     assert code == 2 and captured.err.strip().splitlines() == [
         f"engine-train: error: --resume {checkpoint}: cannot be written (Permission denied); "
         "a resumed run saves there unless --save names another file"]
@@ -510,7 +502,7 @@ def test_a_read_only_folder_is_found_before_training(tmp_path, capsys):
     folder.mkdir()
     folder.chmod(0o555)
     try:
-        code, captured = _run_main(TINY + ["--log-json", str(folder / "log.jsonl")], capsys)
+        code, captured = run_main(TINY + ["--log-json", str(folder / "log.jsonl")], capsys)
     finally:
         folder.chmod(0o755)
     assert code == 2 and "cannot be written (Permission denied)" in captured.err
@@ -533,7 +525,7 @@ def test_a_save_failing_during_training_is_one_line_and_keeps_the_last_checkpoin
         tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.npz"
     monkeypatch.setattr(archive, "write_npz", _failing_on_call(archive.write_npz, 2))
-    code, captured = _run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
+    code, captured = run_main(TINY + ["--epochs", "3", "--save", str(path)], capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
         f"engine-train: error: --save {path}: cannot write the checkpoint of epoch 2 (No space "
         f"left on device); the checkpoint of epoch 1 in {path} is intact"]
@@ -546,7 +538,7 @@ def test_a_failing_first_save_of_a_resumed_run_names_the_resumed_checkpoint(
     main(TINY + ["--save", str(path)])
     capsys.readouterr()
     monkeypatch.setattr(archive, "write_npz", _failing_on_call(archive.write_npz, 1))
-    code, captured = _run_main(TINY + ["--epochs", "2", "--resume", str(path)], capsys)
+    code, captured = run_main(TINY + ["--epochs", "2", "--resume", str(path)], capsys)
     assert code == 1 and captured.err.strip().endswith(
         f"the checkpoint of epoch 1 in {path} is intact")
     assert read_checkpoint(str(path))["epoch"] == 1
@@ -557,7 +549,7 @@ def test_a_log_failing_during_training_is_one_line(tmp_path, monkeypatch, capsys
     log, path = tmp_path / "log.jsonl", tmp_path / "run.npz"
     monkeypatch.setattr(engine.cli.train, "append_record",
                         _failing_on_call(engine.cli.train.append_record, 2))
-    code, captured = _run_main(TINY + ["--epochs", "2", "--save", str(path), "--log-json",
+    code, captured = run_main(TINY + ["--epochs", "2", "--save", str(path), "--log-json",
                                        str(log)], capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
         f"engine-train: error: --log-json {log}: cannot append the record of epoch 2 (No "
@@ -749,7 +741,7 @@ def test_plot_of_a_resumed_run_has_steps_only_for_its_epochs(tmp_path):
     (lambda tmp_path: str(tmp_path / "curves.nope"), "matplotlib writes no 'nope' files")])
 def test_a_bad_plot_path_is_found_before_training(tmp_path, capsys, target, message):
     pytest.importorskip("matplotlib")
-    code, captured = _run_main(TINY + ["--plot", target(tmp_path)], capsys)
+    code, captured = run_main(TINY + ["--plot", target(tmp_path)], capsys)
     assert code == 2 and message in captured.err and len(captured.err.splitlines()) == 1
     assert "epoch 1/" not in captured.out
 
@@ -786,7 +778,7 @@ def test_export_onnx_without_the_onnx_package_is_one_line(monkeypatch, tmp_path,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *rest: None if name == "onnx" else find_spec(name, *rest))
-    code, captured = _run_main(TINY + ["--export-onnx", str(tmp_path / "m.onnx")], capsys)
+    code, captured = run_main(TINY + ["--export-onnx", str(tmp_path / "m.onnx")], capsys)
     assert code == 2 and captured.err.strip().splitlines() == [
         "engine-train: error: --export-onnx needs the onnx package, an optional extra: "
         "pip install -e '.[onnx]'"]
@@ -855,7 +847,7 @@ def test_a_checkpoint_of_one_model_is_refused_for_the_other(tmp_path, capsys):
              "the checkpoint holds a --model cnn network, this run asks for --model mlp"),
             (CNN_TINY + ["--epochs", "2", "--resume", mlp],
              "the checkpoint holds a --model mlp network, this run asks for --model cnn")):
-        code, captured = _run_main(arguments, capsys)
+        code, captured = run_main(arguments, capsys)
         lines = captured.err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
 
@@ -891,7 +883,7 @@ def test_a_run_saves_its_model_in_the_current_folder_by_default(tmp_path, capsys
     main(TINY + ["--no-save", "--model", "cnn"])
     assert not (tmp_path / "mnist-cnn.npz").exists()
     assert "model saved" not in capsys.readouterr().out
-    code, captured = _run_main(TINY + ["--no-save", "--save", "m.npz"], capsys)
+    code, captured = run_main(TINY + ["--no-save", "--save", "m.npz"], capsys)
     assert code == 2 and "--no-save and --save m.npz contradict each other" in captured.err
 
 
@@ -919,7 +911,7 @@ def test_an_interrupt_says_which_epoch_the_file_holds(monkeypatch, capsys, epoch
                                                        message):
     from engine.cli import train as cli
     monkeypatch.setattr(cli, "fit", _interrupted_after(epochs))
-    code, captured = _run_main(TINY + ["--epochs", "3"] + extra, capsys)
+    code, captured = run_main(TINY + ["--epochs", "3"] + extra, capsys)
     assert code == 130 and captured.err.strip().splitlines() == [message]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import engine
 from engine import nn
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 # ------------------------------------------------------------------ a reduction over size-1 axes

@@ -8,7 +8,7 @@ import engine
 from engine.autograd import apply
 from ops.attention import AttentionOp
 from ops.dropout import dropout, seed_array
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _softmax(s):

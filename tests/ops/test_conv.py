@@ -22,27 +22,14 @@ from ops.pool import AvgPool2DOp, MaxPool2DOp
 from ops.cuda import SIMULATOR
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
-from tests.op_check import Case, check_op
-
-ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
+from tests.support.op_check import Case, check_op
+from tests.support.references import batch_norm_case, np_activation, np_batch_norm
 
 
 # ------------------------------------------------------------------ NumPy references
 
 def _pair(value):
     return (value, value) if isinstance(value, int) else tuple(value)
-
-
-def _np_activation(name, v, alpha=0.01):
-    if name == "relu":
-        return np.maximum(v, 0)
-    if name == "leaky_relu":
-        return np.where(v > 0, v, alpha * v)
-    if name == "sigmoid":
-        return 1 / (1 + np.exp(-v))
-    if name == "tanh":
-        return np.tanh(v)
-    return v
 
 
 def _np_padding(padding, kernel, dilation):
@@ -77,7 +64,7 @@ def np_conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, activatio
                     "nchw,oc->nohw", patch, filters[:, :, i, j])
     if b is not None:
         out += b[None, :, None, None]
-    return _np_activation(activation, out, alpha)
+    return np_activation(activation, out, alpha)
 
 
 def _np_pool(x, kernel_size, stride=None, padding=0, average=False):
@@ -92,22 +79,6 @@ def _np_pool(x, kernel_size, stride=None, padding=0, average=False):
     taps = [padded[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
             for i in range(kh) for j in range(kw)]
     return np.mean(taps, axis=0) if average else np.max(taps, axis=0)
-
-
-def _np_batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False,
-                   eps=1e-5):
-    axes = (0,) + tuple(range(2, x.ndim))
-    shape = (1, -1) + (1,) * (x.ndim - 2)
-    if training:
-        mean, var = x.mean(axis=axes), x.var(axis=axes)
-    else:
-        mean, var = running_mean, running_var
-    y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps)
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
-    return y
 
 
 # ------------------------------------------------------------------ cases
@@ -144,34 +115,12 @@ POOL_CASES = [
                           ((1, 2, 7, 9), dict(kernel_size=3, stride=1, padding=1))]]
 
 
-def _batch_norm_case(x_shape, training, parameters=2, op=BatchNormOp, name="batch_norm",
-                     **options):
-    """x, the running statistics, then ``parameters`` of (weight, bias); ``op`` (BatchNorm or
-    a variant with the same reference, such as SyncBatchNorm) gets ``options`` too."""
-    channels = x_shape[1]
-
-    def make(rng):
-        arrays = [rng.uniform(-2, 3, size=x_shape), rng.uniform(-1, 1, size=channels),
-                  rng.uniform(0.5, 2, size=channels)]
-        return arrays + [rng.uniform(-2, 2, size=channels) for _ in range(parameters)]
-
-    def fn(*tensors):
-        return apply(op, *tensors, training=training, momentum=0.2, **options)
-
-    def ref(*arrays):
-        return _np_batch_norm(*arrays, training=training)
-
-    shapes = (x_shape, (channels,), (channels,)) + ((channels,),) * parameters
-    return Case(name, shapes, fn, ref, make_inputs=make,
-                grad=(True, False, False) + (True,) * parameters)
-
-
 BATCH_NORM_CASES = [
-    _batch_norm_case((3, 2, 5, 7), training=True),
-    _batch_norm_case((5, 3), training=True, parameters=0),
-    _batch_norm_case((2, 3, 3, 5), training=True, parameters=1),
-    _batch_norm_case((3, 2, 5, 7), training=False),
-    _batch_norm_case((5, 3), training=False, parameters=1),
+    batch_norm_case((3, 2, 5, 7), training=True),
+    batch_norm_case((5, 3), training=True, parameters=0),
+    batch_norm_case((2, 3, 3, 5), training=True, parameters=1),
+    batch_norm_case((3, 2, 5, 7), training=False),
+    batch_norm_case((5, 3), training=False, parameters=1),
 ]
 
 CASES = CONV_CASES + POOL_CASES + BATCH_NORM_CASES
@@ -539,7 +488,7 @@ def test_batch_norm_writes_parameter_grads_into_the_flat_buffer(device):
     upstream = np.random.default_rng(8).standard_normal(x.shape)
     y = apply(BatchNormOp, x, running_mean, running_var, weight, bias, training=True)
     (y * engine.tensor(upstream, device=device)).sum().backward()
-    xhat = _np_batch_norm(arrays[0], None, None, training=True)
+    xhat = np_batch_norm(arrays[0], None, None, training=True)
     np.testing.assert_allclose(to_host(flat_buffer.grad),
                                np.concatenate([(upstream * xhat).sum(axis=(0, 2, 3)),
                                                upstream.sum(axis=(0, 2, 3))]), rtol=1e-10)
@@ -616,7 +565,7 @@ def test_conv2d_on_large_shapes_matches_torch_in_float64(x_shape, w_shape, param
 
 
 # the plain-FMA tilings, held to float32 accuracy (the tensor-core tilings round their
-# operands: tests/test_tensor_core.py checks the convolutions under them)
+# operands: tests/ops/cuda/test_tensor_core.py checks the convolutions under them)
 CONV_TILINGS = [name for name, tiling in tilings.TILINGS.items()
                 if name != "SIMULATED" and tiling.mma is None]
 

@@ -7,7 +7,7 @@ import torch
 
 import engine
 from engine import nn
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 RNG = np.random.default_rng(7)
 # (x shape, w shape, keyword arguments): stride, padding, dilation, groups, "same" with an

@@ -5,7 +5,7 @@ import pytest
 
 import engine
 from engine.losses import CrossEntropyLoss, cross_entropy
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _log_softmax(x):

@@ -7,7 +7,7 @@ import engine
 import optim
 from engine import nn
 from engine.losses import cross_entropy
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _ids_and_table(ids_shape, rows, dim, avoid=None):

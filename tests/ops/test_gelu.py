@@ -1,6 +1,6 @@
 """GELU (torch's two forms) against ``torch.nn.functional.gelu`` in float64: the function,
 the layers that take it by name, and its ONNX export. ``check_op`` covers the op itself
-(tests/test_ops_core.py)."""
+(tests/ops/test_core.py)."""
 import numpy as np
 import pytest
 import torch

@@ -6,7 +6,7 @@ import pytest
 import engine
 import optim
 from engine import nn
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):

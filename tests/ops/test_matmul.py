@@ -21,23 +21,10 @@ from ops.dense import DenseOp
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from ops.memory import empty
-from tests.op_check import Case, check_op
-from tests.rounded_operands import ROUNDING_OF_FORMAT, assert_product_of_rounded
-from tests.training_step import cross_entropy_step
-
-ACTIVATIONS = [None, "relu", "leaky_relu", "sigmoid", "tanh"]
-
-
-def _np_activation(name, v, alpha=0.01):
-    if name == "relu":
-        return np.maximum(v, 0)
-    if name == "leaky_relu":
-        return np.where(v > 0, v, alpha * v)
-    if name == "sigmoid":
-        return 1 / (1 + np.exp(-v))
-    if name == "tanh":
-        return np.tanh(v)
-    return v
+from tests.support.op_check import Case, check_op
+from tests.support.references import ACTIVATIONS, np_activation
+from tests.support.rounded_operands import ROUNDING_OF_FORMAT, assert_product_of_rounded
+from tests.support.training_step import cross_entropy_step
 
 
 def _np_log_softmax(x, axis=-1):
@@ -49,7 +36,7 @@ def _dense_case(activation, shapes=((5, 7), (7, 3), (3,)), grad=None, alpha=0.2)
     return Case(
         "dense", shapes,
         lambda x, w, b: apply(DenseOp, x, w, b, activation=activation, alpha=alpha),
-        lambda x, w, b: _np_activation(activation, x @ w + b, alpha), grad=grad)
+        lambda x, w, b: np_activation(activation, x @ w + b, alpha), grad=grad)
 
 
 def _labels_case(rows, classes, dtype=np.int64):
@@ -298,7 +285,7 @@ def test_gpu_dense_mlp_shapes_against_float64(activation, n, fan_in, fan_out):
     y = apply(DenseOp, xt, wt, bt, activation=activation, alpha=0.1)
     (y * engine.tensor(upstream, device="cuda")).sum().backward()
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    y64 = _np_activation(activation, x64 @ w64 + b, 0.1)
+    y64 = np_activation(activation, x64 @ w64 + b, 0.1)
     dz = upstream * {None: 1.0, "relu": (y64 > 0) * 1.0, "leaky_relu": np.where(y64 > 0, 1, 0.1),
                      "sigmoid": y64 * (1 - y64), "tanh": 1 - y64 ** 2}[activation]
     np.testing.assert_allclose(y.numpy(), y64, **_gpu_tolerance(fan_in))
@@ -371,7 +358,7 @@ def test_split_k_gemm_against_float64(device, monkeypatch, trans_a, trans_b, spl
 def _dense_reference(activation, x, w, b, upstream, alpha, y_seen=None):
     """y, dx, dW, db; the derivative read from ``y_seen`` when given (the y the kernels saw:
     in float32 a relu input within rounding of 0 may land on either side)."""
-    y = _np_activation(activation, x @ w + b, alpha)
+    y = np_activation(activation, x @ w + b, alpha)
     y_seen = y if y_seen is None else y_seen
     dz = upstream * {None: 1.0, "relu": (y_seen > 0) * 1.0,
                      "leaky_relu": np.where(y_seen > 0, 1, alpha),
@@ -436,12 +423,12 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
 
 
 # the pipelined tilings copy operands as they are, rows of a multiple of 4 elements, not these
-# odd shapes: tests/test_tensor_core.py runs them on odd shapes they can take
+# odd shapes: tests/ops/cuda/test_tensor_core.py runs them on odd shapes they can take
 REAL_TILINGS = [name for name in tilings.TILINGS
                 if name != "SIMULATED" and not tilings.TILINGS[name].stages]
 # the plain-FMA tilings, held to float32 accuracy; a tensor-core tiling rounds its operands
-# (tests.rounded_operands): the split-K test below compares it with the product of the rounded
-# operands, and tests/test_tensor_core.py checks Dense and the convolutions under it
+# (tests.support.rounded_operands): the split-K test below compares it with the product of the rounded
+# operands, and tests/ops/cuda/test_tensor_core.py checks Dense and the convolutions under it
 FMA_TILINGS = [name for name in REAL_TILINGS if tilings.TILINGS[name].mma is None]
 
 

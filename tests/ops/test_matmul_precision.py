@@ -1,13 +1,13 @@
 """engine.set_float32_matmul_precision: torch's names, checked; nothing changes on the CPU; a
 captured step records again under another precision; the CLI's --matmul-precision. The
-tensor-core GEMMs themselves are tested on a GPU (tests/test_tensor_core.py)."""
+tensor-core GEMMs themselves are tested on a GPU (tests/ops/cuda/test_tensor_core.py)."""
 import numpy as np
 import pytest
 
 import engine
 import optim
 from engine import nn
-from tests.training_step import cross_entropy_step
+from tests.support.training_step import cross_entropy_step
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,8 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO_ROOT
+
 # Numba imported before the engine, as a user's program may do: its setting still moves
 PROGRAM = ("from numba.core import config; import engine, numpy as np; "
            "(engine.tensor(np.ones(3)) * 2).numpy(); print(config.CACHE_DIR)")
@@ -12,7 +13,7 @@ PROGRAM = ("from numba.core import config; import engine, numpy as np; "
 
 def _run(tmp_path, **variables):
     environment = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"}
-    environment.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), PYTHONPATH=str(ROOT), **variables)
+    environment.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), PYTHONPATH=str(REPO_ROOT), **variables)
     return subprocess.run([sys.executable, "-c", PROGRAM], env=environment, cwd=tmp_path,
                           capture_output=True, text=True, check=True).stdout.strip()
 

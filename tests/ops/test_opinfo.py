@@ -18,7 +18,7 @@ sample ends as one of:
 A ``wrong`` or ``crashed`` sample fails its op's test. Samples are made under a fixed seed;
 a sample of more than ``MAX_ELEMENTS`` elements is skipped, and an op with more than
 ``MAX_SAMPLES`` samples runs a fixed draw of that many (the CPU budget: the whole file runs in about a
-minute once Numba's cache is warm). ``python -m tests.test_opinfo`` prints
+minute once Numba's cache is warm). ``python -m tests.ops.test_opinfo`` prints
 the per-op counts.
 """
 import collections
@@ -34,7 +34,7 @@ pytest.importorskip("expecttest")   # torch.testing._internal imports it
 
 import engine  # noqa: E402
 from engine import losses  # noqa: E402
-from tests.oracle_check import ENGINE_ROOTS, raised_on_purpose  # noqa: E402
+from tests.support.oracle_check import ENGINE_ROOTS, raised_on_purpose  # noqa: E402
 
 MAX_ELEMENTS = 20_000
 MAX_SAMPLES = 60   # an op with more (max_pool2d has 1440) runs a fixed draw of them

@@ -92,13 +92,13 @@ def test_other_driver_errors_pass_through_unchanged():
 
 def test_the_command_reports_it_as_one_line(monkeypatch, capsys):
     import engine.cli.train
-    from tests.test_train import TINY, _run_main
+    from tests.support.training_command import TINY, run_main
 
     def fit_out_of_memory(*args, **options):
         raise OutOfMemoryError(40 * 2**30, 2**30, 140 * 2**30, 130 * 2**30, 0)
 
     monkeypatch.setattr(engine.cli.train, "fit", fit_out_of_memory)
-    code, captured = _run_main(TINY, capsys)
+    code, captured = run_main(TINY, capsys)
     assert code == 1
     assert captured.err.strip().splitlines() == [
         "engine-train: error: CUDA out of memory: tried to allocate 40.00 GiB; the GPU has "

@@ -10,7 +10,7 @@ import pytest
 import engine
 from engine import functional, nn
 from ops.pointwise import TABLE
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 REFERENCES = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,

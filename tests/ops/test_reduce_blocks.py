@@ -15,7 +15,7 @@ from ops.cuda import multiprocessor_count
 from ops.launch import LaunchRecorder
 from ops.reduce import BLOCKS_PER_MULTIPROCESSOR, CHUNK_MIN, chunking
 from ops.softmax import LANE_ELEMENTS, row_group
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 # one output over a whole array: 4 chunks (the simulator's 4 blocks; on the GPU 4 chunks of
 # CHUNK_MIN or more), the last one shorter (75, 75, 75, 74 elements in the simulator)

@@ -8,7 +8,6 @@ pair (and the simulator would take minutes for every case a second time; the per
 ``test_op`` runs each case on CUDA already)."""
 import importlib
 import inspect
-import pathlib
 import pkgutil
 
 import pytest
@@ -17,9 +16,9 @@ from numba.core.registry import CPUDispatcher
 import ops
 from ops.cuda import is_cuda_kernel
 from ops.launch import Kernel, LaunchRecorder
-from tests.op_check import check_op
 
-TESTS = pathlib.Path(__file__).parent
+from tests.support.op_check import check_op
+from tests.support.paths import REPO_ROOT
 
 
 def _import_all_ops():
@@ -29,10 +28,11 @@ def _import_all_ops():
 
 
 def _cases():
+    """Every ``CASES`` list of the test modules, in every folder of tests/."""
     cases = []
-    for path in sorted(TESTS.glob("test_*.py")):
-        module = importlib.import_module(f"tests.{path.stem}")
-        cases += list(getattr(module, "CASES", ()))
+    for path in sorted((REPO_ROOT / "tests").rglob("test_*.py")):
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        cases += list(getattr(importlib.import_module(module), "CASES", ()))
     return cases
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import engine
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 
 def _distinct(shape):

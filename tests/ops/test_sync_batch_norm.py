@@ -3,7 +3,7 @@ batch's over the ranks of a data-parallel run, and nn.BatchNorm's choice of it.
 
 The ranks here are threads of one process that exchange through a barrier (what
 ``engine.distributed`` does with MPI or NCCL), so the two-rank algorithm runs on the CPU and
-in the CUDA simulator without mpiexec; tests/test_distributed.py trains a CNN on two MPI
+in the CUDA simulator without mpiexec; tests/engine/test_distributed.py trains a CNN on two MPI
 ranks against one process."""
 import threading
 
@@ -17,8 +17,8 @@ from engine.autograd import apply
 from ops.batch_norm import BatchNormOp, SyncBatchNormOp
 from ops.cuda import SIMULATOR
 from ops.device import copy_into, to_host
-from tests.op_check import check_op
-from tests.test_ops_conv import _batch_norm_case
+from tests.support.op_check import check_op
+from tests.support.references import batch_norm_case
 
 
 def _alone(array):
@@ -26,8 +26,8 @@ def _alone(array):
 
 
 def _case(x_shape, training, parameters=2):
-    return _batch_norm_case(x_shape, training, parameters, op=SyncBatchNormOp,
-                            name="sync_batch_norm", average=_alone, ranks=1)
+    return batch_norm_case(x_shape, training, parameters, op=SyncBatchNormOp,
+                           name="sync_batch_norm", average=_alone, ranks=1)
 
 
 # in a world of one it is BatchNorm: check_op's gradcheck, poison mode and CPU≡CUDA

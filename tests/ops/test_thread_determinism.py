@@ -15,7 +15,7 @@ from engine.parameter import FlatBuffer, Parameter
 from ops.dense import DENSE
 from ops.matmul import gemm
 from ops.pointwise import ACTIVATIONS
-from tests.training_step import cross_entropy_step
+from tests.support.training_step import cross_entropy_step
 
 THREAD_COUNTS = (1, 2)
 

@@ -9,8 +9,8 @@ import torch
 
 import engine
 import optim
-from tests.test_optim import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
-                              option_id, run, torch_run)
+from tests.support.optim_check import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
+                                       option_id, run, torch_run)
 
 OPTIONS = [dict(lr_decay=lr_decay, weight_decay=wd, initial_accumulator_value=start, eps=eps)
            for lr_decay, wd, start, eps in itertools.product(

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import optim
-from tests.optim_check import (check_against_torch, check_captured_equals_eager,
-                               check_cpu_equals_cuda, check_resume_bit_for_bit)
-from tests.test_optim import make_params, option_id
+from tests.support.optim_check import (check_against_torch, check_captured_equals_eager,
+                                       check_cpu_equals_cuda, check_resume_bit_for_bit, make_params,
+                                       option_id)
 
 OPTIONS = [dict(lr=2e-3),
            dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import optim
-from tests.optim_check import (check_against_torch, check_captured_equals_eager,
-                               check_cpu_equals_cuda, check_resume_bit_for_bit)
-from tests.test_optim import grad_steps, make_params, option_id, run
+from tests.support.optim_check import (check_against_torch, check_captured_equals_eager,
+                                       check_cpu_equals_cuda, check_resume_bit_for_bit, grad_steps,
+                                       make_params, option_id, run)
 
 AMSGRAD_CASES = [(optim.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
          (optim.Adam, torch.optim.Adam,

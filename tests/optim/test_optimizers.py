@@ -11,77 +11,11 @@ import optim
 from engine.parameter import FlatBuffer, Parameter
 from ops.device import to_device
 from ops.launch import LaunchRecorder
-
-SHAPES = [(3, 5), (7,), (2, 1, 3)]   # odd sizes: 15 + 7 + 6 = 28 elements
-N_STEPS = 4
-
-
-# ------------------------------------------------------------------ helpers
-
-def make_params(device, dtype=np.float64, flat=True, seed=0):
-    """Parameters packed in one FlatBuffer (``flat``) or plain tensors with requires_grad."""
-    rng = np.random.default_rng(seed)
-    values = [rng.standard_normal(shape).astype(dtype) for shape in SHAPES]
-    if flat:
-        params = [Parameter(to_device(v, device)) for v in values]
-        FlatBuffer(params)
-        return params
-    return [engine.tensor(v, device=device, requires_grad=True) for v in values]
+from tests.support.optim_check import N_STEPS, SHAPES, grad_steps, make_params, run, set_grads
+from tests.support.paths import REPO_ROOT
 
 
-def grad_steps(n_steps=N_STEPS, dtype=np.float64, seed=1):
-    rng = np.random.default_rng(seed)
-    return [[rng.standard_normal(shape).astype(dtype) for shape in SHAPES] for _ in range(n_steps)]
-
-
-def set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = engine.tensor(g, device=p.device)
-
-
-def run(opt_factory, params, steps):
-    opt = opt_factory(params)
-    for grads in steps:
-        set_grads(params, grads)
-        opt.step()
-    return [p.numpy().copy() for p in params]
-
-
-def option_id(options):
-    """A test id from an optimizer's keyword arguments."""
-    return ",".join(f"{key}={value}" for key, value in options.items())
-
-
-def torch_run(torch_optimizer, steps, **options):
-    """``make_params("cpu")``'s values after ``steps`` of ``torch_optimizer(params,
-    **options)`` (a torch.optim class), as NumPy arrays."""
-    import torch
-    params = [torch.tensor(p.numpy(), requires_grad=True) for p in make_params("cpu")]
-    opt = torch_optimizer(params, **options)
-    for grads in steps:
-        for p, g in zip(params, grads):
-            p.grad = torch.tensor(g)
-        opt.step()
-    return [p.detach().numpy() for p in params]
-
-
-def gpu_steps_against_torch(optimizer, torch_optimizer, steps=5, **options):
-    """A million float64 parameters on the GPU after ``steps`` random gradients, under
-    ``optimizer`` and under ``torch_optimizer`` (a torch.optim class) with ``options``."""
-    import torch
-    rng = np.random.default_rng(2)
-    start = rng.standard_normal(1 << 20)
-    ours = engine.tensor(start, device="cuda", requires_grad=True)
-    theirs = torch.tensor(start, device="cuda", requires_grad=True)
-    opt, reference = optimizer([ours], **options), torch_optimizer([theirs], **options)
-    for _ in range(steps):
-        grad = rng.standard_normal(start.size)
-        ours.grad = engine.tensor(grad, device="cuda")
-        theirs.grad = torch.tensor(grad, device="cuda")
-        opt.step()
-        reference.step()
-    return ours.numpy(), theirs.detach().cpu().numpy()
-
+# ------------------------------------------------------------------ references
 
 def sgd_reference(p, grads, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
     buf = None
@@ -1078,10 +1012,9 @@ def test_every_registered_optimizer_is_its_module_s_class_and_the_command_offers
 
 def test_import_optim_imports_no_numba():
     """The command's help lists optim.OPTIMIZERS before Numba is imported."""
-    import pathlib
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-c", "import sys, optim; print('numba' in "
                              "sys.modules, sorted(optim.OPTIMIZERS))"], capture_output=True,
-                            text=True, cwd=pathlib.Path(__file__).parents[1])
+                            text=True, cwd=REPO_ROOT)
     assert result.stdout.split()[0] == "False", result.stderr

@@ -1,7 +1,7 @@
 """RMSprop step by step against ``torch.optim.RMSprop`` in float64 for every option
 combination, on both devices, on the flat and the per-parameter paths; its hyper-parameter
-checks; and its state_dict resume. Capture: tests/test_capture.py; the CLI:
-tests/test_train.py."""
+checks; and its state_dict resume. Capture: tests/engine/test_capture.py; the CLI:
+tests/engine/test_train.py."""
 import itertools
 
 import numpy as np
@@ -10,8 +10,8 @@ import torch
 
 import engine
 import optim
-from tests.test_optim import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
-                              option_id, run, torch_run)
+from tests.support.optim_check import (N_STEPS, gpu_steps_against_torch, grad_steps, make_params,
+                                       option_id, run, torch_run)
 
 OPTIONS = [dict(weight_decay=wd, momentum=momentum, centered=centered, alpha=alpha)
            for wd, momentum, centered, alpha in itertools.product(

@@ -7,13 +7,13 @@ import pytest
 
 import optim
 from optim.optimizer import Optimizer
-from tests.optim_check import check_checkpoint_round_trip, check_generated_the_fast_way
+from tests.support.optim_check import check_checkpoint_round_trip, check_generated_the_fast_way
 
 
 def _registered():
     """(class, buffers kept) for every registered optimizer: all its buffers, and those a
     default group keeps (SGD without momentum, Adam without amsgrad, ...)."""
-    from tests.test_optim import make_params
+    from tests.support.optim_check import make_params
     cases = {}
     for module, class_name in optim.OPTIMIZERS.values():
         cls = getattr(importlib.import_module(module), class_name)

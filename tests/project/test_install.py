@@ -8,14 +8,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
 import engine
+from tests.support.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP = configparser.ConfigParser()
 SETUP.read(REPO_ROOT / "setup.cfg")
 TINY_RUN = ["--epochs", "1", "--limit", "256", "--hidden", "8", "--device", "cpu",

@@ -1,20 +1,18 @@
 """The engine's and the kernels' modules import one way: no circles, not even through imports
 inside functions."""
 import ast
-import pathlib
 
 import engine.tensor
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO_ROOT
 
 
 def _module_name(path):
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _package_modules(package):
-    return {_module_name(path): path for path in sorted((ROOT / package).rglob("*.py"))}
+    return {_module_name(path): path for path in sorted((REPO_ROOT / package).rglob("*.py"))}
 
 
 def _imported(node, modules, package):
@@ -118,7 +116,7 @@ def _imports_numba_cuda(node):
 
 
 def _sources(*packages):
-    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+    return [path for package in packages for path in sorted((REPO_ROOT / package).rglob("*.py"))]
 
 
 def test_imports_numba_cuda_sees_every_spelling():
@@ -136,7 +134,7 @@ def test_only_ops_cuda_imports_numba_cuda():
     """A move from numba-cuda to its successor is a change to ops/cuda/ alone: no other module
     imports numba.cuda, numba_cuda or the cuda-python packages, at the top or inside a
     function."""
-    importers = sorted(str(path.relative_to(ROOT))
+    importers = sorted(str(path.relative_to(REPO_ROOT))
                        for path in _sources("engine", "ops", "optim", "data", "bench")
                        if any(_imports_numba_cuda(node)
                               for node in ast.walk(ast.parse(path.read_text()))))
@@ -149,9 +147,9 @@ def test_the_rest_imports_ops_cuda_through_its_interface():
     its modules; the one exception is ``ops.cuda.ptx``, which the tensor-core kernel builders
     import when they build one (importing it imports numba.cuda)."""
     reaching_in = sorted(
-        f"{path.relative_to(ROOT)}: {name}"
+        f"{path.relative_to(REPO_ROOT)}: {name}"
         for path in _sources("engine", "ops", "optim", "data", "bench")
-        if not str(path.relative_to(ROOT)).startswith("ops/cuda/")
+        if not str(path.relative_to(REPO_ROOT)).startswith("ops/cuda/")
         for name in _imported_names(path)
         if name.startswith("ops.cuda.") and name != "ops.cuda.ptx"
         and not _is_exported_name(name))
@@ -161,7 +159,7 @@ def test_the_rest_imports_ops_cuda_through_its_interface():
 def _is_exported_name(name):
     """``from ops.cuda import X`` gives the name ``ops.cuda.X``: fine when X is no module."""
     package, _, attribute = name.rpartition(".")
-    return package == "ops.cuda" and not (ROOT / "ops" / "cuda" / f"{attribute}.py").exists()
+    return package == "ops.cuda" and not (REPO_ROOT / "ops" / "cuda" / f"{attribute}.py").exists()
 
 
 ABOVE_OPS = {"engine", "optim", "data"}
@@ -170,7 +168,7 @@ ABOVE_OPS = {"engine", "optim", "data"}
 def test_ops_imports_nothing_above_it():
     """ops knows arrays and nothing of the tape, the optimizers or the data: no module under
     ops/ imports engine, optim or data, not even inside a function."""
-    importers = sorted(f"{path.relative_to(ROOT)}: {sorted(_imports_of(path) & ABOVE_OPS)}"
+    importers = sorted(f"{path.relative_to(REPO_ROOT)}: {sorted(_imports_of(path) & ABOVE_OPS)}"
                        for path in _sources("ops") if _imports_of(path) & ABOVE_OPS)
     assert importers == [], importers
 
@@ -188,8 +186,8 @@ def test_the_core_layers_in_order():
 def test_no_colliding_helper_names():
     """One copy helper for engine, optim and ops; tensor.py binds no array-level ``add``."""
     sources = [path for package in ("engine", "optim", "ops")
-               for path in (ROOT / package).rglob("*.py")]
-    copies = [str(path.relative_to(ROOT)) for path in sources
+               for path in (REPO_ROOT / package).rglob("*.py")]
+    copies = [str(path.relative_to(REPO_ROOT)) for path in sources
               for node in ast.parse(path.read_text()).body
               if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") == "copy_into"]
     assert copies == ["ops/device.py"]
@@ -218,7 +216,7 @@ def _imports_of(path):
 def test_the_benchmarks_never_import_the_command():
     """DESIGN's rule: bench imports the library, the model recipes (engine.models) and the
     data recipes (data.datasets) too, never the CLI module engine.train."""
-    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "bench").rglob("*.py")
+    importers = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "bench").rglob("*.py")
                        if any(name == "engine.train" or name.startswith("engine.train.")
                               for name in _imported_names(path)))
     assert importers == [], importers
@@ -229,11 +227,11 @@ def test_only_the_cli_wing_imports_optim_or_data_in_engine():
     CLI wing (engine/cli/) wires them in (fit is handed clipping, and finds a loader's
     cursor by its epoch_cursor method). engine/train.py, the shim of ``python -m
     engine.train``, imports the wing and neither; the benchmarks never import the wing."""
-    importers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "engine").rglob("*.py")
+    importers = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "engine").rglob("*.py")
                        if _imports_of(path) & {"optim", "data"})
     assert importers and all(path.startswith("engine/cli/") for path in importers), importers
-    assert not _imports_of(ROOT / "engine" / "train.py") & {"optim", "data"}
-    wing_users = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "bench").rglob("*.py")
+    assert not _imports_of(REPO_ROOT / "engine" / "train.py") & {"optim", "data"}
+    wing_users = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "bench").rglob("*.py")
                         if any(name == "engine.cli" or name.startswith("engine.cli.")
                                for name in _imported_names(path)))
     assert wing_users == [], wing_users

@@ -13,11 +13,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO_ROOT
+
 README = REPO_ROOT / "README.md"
 READMES = (README, REPO_ROOT / "ops" / "README.md", REPO_ROOT / "bench" / "README.md")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

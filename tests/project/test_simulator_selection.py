@@ -1,11 +1,10 @@
 """The simulator phase's selection: .ci/simulator_selection.py and what it wrote."""
 import importlib.util
 import re
-from pathlib import Path
 
-from tests.conftest import simulator_repeats
+from tests.support.paths import REPO_ROOT
+from tests.support.simulator_repeats import simulator_repeats
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location(
     "simulator_selection", REPO_ROOT / ".ci" / "simulator_selection.py")
 selection = importlib.util.module_from_spec(SPEC)

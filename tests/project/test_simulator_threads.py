@@ -1,5 +1,5 @@
 """The simulator's shared arrays are one per call site even when its threads interleave
-(tests/simulator_threads.py: numba-cuda's own lookup handed 7 of 200 such rounds a second
+(tests/support/simulator_threads.py: numba-cuda's own lookup handed 7 of 200 such rounds a second
 array)."""
 import sys
 import threading
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ops.device import SIMULATOR
-from tests import simulator_threads
+from tests.support import simulator_threads
 
 
 @pytest.mark.cuda

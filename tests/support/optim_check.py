@@ -1,4 +1,4 @@
-"""The checks every optimizer's test file runs (as ``tests/op_check.py`` for ops): its steps
+"""The checks every optimizer's test file runs (as ``tests/support/op_check.py`` for ops): its steps
 against ``torch.optim``'s one by one, eager against captured training bit for bit, a
 state_dict resume bit for bit, the CPU against the CUDA kernel, and its kernels generated
 the fast way (``optim.rule``)."""
@@ -6,7 +6,78 @@ import contextlib
 
 import numpy as np
 
-from tests.test_optim import grad_steps, make_params, run, set_grads
+import engine
+from engine.parameter import FlatBuffer, Parameter
+from ops.device import to_device
+from tests.support.captured_training import check_captured_equals_eager  # noqa: F401
+
+SHAPES = [(3, 5), (7,), (2, 1, 3)]   # odd sizes: 15 + 7 + 6 = 28 elements
+N_STEPS = 4
+
+
+def make_params(device, dtype=np.float64, flat=True, seed=0):
+    """Parameters packed in one FlatBuffer (``flat``) or plain tensors with requires_grad."""
+    rng = np.random.default_rng(seed)
+    values = [rng.standard_normal(shape).astype(dtype) for shape in SHAPES]
+    if flat:
+        params = [Parameter(to_device(v, device)) for v in values]
+        FlatBuffer(params)
+        return params
+    return [engine.tensor(v, device=device, requires_grad=True) for v in values]
+
+
+def grad_steps(n_steps=N_STEPS, dtype=np.float64, seed=1):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(shape).astype(dtype) for shape in SHAPES] for _ in range(n_steps)]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = engine.tensor(g, device=p.device)
+
+
+def run(opt_factory, params, steps):
+    opt = opt_factory(params)
+    for grads in steps:
+        set_grads(params, grads)
+        opt.step()
+    return [p.numpy().copy() for p in params]
+
+
+def option_id(options):
+    """A test id from an optimizer's keyword arguments."""
+    return ",".join(f"{key}={value}" for key, value in options.items())
+
+
+def torch_run(torch_optimizer, steps, **options):
+    """``make_params("cpu")``'s values after ``steps`` of ``torch_optimizer(params,
+    **options)`` (a torch.optim class), as NumPy arrays."""
+    import torch
+    params = [torch.tensor(p.numpy(), requires_grad=True) for p in make_params("cpu")]
+    opt = torch_optimizer(params, **options)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        opt.step()
+    return [p.detach().numpy() for p in params]
+
+
+def gpu_steps_against_torch(optimizer, torch_optimizer, steps=5, **options):
+    """A million float64 parameters on the GPU after ``steps`` random gradients, under
+    ``optimizer`` and under ``torch_optimizer`` (a torch.optim class) with ``options``."""
+    import torch
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1 << 20)
+    ours = engine.tensor(start, device="cuda", requires_grad=True)
+    theirs = torch.tensor(start, device="cuda", requires_grad=True)
+    opt, reference = optimizer([ours], **options), torch_optimizer([theirs], **options)
+    for _ in range(steps):
+        grad = rng.standard_normal(start.size)
+        ours.grad = engine.tensor(grad, device="cuda")
+        theirs.grad = torch.tensor(grad, device="cuda")
+        opt.step()
+        reference.step()
+    return ours.numpy(), theirs.detach().cpu().numpy()
 
 
 @contextlib.contextmanager
@@ -43,19 +114,6 @@ def check_against_torch(make, torch_class, options, device="cpu", flat=True, dty
                 np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=rtol, atol=rtol,
                                            err_msg=f"parameter {k} after {n} step(s)")
     return ours, reference
-
-
-def check_captured_equals_eager(make):
-    """A small model trained eagerly and under ``engine.capture`` on the CPU (a scheduler
-    and the user changing lr between steps, a partial last batch): the same losses, weights
-    and step counts, bit for bit (``tests/test_capture.py``'s check)."""
-    from tests import test_capture
-    name = "check_captured_equals_eager"
-    test_capture.OPTIMIZERS[name] = make
-    try:
-        test_capture.test_captured_training_equals_eager_bit_for_bit("cpu", name)
-    finally:
-        del test_capture.OPTIMIZERS[name]
 
 
 def check_resume_bit_for_bit(make, device, state_names, steps=6):

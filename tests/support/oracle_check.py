@@ -1,4 +1,4 @@
-"""What the outside-oracle tests (tests/test_opinfo.py, tests/test_onnx_cases.py) count as a
+"""What the outside-oracle tests (tests/ops/test_opinfo.py, tests/engine/test_onnx_cases.py) count as a
 refusal rather than a crash."""
 import linecache
 import os

@@ -2,13 +2,13 @@
 Dropout 0.5, Dense 10 softmax; categorical_crossentropy, adam, batch 128, validation_split
 0.1) as ported in bench/ports/keras_convnet.py, run short: 384 MNIST samples, three epochs.
 The full run: ``python -m bench.ports.keras_convnet``."""
-import pathlib
 import re
 
 import engine
 from data import mnist
+from tests.support.paths import REPO_ROOT
 
-PORT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "ports" / "keras_convnet.py"
+PORT = REPO_ROOT / "bench" / "ports" / "keras_convnet.py"
 
 
 def test_the_convnet_port_tracks_its_parameters_and_learns(monkeypatch, capsys):

@@ -1,13 +1,13 @@
 """PyTorch's Quickstart model class (nn.Module with Flatten and a Sequential of Linear and ReLU,
 SGD lr 1e-3, CrossEntropyLoss) as ported in bench/ports/pytorch_quickstart.py, run short: 320
 MNIST samples, two epochs. The full run: ``python -m bench.ports.pytorch_quickstart``."""
-import pathlib
 import re
 
 import engine
 from data import mnist
+from tests.support.paths import REPO_ROOT
 
-PORT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "ports" / "pytorch_quickstart.py"
+PORT = REPO_ROOT / "bench" / "ports" / "pytorch_quickstart.py"
 
 
 def test_the_quickstart_port_tracks_its_parameters_and_learns(monkeypatch, capsys):

@@ -7,8 +7,6 @@ Skipped without mpi4py or mpiexec (``pip install -e '.[distributed]'``)."""
 import importlib.util
 import json
 import os
-import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,22 +19,11 @@ import data
 from engine import distributed as dist
 from engine.checkpoint import read_checkpoint
 from engine.train import main
+from tests.support.distributed_ranks import MPI_TIMEOUT_S, mpiexec, needs_mpi
+from tests.support.paths import REPO_ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN = ["--limit", "512", "--batch-size", "64", "--hidden", "16", "--no-progress",
        "--device", "cpu"]
-MPI_TIMEOUT_S = 240   # a run that takes longer hangs: the test fails, never waits forever
-
-
-def _mpiexec():
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH, or None."""
-    beside = pathlib.Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-needs_mpi = pytest.mark.skipif(
-    importlib.util.find_spec("mpi4py") is None or _mpiexec() is None,
-    reason="needs mpi4py and mpiexec: pip install -e '.[distributed]'")
 
 
 def _command(*rank_arguments):
@@ -44,8 +31,8 @@ def _command(*rank_arguments):
     single entry two ranks of the same arguments."""
     train = [sys.executable, "-m", "engine.train", "--distributed"]
     if len(rank_arguments) == 1:
-        return [_mpiexec(), "-n", "2", *train, *rank_arguments[0]]
-    command = [_mpiexec()]
+        return [mpiexec(), "-n", "2", *train, *rank_arguments[0]]
+    command = [mpiexec()]
     for arguments in rank_arguments:
         command += ["-n", "1", *train, *arguments, ":"]
     return command[:-1]
@@ -60,7 +47,7 @@ def _run(command):
     rank is killed and the test fails: a distributed run must end, never hang."""
     env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
     env.pop(dist.CHECK_REPLICAS_VARIABLE, None)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = process.communicate(timeout=MPI_TIMEOUT_S)
@@ -184,7 +171,7 @@ def test_a_failed_start_is_one_line_from_one_rank(tmp_path, rank_arguments, mess
 
 @needs_mpi
 def test_mpiexec_without_distributed_is_one_line_not_two_lone_runs(tmp_path):
-    status, out, err = _run([_mpiexec(), "-n", "2", sys.executable, "-m", "engine.train", *RUN,
+    status, out, err = _run([mpiexec(), "-n", "2", sys.executable, "-m", "engine.train", *RUN,
                              "--save", str(tmp_path / "run.npz")])
     assert status == 2 and err.strip().splitlines() == [
         "engine-train: error: this is one of 2 processes started by mpiexec: add --distributed "

@@ -11,10 +11,8 @@ import pytest
 from engine.checkpoint import read_checkpoint
 from engine.cli import memory_estimate
 from engine.train import main
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--limit", "192", "--epochs", "1", "--batch-size", "64", "--hidden", "16",
-        "--no-progress"]
+from tests.support.paths import REPO_ROOT
+from tests.support.training_command import TINY, run_main
 
 
 @pytest.fixture(autouse=True)
@@ -23,15 +21,9 @@ def _in_a_fresh_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def _run_main(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    return exit_info.value.code, capsys.readouterr()
-
-
 def _refused(argv, capsys):
     """The one line of a run refused before training (status 2, no epoch trained)."""
-    code, captured = _run_main(argv, capsys)
+    code, captured = run_main(argv, capsys)
     assert code == 2 and "epoch 1/" not in captured.out, (code, captured)
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -165,7 +157,7 @@ def test_running_out_of_host_memory_in_training_is_one_line(monkeypatch, capsys)
                           "(1000000, 1000000) and data type float32")
 
     monkeypatch.setattr(cli, "fit", fit_out_of_memory)
-    code, captured = _run_main(TINY, capsys)
+    code, captured = run_main(TINY, capsys)
     assert code == 1 and captured.err.strip().splitlines() == [
         "engine-train: error: out of memory: Unable to allocate 3.64 TiB for an array with "
         "shape (1000000, 1000000) and data type float32 (a smaller --hidden or --batch-size)"]
@@ -189,7 +181,7 @@ def test_sigterm_says_which_epoch_the_checkpoint_holds(monkeypatch, capsys):
     from engine.cli import train as cli
     monkeypatch.setattr(cli, "fit", _terminated_after_epoch(1))
     before = signal.getsignal(signal.SIGTERM)
-    code, captured = _run_main(TINY + ["--epochs", "3"], capsys)
+    code, captured = run_main(TINY + ["--epochs", "3"], capsys)
     assert code == 143 and captured.err.strip().splitlines() == [
         "engine-train: terminated (SIGTERM); mnist-mlp.npz holds epoch 1 (resume with "
         "--resume mnist-mlp.npz)"]

@@ -1,7 +1,7 @@
 """The convolutional layers of engine.nn and their functional twins: shapes inferred at add
 time, summary rows, save/load and state_dict with BatchNorm's running statistics, the
 train/eval switch, bad input naming the layer, and a small CNN that learns (CPU; one tiny
-``cuda`` test for the simulator). The kernels themselves are tested in test_ops_conv.py."""
+``cuda`` test for the simulator). The kernels themselves are tested in tests/ops/test_conv.py."""
 import numpy as np
 import pytest
 

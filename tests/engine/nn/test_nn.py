@@ -9,7 +9,7 @@ import engine
 from engine import nn
 from engine.autograd import apply
 from ops import dropout as dropout_op
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 # ------------------------------------------------------------------ the dropout op
 

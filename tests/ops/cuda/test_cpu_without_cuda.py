@@ -1,10 +1,10 @@
 """The base install has no numba-cuda (setup.cfg): the CPU path must import, train and save
 without it, and asking for CUDA must name the extra that brings it."""
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO_ROOT
+
 PROGRAM = r'''
 import importlib.abc, sys
 class NoCuda(importlib.abc.MetaPathFinder):
@@ -32,7 +32,7 @@ except RuntimeError as error:
 
 def test_the_cpu_path_needs_no_numba_cuda(tmp_path):
     done = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path / "m.npz")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "m.npz").exists()
     assert "pip install -e '.[cuda]'" in done.stdout

@@ -4,13 +4,12 @@ Each case runs in a fresh process: the test process itself has imported numba-cu
 ``ops.cuda`` explains the mechanism (the kernel modules' ``cuda`` is a stand-in until
 then; the first use puts the real dispatchers into module globals and closure cells)."""
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT
 
 
 def _run(code, simulator):

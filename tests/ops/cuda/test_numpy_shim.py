@@ -13,11 +13,11 @@ op end to end, but the simulator compiles nothing, so only the compile cases mee
 failure. The real check is the ``gpu`` tests on a machine with numpy 2.5.
 """
 import os
-import pathlib
 import subprocess
 import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT
+
 
 AS_NUMPY_2_5 = ("import numpy as np\n"
                 "del np.row_stack\n"   # and from the names `from numpy import *` takes

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from ops import cuda as cuda_runtime
+from tests.support.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_real_numba_cuda = pytest.mark.skipif(
     cuda_runtime.SIMULATOR, reason="the simulator has no dispatchers to hash (a CPU test)")
 
 
 def _run(code, **environment):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
                           env={**os.environ, **environment}, capture_output=True, text=True,
                           timeout=600)
 
@@ -29,7 +29,7 @@ def test_shipped_kernels_are_those_of_todays_code():
     """Every artifact in ops/kernels/ is keyed by the hash of a kernel variant the CLI's models
     launch today, and every such variant is shipped. On a failure: rerun the build."""
     child = subprocess.run([sys.executable, "-m", "engine.cli.build_kernels", "--check"],
-                           cwd=ROOT, env={k: v for k, v in os.environ.items()
+                           cwd=REPO_ROOT, env={k: v for k, v in os.environ.items()
                                           if k != "NUMBA_ENABLE_CUDASIM"},
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, (

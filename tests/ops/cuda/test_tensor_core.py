@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.rounded_operands import assert_product_of_rounded, round_bf16, round_tf32
+from tests.support.rounded_operands import assert_product_of_rounded, round_bf16, round_tf32
 
 
 def test_rounding_references_keep_the_instructions_mantissa_bits():

@@ -1,12 +1,12 @@
 """The GEMM's room, ops/gemm/: its tiling catalogue and pickers read without Numba, the GPU
 facts they ask for replaced by the dry device of ``engine.cli.build_kernels`` per target, and the
 files of the GEMM, the convolution and batch norm within the size the guide allows."""
-import pathlib
 import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO_ROOT
+
 
 # ``ops/__init__.py`` installs the CUDA allocator (Numba) as the package loads: a stand-in
 # package object with the same path lets the child import ops.gemm's modules alone, so what
@@ -32,9 +32,9 @@ _WITHOUT_NUMBA = textwrap.dedent("""
 
 
 def test_the_tilings_and_their_pickers_import_without_numba():
-    code = _WITHOUT_NUMBA.format(ops_path=str(ROOT / "ops"))
+    code = _WITHOUT_NUMBA.format(ops_path=str(REPO_ROOT / "ops"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+                            cwd=REPO_ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     from ops.gemm import choices, tilings
     entry = choices.GEMM_CHOICES[(128, 256, 784, False, False)]
@@ -59,10 +59,10 @@ def _lines(path):
 
 
 def test_the_gemm_conv_and_batch_norm_files_stay_small():
-    files = sorted((ROOT / "ops" / "gemm").glob("*.py")) + [
-        ROOT / "ops" / name for name in ("conv.py", "conv_cpu.py", "batch_norm.py",
+    files = sorted((REPO_ROOT / "ops" / "gemm").glob("*.py")) + [
+        REPO_ROOT / "ops" / name for name in ("conv.py", "conv_cpu.py", "batch_norm.py",
                                          "batch_norm_cpu.py", "batch_norm_cuda.py")]
-    too_long = {str(path.relative_to(ROOT)): _lines(path) for path in files
+    too_long = {str(path.relative_to(REPO_ROOT)): _lines(path) for path in files
                 if _lines(path) > 400}
     assert not too_long, too_long
-    assert _lines(ROOT / "ops" / "matmul.py") <= 120
+    assert _lines(REPO_ROOT / "ops" / "matmul.py") <= 120
