@@ -14,6 +14,7 @@ import numbers
 import numpy as np
 
 from engine.autograd import Value, apply
+from ops import arg_extrema as ax
 from ops import binary_extrema as ex
 from ops import cast as ct
 from ops import compare as cmp
@@ -201,12 +202,12 @@ def minimum(a, b):
 
 def argmax(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
     """The int64 position of the first maximum over ``axis`` (None: of the flattened input)."""
-    return _untracked(rd.ArgMax, x, axis=_axis("argmax", axis, dim),
+    return _untracked(ax.ArgMax, x, axis=_axis("argmax", axis, dim),
                       keepdims=_keepdims("argmax", keepdims, keepdim))
 
 
 def argmin(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
-    return _untracked(rd.ArgMin, x, axis=_axis("argmin", axis, dim),
+    return _untracked(ax.ArgMin, x, axis=_axis("argmin", axis, dim),
                       keepdims=_keepdims("argmin", keepdims, keepdim))
 
 
