@@ -45,49 +45,38 @@ def _inputs(shapes, seed=0):
     }
 
 
-def _engine_calls(arrays, device):
-    import engine
-
+def _calls(arrays, tensor, functions):
+    """The timed calls, each a forward and a backward from a fixed gradient:
+    ``tensor(array, requires_grad)`` makes the framework's tensors and ``functions`` holds
+    its ``scaled_dot_product_attention``, ``layer_norm`` and ``embedding``."""
     def tensors(values, grads):
-        return [engine.tensor(a, device=device, requires_grad=g) for a, g in zip(values, grads)]
+        return [tensor(a, g) for a, g in zip(values, grads)]
 
     q, k, v, g_att = tensors(arrays["attention"], (True, True, True, False))
     x, w, b, g_ln = tensors(arrays["layer_norm"], (True, True, True, False))
     ids, table, g_emb = tensors(arrays["embedding"], (False, True, False))
 
     def attention():
-        engine.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g_att)
+        functions.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g_att)
 
     def layer_norm():
-        engine.layer_norm(x, (x.shape[-1],), w, b).backward(g_ln)
+        functions.layer_norm(x, (x.shape[-1],), w, b).backward(g_ln)
 
     def embedding():
-        engine.embedding(ids, table).backward(g_emb)
+        functions.embedding(ids, table).backward(g_emb)
 
     return {"attention": attention, "layer_norm": layer_norm, "embedding": embedding}
+
+
+def _engine_calls(arrays, device):
+    import engine
+    return _calls(arrays, lambda a, g: engine.tensor(a, device=device, requires_grad=g), engine)
 
 
 def _torch_calls(arrays, device):
     import torch
-    functional = torch.nn.functional
-
-    def tensors(values, grads):
-        return [torch.tensor(a, device=device, requires_grad=g) for a, g in zip(values, grads)]
-
-    q, k, v, g_att = tensors(arrays["attention"], (True, True, True, False))
-    x, w, b, g_ln = tensors(arrays["layer_norm"], (True, True, True, False))
-    ids, table, g_emb = tensors(arrays["embedding"], (False, True, False))
-
-    def attention():
-        functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g_att)
-
-    def layer_norm():
-        functional.layer_norm(x, (x.shape[-1],), w, b).backward(g_ln)
-
-    def embedding():
-        functional.embedding(ids, table).backward(g_emb)
-
-    return {"attention": attention, "layer_norm": layer_norm, "embedding": embedding}
+    return _calls(arrays, lambda a, g: torch.tensor(a, device=device, requires_grad=g),
+                  torch.nn.functional)
 
 
 def _wall_timer(call, repeats):

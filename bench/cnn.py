@@ -33,9 +33,10 @@ import time
 import numpy as np
 
 from bench.framework_process import open_side
-from bench.mlp import (BATCH_SIZE, LEARNING_RATE, PROCESSES_NOTE, _mnist, _torch_usable,
-                       busy_neighbour_line, close_sides, compile_times, engine_training,
-                       format_first_steps, machine_description, timed_sides, torch_step)
+from bench.harness import (BATCH_SIZE, LEARNING_RATE, PROCESSES_NOTE, add_step_rates,
+                           busy_neighbour_line, close_sides, compile_times, engine_training,
+                           format_first_steps, machine_description, mnist_arrays, timed_sides,
+                           torch_training, torch_usable)
 from bench.precision import add_option, set_for_engine, set_for_torch
 from ops.matmul_precision import get_float32_matmul_precision
 from bench.report import emit, require_device
@@ -89,27 +90,8 @@ def _torch_run(x_train, y_train, x_test, y_test, normalize, device, order_of_epo
     model.load_state_dict(state)
     model.to(torch_device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=cuda_graph)
-    epochs_done = 0
-
-    model.train()
-    step = torch_step(model, optimizer, x_train_t, y_train_t, cuda_graph)
-
-    def synchronize():
-        if torch_device == "cuda":
-            torch.cuda.synchronize()
-
-    def train_epoch():
-        nonlocal epochs_done
-        model.train()
-        order = torch.from_numpy(order_of_epoch(epochs_done)).to(torch_device)
-        epochs_done += 1
-        synchronize()
-        start = time.perf_counter()
-        for first in range(0, len(order), BATCH_SIZE):
-            rows = order[first:first + BATCH_SIZE]
-            step(x_train_t[rows], y_train_t[rows])
-        synchronize()
-        return time.perf_counter() - start
+    train_epoch = torch_training(model, optimizer, x_train_t, y_train_t, torch_device,
+                                 order_of_epoch, cuda_graph)
 
     def test_accuracy():
         model.eval()
@@ -259,7 +241,7 @@ def engine_side(device, limit, capture, precision, orders):
     permutations of the first ``orders`` epochs (what the other rows start from and take)."""
     import engine
     set_for_engine(precision)
-    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    x_train, y_train, x_test, y_test, normalize = mnist_arrays(limit)
     train_epoch, test_accuracy, loader, initial_state = _engine_run(
         x_train, y_train, x_test, y_test, normalize, device, capture)
     return ({"epoch": train_epoch, "test_accuracy": test_accuracy,
@@ -273,7 +255,7 @@ def torch_side(device, limit, cuda_graph, precision, orders, initial_state):
     """``bench.framework_process``'s build of a PyTorch row from the engine's
     ``initial_state``, on the batches of ``orders`` (one permutation per epoch)."""
     set_for_engine(precision)   # set_for_torch reads the engine's setting
-    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    x_train, y_train, x_test, y_test, normalize = mnist_arrays(limit)
     train_epoch, test_accuracy, version, threads = _torch_run(
         x_train, y_train, x_test, y_test, normalize, device, orders.__getitem__,
         initial_state, cuda_graph=cuda_graph)
@@ -283,7 +265,7 @@ def torch_side(device, limit, cuda_graph, precision, orders, initial_state):
 
 def jax_side(device, limit, scan, orders, initial_state):
     """``bench.framework_process``'s build of a JAX row (fp32)."""
-    x_train, y_train, x_test, y_test, normalize = _mnist(limit)
+    x_train, y_train, x_test, y_test, normalize = mnist_arrays(limit)
     train_epoch, test_accuracy, version = _jax_run(
         x_train, y_train, x_test, y_test, normalize, device, orders.__getitem__,
         initial_state, scan=scan)
@@ -302,7 +284,7 @@ def run(device, epochs, limit, eager=True, loaded=False):
                                               limit, False, precision, 0)
         built = sides["engine"].info
         state, orders = built["initial_state"], built["orders"]
-        if _torch_usable(device):
+        if torch_usable(device):
             for name, cuda_graph in (("torch", False), ("torch graph", True)):
                 if cuda_graph and device != "cuda":
                     continue
@@ -318,11 +300,8 @@ def run(device, epochs, limit, eager=True, loaded=False):
     finally:
         close_sides(sides)
 
-    steps = -(-built["train_samples"] // BATCH_SIZE)
+    steps = add_step_rates(rows, built["train_samples"], accuracies, "ms")
     for name, row in rows.items():
-        row.update(ms_per_step=1e3 * row["s_per_epoch"] / steps,
-                   samples_per_s=built["train_samples"] / row["s_per_epoch"],
-                   test_acc=accuracies[name])
         if name.startswith("torch"):
             row.update(version=info[name]["version"], threads=info[name]["threads"])
         elif name.startswith("jax"):

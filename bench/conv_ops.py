@@ -42,6 +42,7 @@ import numpy as np
 from bench import gpu_time
 from bench.gpu_time import CALLS, engine_timer, torch_timer
 from bench.report import emit, require_device
+from bench.wall_time import seconds_per_call, synchronizers
 
 ROUND_SECONDS = 0.3
 QUICK_ROUND_SECONDS = 0.01
@@ -58,25 +59,6 @@ LAYERS = [
     ("batch_norm", (64, 14, 14), {}),
     ("avg_pool2d", (64, 14, 14), dict(kernel_size=2)),
 ]
-
-
-def _seconds_per_call(call, synchronize, round_seconds):
-    """Best over ``ROUNDS`` rounds of the mean time per call; a round repeats the call for
-    about ``round_seconds``."""
-    call()
-    synchronize()
-    start = time.perf_counter()
-    call()
-    synchronize()
-    repeats = max(1, int(round_seconds / max(time.perf_counter() - start, 1e-7)))
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        synchronize()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def _arrays(name, x_shape, params, rng):
@@ -213,21 +195,8 @@ def run(device, quick=False, threads=None):
         if device == "cuda" and torch_device != "cuda":
             has_torch = False   # a CPU-only torch is no GPU baseline
 
-    def engine_sync():
-        if device == "cuda":
-            from ops.cuda import cuda
-            cuda.synchronize()
-
-    def torch_sync():
-        if torch_device == "cuda":
-            import torch
-            torch.cuda.synchronize()
-
-    gpu_timers = {}
-    if device == "cuda":
-        gpu_timers["engine"] = engine_timer()
-        if has_torch:
-            gpu_timers["torch"] = torch_timer()
+    engine_sync, torch_sync = synchronizers(device, torch_device)
+    gpu_timers = gpu_time.gpu_timers(device, has_torch)
 
     rng = np.random.default_rng(0)
     batch = QUICK_BATCH if quick else BATCH
@@ -245,8 +214,8 @@ def run(device, quick=False, threads=None):
         phases = list(calls["engine"]) if device == "cuda" else ["forward", "backward"]
         for phase in phases:
             flops = _flops(name, x_shape, params, phase)
-            seconds = {framework: _seconds_per_call(framework_calls[phase], syncs[framework],
-                                                    round_seconds)
+            seconds = {framework: seconds_per_call(framework_calls[phase], syncs[framework],
+                                                    round_seconds, ROUNDS)
                        for framework, framework_calls in calls.items()}
             gpu_seconds = {framework: min(timer.seconds_per_call(calls[framework][phase],
                                                                  GPU_CALLS)

@@ -10,7 +10,7 @@ into at that count (``ops.cpu_threads.row_blocks``: at most one per ``MIN_BLOCK_
 work), and where ``SPLIT_MIN_MACS`` puts the split. The machine's 1-minute load average is printed with it: beside busy processes two
 threads lose (a block waits for its core), which the engine's default avoids by following
 the load. With ``--busy-neighbour`` every call is timed again beside a busy process that the
-run starts and stops (``bench.mlp.busy_neighbour``): what two fixed threads lose there, and
+run starts and stops (``bench.harness.busy_neighbour``): what two fixed threads lose there, and
 one thread, against the quiet figures.
 """
 import argparse
@@ -74,7 +74,7 @@ def _blocks(part, batch, inputs, units, needs_x):
 
 def run(rounds, loaded=False, threads=2):
     import engine
-    from bench.mlp import busy_neighbour
+    from bench.harness import busy_neighbour
     from ops import cpu_threads
     rows, counts = [], (1, threads)
     try:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from bench.mlp import machine_description
+from bench.harness import machine_description
 from bench.report import emit, require_device
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from bench.gpu_time import engine_timer, torch_timer
+from bench.wall_time import best_seconds
 
 # (label, M, K, N, trans_a, trans_b): out (M, N) = op(A) (M, K) @ op(B) (K, N)
 SQUARE = [("256³", 256, 256, 256, False, False),
@@ -65,14 +66,7 @@ def _iterations(flops):
 def _time(call, sync, iters, repeats=3):
     call()
     sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        sync()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
+    return best_seconds(call, sync, iters, repeats)
 
 
 def _cell(seconds, flops):

@@ -82,3 +82,14 @@ def torch_timer():
     big = torch.randn((BUSY_SIZE, BUSY_SIZE), device="cuda")
     return GpuTimer(lambda: torch.matmul(big, big), torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True))
+
+
+def gpu_timers(device, has_torch):
+    """``{"engine": timer, "torch": timer}`` on CUDA (torch's only where ``has_torch``); on the
+    CPU none."""
+    timers = {}
+    if device == "cuda":
+        timers["engine"] = engine_timer()
+        if has_torch:
+            timers["torch"] = torch_timer()
+    return timers

@@ -20,12 +20,13 @@ The large sum's two GPU columns are the engine's 1M-element sum against torch's.
 """
 import argparse
 import importlib.util
-import time
 
 import numpy as np
 
-from bench.gpu_time import BUSY_SIZE, CALLS, engine_timer, torch_timer
+from bench import gpu_time
+from bench.gpu_time import BUSY_SIZE, CALLS
 from bench.report import emit, require_device
+from bench.wall_time import seconds_per_call, synchronizers
 
 ROUND_SECONDS = 0.2
 QUICK_ROUND_SECONDS = 0.01
@@ -47,25 +48,6 @@ def _work(name, shapes):
         return "GB", TRAFFIC[name] * 4 * int(np.prod(shapes[0]))
     (rows, inner), (_, columns) = shapes
     return "GFLOP", 2 * rows * inner * columns
-
-
-def _seconds_per_call(call, synchronize, round_seconds):
-    """Best over ``ROUNDS`` rounds of the mean time per call; a round repeats the call for
-    about ``round_seconds``."""
-    call()
-    synchronize()
-    start = time.perf_counter()
-    call()
-    synchronize()
-    repeats = max(1, int(round_seconds / max(time.perf_counter() - start, 1e-7)))
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        synchronize()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def _engine_calls(name, arrays, device):
@@ -136,21 +118,8 @@ def run(device, quick=False):
         if device == "cuda" and torch_device != "cuda":
             has_torch = False   # a CPU-only torch is no GPU baseline
 
-    def engine_sync():
-        if device == "cuda":
-            from ops.cuda import cuda
-            cuda.synchronize()
-
-    def torch_sync():
-        if torch_device == "cuda":
-            import torch
-            torch.cuda.synchronize()
-
-    gpu_timers = {}
-    if device == "cuda":
-        gpu_timers["engine"] = engine_timer()
-        if has_torch:
-            gpu_timers["torch"] = torch_timer()
+    engine_sync, torch_sync = synchronizers(device, torch_device)
+    gpu_timers = gpu_time.gpu_timers(device, has_torch)
 
     rng = np.random.default_rng(0)
     rows = []
@@ -167,7 +136,7 @@ def run(device, quick=False):
             calls["torch"] = _torch_calls(name, arrays, torch_device)
             synchronize["torch"] = torch_sync
         with engine.no_grad():
-            seconds = {k: _seconds_per_call(call, synchronize[k], round_seconds)
+            seconds = {k: seconds_per_call(call, synchronize[k], round_seconds, ROUNDS)
                        for k, call in calls.items()}
             gpu_seconds = {k: min(timer.seconds_per_call(calls[k]) for _ in range(ROUNDS))
                            for k, timer in gpu_timers.items()}

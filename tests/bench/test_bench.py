@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import engine
-from bench import cnn, mlp, ops as bench_ops
+from bench import cnn, harness, mlp, ops as bench_ops
 from ops.launch import LaunchRecorder
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -27,15 +27,16 @@ def test_launch_recorder_counts_launches_and_stops_at_exit():
 
 @pytest.fixture
 def neighbours(monkeypatch):
-    """The busy processes bench.mlp.busy_neighbour starts (bench.cnn's too), as started."""
+    """The busy processes bench.harness.busy_neighbour starts (for bench.mlp and bench.cnn),
+    as started."""
     started = []
-    real_neighbour = mlp.busy_neighbour
+    real_neighbour = harness.busy_neighbour
 
     def recorded_neighbour():
         started.append(real_neighbour())
         return started[-1]
 
-    monkeypatch.setattr(mlp, "busy_neighbour", recorded_neighbour)
+    monkeypatch.setattr(harness, "busy_neighbour", recorded_neighbour)
     return started
 
 
@@ -137,12 +138,12 @@ def test_first_step_times_of_both_models(model):
     """What each fresh process of ``compile_times`` runs and reports (here in this process:
     the fresh processes are the benchmark's, not a test's)."""
     import time
-    timing = mlp.time_first_steps("cpu", model, time.perf_counter())
+    timing = harness.time_first_steps("cpu", model, time.perf_counter())
     compiles = timing.pop("first_step_compiles")
     assert set(timing) == {"import_and_setup_s", "first_step_s", "second_step_s",
                            "first_step_cpu_s"}
     assert all(seconds > 0 for seconds in timing.values())
-    line, = mlp.format_first_steps({"warm": {**timing, "process_s": 1.5,
+    line, = harness.format_first_steps({"warm": {**timing, "process_s": 1.5,
                                              "first_step_compiles": []}})
     assert line.startswith("first step, warm cache: ") and "whole process 1.5 s" in line
     # this process's cache may hold every kernel already: what was compiled is a list of
@@ -160,12 +161,12 @@ def test_the_first_step_lists_each_function_numba_compiled_in_it_once():
     def fresh(a):
         a[0] = 1.0
 
-    with mlp._Compiles() as compiles:
+    with harness.Compiles() as compiles:
         fresh(values)
         fresh(values)   # compiled once
     (name, seconds), = compiles
     assert name.endswith("fresh") and seconds > 0
-    line = mlp.format_first_steps({"cold": {
+    line = harness.format_first_steps({"cold": {
         "first_step_s": 2.0, "first_step_cpu_s": 1.9, "second_step_s": 0.004,
         "import_and_setup_s": 1.0, "process_s": 3.5, "first_step_compiles": compiles}})[1]
     assert line.startswith("  functions Numba compiled in that first step: 1, ")

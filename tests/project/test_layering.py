@@ -216,7 +216,8 @@ def _imports_of(path):
 def test_the_benchmarks_never_import_the_command():
     """DESIGN's rule: bench imports the library, the model recipes (engine.models) and the
     data recipes (data.datasets) too, never the CLI module engine.train."""
-    importers = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "bench").rglob("*.py")
+    importers = sorted(str(path.relative_to(REPO_ROOT))
+                       for path in (REPO_ROOT / "bench").rglob("*.py")
                        if any(name == "engine.train" or name.startswith("engine.train.")
                               for name in _imported_names(path)))
     assert importers == [], importers
@@ -227,11 +228,31 @@ def test_only_the_cli_wing_imports_optim_or_data_in_engine():
     CLI wing (engine/cli/) wires them in (fit is handed clipping, and finds a loader's
     cursor by its epoch_cursor method). engine/train.py, the shim of ``python -m
     engine.train``, imports the wing and neither; the benchmarks never import the wing."""
-    importers = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "engine").rglob("*.py")
+    importers = sorted(str(path.relative_to(REPO_ROOT))
+                       for path in (REPO_ROOT / "engine").rglob("*.py")
                        if _imports_of(path) & {"optim", "data"})
     assert importers and all(path.startswith("engine/cli/") for path in importers), importers
     assert not _imports_of(REPO_ROOT / "engine" / "train.py") & {"optim", "data"}
-    wing_users = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "bench").rglob("*.py")
+    wing_users = sorted(str(path.relative_to(REPO_ROOT))
+                        for path in (REPO_ROOT / "bench").rglob("*.py")
                         if any(name == "engine.cli" or name.startswith("engine.cli.")
                                for name in _imported_names(path)))
     assert wing_users == [], wing_users
+
+
+# the benchmarks' shared pieces: a benchmark (run as python -m bench.NAME) imports these
+BENCH_LIBRARIES = {"bench.harness", "bench.report", "bench.precision", "bench.framework_process",
+                   "bench.gpu_time", "bench.wall_time"}
+
+
+def test_no_benchmark_imports_another():
+    """What benchmarks share is in bench.harness and the small libraries beside it, so no
+    benchmark imports another (bench.mlp once doubled as the others' library)."""
+    benchmarks = {".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+                  for path in (REPO_ROOT / "bench").rglob("*.py")
+                  if path.name != "__init__.py"} - BENCH_LIBRARIES
+    assert {"bench.mlp", "bench.cnn", "bench.ports.count"} <= benchmarks
+    importers = sorted(f"{path.relative_to(REPO_ROOT)}: {name}"
+                       for path in (REPO_ROOT / "bench").rglob("*.py")
+                       for name in _imported_names(path) if name in benchmarks)
+    assert importers == [], importers
