@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine import archive
+from tests.support.damaged_files import each_flipped_byte
 from tests.support.paths import REPO_ROOT
 
 
@@ -247,10 +248,7 @@ def test_every_flipped_byte_is_a_value_error_or_harmless(tmp_path):
     content = _npz(tmp_path / "good.npz", **original).read_bytes()
     damaged = tmp_path / "damaged.npz"
     errors = 0
-    for position in range(len(content)):
-        flipped = bytearray(content)
-        flipped[position] ^= 0xFF
-        damaged.write_bytes(bytes(flipped))
+    for position in each_flipped_byte(content, damaged):
         try:
             arrays = archive.read_npz(damaged, "a test archive")
         except ValueError:

@@ -53,13 +53,11 @@ def test_a_step_that_reads_the_device_runs_eagerly_and_says_why(device):
     model = nn.Sequential([nn.Dense(4, input_shape=(5,))]).to(device)
     opt = optim.SGD(model.parameters(), lr=0.1)
 
+    train = cross_entropy_step(model, opt)
+
     @engine.capture
     def step(x, y):
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return train(x, y).item()
 
     values = [step(x, y) for x, y in captured_training.batches(device)[:3]]
     # the read is seen on both devices (on the CPU a replay would repeat its value)
@@ -221,16 +219,12 @@ def test_a_first_call_that_raises_leaves_nothing_half_recorded(device, warmup):
         model, opt = _mlp_and_adam(device)
         fail = [True]
 
-        def step(x, y):
-            opt.zero_grad()
-            loss = cross_entropy(model(x), y)
-            loss.backward()
+        def fail_once():
             if fail[0]:
                 fail[0] = False
                 raise RuntimeError("the first call fails before opt.step()")
-            opt.step()
-            return loss
 
+        step = cross_entropy_step(model, opt, before_step=fail_once)
         step = engine.capture(step, warmup=warmup) if captured else step
         x, y = captured_training.batches(device)[0]
         with pytest.raises(RuntimeError, match="first call fails"):

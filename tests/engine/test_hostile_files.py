@@ -277,17 +277,21 @@ def test_an_onnx_broadcast_is_bounded_by_the_file(tmp_path):
 
 # ------------------------------------------------------------------ capture
 
-def test_a_captured_step_with_a_python_argument_changing_every_call_says_so():
-    """Each value would need a recording of its own: after MAX_RECORDINGS new values in a
-    row the step runs eagerly with a reason, and what it keeps stays bounded."""
-    from engine import step_capture
+def _captured_scaling():
+    """A captured ``x * scale + 1`` of a Python float ``scale``, and an ``x`` for it."""
     weight = engine.tensor(np.ones(3, np.float32))
 
     @engine.capture
     def step(x, scale):
         return x * scale + weight
 
-    x = engine.tensor(np.arange(3, dtype=np.float32))
+    return step, engine.tensor(np.arange(3, dtype=np.float32))
+
+def test_a_captured_step_with_a_python_argument_changing_every_call_says_so():
+    """Each value would need a recording of its own: after MAX_RECORDINGS new values in a
+    row the step runs eagerly with a reason, and what it keeps stays bounded."""
+    from engine import step_capture
+    step, x = _captured_scaling()
     for call in range(200):
         np.testing.assert_array_equal(step(x, float(call)).numpy(), np.arange(3) * call + 1)
     assert step.eager_reason is not None
@@ -297,13 +301,7 @@ def test_a_captured_step_with_a_python_argument_changing_every_call_says_so():
 
 
 def test_a_captured_step_with_a_few_python_values_still_replays():
-    weight = engine.tensor(np.ones(3, np.float32))
-
-    @engine.capture
-    def step(x, scale):
-        return x * scale + weight
-
-    x = engine.tensor(np.arange(3, dtype=np.float32))
+    step, x = _captured_scaling()
     for call in range(40):
         scale = float(call % 3)
         np.testing.assert_array_equal(step(x, scale).numpy(), np.arange(3) * scale + 1)

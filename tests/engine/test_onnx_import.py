@@ -13,6 +13,7 @@ import pytest
 import engine
 from engine import nn
 from engine import onnx as engine_onnx
+from tests.support.damaged_files import each_flipped_byte
 
 onnx = pytest.importorskip("onnx", reason="needs onnx: pip install -e '.[onnx]'")
 helper = onnx.helper
@@ -289,10 +290,7 @@ def test_every_flipped_byte_is_a_value_error_or_a_model(tmp_path):
     content = (tmp_path / "good.onnx").read_bytes()
     damaged = tmp_path / "damaged.onnx"
     refused = 0
-    for position in range(len(content)):
-        flipped = bytearray(content)
-        flipped[position] ^= 0xFF
-        damaged.write_bytes(bytes(flipped))
+    for position in each_flipped_byte(content, damaged):
         try:
             assert isinstance(engine_onnx.load(damaged), nn.Sequential)
         except ValueError as error:

@@ -28,6 +28,7 @@ from engine.train import main
 from engine.cli.training_curves import plot_history
 from ops.cuda import SIMULATOR
 from ops.device import cuda_available
+from tests.support.damaged_files import each_flipped_byte
 from tests.support.paths import REPO_ROOT
 from tests.support.training_command import TINY, run_main
 
@@ -577,10 +578,7 @@ def test_every_flipped_byte_of_a_checkpoint_is_a_value_error_or_harmless(tmp_pat
     good, content = read_checkpoint(str(path)), path.read_bytes()
     damaged = tmp_path / "damaged.npz"
     errors = 0
-    for position in range(len(content)):
-        flipped = bytearray(content)
-        flipped[position] ^= 0xFF
-        damaged.write_bytes(bytes(flipped))
+    for position in each_flipped_byte(content, damaged):
         try:
             state = read_checkpoint(str(damaged))
         except ValueError:

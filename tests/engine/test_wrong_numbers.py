@@ -8,6 +8,7 @@ import pytest
 import engine
 from engine import nn
 from tests.support.op_check import Case, check_op
+from tests.support.training_step import training_step
 
 
 # ------------------------------------------------------------------ a reduction over size-1 axes
@@ -188,14 +189,7 @@ def test_a_replayed_step_counts_as_a_write_too():
     model = nn.Sequential([nn.Dense(3, input_shape=(4,))])
     opt = optim.SGD(model.parameters(), lr=0.1)
     x = engine.tensor(np.ones((5, 4), np.float32))
-
-    def step(batch):
-        opt.zero_grad()
-        loss = (model(batch) ** 2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-    captured = engine.capture(step)
+    captured = engine.capture(training_step(opt, lambda batch: (model(batch) ** 2).mean()))
     for _ in range(3):   # eager, recording, replay
         captured(x)
     loss = _retained_loss(model)

@@ -6,8 +6,8 @@ import pytest
 import engine
 import optim
 from engine import nn
-from engine.losses import cross_entropy
 from tests.support.op_check import Case, check_op
+from tests.support.training_step import cross_entropy_step
 
 
 def _ids_and_table(ids_shape, rows, dim, avoid=None):
@@ -122,14 +122,7 @@ def test_captured_step_equals_eager_and_a_bad_id_changes_nothing(device):
     results = []
     for captured in (False, True):
         model, opt = _embedding_model(device)
-
-        def step(x, y):
-            opt.zero_grad()
-            loss = cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = cross_entropy_step(model, opt)
         step = engine.capture(step) if captured else step
         losses = [step(x, y).item() for x, y in batches * 2]
         results.append((losses, {k: np.array(v) for k, v in model.state_dict().items()}))

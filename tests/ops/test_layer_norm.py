@@ -7,6 +7,7 @@ import engine
 import optim
 from engine import nn
 from tests.support.op_check import Case, check_op
+from tests.support.training_step import training_step
 
 
 def _reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -115,14 +116,7 @@ def test_captured_step_equals_eager(device):
         model = nn.Sequential([nn.LayerNorm(input_shape=(3, 4)), nn.Flatten(), nn.Dense(2)])
         model.to(device)
         opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x):
-            opt.zero_grad()
-            loss = (model(x) ** 2).mean()
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = training_step(opt, lambda x: (model(x) ** 2).mean())
         step = engine.capture(step) if captured else step
         losses = [step(x).item() for x in batches * 2]
         results.append((losses, [np.array(v).tobytes() for v in model.state_dict().values()]))

@@ -427,8 +427,9 @@ def test_gemm_rejects_a_table_entry_with_no_slice(monkeypatch):
 REAL_TILINGS = [name for name in tilings.TILINGS
                 if name != "SIMULATED" and not tilings.TILINGS[name].stages]
 # the plain-FMA tilings, held to float32 accuracy; a tensor-core tiling rounds its operands
-# (tests.support.rounded_operands): the split-K test below compares it with the product of the rounded
-# operands, and tests/ops/cuda/test_tensor_core.py checks Dense and the convolutions under it
+# (tests.support.rounded_operands): the split-K test below compares it with the product of
+# the rounded operands, and tests/ops/cuda/test_tensor_core.py checks Dense and the
+# convolutions under it
 FMA_TILINGS = [name for name in REAL_TILINGS if tilings.TILINGS[name].mma is None]
 
 

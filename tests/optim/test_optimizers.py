@@ -481,12 +481,17 @@ def test_state_dict_moves_between_devices():
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-13)
 
 
-def test_load_state_dict_rejects_a_mismatch():
+def _adam_state_after_a_step():
+    """Parameters and the state_dict of an Adam (lr 0.01) after one step on them."""
     params = make_params("cpu")
     opt = optim.Adam(params, lr=0.01)
     set_grads(params, grad_steps(1)[0])
     opt.step()
-    state = opt.state_dict()
+    return params, opt.state_dict()
+
+
+def test_load_state_dict_rejects_a_mismatch():
+    params, state = _adam_state_after_a_step()
     with pytest.raises(ValueError, match="group 0 has 3 saved parameter"):
         optim.Adam(params[:2], lr=0.01).load_state_dict(state)
     with pytest.raises(ValueError, match="expected"):
@@ -494,6 +499,15 @@ def test_load_state_dict_rejects_a_mismatch():
 
 
 # ------------------------------------------------------------------ schedules
+
+def _rates(scheduler, opt, steps):
+    """The learning rate after each of ``steps`` steps of ``scheduler``."""
+    rates = []
+    for _ in range(steps):
+        scheduler.step()
+        rates.append(opt.param_groups[0]["lr"])
+    return rates
+
 
 def test_step_lr_and_cosine_and_lambda_values():
     opt = optim.SGD(make_params("cpu"), lr=0.8)
@@ -506,19 +520,13 @@ def test_step_lr_and_cosine_and_lambda_values():
 
     opt = optim.Adam(make_params("cpu"), lr=1.0)
     cosine = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=0.2)
-    rates = [opt.param_groups[0]["lr"]]
-    for _ in range(4):
-        cosine.step()
-        rates.append(opt.param_groups[0]["lr"])
+    rates = [opt.param_groups[0]["lr"]] + _rates(cosine, opt, 4)
     np.testing.assert_allclose(rates, [1.0, 0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2, 0.6,
                                        0.2 + 0.8 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.2])
 
     opt = optim.SGD(make_params("cpu"), lr=0.1)
     warmup = optim.lr_scheduler.LambdaLR(opt, lambda epoch: min(1.0, (epoch + 1) / 3))
-    rates = [opt.param_groups[0]["lr"]]
-    for _ in range(3):
-        warmup.step()
-        rates.append(opt.param_groups[0]["lr"])
+    rates = [opt.param_groups[0]["lr"]] + _rates(warmup, opt, 3)
     np.testing.assert_allclose(rates, [0.1 / 3, 0.2 / 3, 0.1, 0.1])
 
 
@@ -839,19 +847,12 @@ def test_cosine_rebuilt_with_last_epoch_goes_on_bit_for_bit():
     for _ in range(4):
         sched.step()
     saved = opt.state_dict()
-    straight = []
-    for _ in range(7):
-        sched.step()
-        straight.append(opt.param_groups[0]["lr"])
+    straight = _rates(sched, opt, 7)
     opt = optim.SGD(make_params("cpu"), lr=9.0)
     opt.load_state_dict(saved)
     resumed = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=9, eta_min=0.01, last_epoch=3)
     assert resumed.last_epoch == 4 and opt.param_groups[0]["lr"] == saved["param_groups"][0]["lr"]
-    rates = []
-    for _ in range(7):
-        resumed.step()
-        rates.append(opt.param_groups[0]["lr"])
-    assert rates == straight
+    assert _rates(resumed, opt, 7) == straight
 
 
 def test_a_scheduler_loaded_from_its_state_goes_on_bit_for_bit():
@@ -860,19 +861,12 @@ def test_a_scheduler_loaded_from_its_state_goes_on_bit_for_bit():
     for _ in range(3):
         sched.step()
     saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
-    straight = []
-    for _ in range(6):
-        sched.step()
-        straight.append(opt.param_groups[0]["lr"])
+    straight = _rates(sched, opt, 6)
     opt = optim.SGD(make_params("cpu"), lr=9.0)
     opt.load_state_dict(saved_opt)
     sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=7, eta_min=0.01)
     sched.load_state_dict(saved_sched)
-    resumed = []
-    for _ in range(6):
-        sched.step()
-        resumed.append(opt.param_groups[0]["lr"])
-    assert resumed == straight
+    assert _rates(sched, opt, 6) == straight
 
 
 # ------------------------------------------------------------------ SGD: momentum changed mid-run
@@ -953,11 +947,7 @@ def test_sgd_momentum_turned_on_later_starts_its_buffer_from_the_gradient(device
 
 
 def test_adam_refuses_a_state_without_its_buffers():
-    params = make_params("cpu")
-    opt = optim.Adam(params, lr=0.01)
-    set_grads(params, grad_steps(1)[0])
-    opt.step()
-    state = opt.state_dict()
+    params, state = _adam_state_after_a_step()
     del state["state"][1]["exp_avg"]
     with pytest.raises(ValueError, match=r"saved state has \['exp_avg_sq', 'step'\], expected"):
         optim.Adam(params, lr=0.01).load_state_dict(state)

@@ -1,5 +1,5 @@
-"""What the outside-oracle tests (tests/ops/test_opinfo.py, tests/engine/test_onnx_cases.py) count as a
-refusal rather than a crash."""
+"""What the outside-oracle tests (tests/ops/test_opinfo.py, tests/engine/test_onnx_cases.py)
+count as a refusal rather than a crash."""
 import linecache
 import os
 import sys

@@ -9,6 +9,7 @@ import engine
 import optim
 from engine import data, nn
 from engine.fit import fit
+from tests.support.training_step import cross_entropy_step
 
 
 class Residual(nn.Layer):
@@ -92,15 +93,9 @@ def test_first_call_builds_and_a_model_trains():
         model.parameters()
     x, y = _data()
     assert model(x).shape == (64, 3) and model.output_shape == (3,)
-    opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    losses = []
-    for _ in range(20):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    step = cross_entropy_step(model, optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              nn.CrossEntropyLoss())
+    losses = [step(x, y).item() for _ in range(20)]
     assert losses[-1] < 0.6 * losses[0]
 
 
@@ -273,15 +268,7 @@ def _capture_residual(device, rows=48, width=16, steps=5):
     for captured in (False, True):
         model = _model(width=width).to(device)
         opt = optim.Adam(model.parameters(), lr=0.01)
-        loss_fn = nn.CrossEntropyLoss()
-
-        def step(xb, yb):
-            opt.zero_grad()
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = cross_entropy_step(model, opt, nn.CrossEntropyLoss())
         step = engine.capture(step) if captured else step
         xb, yb = engine.tensor(x, device=device), engine.tensor(y, device=device)
         losses = [step(xb, yb).numpy().copy() for _ in range(steps)]

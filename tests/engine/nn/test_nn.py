@@ -9,6 +9,7 @@ import engine
 from engine import nn
 from engine.autograd import apply
 from ops import dropout as dropout_op
+from tests.support.damaged_files import each_flipped_byte
 from tests.support.op_check import Case, check_op
 
 # ------------------------------------------------------------------ the dropout op
@@ -410,10 +411,7 @@ def test_every_flipped_byte_of_a_model_file_is_a_value_error_or_harmless(tmp_pat
     content = (tmp_path / "good.npz").read_bytes()
     damaged = tmp_path / "damaged.npz"
     errors = 0
-    for position in range(len(content)):
-        flipped = bytearray(content)
-        flipped[position] ^= 0xFF
-        damaged.write_bytes(bytes(flipped))
+    for position in each_flipped_byte(content, damaged):
         try:
             model = nn.load(damaged)
         except ValueError as error:

@@ -7,6 +7,7 @@ import pytest
 import engine
 import optim
 from engine import nn
+from tests.support.training_step import cross_entropy_step
 
 
 def test_attention_layer_shapes_parameters_and_bad_widths():
@@ -111,7 +112,6 @@ def _block(device, dropout):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_captured_attention_step_equals_eager(device, dropout):
-    from engine.losses import cross_entropy
     from ops.cuda import SIMULATOR
     if device == "cuda" and SIMULATOR and not dropout:
         pytest.skip("the dropout case reaches every kernel branch in the slow simulator")
@@ -121,14 +121,7 @@ def test_captured_attention_step_equals_eager(device, dropout):
     results = []
     for captured in (False, True):
         model, opt = _block(device, dropout)
-
-        def step(x, y):
-            opt.zero_grad()
-            loss = cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = cross_entropy_step(model, opt)
         step = engine.capture(step) if captured else step
         losses = [step(x, y).item() for x, y in batches * 2]
         results.append((losses, [np.array(v).tobytes() for v in model.state_dict().values()]))

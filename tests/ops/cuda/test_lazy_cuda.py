@@ -6,6 +6,7 @@ then; the first use puts the real dispatchers into module globals and closure ce
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -26,37 +27,41 @@ def _run(code, simulator):
 CUDA_MODULES = "('numba', 'numba.cuda', 'cuda.core', 'ml_dtypes')"
 
 
-def test_a_first_cpu_tensor_imports_no_numba_cuda():
-    imported = _run(
-        "import sys, engine\n"
-        "x = engine.tensor([1., 2.], requires_grad=True)\n"
-        "(x * x).sum().backward()\n"
-        "print(x.grad.numpy().tolist() == [2.0, 4.0],\n"
-        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
+def _assert_cpu_work_imports_no_numba_cuda(program, worked):
+    """``program`` runs on the CPU, ``worked`` (an expression) holds after it, and none of
+    ``CUDA_MODULES`` was imported."""
+    imported = _run(textwrap.dedent(program) + f"import sys\nprint({worked}, *(name in "
+                    f"sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
     assert imported == ["True", "True", "False", "False", "False"]
+
+
+def test_a_first_cpu_tensor_imports_no_numba_cuda():
+    _assert_cpu_work_imports_no_numba_cuda("""
+        import engine
+        x = engine.tensor([1., 2.], requires_grad=True)
+        (x * x).sum().backward()
+        """, "x.grad.numpy().tolist() == [2.0, 4.0]")
 
 
 def test_captured_cpu_training_steps_import_no_numba_cuda():
-    imported = _run(
-        "import sys, numpy as np, engine, optim\n"
-        "from engine import nn\n"
-        "from engine.losses import cross_entropy\n"
-        "model = nn.Sequential([nn.Dense(8, activation='relu', input_shape=(5,)),\n"
-        "                       nn.Dropout(0.1), nn.Dense(3)])\n"
-        "opt = optim.Adam(model.parameters(), lr=1e-2)\n"
-        "@engine.capture\n"
-        "def step(xb, yb):\n"
-        "    opt.zero_grad()\n"
-        "    loss = cross_entropy(model(xb), yb)\n"
-        "    loss.backward()\n"
-        "    opt.step()\n"
-        "    return loss\n"
-        "xb, yb = engine.randn(6, 5), engine.tensor(np.arange(6) % 3)\n"
-        "for _ in range(4):\n"
-        "    step(xb, yb)\n"
-        "print(step.eager_reason is None,\n"
-        f"      *(name in sys.modules for name in {CUDA_MODULES}))\n", simulator=False)
-    assert imported == ["True", "True", "False", "False", "False"]
+    _assert_cpu_work_imports_no_numba_cuda("""
+        import numpy as np, engine, optim
+        from engine import nn
+        from engine.losses import cross_entropy
+        model = nn.Sequential([nn.Dense(8, activation='relu', input_shape=(5,)),
+                               nn.Dropout(0.1), nn.Dense(3)])
+        opt = optim.Adam(model.parameters(), lr=1e-2)
+        @engine.capture
+        def step(xb, yb):
+            opt.zero_grad()
+            loss = cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            return loss
+        xb, yb = engine.randn(6, 5), engine.tensor(np.arange(6) % 3)
+        for _ in range(4):
+            step(xb, yb)
+        """, "step.eager_reason is None")
 
 
 def test_the_first_cuda_tensor_makes_the_module_kernels_real():
