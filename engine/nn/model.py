@@ -8,8 +8,8 @@ import numpy as np
 from engine import archive
 from engine.nn.convolutional import Conv1D, Conv2D
 from engine.nn.keras_methods import KerasMethods
-from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten, Layer,
-                              MaxPool2D, Normalization, Rescaling, Reshape,
+from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten,
+                              InputLayer, Layer, MaxPool2D, Normalization, Rescaling, Reshape,
                               _check_input_dtype, _feature_shape, _float_buffers, _float_dtype,
                               _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
@@ -116,11 +116,24 @@ class Model(KerasMethods, Layer):
             raise RuntimeError(f"{self.name}.{what}: the model is not built yet; call it once "
                                "on a batch, or model.build(input_shape)")
 
+    def _build_declared(self):
+        """Build each unbuilt layer of the tree that declares its input shape and holds no
+        layers (its parameters need nothing else); the model is still built by its call."""
+        for _, layer in self.named_layers():
+            if (not layer.built and layer.input_shape is not None and not layer._children
+                    and not isinstance(layer, Model)):
+                layer.build(layer.input_shape, self.device)
+                layer._apply_trainable()
+
     # ------------------------------------------------------------- parameters and devices
     def parameters(self):
         """The Parameters in a stable order (``named_parameters``'). A model whose layers
         make their parameters when built has none to give before (an optimizer would get
-        an empty list): a RuntimeError says how to build it."""
+        an empty list): a RuntimeError says how to build it. Layers that declare their input
+        shape (``input_shape=``, torch's ``nn.Linear(784, 512)``) are built here, as torch
+        makes a module's parameters in its constructor."""
+        if not self.built:
+            self._build_declared()
         if not self.built and self._unbuilt_layers():
             self._require_built("parameters")
         return [p for _, p in self.named_parameters()]
@@ -430,6 +443,12 @@ class Sequential(Model):
         seen = {id(other) for other in self.layers}
         grew = False
         for layer in layers:
+            if isinstance(layer, InputLayer):   # Keras's Input(shape): the model's input shape
+                if self.layers:
+                    raise ValueError(f"Sequential.add: {layer!r} declares the input shape; it "
+                                     "comes first, before any layer")
+                self.input_shape = self.output_shape = layer.input_shape
+                continue
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
             if layer is self or id(layer) in seen or (layer.built
@@ -439,7 +458,7 @@ class Sequential(Model):
             seen.add(id(layer))
             layer.name = names.allocate(type(layer).__name__.lower())
             layer.training = self.training
-            if not self.layers:
+            if not self.layers and (self.input_shape is None or layer.input_shape is not None):
                 self.input_shape = layer.input_shape
                 self.output_shape = layer.input_shape
             self.layers.append(layer)
@@ -554,13 +573,33 @@ class Sequential(Model):
                 raise RuntimeError(f"{self.name}: the model has no layers")
             self._build_from(x.shape[1:])
         if x.shape[1:] != self.input_shape:
-            raise ValueError(f"{self.name}: expects input of shape {batch_shape(self.input_shape)}"
-                             f" (first layer '{self.layers[0].name}'), got {x.shape}")
+            self._check_other_shape(tuple(x.shape[1:]))
         if x.device != self.device:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
         note_participant(self)
         return self.forward(x)
+
+    def _check_other_shape(self, shape):
+        """Inputs of another feature shape than the model was built for (another sequence
+        length, another image size) run when every layer takes them, as torch's modules do:
+        the layers' output shapes are worked out first, so a shape that a layer cannot take
+        is refused here, naming the layer, before any kernel runs."""
+        source = f"the input {batch_shape(shape)}"
+        for index, layer in enumerate(self.layers):
+            if layer._children or isinstance(layer, Model):
+                return   # its forward decides (a traced shape would run it)
+            features = getattr(layer, "weight", None)
+            try:
+                if isinstance(layer, Dense) and features is not None \
+                        and shape[-1:] != features.shape[:1]:
+                    raise ValueError(f"it takes {features.shape[0]} features on the last axis")
+                shape = layer.compute_output_shape(shape)
+            except ValueError as error:
+                raise ValueError(
+                    f"{self.name}: built for inputs {batch_shape(self.input_shape)}; layer "
+                    f"{index} '{layer.name}' {layer!r} cannot take {source}: {error}") from None
+            source = f"layer {index} '{layer.name}''s output {batch_shape(shape)}"
 
     def forward(self, x):
         for layer in self.layers:

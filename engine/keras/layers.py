@@ -1,0 +1,82 @@
+"""``keras.layers``: the engine's layers made with Keras's arguments and defaults.
+
+Convolutions and pooling take channels-last images (NHWC) unless ``data_format=
+"channels_first"``; kernels start Glorot-uniform (Keras's ``glorot_uniform``, the engine's
+``xavier_uniform``) and biases at zero. Each function returns the engine's layer (an
+``engine.nn.Conv2D``, ...), so models save, load and export as any other."""
+from engine import nn
+from engine.nn import (Activation, Dropout, Embedding, Flatten, Input,  # noqa: F401
+                       InputLayer, Normalization, Rescaling, Reshape)
+
+_GLOROT = "xavier_uniform"
+
+
+def _kernel_initializer(name):
+    return _GLOROT if name in ("glorot_uniform", None) else name
+
+
+def _data_format(data_format):
+    return "channels_last" if data_format is None else data_format
+
+
+def _padding(padding, where):
+    if padding not in ("valid", "same"):
+        raise ValueError(f"{where}: padding must be 'valid' or 'same', got {padding!r}")
+    return padding
+
+
+def Dense(units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
+          input_shape=None):
+    """Keras's ``Dense(units, activation=None)``: over the last axis, Glorot-uniform."""
+    if use_bias is not True:
+        raise ValueError("Dense: use_bias=False is not supported (the engine's Dense always "
+                         "adds a bias)")
+    return nn.Dense(units, activation=activation,
+                    kernel_initializer=_kernel_initializer(kernel_initializer),
+                    input_shape=input_shape)
+
+
+def Conv2D(filters, kernel_size, strides=(1, 1), padding="valid", data_format=None,
+           dilation_rate=(1, 1), groups=1, activation=None, use_bias=True,
+           kernel_initializer="glorot_uniform", input_shape=None):
+    """Keras's ``Conv2D(filters, kernel_size, ...)`` on channels-last images by default."""
+    return nn.Conv2D(filters, kernel_size, stride=strides, padding=_padding(padding, "Conv2D"),
+                     activation=activation, dilation=dilation_rate, groups=groups,
+                     use_bias=use_bias,
+                     kernel_initializer=_kernel_initializer(kernel_initializer),
+                     input_shape=input_shape, data_format=_data_format(data_format))
+
+
+def Conv1D(filters, kernel_size, strides=1, padding="valid", data_format=None,
+           dilation_rate=1, groups=1, activation=None, use_bias=True,
+           kernel_initializer="glorot_uniform", input_shape=None):
+    """Keras's ``Conv1D(filters, kernel_size, ...)`` on channels-last signals (N, L, C)."""
+    return nn.Conv1D(filters, kernel_size, stride=strides, padding=_padding(padding, "Conv1D"),
+                     activation=activation, dilation=dilation_rate, groups=groups,
+                     use_bias=use_bias,
+                     kernel_initializer=_kernel_initializer(kernel_initializer),
+                     input_shape=input_shape, data_format=_data_format(data_format))
+
+
+def _pool(layer_class, where, pool_size, strides, padding, data_format, input_shape):
+    if padding != "valid":
+        raise ValueError(f"{where}: padding={padding!r} is not supported; 'valid' (none) is")
+    return layer_class(pool_size, stride=strides, input_shape=input_shape,
+                       data_format=_data_format(data_format))
+
+
+def MaxPooling2D(pool_size=(2, 2), strides=None, padding="valid", data_format=None,
+                 input_shape=None):
+    """Keras's ``MaxPooling2D(pool_size=(2, 2))`` on channels-last images by default."""
+    return _pool(nn.MaxPool2D, "MaxPooling2D", pool_size, strides, padding, data_format,
+                 input_shape)
+
+
+def AveragePooling2D(pool_size=(2, 2), strides=None, padding="valid", data_format=None,
+                     input_shape=None):
+    """Keras's ``AveragePooling2D(pool_size=(2, 2))`` on channels-last images by default."""
+    return _pool(nn.AvgPool2D, "AveragePooling2D", pool_size, strides, padding, data_format,
+                 input_shape)
+
+
+MaxPool2D, AvgPool2D = MaxPooling2D, AveragePooling2D   # Keras's aliases
