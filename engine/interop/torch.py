@@ -41,6 +41,7 @@ from engine import autograd
 from engine.autograd import apply, enable_grad, no_grad
 from engine import nn
 from engine.interop import sequence, sequential
+from engine.interop.state_dict import load_state_dict  # noqa: F401  (torch's keys and layouts)
 from engine.parameter import FlatBuffer, Parameter
 from engine.tensor import Tensor, from_dlpack
 from ops.device import device_of
