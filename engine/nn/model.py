@@ -184,7 +184,7 @@ class Model(KerasMethods, Layer):
     # ------------------------------------------------------------- running
     def __call__(self, x, *args, **kwargs):
         if not isinstance(x, Tensor):
-            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
+            x = self._as_input(x)
         if x.device != self.device:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
@@ -214,6 +214,30 @@ class Model(KerasMethods, Layer):
             return given
         return self._flat[0].dtype if self._flat else np.dtype(np.float32)
 
+    def _as_input(self, x):
+        """A NumPy array or a list as the input Tensor on the model's device. A list of
+        numbers takes the model's dtype (``engine.tensor([[1.0]])`` is float32); a NumPy array
+        of another float dtype is refused as a Tensor of that dtype is (torch's rule: no
+        silent narrowing of float64 data), naming both fixes. ``predict`` and Keras's ``fit``
+        / ``evaluate`` convert arrays instead, as Keras does."""
+        given = np.asarray(x).dtype
+        dtype = self._input_dtype(given)
+        if isinstance(x, np.ndarray) and given.kind == "f" and given != dtype:
+            raise TypeError(
+                f"{self.name}: input dtype {given} (a NumPy array) does not match the model's "
+                f"{dtype}; convert the input (x.astype(np.{dtype.name})), or the model "
+                f"(model.to(np.{given.name})); a Tensor input is refused the same way")
+        return tensor(x, dtype=dtype, device=self.device)
+
+    def _host_input(self, x):
+        """``x`` as Keras's methods take it: a NumPy array whose floats are the model's float
+        dtype (Keras casts inputs to the layers' dtype)."""
+        x = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
+        dtype = self._flat[0].dtype if self._flat else None
+        if dtype is not None and x.dtype.kind == "f" and x.dtype != dtype:
+            x = x.astype(dtype)
+        return x
+
     def predict(self, x, batch_size=256, verbose=0):  # verbose: Keras's signature; quiet
         """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
         NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
@@ -223,7 +247,7 @@ class Model(KerasMethods, Layer):
             raise ValueError(f"{self.name}.predict: batch_size must be a positive int, "
                              f"got {batch_size!r}")
         if not isinstance(x, Tensor):
-            x = np.asarray(x)
+            x = self._host_input(x)
         if x.ndim < 2:
             raise ValueError(f"{self.name}.predict: expects a batch of shape (None, "
                              f"features...), got {x.shape}")
@@ -564,7 +588,7 @@ class Sequential(Model):
     # ------------------------------------------------------------- running
     def __call__(self, x):
         if not isinstance(x, Tensor):
-            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
+            x = self._as_input(x)
         if x.ndim < 2:
             raise ValueError(f"{self.name}: expects a batch of shape (None, features...), "
                              f"got {x.shape}")
@@ -610,7 +634,9 @@ class Sequential(Model):
         """The dtype a NumPy or list input becomes: its own when integer and the first layer
         casts it (Rescaling); a uint8 array (raw images) any other model refuses, since it
         would run on unscaled pixels; else the parameters' float dtype (lists of ints too)."""
-        if given.kind in "iu" and self.layers and isinstance(self.layers[0], Rescaling):
+        from engine.nn.sequence import Embedding   # (it imports this module's register)
+        if given.kind in "iu" and self.layers and isinstance(self.layers[0],
+                                                             (Rescaling, Embedding)):
             return given
         dtype = self._flat[0].dtype if self._flat else np.dtype(np.float32)
         if given == np.uint8:
@@ -622,9 +648,13 @@ class Sequential(Model):
         return f"Sequential({body}\n)" if body else "Sequential()"
 
     def get_config(self):
-        return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
-                "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
-                           for layer in self.layers]}
+        config = {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
+                  "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
+                             for layer in self.layers]}
+        if self.built and self.layers[0].input_shape != self.input_shape:
+            # built by its first call, build() or Input(shape): the file says for what
+            config["input_shape"] = list(self.input_shape)
+        return config
 
     @classmethod
     def from_config(cls, config, weights=None):
@@ -646,6 +676,11 @@ class Sequential(Model):
         if not isinstance(name, str) or not isinstance(layers, list):
             raise ValueError("a config needs a text 'name' and a list of 'layers', got "
                              f"{type(name).__name__} and {type(layers).__name__}")
+        input_shape = config.get("input_shape")
+        if input_shape is not None and (not isinstance(input_shape, list) or not all(
+                isinstance(size, int) and size > 0 for size in input_shape)):
+            raise ValueError(f"the config's input_shape must be a list of positive ints, got "
+                             f"{input_shape!r}")
         made = []
         for index, entry in enumerate(layers):
             if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
@@ -666,6 +701,8 @@ class Sequential(Model):
         model = cls(name=name)
         model._initialize = False
         model._extend(made)
+        if input_shape is not None and not model.built:
+            model._build_from(tuple(input_shape))
         model._initialize = True
         return model
 
