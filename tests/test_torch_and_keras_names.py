@@ -188,3 +188,15 @@ def test_torch_accelerator_idiom():
     device = (engine.accelerator.current_accelerator().type
               if engine.accelerator.is_available() else "cpu")
     assert device in ("cpu", "cuda")
+
+
+def test_to_sequential_converts_torch_named_layers_and_refuses_channels_last():
+    from engine.interop.torch import to_sequential
+    from engine.keras import layers
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    module = to_sequential(model)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(module(torch.from_numpy(x)).detach().numpy(), model(x).numpy(),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="channels-last"):
+        to_sequential(nn.Sequential([layers.Conv2D(2, 3, input_shape=(6, 6, 1))]))
