@@ -22,5 +22,5 @@ def device_count():
     """The number of CUDA GPUs (0 without one)."""
     if not is_available():
         return 0
-    from numba import cuda
+    from ops.cuda import cuda
     return len(cuda.gpus)

@@ -632,11 +632,11 @@ class Sequential(Model):
 
     def _input_dtype(self, given):
         """The dtype a NumPy or list input becomes: its own when integer and the first layer
-        casts it (Rescaling); a uint8 array (raw images) any other model refuses, since it
+        casts it (Rescaling) or takes ids (Embedding); a uint8 array (raw images) any other model refuses, since it
         would run on unscaled pixels; else the parameters' float dtype (lists of ints too)."""
-        from engine.nn.sequence import Embedding   # (it imports this module's register)
-        if given.kind in "iu" and self.layers and isinstance(self.layers[0],
-                                                             (Rescaling, Embedding)):
+        first = self.layers[0] if self.layers else None
+        if given.kind in "iu" and (isinstance(first, Rescaling)
+                                   or getattr(first, "integer_input", False)):
             return given
         dtype = self._flat[0].dtype if self._flat else np.dtype(np.float32)
         if given == np.uint8:

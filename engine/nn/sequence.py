@@ -30,6 +30,7 @@ class Embedding(Layer):
     """A table of ``num_embeddings`` learned vectors of ``embedding_dim``: integer ids of any
     shape -> ``ids.shape + (embedding_dim,)`` (torch's ``nn.Embedding``). The
     ``padding_idx`` row starts at zero and gets no gradient."""
+    integer_input = True   # a model starting with it keeps NumPy ids as integers
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, dtype=np.float32,
                  input_shape=None):
