@@ -632,8 +632,9 @@ class Sequential(Model):
 
     def _input_dtype(self, given):
         """The dtype a NumPy or list input becomes: its own when integer and the first layer
-        casts it (Rescaling) or takes ids (Embedding); a uint8 array (raw images) any other model refuses, since it
-        would run on unscaled pixels; else the parameters' float dtype (lists of ints too)."""
+        casts it (Rescaling) or takes ids (Embedding); a uint8 array (raw images) any other
+        model refuses, since it would run on unscaled pixels; else the parameters' float
+        dtype (lists of ints too)."""
         first = self.layers[0] if self.layers else None
         if given.kind in "iu" and (isinstance(first, Rescaling)
                                    or getattr(first, "integer_input", False)):
