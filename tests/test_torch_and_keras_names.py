@@ -200,3 +200,10 @@ def test_to_sequential_converts_torch_named_layers_and_refuses_channels_last():
                                rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="channels-last"):
         to_sequential(nn.Sequential([layers.Conv2D(2, 3, input_shape=(6, 6, 1))]))
+
+
+def test_keras_input_with_a_variable_length_builds_on_the_first_call():
+    model = nn.Sequential([nn.Input(shape=(None, 4)), nn.Dense(3)])
+    assert not model.built
+    assert model(np.ones((2, 5, 4), np.float32)).shape == (2, 5, 3)
+    assert model(np.ones((2, 7, 4), np.float32)).shape == (2, 7, 3)

@@ -911,14 +911,18 @@ class InputLayer(Layer):
     """Keras's input declaration, the first item of a Sequential: ``nn.Input(shape=(28, 28,
     1))`` (the feature shape, without the batch dimension) says what the model takes, as
     ``input_shape=`` on its first layer does. The Sequential keeps the shape, not the
-    object: it is no layer of the model and runs nothing."""
+    object: it is no layer of the model and runs nothing. A ``None`` size (Keras's
+    variable sequence length, ``Input(shape=(None, 64))``) leaves the model to be built by
+    its first call; later calls may differ there, as its layers allow."""
 
     def __init__(self, shape=None, batch_size=None, dtype=None, name=None, input_shape=None):
         shape = input_shape if shape is None else shape
         if shape is None:
             raise ValueError("Input: give the feature shape, Input(shape=(...)) (without the "
                              "batch dimension)")
-        super().__init__(tuple(shape), name)
+        shape = tuple(shape)
+        super().__init__(None if None in shape else shape, name)
+        self.shape = shape
         self.dtype = None if dtype is None else np.dtype(dtype)
 
     def forward(self, x):

@@ -471,7 +471,8 @@ class Sequential(Model):
                 if self.layers:
                     raise ValueError(f"Sequential.add: {layer!r} declares the input shape; it "
                                      "comes first, before any layer")
-                self.input_shape = self.output_shape = layer.input_shape
+                if layer.input_shape is not None:   # else (a None size) the first call builds
+                    self.input_shape = self.output_shape = layer.input_shape
                 continue
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
