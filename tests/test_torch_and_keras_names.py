@@ -59,7 +59,8 @@ def test_a_module_of_linears_has_its_parameters_before_its_first_call():
 
 
 def test_linear_checks_its_in_features():
-    with pytest.raises(ValueError, match=r"declares input_shape \(None, 5\) but gets .* output \(None, 3\)"):
+    with pytest.raises(ValueError, match=r"declares input_shape \(None, 5\) but gets .* "
+                                         r"output \(None, 3\)"):
         nn.Sequential([nn.Linear(4, 3), nn.Linear(5, 2)])
     with pytest.raises(ValueError, match="bias=False is not supported"):
         nn.Linear(4, 3, bias=False)

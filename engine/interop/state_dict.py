@@ -27,9 +27,9 @@ from ops.device import copy_into
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ("missing_keys", "unexpected_keys"))
 
-SKIPPED = ("num_batches_tracked",)
+SKIPPED = ("num_batches_tracked",)   # torch's BatchNorm counter: nothing to load it into
 # torch's MultiheadAttention keeps its fused input projection as two parameters of its own
-_ATTENTION_NAMES = {"in_proj.weight": "in_proj_weight", "in_proj.bias": "in_proj_bias"}   # torch's BatchNorm counter: nothing to load it into
+_ATTENTION_NAMES = {"in_proj.weight": "in_proj_weight", "in_proj.bias": "in_proj_bias"}
 
 
 def torch_keys(model):
