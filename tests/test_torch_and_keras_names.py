@@ -208,3 +208,34 @@ def test_keras_input_with_a_variable_length_builds_on_the_first_call():
     assert not model.built
     assert model(np.ones((2, 5, 4), np.float32)).shape == (2, 5, 3)
     assert model(np.ones((2, 7, 4), np.float32)).shape == (2, 7, 3)
+
+
+def test_linear_after_an_undeclared_layer_takes_any_rank_and_keeps_its_parameters():
+    """A transformer's MLP: LayerNorm, then Linear(64, ...), on (N, T, 64)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.LayerNorm(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(x + self.mlp(x))
+
+    model = Block()
+    params = model.parameters() if model.mlp.built else None   # the mlp builds on the call
+    assert params is None
+    y = model(np.ones((2, 5, 8), np.float32))
+    assert y.shape == (2, 5, 3)
+    head = model.head.weight
+    assert model(np.ones((2, 7, 8), np.float32)).shape == (2, 7, 3)
+    assert model.head.weight is head
+
+
+def test_layer_norm_takes_torch_s_normalized_shape():
+    layer = nn.LayerNorm(8)
+    assert layer.eps == 1e-5 and layer.normalized_shape == 8
+    model = nn.Sequential([layer])
+    assert model(np.ones((2, 3, 8), np.float32)).shape == (2, 3, 8)
+    assert nn.LayerNorm((8,)).normalized_shape == 8 and nn.LayerNorm(1e-6).eps == 1e-6
+    with pytest.raises(ValueError, match="normalized_shape is 4, the input's last axis 8"):
+        nn.Sequential([nn.LayerNorm(4)])(np.ones((2, 8), np.float32))

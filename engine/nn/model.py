@@ -118,12 +118,19 @@ class Model(KerasMethods, Layer):
 
     def _build_declared(self):
         """Build each unbuilt layer of the tree that declares its input shape and holds no
-        layers (its parameters need nothing else); the model is still built by its call."""
-        for _, layer in self.named_layers():
-            if (not layer.built and layer.input_shape is not None and not layer._children
-                    and not isinstance(layer, Model)):
-                layer.build(layer.input_shape, self.device)
-                layer._apply_trainable()
+        layers (its parameters need nothing else); the model is still built by its call.
+        A Sequential's layers are left to it: it builds them in its chain (at once when its
+        first layer declares), and a second build would make new parameters."""
+        def walk(layer):
+            for _, child in layer.named_children():
+                if isinstance(child, Sequential):
+                    continue
+                if (not child.built and child.input_shape is not None and not child._children
+                        and not isinstance(child, Model)):
+                    child.build(child.input_shape, self.device)
+                    child._apply_trainable()
+                walk(child)
+        walk(self)
 
     # ------------------------------------------------------------- parameters and devices
     def parameters(self):
@@ -513,7 +520,10 @@ class Sequential(Model):
             previous = self.layers[index - 1]
             source = (f"layer {index - 1} '{previous.name}' {previous!r} with output "
                       f"{batch_shape(shape)}")
-        if layer.input_shape is not None and layer.input_shape != shape:
+        declared = layer.input_shape
+        last_axis = isinstance(layer, Dense) and len(declared or ()) == 1   # any rank, as torch
+        if declared is not None and declared != shape and not (
+                last_axis and len(shape) > 1 and shape[-1:] == declared):
             raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
                              f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
         try:
