@@ -92,7 +92,7 @@ class LayerNorm(Layer):
     def __init__(self, eps=1e-5, dtype=np.float32, input_shape=None, normalized_shape=None):
         super().__init__(input_shape)
         if isinstance(eps, (tuple, list)) or (isinstance(eps, (int, np.integer))
-                                              and not isinstance(eps, bool)):
+                                              and not isinstance(eps, bool) and eps >= 1):
             normalized_shape, eps = eps, 1e-5   # torch's LayerNorm(normalized_shape)
         if normalized_shape is not None:
             shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) \
