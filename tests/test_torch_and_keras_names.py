@@ -239,3 +239,12 @@ def test_layer_norm_takes_torch_s_normalized_shape():
     assert nn.LayerNorm((8,)).normalized_shape == 8 and nn.LayerNorm(1e-6).eps == 1e-6
     with pytest.raises(ValueError, match="normalized_shape is 4, the input's last axis 8"):
         nn.Sequential([nn.LayerNorm(4)])(np.ones((2, 8), np.float32))
+
+
+def test_onnx_export_refuses_a_channels_last_layer(tmp_path):
+    from engine import onnx
+    from engine.keras import layers
+    model = nn.Sequential([layers.Conv2D(2, 3, input_shape=(6, 6, 1)), layers.Flatten()])
+    with pytest.raises(ValueError, match="channels-last"):
+        onnx.export(model, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
