@@ -61,7 +61,10 @@ SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
 # 64k-element blocks were 11 us of work against the 20-50 us hand-off. Measured alternating
 # on the loaded 2-core machine (load 4.7), 2 threads: plain SGD over 235k took 82 us split
 # against 39 whole, 669k 143 against 97; SGD with momentum 106 against 59. Adam's 219 us
-# whole over 235k (two blocks of about 110 us) still splits, as measured above.
+# whole over 235k (two blocks of about 110 us) still splits, as measured above. At load 3.8-7
+# even that lost (forced 2 threads, alternating): Adam 235k 177 us split against 127 whole,
+# 669k 423 against 374; the load-following thread count, not this floor, answers a busy
+# neighbour, and a quiet machine is needed to tune the floor lower.
 MIN_BLOCK_SECONDS = 100e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
