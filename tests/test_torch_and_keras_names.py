@@ -248,3 +248,16 @@ def test_onnx_export_refuses_a_channels_last_layer(tmp_path):
     with pytest.raises(ValueError, match="channels-last"):
         onnx.export(model, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_global_average_pooling_2d(tmp_path):
+    from engine.keras import layers
+    x = np.random.default_rng(0).standard_normal((2, 4, 5, 3)).astype(np.float32)
+    model = nn.Sequential([layers.GlobalAveragePooling2D(input_shape=(4, 5, 3)), layers.Dense(2)])
+    assert model.output_shape == (2,)
+    pooled = model.layers[0](engine.tensor(x))
+    np.testing.assert_allclose(pooled.numpy(), x.mean(axis=(1, 2)), rtol=1e-6)
+    model.save(tmp_path / "m.npz")
+    np.testing.assert_array_equal(nn.load(tmp_path / "m.npz")(x).numpy(), model(x).numpy())
+    first = layers.GlobalAveragePooling2D(data_format="channels_first", keepdims=True)
+    assert first(engine.tensor(np.moveaxis(x, -1, 1).copy())).shape == (2, 3, 1, 1)

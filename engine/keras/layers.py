@@ -4,7 +4,10 @@ Convolutions and pooling take channels-last images (NHWC) unless ``data_format=
 "channels_first"``; kernels start Glorot-uniform (Keras's ``glorot_uniform``, the engine's
 ``xavier_uniform``) and biases at zero. Each function returns the engine's layer (an
 ``engine.nn.Conv2D``, ...), so models save, load and export as any other."""
+from engine import functional as F
 from engine import nn
+from engine.nn import Layer, batch_shape, register
+from engine.nn.layers import check_data_format
 from engine.nn import (Activation, Dropout, Embedding, Flatten, Input,  # noqa: F401
                        InputLayer, Normalization, Rescaling, Reshape)
 
@@ -80,3 +83,37 @@ def AveragePooling2D(pool_size=(2, 2), strides=None, padding="valid", data_forma
 
 
 MaxPool2D, AvgPool2D = MaxPooling2D, AveragePooling2D   # Keras's aliases
+
+
+@register
+class GlobalAveragePooling2D(Layer):
+    """Keras's ``GlobalAveragePooling2D()``: the mean of each channel over the image, ``(N,
+    H, W, C) -> (N, C)`` (channels last by default; ``data_format="channels_first"`` takes
+    NCHW). ``keepdims=True`` keeps the two spatial axes as 1s."""
+
+    def __init__(self, data_format=None, keepdims=False, input_shape=None):
+        super().__init__(input_shape)
+        self.data_format = check_data_format(_data_format(data_format),
+                                             "GlobalAveragePooling2D")
+        self.keepdims = bool(keepdims)
+
+    def _spatial_axes(self):
+        return (1, 2) if self.data_format == "channels_last" else (2, 3)
+
+    def compute_output_shape(self, input_shape):
+        if len(input_shape) != 3:
+            raise ValueError(f"GlobalAveragePooling2D takes images (None, height, width, "
+                             f"channels) or channels first, got {batch_shape(input_shape)}")
+        if not self.keepdims:
+            return (input_shape[-1 if self.data_format == "channels_last" else 0],)
+        return tuple(1 if axis + 1 in self._spatial_axes() else size
+                     for axis, size in enumerate(input_shape))
+
+    def forward(self, x):
+        return F.mean(x, axis=self._spatial_axes(), keepdims=self.keepdims)
+
+    def get_config(self):
+        config = {"data_format": self.data_format}
+        if self.keepdims:
+            config["keepdims"] = True
+        return {**config, **super().get_config()}

@@ -55,7 +55,8 @@ KERAS_EQUIVALENTS = {
                     "MaxPooling2D (Keras's channels-last default)",
     "AveragePooling2D": "nn.AvgPool2D(pool_size) (channels first), or engine.keras.layers."
                         "AveragePooling2D (Keras's channels-last default)",
-    "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten()",
+    "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten(), or "
+                              "engine.keras.layers.GlobalAveragePooling2D",
     "BatchNormalization": "nn.BatchNorm() (torch's momentum convention: 1 - Keras's)",
 }
 
