@@ -261,3 +261,20 @@ def test_global_average_pooling_2d(tmp_path):
     np.testing.assert_array_equal(nn.load(tmp_path / "m.npz")(x).numpy(), model(x).numpy())
     first = layers.GlobalAveragePooling2D(data_format="channels_first", keepdims=True)
     assert first(engine.tensor(np.moveaxis(x, -1, 1).copy())).shape == (2, 3, 1, 1)
+
+
+def test_channels_last_layers_on_each_device(device):
+    """The layout moves run on the model's device; tiny shapes for the simulator."""
+    from engine.keras import layers
+    engine.manual_seed(0)
+    model = nn.Sequential([layers.Conv2D(2, 2, activation="relu", input_shape=(4, 4, 1)),
+                           layers.MaxPooling2D(pool_size=(1, 1)),
+                           layers.GlobalAveragePooling2D()])
+    x = np.random.default_rng(0).random((2, 4, 4, 1), dtype=np.float32)
+    expected = model(x).numpy()
+    model.to(device)
+    t = engine.tensor(x, device=device, requires_grad=True)
+    y = model(t)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert t.grad.shape == x.shape
