@@ -278,3 +278,20 @@ def test_channels_last_layers_on_each_device(device):
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-6)
     y.sum().backward()
     assert t.grad.shape == x.shape
+
+
+def test_keras_batch_normalization_channels_last_matches_channels_first(tmp_path):
+    from engine.keras import layers
+    x = np.random.default_rng(0).standard_normal((4, 3, 3, 2)).astype(np.float32)
+    last = nn.Sequential([layers.BatchNormalization(momentum=0.9, input_shape=(3, 3, 2))])
+    first = nn.Sequential([nn.BatchNorm(momentum=0.1, eps=1e-3, input_shape=(2, 3, 3))])
+    got = last(x).numpy()   # training mode: batch statistics, running ones move
+    expected = first(np.ascontiguousarray(np.moveaxis(x, -1, 1))).numpy()
+    np.testing.assert_allclose(got, np.moveaxis(expected, 1, -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last.state_dict()["batchnormalization.running_mean"],
+                               first.state_dict()["batchnorm.running_mean"], rtol=1e-6)
+    last.save(tmp_path / "m.npz")
+    loaded = nn.load(tmp_path / "m.npz").eval()
+    np.testing.assert_array_equal(loaded(x).numpy(), last.eval()(x).numpy())
+    features = nn.Sequential([layers.BatchNormalization(input_shape=(5,))])
+    assert features(np.ones((3, 5), np.float32)).shape == (3, 5)

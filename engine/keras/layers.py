@@ -7,7 +7,8 @@ Convolutions and pooling take channels-last images (NHWC) unless ``data_format=
 from engine import functional as F
 from engine import nn
 from engine.nn import Layer, batch_shape, register
-from engine.nn.layers import check_data_format
+from engine.nn.layers import (BatchNorm, channels_first, channels_first_shape, channels_last,
+                              check_data_format)
 from engine.nn import (Activation, Dropout, Embedding, Flatten, Input,  # noqa: F401
                        InputLayer, Normalization, Rescaling, Reshape)
 
@@ -117,3 +118,48 @@ class GlobalAveragePooling2D(Layer):
         if self.keepdims:
             config["keepdims"] = True
         return {**config, **super().get_config()}
+
+
+@register
+class BatchNormalization(BatchNorm):
+    """Keras's ``BatchNormalization(axis=-1, momentum=0.99, epsilon=1e-3)``: the engine's
+    BatchNorm over the last axis (channels-last images, or features) or ``axis=1``
+    (channels first). Keras's ``momentum`` weighs the running statistics, torch's (and the
+    engine's) the batch: ``nn.BatchNorm(momentum=1 - momentum)``. The running variance is
+    updated with the unbiased batch variance, as torch does (Keras uses the biased one)."""
+
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, input_shape=None):
+        if axis not in (-1, 1):
+            raise ValueError(f"BatchNormalization: axis must be -1 (channels last) or 1 "
+                             f"(channels first), got {axis!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0 <= momentum <= 1:
+            raise ValueError(f"BatchNormalization: momentum must be a number in [0, 1], got "
+                             f"{momentum!r}")
+        super().__init__(momentum=1 - momentum, eps=epsilon, input_shape=input_shape)
+        self.axis = axis
+
+    def _moves_channels(self, rank):
+        return self.axis == -1 and rank > 1   # a feature vector's last axis is its first
+
+    def compute_output_shape(self, input_shape):
+        moved = self._moves_channels(len(input_shape))
+        super().compute_output_shape(channels_first_shape(input_shape) if moved else input_shape)
+        return tuple(input_shape)
+
+    def build(self, input_shape, device="cpu", initialize=True):
+        moved = self._moves_channels(len(input_shape))
+        super().build(channels_first_shape(input_shape) if moved else input_shape, device,
+                      initialize)
+        self.output_shape = tuple(input_shape)
+        return self.output_shape
+
+    def forward(self, x):
+        if self._moves_channels(x.ndim - 1):
+            return channels_last(super().forward(channels_first(x, self)))
+        return super().forward(x)
+
+    def get_config(self):
+        config = {"axis": self.axis, "momentum": 1 - self.momentum, "epsilon": self.eps}
+        return {**config, **({"input_shape": list(self.input_shape)}
+                             if self.input_shape is not None else {})}

@@ -57,7 +57,8 @@ KERAS_EQUIVALENTS = {
                         "AveragePooling2D (Keras's channels-last default)",
     "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten(), or "
                               "engine.keras.layers.GlobalAveragePooling2D",
-    "BatchNormalization": "nn.BatchNorm() (torch's momentum convention: 1 - Keras's)",
+    "BatchNormalization": "nn.BatchNorm() (torch's momentum convention: 1 - Keras's), or "
+                          "engine.keras.layers.BatchNormalization",
 }
 
 
