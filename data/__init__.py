@@ -10,7 +10,8 @@ for xb, yb in loader: ...                                      # float32 in [0, 
 """
 from data import datasets, fashion_mnist, mnist, shakespeare  # noqa: F401
 from data.idx import read_idx, write_idx  # noqa: F401
-from data.loader import DataLoader  # noqa: F401
+from data.loader import ArrayDataset, DataLoader  # noqa: F401
+from data.loader import ArrayDataset as TensorDataset  # noqa: F401  (torch's name)
 from data.sequence_loader import SequenceLoader  # noqa: F401
 from data.synthetic import blobs, spirals, xor  # noqa: F401
 from data.tokenizer import CharTokenizer  # noqa: F401

@@ -69,7 +69,7 @@ class DataLoader:
                 raise TypeError("DataLoader: a dataset gives its own targets; pass it alone "
                                 "(DataLoader(dataset, batch_size=...))")
             self.dataset = x
-            x, y = _read_dataset(x)
+            x, y = (x.x, x.y) if type(x) is ArrayDataset else _read_dataset(x)
         elif y is None:
             raise TypeError(f"DataLoader: expects (x, y) arrays or a dataset with __len__ and "
                             f"__getitem__, got {type(x).__name__} and no y")
@@ -269,7 +269,8 @@ def _checked_shard(shard):
 
 class ArrayDataset:
     """The ``(x[i], y[i])`` pairs of two arrays: ``loader.dataset`` of a loader made from
-    arrays (torch's ``TensorDataset``)."""
+    arrays (torch's ``TensorDataset``, also ``data.TensorDataset``). A DataLoader given one
+    takes its two arrays whole, without reading it sample by sample."""
 
     def __init__(self, x, y):
         self.x, self.y = x, y

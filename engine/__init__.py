@@ -92,8 +92,31 @@ def _require_own(name):
                           f"another folder")
 
 
+class _EngineNamesOfOwnPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import engine.data`` / ``from engine.data import DataLoader`` (and ``engine.optim``,
+    their submodules): the top-level packages under the names ``engine.data`` and
+    ``engine.optim`` give, the same module objects (never a second copy)."""
+
+    def find_spec(self, name, path=None, target=None):
+        parts = name.split(".")
+        if len(parts) < 2 or parts[0] != "engine" or parts[1] not in ("data", "optim"):
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        _require_own(spec.name.split(".")[1])
+        module = importlib.import_module(spec.name[len("engine."):])
+        spec.loader_state = module.__spec__   # the import system stamps the alias's spec on it
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state
+        module.__loader__ = module.__spec__.loader
+
+
 if not any(isinstance(finder, _OwnPackagesOverNamespaceFolders) for finder in sys.meta_path):
     sys.meta_path.insert(0, _OwnPackagesOverNamespaceFolders())
+    sys.meta_path.insert(1, _EngineNamesOfOwnPackages())
 _forget_current_folder_for_engine_commands()
 _require_own("ops")
 

@@ -37,6 +37,7 @@ import importlib
 import json
 import math
 import os
+import time
 
 from tqdm import tqdm
 
@@ -346,11 +347,34 @@ class History(Callback):
 
 # ------------------------------------------------------------------ progress and logs
 
+class EpochBar(tqdm):
+    """tqdm whose time left is measured from the end of its first update: the epoch's first
+    step compiles (Numba's kernels, a captured graph) and made the first estimate many times
+    the epoch (``[17:11]`` for an epoch of 3.5 s). It reads ``?`` until a second update."""
+    _first = None   # (steps, time) at the end of the first update; tqdm draws before that
+
+    def update(self, n=1):
+        shown = super().update(n)
+        if self._first is None:
+            self._first = (self.n, time.monotonic())
+        return shown
+
+    @property
+    def format_dict(self):
+        values = super().format_dict
+        if self._first is None or self.n == self._first[0]:
+            values["rate"] = 0   # tqdm shows "?" for an unknown rate
+        else:
+            elapsed = max(time.monotonic() - self._first[1], 1e-9)
+            values["rate"] = (self.n - self._first[0]) / elapsed
+        return values
+
+
 def progress_bar(total, epoch, epochs, **options):
-    """The tqdm bar of one epoch (``total`` steps, None when unknown), on stderr unless
-    ``options`` say otherwise."""
-    return tqdm(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", leave=False,
-                dynamic_ncols=True, bar_format=BAR_FORMAT, **options)
+    """The bar of one epoch (``total`` steps, None when unknown), on stderr unless
+    ``options`` say otherwise; its time left leaves out the first step (``EpochBar``)."""
+    return EpochBar(total=total, desc=f"epoch {epoch}/{epochs}", unit="batch", leave=False,
+                    dynamic_ncols=True, bar_format=BAR_FORMAT, **options)
 
 
 def show_progress(bar, loss, samples_per_s):

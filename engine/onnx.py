@@ -225,6 +225,11 @@ def _check_model(model):
             raise ValueError(f"engine.onnx.export: layer {index} '{layer.name}' "
                              f"({type(layer).__name__}) has no ONNX export yet; exported "
                              f"layers: {', '.join(EXPORTERS)}")
+        if getattr(layer, "data_format", "channels_first") != "channels_first":
+            raise ValueError(f"engine.onnx.export: layer {index} '{layer.name}' "
+                             f"({type(layer).__name__}) takes channels-last images, which this "
+                             "export does not write; rebuild it with "
+                             "data_format='channels_first'")
         activation = getattr(layer, "activation", None)
         if activation is not None and ACTIVATIONS.get(activation) is None:
             exportable = sorted(name for name, operator in ACTIVATIONS.items() if operator)

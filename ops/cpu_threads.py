@@ -56,6 +56,16 @@ ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 # 47 us whole, 74-83 in two.
 MIN_BLOCK_ELEMENTS = 64 << 10
 SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
+# ... and a block must also take this long by the kernel's own measured pace (``split_over_
+# threads`` times its whole calls): plain SGD runs 0.17 ns an element, 5x faster than Adam, so
+# 64k-element blocks were 11 us of work against the 20-50 us hand-off. Measured alternating
+# on the loaded 2-core machine (load 4.7), 2 threads: plain SGD over 235k took 82 us split
+# against 39 whole, 669k 143 against 97; SGD with momentum 106 against 59. Adam's 219 us
+# whole over 235k (two blocks of about 110 us) still splits, as measured above. At load 3.8-7
+# even that lost (forced 2 threads, alternating): Adam 235k 177 us split against 127 whole,
+# 669k 423 against 374; the load-following thread count, not this floor, answers a busy
+# neighbour, and a quiet machine is needed to tune the floor lower.
+MIN_BLOCK_SECONDS = 100e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
@@ -240,13 +250,17 @@ def row_blocks(rows, macs):
                         ROW_ALIGN)
 
 
-def element_blocks(size):
+def element_blocks(size, seconds_per_element=None):
     """The ``(start, stop)`` blocks an element kernel (``ops.element_kernel``) over ``size``
-    elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS``; None for
-    one plain call."""
+    elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS`` and, where
+    the kernel's pace is known (``seconds_per_element``), ``MIN_BLOCK_SECONDS`` of work;
+    None for one plain call."""
     if size < SPLIT_MIN_ELEMENTS:
         return None
-    return _even_blocks(size, min(threads(), size // MIN_BLOCK_ELEMENTS), ELEMENT_ALIGN)
+    count = min(threads(), size // MIN_BLOCK_ELEMENTS)
+    if seconds_per_element is not None:
+        count = min(count, int(size * seconds_per_element / MIN_BLOCK_SECONDS))
+    return _even_blocks(size, count, ELEMENT_ALIGN)
 
 
 def _even_blocks(size, count, align):

@@ -35,12 +35,13 @@ releases the GIL (``nogil``) for that.
 """
 import hashlib
 import inspect
+import time
 
 import numpy as np
 from numba import float64, njit
 
 from ops import cuda as cuda_runtime
-from ops.cpu_threads import element_blocks, run_blocks
+from ops.cpu_threads import SPLIT_MIN_ELEMENTS, element_blocks, run_blocks
 from ops.cuda import SIMULATOR, cuda
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, elements
 from ops.subnormals import flush_begin, flush_end
@@ -70,6 +71,7 @@ _CUDA_SCALARS = """s = cuda.shared.array({count}, float64)
     if cuda.threadIdx.x == 0:
         scalars_cuda({scalar_arguments}, s)
     cuda.syncthreads()"""
+TIMED_CALLS = 3   # whole calls timed, after the first, before a kernel may split
 SCALAR_BLOCKS_PER_SM = 8   # 8 x 256 threads: a multiprocessor's 2048, where registers allow
 # Numba's cache keys a kernel on its signature and source, not its compile flags: the CPU
 # kernel's name carries them too, so one compiled without nogil is never reloaded for it.
@@ -129,12 +131,27 @@ def split_over_threads(cpu, array_count):
     kernel on slices of the per-element arrays (those among the first ``array_count``
     arguments that are 1-D and as long as the first), so every element is computed as in one
     call, on any thread count. Each block reads the skip flag and computes the per-launch
-    scalars itself."""
+    scalars itself.
+
+    Whether a block is worth a thread depends on the kernel's pace (plain SGD's update is 5x
+    cheaper an element than Adam's): the kernel runs whole, timed, until ``TIMED_CALLS``
+    whole calls after its first (which compiles) give its fastest seconds per element, and
+    from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace."""
+    pace = []   # seconds per element of each timed whole call over a split-sized array
+
     def split(*args):
         first = args[0]
-        blocks = element_blocks(first.size) if getattr(first, "ndim", 0) == 1 else None
-        if blocks is None:
+        if getattr(first, "ndim", 0) != 1 or first.size < SPLIT_MIN_ELEMENTS:
             return cpu(*args)
+        known = min(pace[1:]) if len(pace) > TIMED_CALLS else None
+        blocks = element_blocks(first.size, known) if known is not None else None
+        if blocks is None:
+            if known is not None:
+                return cpu(*args)
+            start = time.perf_counter()
+            result = cpu(*args)
+            pace.append((time.perf_counter() - start) / first.size)
+            return result
         per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
                        and args[k].ndim == 1 and args[k].size == first.size]
         run_blocks([(cpu, tuple(arg[start:stop] if k in per_element else arg

@@ -1,29 +1,30 @@
 import numpy as np
-import engine
-from engine import nn as layers
+from engine import keras
+from engine.keras import layers
 
 num_classes = 10
-input_shape = (1, 28, 28)
+input_shape = (28, 28, 1)
 
-(x_train, y_train), (x_test, y_test) = engine.data.mnist.load()
+(x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
 
 x_train = x_train.astype("float32") / 255
 x_test = x_test.astype("float32") / 255
-x_train = np.expand_dims(x_train, 1)
-x_test = np.expand_dims(x_test, 1)
+x_train = np.expand_dims(x_train, -1)
+x_test = np.expand_dims(x_test, -1)
 print("x_train shape:", x_train.shape)
 print(x_train.shape[0], "train samples")
 print(x_test.shape[0], "test samples")
 
-y_train = np.eye(num_classes, dtype="float32")[y_train]
-y_test = np.eye(num_classes, dtype="float32")[y_test]
+y_train = keras.utils.to_categorical(y_train, num_classes)
+y_test = keras.utils.to_categorical(y_test, num_classes)
 
-model = layers.Sequential(
+model = keras.Sequential(
     [
-        layers.Conv2D(32, kernel_size=(3, 3), activation="relu", input_shape=input_shape),
-        layers.MaxPool2D(pool_size=(2, 2)),
+        keras.Input(shape=input_shape),
+        layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
         layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-        layers.MaxPool2D(pool_size=(2, 2)),
+        layers.MaxPooling2D(pool_size=(2, 2)),
         layers.Flatten(),
         layers.Dropout(0.5),
         layers.Dense(num_classes, activation="softmax"),

@@ -1,27 +1,28 @@
-import engine
-from engine import nn, optim
-from data import DataLoader, mnist
+import engine as torch
+from engine import nn
+from engine.data import DataLoader
+from engine.data import TensorDataset, mnist   # torchvision is not here: the shipped MNIST
 
-(x_train, y_train), (x_test, y_test) = mnist.load()   # Fashion-MNIST is not shipped: MNIST
-training_data, test_data = (x_train[:, None], y_train), (x_test[:, None], y_test)
+training_data = TensorDataset(*mnist.load()[0])   # uint8 images: the loader scales as ToTensor
+test_data = TensorDataset(*mnist.load()[1])
 
 batch_size = 64
-train_dataloader = DataLoader(*training_data, batch_size=batch_size)
-test_dataloader = DataLoader(*test_data, batch_size=batch_size)
+train_dataloader = DataLoader(training_data, batch_size=batch_size)
+test_dataloader = DataLoader(test_data, batch_size=batch_size)
 
-device = "cpu"
+device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
 print(f"Using {device} device")
 
-class NeuralNetwork(nn.Model):
+class NeuralNetwork(nn.Module):
     def __init__(self):
         super().__init__()
         self.flatten = nn.Flatten()
         self.linear_relu_stack = nn.Sequential(
-            nn.Dense(512),
-            nn.Activation("relu"),
-            nn.Dense(512),
-            nn.Activation("relu"),
-            nn.Dense(10)
+            nn.Linear(28*28, 512),
+            nn.ReLU(),
+            nn.Linear(512, 512),
+            nn.ReLU(),
+            nn.Linear(512, 10)
         )
 
     def forward(self, x):
@@ -30,14 +31,13 @@ class NeuralNetwork(nn.Model):
         return logits
 
 model = NeuralNetwork().to(device)
-model.build((1, 28, 28))
 print(model)
 
 loss_fn = nn.CrossEntropyLoss()
-optimizer = optim.SGD(model.parameters(), lr=1e-3)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
 def train(dataloader, model, loss_fn, optimizer):
-    size = dataloader.num_samples
+    size = len(dataloader.dataset)
     model.train()
     for batch, (X, y) in enumerate(dataloader):
         X, y = X.to(device), y.to(device)
@@ -51,16 +51,16 @@ def train(dataloader, model, loss_fn, optimizer):
             print(f"loss: {loss:>7f}  [{current:>5d}/{size:>5d}]")
 
 def test(dataloader, model, loss_fn):
-    size = dataloader.num_samples
+    size = len(dataloader.dataset)
     num_batches = len(dataloader)
     model.eval()
     test_loss, correct = 0, 0
-    with engine.no_grad():
+    with torch.no_grad():
         for X, y in dataloader:
             X, y = X.to(device), y.to(device)
             pred = model(X)
             test_loss += loss_fn(pred, y).item()
-            correct += (pred.argmax(1) == y).float().sum().item()
+            correct += (pred.argmax(1) == y).type(torch.float).sum().item()
     test_loss /= num_batches
     correct /= size
     print(f"Test Error: \n Accuracy: {(100*correct):>0.1f}%, Avg loss: {test_loss:>8f} \n")

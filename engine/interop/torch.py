@@ -41,6 +41,7 @@ from engine import autograd
 from engine.autograd import apply, enable_grad, no_grad
 from engine import nn
 from engine.interop import sequence, sequential
+from engine.interop.state_dict import load_state_dict  # noqa: F401  (torch's keys and layouts)
 from engine.parameter import FlatBuffer, Parameter
 from engine.tensor import Tensor, from_dlpack
 from ops.device import device_of
@@ -527,10 +528,22 @@ def _set(parameter, array):
     parameter.data = torch.from_numpy(np.ascontiguousarray(array))
 
 
+def _engine_kind(layer):
+    """The engine layer class ``layer`` is: its own name, or for torch's names
+    (``nn.Linear``, a Dense) the first engine class among its bases."""
+    for cls in type(layer).__mro__:   # a user's subclass keeps its own name (refused)
+        if cls.__module__ != "engine.nn.torch_layers":
+            return cls.__name__
+
+
 def _to_modules(layer, input_shape, state, dtype):
     """The torch modules computing ``layer`` on features of ``input_shape``, in ``dtype``,
     their parameters and statistics set from ``state`` (the layer's entries)."""
-    t, kind = torch.nn, type(layer).__name__
+    t, kind = torch.nn, _engine_kind(layer)
+    if getattr(layer, "data_format", "channels_first") != "channels_first":
+        raise ValueError(f"to_sequential: layer '{layer.name}' ({kind}) takes channels-last "
+                         "images and torch's layers channels first; rebuild it with "
+                         "data_format='channels_first'")
     if kind in sequence.ENGINE_LAYERS:
         return sequence.ENGINE_LAYERS[kind](layer, input_shape, state, dtype)
     if kind == "Dense":

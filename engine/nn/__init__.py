@@ -27,10 +27,14 @@ from engine.nn.layers import (ACTIVATIONS, Activation, AvgPool2D, BatchNorm, Den
                               Dropout, Flatten, Layer, MaxPool2D, Normalization, Rescaling,
                               Reshape, batch_shape)
 from engine.nn.layers import LayerList, Parameter  # noqa: F401
+from engine.nn.layers import Input, InputLayer  # noqa: F401
 from engine.nn.keras_methods import (CategoricalCrossentropy, History,  # noqa: F401
                                      SparseCategoricalCrossentropy)
 from engine.nn.model import LAYERS, Model, Sequential, load, register  # noqa: F401
 from engine.nn.sequence import Embedding, LayerNorm, MultiHeadAttention  # noqa: F401
+from engine.nn.torch_layers import (GELU, AvgPool2d, BatchNorm1d, BatchNorm2d,  # noqa: F401
+                                    Conv2d, LeakyReLU, Linear, MaxPool2d, Module, ModuleList,
+                                    ReLU, Sigmoid, Softmax, Tanh)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
 
@@ -40,33 +44,21 @@ _LOSSES = ("CrossEntropyLoss", "BCELoss", "MSELoss")
 
 
 # PyTorch's names that the engine spells its own (Keras's) way
-TORCH_EQUIVALENTS = {
-    "Linear": "nn.Dense(units, activation=None) (the input size is inferred)",
+TORCH_EQUIVALENTS = {   # (those torch_layers provides under torch's own names are gone)
     "Conv1d": "nn.Conv1D(filters, kernel_size, stride=1, padding='valid')",
-    "Conv2d": "nn.Conv2D(filters, kernel_size, stride=1, padding='valid')",
-    "GELU": "nn.Activation('gelu')",
-    "ReLU": "nn.Activation('relu'), or nn.Dense(units, activation='relu')",
-    "Sigmoid": "nn.Activation('sigmoid')",
-    "Tanh": "nn.Activation('tanh')",
-    "Softmax": "nn.Activation('softmax')",
-    "LeakyReLU": "nn.Activation('leaky_relu', alpha=0.01)",
-    "MaxPool2d": "nn.MaxPool2D(pool_size)",
-    "AvgPool2d": "nn.AvgPool2D(pool_size)",
-    "BatchNorm1d": "nn.BatchNorm()",
-    "BatchNorm2d": "nn.BatchNorm()",
-    "Module": "nn.Model (a model with any forward; nn.Layer for a part of one)",
-    "ModuleList": "nn.LayerList([...])",
 }
 
 
 # Keras's names that the engine spells otherwise, or does without
 KERAS_EQUIVALENTS = {
-    "MaxPooling2D": "nn.MaxPool2D(pool_size)",
-    "AveragePooling2D": "nn.AvgPool2D(pool_size)",
-    "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten()",
-    "BatchNormalization": "nn.BatchNorm()",
-    "Input": "input_shape=(...) on the first layer (without the batch dimension)",
-    "InputLayer": "input_shape=(...) on the first layer (without the batch dimension)",
+    "MaxPooling2D": "nn.MaxPool2D(pool_size) (channels first), or engine.keras.layers."
+                    "MaxPooling2D (Keras's channels-last default)",
+    "AveragePooling2D": "nn.AvgPool2D(pool_size) (channels first), or engine.keras.layers."
+                        "AveragePooling2D (Keras's channels-last default)",
+    "GlobalAveragePooling2D": "nn.AvgPool2D(pool_size=(height, width)) then nn.Flatten(), or "
+                              "engine.keras.layers.GlobalAveragePooling2D",
+    "BatchNormalization": "nn.BatchNorm() (torch's momentum convention: 1 - Keras's), or "
+                          "engine.keras.layers.BatchNormalization",
 }
 
 

@@ -5,7 +5,9 @@ import numpy as np
 from engine import functional as F
 from engine import init
 from engine.nn.layers import (Layer, _activate, _check_input_dtype, _compact, _kernel_initializer,
-                              _run_op, _weighted_config, batch_shape)
+                              _run_op, _weighted_config, batch_shape, channels_first,
+                              channels_first_shape, channels_last, channels_last_shape,
+                              check_data_format)
 from engine.parameter import Parameter
 from ops import pointwise
 from ops.conv import Conv2DOp, conv_output_sizes, conv_padding, sizes
@@ -34,9 +36,10 @@ class _Conv(Layer):
 
     def __init__(self, filters, kernel_size, stride=1, padding="valid", activation=None,
                  dilation=1, groups=1, use_bias=True, kernel_initializer=None, alpha=0.01,
-                 dtype=np.float32, input_shape=None):
+                 dtype=np.float32, input_shape=None, data_format="channels_first"):
         super().__init__(input_shape)
         where = type(self).__name__
+        self.data_format = check_data_format(data_format, where)
         if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters <= 0:
             raise ValueError(f"{where}: filters must be a positive int, got {filters!r}")
         if activation not in pointwise.LAYER_ACTIVATIONS + (None,):
@@ -76,6 +79,11 @@ class _Conv(Layer):
                                                       type(self).__name__, 0)
 
     def compute_output_shape(self, input_shape):
+        if self.data_format == "channels_last" and len(input_shape) == self.rank + 1:
+            return channels_last_shape(self._output_shape(channels_first_shape(input_shape)))
+        return self._output_shape(input_shape)
+
+    def _output_shape(self, input_shape):
         where = type(self).__name__
         if len(input_shape) != self.rank + 1:
             raise ValueError(f"{where} takes inputs of shape {self.layout}, got "
@@ -86,7 +94,8 @@ class _Conv(Layer):
             # (28, 28, 1): channels last, Keras's and TensorFlow's layout, read as 28 channels
             raise ValueError(f"{where} takes channels first, {self.layout}, and the input "
                              f"{batch_shape(input_shape)} looks channels last (NHWC); move "
-                             f"the channels first: np.moveaxis(x, -1, 1)")
+                             f"the channels first: np.moveaxis(x, -1, 1), or give the layer "
+                             f"data_format='channels_last'")
         if channels % self.groups:
             raise ValueError(f"{where}: the {channels} input channels must divide by groups "
                              f"({self.groups})")
@@ -95,7 +104,8 @@ class _Conv(Layer):
 
     def build(self, input_shape, device="cpu", initialize=True):
         output_shape = super().build(input_shape, device, initialize)
-        asked = self.kernel_size + (input_shape[0] // self.groups, self.filters)   # Keras's
+        channels = input_shape[-1 if self.data_format == "channels_last" else 0]
+        asked = self.kernel_size + (channels // self.groups, self.filters)   # Keras's
         weight = (self.kernel_initializer(asked, dtype=self.dtype) if initialize
                   else np.zeros(asked, self.dtype))
         if tuple(np.shape(weight)) != asked:
@@ -112,6 +122,11 @@ class _Conv(Layer):
 
     def forward(self, x):
         _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
+        if self.data_format == "channels_last":
+            return channels_last(self._forward(channels_first(x, self)))
+        return self._forward(x)
+
+    def _forward(self, x):
         fused = self.activation if self.activation in FUSED_ACTIVATIONS else None
         y = _run_op(self, Conv2DOp, *self._plane_inputs(x), stride=self._plane(self.stride),
                     padding=self._plane_padding(), dilation=self._plane(self.dilation),
@@ -141,6 +156,8 @@ class _Conv(Layer):
             config["groups"] = self.groups
         if not self.use_bias:
             config["use_bias"] = False
+        if self.data_format != "channels_first":
+            config["data_format"] = self.data_format
         return {**config, **_weighted_config(self), **super().get_config()}
 
 

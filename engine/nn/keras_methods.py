@@ -208,6 +208,7 @@ class KerasMethods:
 
     def _loader(self, x, y, batch_size, shuffle):
         import engine
+        x = x if isinstance(x, np.ndarray) and x.dtype.kind != "f" else self._host_input(x)
         return engine.data.DataLoader(x, y, batch_size=batch_size, shuffle=shuffle,
                                       device=self.device)
 

@@ -622,14 +622,47 @@ def _run_op(layer, op_class, *inputs, **params):
 
 
 
+def check_data_format(data_format, where):
+    """Keras's ``data_format``: "channels_first" (NCHW, the engine's and torch's) or
+    "channels_last" (NHWC, Keras's default), where the layer moves the channels first for
+    its kernel and back after (two copies)."""
+    if data_format not in ("channels_first", "channels_last"):
+        raise ValueError(f"{where}: data_format must be 'channels_first' or 'channels_last', "
+                         f"got {data_format!r}")
+    return data_format
+
+
+def channels_first_shape(shape):
+    return (shape[-1],) + tuple(shape[:-1])
+
+
+def channels_last_shape(shape):
+    return tuple(shape[1:]) + (shape[0],)
+
+
+def channels_first(x, layer):
+    """``(N, *spatial, C) -> (N, C, *spatial)`` for a channels-last layer."""
+    if x.ndim < 3:
+        raise ValueError(f"{layer.name} {layer!r}: expects channels-last input (None, ..., "
+                         f"channels), got shape {tuple(x.shape)}")
+    return F.permute(x, (0, x.ndim - 1) + tuple(range(1, x.ndim - 1)))
+
+
+def channels_last(y):
+    return F.permute(y, (0,) + tuple(range(2, y.ndim)) + (1,))
+
+
 class _Pool2D(Layer):
-    """A pooling window over each channel of NCHW inputs: ``pool_size``, ``stride`` (default
-    ``pool_size``) and ``padding`` (at most half the window), as torch's."""
+    """A pooling window over each channel of NCHW inputs (NHWC with
+    ``data_format="channels_last"``): ``pool_size``, ``stride`` (default ``pool_size``) and
+    ``padding`` (at most half the window), as torch's."""
     op = None   # the ops.pool op class
 
-    def __init__(self, pool_size, stride=None, padding=0, input_shape=None):
+    def __init__(self, pool_size, stride=None, padding=0, input_shape=None,
+                 data_format="channels_first"):
         super().__init__(input_shape)
         where = type(self).__name__
+        self.data_format = check_data_format(data_format, where)
         self.pool_size = pair(pool_size, "pool_size", where, 1)
         self.stride = (self.pool_size if stride is None
                        else pair(stride, "stride", where, 1))
@@ -638,11 +671,20 @@ class _Pool2D(Layer):
 
     def compute_output_shape(self, input_shape):
         where = type(self).__name__
-        channels, height, width = _image_shape(input_shape, where)
-        return (channels,) + pool_output_sizes(
+        last = self.data_format == "channels_last"
+        channels, height, width = _image_shape(
+            channels_first_shape(input_shape) if last and len(input_shape) == 3 else input_shape,
+            where)
+        shape = (channels,) + pool_output_sizes(
             (height, width), self.pool_size, self.stride, self.padding, where, "pool_size")
+        return channels_last_shape(shape) if last else shape
 
     def forward(self, x):
+        if self.data_format == "channels_last":
+            return channels_last(self._pool(channels_first(x, self)))
+        return self._pool(x)
+
+    def _pool(self, x):
         return _run_op(self, self.op, x, kernel_size=self.pool_size, stride=self.stride,
                        padding=self.padding)
 
@@ -652,6 +694,8 @@ class _Pool2D(Layer):
             config["stride"] = _compact(self.stride)
         if self.padding != (0, 0):
             config["padding"] = _compact(self.padding)
+        if self.data_format != "channels_first":
+            config["data_format"] = self.data_format
         return {**config, **super().get_config()}
 
 
@@ -861,3 +905,32 @@ class Normalization(Layer):
         if self.dtype != np.float32:
             config["dtype"] = self.dtype.name
         return {**config, **super().get_config()}
+
+
+class InputLayer(Layer):
+    """Keras's input declaration, the first item of a Sequential: ``nn.Input(shape=(28, 28,
+    1))`` (the feature shape, without the batch dimension) says what the model takes, as
+    ``input_shape=`` on its first layer does. The Sequential keeps the shape, not the
+    object: it is no layer of the model and runs nothing. A ``None`` size (Keras's
+    variable sequence length, ``Input(shape=(None, 64))``) leaves the model to be built by
+    its first call; later calls may differ there, as its layers allow."""
+
+    def __init__(self, shape=None, batch_size=None, dtype=None, name=None, input_shape=None):
+        shape = input_shape if shape is None else shape
+        if shape is None:
+            raise ValueError("Input: give the feature shape, Input(shape=(...)) (without the "
+                             "batch dimension)")
+        shape = tuple(shape)
+        super().__init__(None if None in shape else shape, name)
+        self.shape = shape
+        self.dtype = None if dtype is None else np.dtype(dtype)
+
+    def forward(self, x):
+        raise TypeError("nn.Input declares a Sequential's input shape (its first item); "
+                        "it is no layer to call. A model with several inputs: an nn.Model "
+                        "subclass whose forward takes them")
+
+
+def Input(shape=None, batch_size=None, dtype=None, name=None):
+    """Keras's ``keras.Input(shape)``: an ``InputLayer`` declaring a Sequential's input."""
+    return InputLayer(shape, batch_size, dtype, name)

@@ -8,8 +8,8 @@ import numpy as np
 from engine import archive
 from engine.nn.convolutional import Conv1D, Conv2D
 from engine.nn.keras_methods import KerasMethods
-from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten, Layer,
-                              MaxPool2D, Normalization, Rescaling, Reshape,
+from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, Flatten,
+                              InputLayer, Layer, MaxPool2D, Normalization, Rescaling, Reshape,
                               _check_input_dtype, _feature_shape, _float_buffers, _float_dtype,
                               _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
@@ -116,11 +116,31 @@ class Model(KerasMethods, Layer):
             raise RuntimeError(f"{self.name}.{what}: the model is not built yet; call it once "
                                "on a batch, or model.build(input_shape)")
 
+    def _build_declared(self):
+        """Build each unbuilt layer of the tree that declares its input shape and holds no
+        layers (its parameters need nothing else); the model is still built by its call.
+        A Sequential's layers are left to it: it builds them in its chain (at once when its
+        first layer declares), and a second build would make new parameters."""
+        def walk(layer):
+            for _, child in layer.named_children():
+                if isinstance(child, Sequential):
+                    continue
+                if (not child.built and child.input_shape is not None and not child._children
+                        and not isinstance(child, Model)):
+                    child.build(child.input_shape, self.device)
+                    child._apply_trainable()
+                walk(child)
+        walk(self)
+
     # ------------------------------------------------------------- parameters and devices
     def parameters(self):
         """The Parameters in a stable order (``named_parameters``'). A model whose layers
         make their parameters when built has none to give before (an optimizer would get
-        an empty list): a RuntimeError says how to build it."""
+        an empty list): a RuntimeError says how to build it. Layers that declare their input
+        shape (``input_shape=``, torch's ``nn.Linear(784, 512)``) are built here, as torch
+        makes a module's parameters in its constructor."""
+        if not self.built:
+            self._build_declared()
         if not self.built and self._unbuilt_layers():
             self._require_built("parameters")
         return [p for _, p in self.named_parameters()]
@@ -171,7 +191,7 @@ class Model(KerasMethods, Layer):
     # ------------------------------------------------------------- running
     def __call__(self, x, *args, **kwargs):
         if not isinstance(x, Tensor):
-            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
+            x = self._as_input(x)
         if x.device != self.device:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
@@ -201,6 +221,30 @@ class Model(KerasMethods, Layer):
             return given
         return self._flat[0].dtype if self._flat else np.dtype(np.float32)
 
+    def _as_input(self, x):
+        """A NumPy array or a list as the input Tensor on the model's device. A list of
+        numbers takes the model's dtype (``engine.tensor([[1.0]])`` is float32); a NumPy array
+        of another float dtype is refused as a Tensor of that dtype is (torch's rule: no
+        silent narrowing of float64 data), naming both fixes. ``predict`` and Keras's ``fit``
+        / ``evaluate`` convert arrays instead, as Keras does."""
+        given = np.asarray(x).dtype
+        dtype = self._input_dtype(given)
+        if isinstance(x, np.ndarray) and given.kind == "f" and given != dtype:
+            raise TypeError(
+                f"{self.name}: input dtype {given} (a NumPy array) does not match the model's "
+                f"{dtype}; convert the input (x.astype(np.{dtype.name})), or the model "
+                f"(model.to(np.{given.name})); a Tensor input is refused the same way")
+        return tensor(x, dtype=dtype, device=self.device)
+
+    def _host_input(self, x):
+        """``x`` as Keras's methods take it: a NumPy array whose floats are the model's float
+        dtype (Keras casts inputs to the layers' dtype)."""
+        x = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
+        dtype = self._flat[0].dtype if self._flat else None
+        if dtype is not None and x.dtype.kind == "f" and x.dtype != dtype:
+            x = x.astype(dtype)
+        return x
+
     def predict(self, x, batch_size=256, verbose=0):  # verbose: Keras's signature; quiet
         """The model's outputs for ``x`` (a NumPy array, list or Tensor of samples) as one
         NumPy array, computed ``batch_size`` samples at a time, in eval mode and without the
@@ -210,7 +254,7 @@ class Model(KerasMethods, Layer):
             raise ValueError(f"{self.name}.predict: batch_size must be a positive int, "
                              f"got {batch_size!r}")
         if not isinstance(x, Tensor):
-            x = np.asarray(x)
+            x = self._host_input(x)
         if x.ndim < 2:
             raise ValueError(f"{self.name}.predict: expects a batch of shape (None, "
                              f"features...), got {x.shape}")
@@ -430,6 +474,13 @@ class Sequential(Model):
         seen = {id(other) for other in self.layers}
         grew = False
         for layer in layers:
+            if isinstance(layer, InputLayer):   # Keras's Input(shape): the model's input shape
+                if self.layers:
+                    raise ValueError(f"Sequential.add: {layer!r} declares the input shape; it "
+                                     "comes first, before any layer")
+                if layer.input_shape is not None:   # else (a None size) the first call builds
+                    self.input_shape = self.output_shape = layer.input_shape
+                continue
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
             if layer is self or id(layer) in seen or (layer.built
@@ -439,7 +490,7 @@ class Sequential(Model):
             seen.add(id(layer))
             layer.name = names.allocate(type(layer).__name__.lower())
             layer.training = self.training
-            if not self.layers:
+            if not self.layers and (self.input_shape is None or layer.input_shape is not None):
                 self.input_shape = layer.input_shape
                 self.output_shape = layer.input_shape
             self.layers.append(layer)
@@ -469,7 +520,10 @@ class Sequential(Model):
             previous = self.layers[index - 1]
             source = (f"layer {index - 1} '{previous.name}' {previous!r} with output "
                       f"{batch_shape(shape)}")
-        if layer.input_shape is not None and layer.input_shape != shape:
+        declared = layer.input_shape
+        last_axis = isinstance(layer, Dense) and len(declared or ()) == 1   # any rank, as torch
+        if declared is not None and declared != shape and not (
+                last_axis and len(shape) > 1 and shape[-1:] == declared):
             raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
                              f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
         try:
@@ -545,7 +599,7 @@ class Sequential(Model):
     # ------------------------------------------------------------- running
     def __call__(self, x):
         if not isinstance(x, Tensor):
-            x = tensor(x, dtype=self._input_dtype(np.asarray(x).dtype), device=self.device)
+            x = self._as_input(x)
         if x.ndim < 2:
             raise ValueError(f"{self.name}: expects a batch of shape (None, features...), "
                              f"got {x.shape}")
@@ -554,13 +608,33 @@ class Sequential(Model):
                 raise RuntimeError(f"{self.name}: the model has no layers")
             self._build_from(x.shape[1:])
         if x.shape[1:] != self.input_shape:
-            raise ValueError(f"{self.name}: expects input of shape {batch_shape(self.input_shape)}"
-                             f" (first layer '{self.layers[0].name}'), got {x.shape}")
+            self._check_other_shape(tuple(x.shape[1:]))
         if x.device != self.device:
             raise ValueError(f"{self.name}: the input is on {x.device} and the model on "
                              f"{self.device}; move one of them with .to('{self.device}')")
         note_participant(self)
         return self.forward(x)
+
+    def _check_other_shape(self, shape):
+        """Inputs of another feature shape than the model was built for (another sequence
+        length, another image size) run when every layer takes them, as torch's modules do:
+        the layers' output shapes are worked out first, so a shape that a layer cannot take
+        is refused here, naming the layer, before any kernel runs."""
+        source = f"the input {batch_shape(shape)}"
+        for index, layer in enumerate(self.layers):
+            if layer._children or isinstance(layer, Model):
+                return   # its forward decides (a traced shape would run it)
+            features = getattr(layer, "weight", None)
+            try:
+                if isinstance(layer, Dense) and features is not None \
+                        and shape[-1:] != features.shape[:1]:
+                    raise ValueError(f"it takes {features.shape[0]} features on the last axis")
+                shape = layer.compute_output_shape(shape)
+            except ValueError as error:
+                raise ValueError(
+                    f"{self.name}: built for inputs {batch_shape(self.input_shape)}; layer "
+                    f"{index} '{layer.name}' {layer!r} cannot take {source}: {error}") from None
+            source = f"layer {index} '{layer.name}''s output {batch_shape(shape)}"
 
     def forward(self, x):
         for layer in self.layers:
@@ -569,9 +643,12 @@ class Sequential(Model):
 
     def _input_dtype(self, given):
         """The dtype a NumPy or list input becomes: its own when integer and the first layer
-        casts it (Rescaling); a uint8 array (raw images) any other model refuses, since it
-        would run on unscaled pixels; else the parameters' float dtype (lists of ints too)."""
-        if given.kind in "iu" and self.layers and isinstance(self.layers[0], Rescaling):
+        casts it (Rescaling) or takes ids (Embedding); a uint8 array (raw images) any other
+        model refuses, since it would run on unscaled pixels; else the parameters' float
+        dtype (lists of ints too)."""
+        first = self.layers[0] if self.layers else None
+        if given.kind in "iu" and (isinstance(first, Rescaling)
+                                   or getattr(first, "integer_input", False)):
             return given
         dtype = self._flat[0].dtype if self._flat else np.dtype(np.float32)
         if given == np.uint8:
@@ -583,9 +660,13 @@ class Sequential(Model):
         return f"Sequential({body}\n)" if body else "Sequential()"
 
     def get_config(self):
-        return {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
-                "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
-                           for layer in self.layers]}
+        config = {"format": "engine.nn.Sequential", "version": FORMAT_VERSION, "name": self.name,
+                  "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
+                             for layer in self.layers]}
+        if self.built and self.layers[0].input_shape != self.input_shape:
+            # built by its first call, build() or Input(shape): the file says for what
+            config["input_shape"] = list(self.input_shape)
+        return config
 
     @classmethod
     def from_config(cls, config, weights=None):
@@ -607,6 +688,11 @@ class Sequential(Model):
         if not isinstance(name, str) or not isinstance(layers, list):
             raise ValueError("a config needs a text 'name' and a list of 'layers', got "
                              f"{type(name).__name__} and {type(layers).__name__}")
+        input_shape = config.get("input_shape")
+        if input_shape is not None and (not isinstance(input_shape, list) or not all(
+                isinstance(size, int) and size > 0 for size in input_shape)):
+            raise ValueError(f"the config's input_shape must be a list of positive ints, got "
+                             f"{input_shape!r}")
         made = []
         for index, entry in enumerate(layers):
             if (not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str)
@@ -627,6 +713,8 @@ class Sequential(Model):
         model = cls(name=name)
         model._initialize = False
         model._extend(made)
+        if input_shape is not None and not model.built:
+            model._build_from(tuple(input_shape))
         model._initialize = True
         return model
 

@@ -30,6 +30,7 @@ class Embedding(Layer):
     """A table of ``num_embeddings`` learned vectors of ``embedding_dim``: integer ids of any
     shape -> ``ids.shape + (embedding_dim,)`` (torch's ``nn.Embedding``). The
     ``padding_idx`` row starts at zero and gets no gradient."""
+    integer_input = True   # a model starting with it keeps NumPy ids as integers
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, dtype=np.float32,
                  input_shape=None):
@@ -82,10 +83,26 @@ class Embedding(Layer):
 class LayerNorm(Layer):
     """Normalise the last axis of each input to mean 0 and variance 1 (biased), then scale by
     a learned ``weight`` (ones) and shift by a learned ``bias`` (zeros): torch's
-    ``nn.LayerNorm(features)`` with the feature count taken from the first input."""
+    ``nn.LayerNorm(features)`` with the feature count taken from the first input.
 
-    def __init__(self, eps=1e-5, dtype=np.float32, input_shape=None):
+    torch's form ``nn.LayerNorm(64)`` (an int, or a tuple of one, first: its
+    ``normalized_shape``) is taken as the feature count, checked against that input; the
+    engine's own first argument is ``eps`` (a float)."""
+
+    def __init__(self, eps=1e-5, dtype=np.float32, input_shape=None, normalized_shape=None):
         super().__init__(input_shape)
+        if isinstance(eps, (tuple, list)) or (isinstance(eps, (int, np.integer))
+                                              and not isinstance(eps, bool) and eps >= 1):
+            normalized_shape, eps = eps, 1e-5   # torch's LayerNorm(normalized_shape)
+        if normalized_shape is not None:
+            shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) \
+                else (normalized_shape,)
+            if len(shape) != 1 or not isinstance(shape[0], (int, np.integer)) or shape[0] < 1:
+                raise ValueError(f"LayerNorm: normalized_shape {normalized_shape!r}: the engine "
+                                 "normalises the last axis, one positive size (or none: it is "
+                                 "taken from the input)")
+            normalized_shape = int(shape[0])
+        self.normalized_shape = normalized_shape
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"LayerNorm: eps must be a number > 0, got {eps!r}")
         self.eps = float(eps)
@@ -99,6 +116,9 @@ class LayerNorm(Layer):
         return input_shape
 
     def build(self, input_shape, device="cpu", initialize=True):
+        if self.normalized_shape not in (None, input_shape[-1] if input_shape else None):
+            raise ValueError(f"LayerNorm: normalized_shape is {self.normalized_shape}, the "
+                             f"input's last axis {input_shape[-1] if input_shape else 'missing'}")
         output_shape = super().build(input_shape, device, initialize)
         features = (input_shape[-1],)
         self.weight = Parameter(to_device(np.ones(features, self.dtype), device))
@@ -115,6 +135,8 @@ class LayerNorm(Layer):
 
     def get_config(self):
         config = {"eps": self.eps} if self.eps != 1e-5 else {}
+        if self.normalized_shape is not None:
+            config["normalized_shape"] = self.normalized_shape
         if self.dtype != np.float32:
             config["dtype"] = self.dtype.name
         return {**config, **super().get_config()}

@@ -19,7 +19,7 @@ def test_the_quickstart_port_tracks_its_parameters_and_learns(monkeypatch, capsy
     exec(compile(source, str(PORT), "exec"), scope)
     model = scope["model"]
     assert [name for name, _ in model.named_parameters()] == [
-        f"linear_relu_stack.{layer}.{kind}" for layer in ("dense", "dense_1", "dense_2")
+        f"linear_relu_stack.{layer}.{kind}" for layer in ("linear", "linear_1", "linear_2")
         for kind in ("weight", "bias")]
     assert sum(p.size for p in model.parameters()) == 784 * 512 + 512 + 512 * 512 + 512 + 5130
     losses = [float(v) for v in re.findall(r"Avg loss: ([0-9.]+)", capsys.readouterr().out)]
