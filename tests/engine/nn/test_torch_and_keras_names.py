@@ -3,7 +3,7 @@ channels-last images), Sequential's inputs of another shape, float64 inputs alik
 arrays and Tensors, ``from engine.data import ...`` and ``engine.accelerator``."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 import engine
 from engine import nn, optim
