@@ -33,6 +33,7 @@ from engine.nn.model import LAYERS, Model, Sequential, load, register  # noqa: F
 from engine.nn.sequence import Embedding, LayerNorm, MultiHeadAttention  # noqa: F401
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
+from ops import pointwise as _pointwise
 
 # ------------------------------------------------------------------ losses
 
@@ -57,6 +58,10 @@ TORCH_EQUIVALENTS = {
     "Module": "nn.Model (a model with any forward; nn.Layer for a part of one)",
     "ModuleList": "nn.LayerList([...])",
 }
+# and every other activation torch has a module for (ops.pointwise.TABLE: SiLU, ...)
+TORCH_EQUIVALENTS.update({entry.torch: f"nn.Activation('{entry.name}')"
+                          for entry in _pointwise.TABLE
+                          if entry.torch and entry.torch not in TORCH_EQUIVALENTS})
 
 
 # Keras's names that the engine spells otherwise, or does without
