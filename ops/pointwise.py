@@ -30,7 +30,7 @@ from ops.cuda import cuda
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
- GELU, GELU_TANH, SILU) = range(19)
+ GELU, GELU_TANH, SILU, MISH) = range(20)
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
 INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor
@@ -105,6 +105,11 @@ TABLE = (
               keras=("swish",), initializer="he_normal",
               doc="``x * sigmoid(x)`` elementwise, as ``torch.nn.functional.silu`` (SiLU, "
               "also called swish)."),
+    # x tanh(softplus(x)); not a function of y either (y has a minimum at x = -1.19)
+    Pointwise(name="mish", code=MISH, reads_input=True, activation=True, onnx="Mish",
+              onnx_opset=18, torch="Mish", initializer="he_normal",
+              doc="``x * tanh(log(1 + exp(x)))`` elementwise, as "
+              "``torch.nn.functional.mish``."),
 )
 BY_NAME = {entry.name: entry for entry in TABLE}
 
@@ -160,6 +165,8 @@ def value(code, x, p):
             return x / (1 + math.exp(-x))
         e = math.exp(x)
         return x * e / (1 + e)
+    if code == MISH:   # torch's form: exp overflowing to inf gives tanh(inf) = 1, so x
+        return x * math.tanh(math.log1p(math.exp(x)))
     return x ** p   # POW_SCALAR
 
 
@@ -206,6 +213,14 @@ def derivative(code, x, y, p):
             e = math.exp(x)
             s = e / (1 + e)
         return s * (1 + x * (1 - s))
+    if code == MISH:   # t + x s (1 - t^2), t = tanh(softplus(x)), s = sigmoid(x), as torch
+        t = math.tanh(math.log1p(math.exp(x)))
+        if x >= 0:
+            s = 1 / (1 + math.exp(-x))
+        else:
+            e = math.exp(x)
+            s = e / (1 + e)
+        return t + x * s * (1 - t * t)
     return zero + 1   # IDENTITY, ADD_SCALAR
 
 

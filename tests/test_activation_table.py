@@ -197,3 +197,31 @@ def test_the_kernels_of_every_fused_row_and_every_function_are_built_per_code():
     # a NumPy integer is the same code: one build, typed as a literal
     assert conv_cpu.conv2d_cpu_kernels(np.int64(pointwise.RELU)) is \
         conv_cpu.conv2d_cpu_kernels(pointwise.RELU)
+
+
+# ------------------------------------------------------------------ mish
+
+def test_mish_saturates_as_torch_where_exp_overflows():
+    """float32's exp overflows past 88: mish is x there (tanh(inf) = 1) and its gradient 1;
+    far left both go to -0 and 0, as torch's."""
+    x = np.concatenate([np.linspace(-30, 30, 121), [85.0, 88.5, 89.0, 100.0, 1e4, -1e4]])
+    for dtype in (np.float32, np.float64):
+        mine = engine.tensor(x, dtype=dtype, requires_grad=True)
+        y = engine.mish(mine)
+        y.sum().backward()
+        theirs = torch.tensor(x.astype(dtype), requires_grad=True)
+        expected = torch.nn.functional.mish(theirs)
+        expected.sum().backward()
+        assert np.isfinite(mine.grad.numpy()).all()
+        np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_mish_runs_after_the_layers_kernel_and_exports_from_opset_18(tmp_path):
+    """Its derivative is not a function of y: Dense and Conv2D keep x for it."""
+    assert "mish" not in pointwise.ACTIVATIONS
+    model = nn.Sequential([nn.Dense(3, activation="mish", input_shape=(4,))])
+    with pytest.raises(ValueError, match="ONNX's Mish .* from opset 18 on; export with "
+                                         "opset=18 or later, got 17"):
+        engine.onnx.export(model, tmp_path / "m.onnx")
