@@ -30,7 +30,7 @@ from ops.cuda import cuda
 
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
- GELU, GELU_TANH, SILU, MISH) = range(20)
+ GELU, GELU_TANH, SILU, MISH, HARDSWISH) = range(21)
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
 INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor
@@ -110,6 +110,12 @@ TABLE = (
               onnx_opset=18, torch="Mish", initializer="he_normal",
               doc="``x * tanh(log(1 + exp(x)))`` elementwise, as "
               "``torch.nn.functional.mish``."),
+    # x relu6(x + 3) / 6; not a function of y (y has a minimum at x = -1.5). Keras: hard_silu
+    Pointwise(name="hardswish", code=HARDSWISH, reads_input=True, activation=True,
+              onnx="HardSwish", onnx_opset=14, torch="Hardswish",
+              keras=("hard_silu", "hard_swish"), initializer="he_normal",
+              doc="``x * min(max(x + 3, 0), 6) / 6`` elementwise, as "
+              "``torch.nn.functional.hardswish``."),
 )
 BY_NAME = {entry.name: entry for entry in TABLE}
 
@@ -167,6 +173,13 @@ def value(code, x, p):
         return x * e / (1 + e)
     if code == MISH:   # torch's form: exp overflowing to inf gives tanh(inf) = 1, so x
         return x * math.tanh(math.log1p(math.exp(x)))
+    if code == HARDSWISH:   # NaN passes the clamps (comparisons are false), as torch's
+        r = x + 3
+        if r < 0:
+            r = p - p
+        if r > 6:
+            r = p - p + 6
+        return x * r / 6
     return x ** p   # POW_SCALAR
 
 
@@ -221,7 +234,12 @@ def derivative(code, x, y, p):
             e = math.exp(x)
             s = e / (1 + e)
         return t + x * s * (1 - t * t)
-    return zero + 1   # IDENTITY, ADD_SCALAR
+    if code == HARDSWISH:   # torch's: 0 to -3, x / 3 + 1 / 2 strictly inside (-3, 3), then 1
+        if x <= -3:
+            return zero
+        if x < 3:
+            return x / 3 + 0.5
+    return zero + 1   # IDENTITY, ADD_SCALAR, HARDSWISH from 3 on (and at nan, as torch)
 
 
 # the CPU kernels pass a constant code: each inlines only that code's branch

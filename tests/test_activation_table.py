@@ -225,3 +225,30 @@ def test_mish_runs_after_the_layers_kernel_and_exports_from_opset_18(tmp_path):
     with pytest.raises(ValueError, match="ONNX's Mish .* from opset 18 on; export with "
                                          "opset=18 or later, got 17"):
         engine.onnx.export(model, tmp_path / "m.onnx")
+
+
+# ------------------------------------------------------------------ hardswish
+
+def test_hardswish_gradient_at_its_corners_is_torchs():
+    """torch's backward takes x / 3 + 1/2 strictly inside (-3, 3): 0 at -3 and 1 at 3, not the
+    -0.5 and 1.5 of the inside's formula there; a NaN input gives a NaN value, gradient 1."""
+    x = np.array([-3.0001, -3.0, -2.9999, -1.5, 0.0, 2.9999, 3.0, 3.0001, np.nan])
+    for dtype in (np.float32, np.float64):
+        mine = engine.tensor(x, dtype=dtype, requires_grad=True)
+        y = engine.hardswish(mine)
+        y.sum().backward()
+        theirs = torch.tensor(x.astype(dtype), requires_grad=True)
+        expected = torch.nn.functional.hardswish(theirs)
+        expected.sum().backward()
+        np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-6)
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(mine.grad.numpy()[[1, 6, 8]], [0.0, 1.0, 1.0])
+        assert np.isnan(y.numpy()[8])
+
+
+def test_hardswish_takes_keras_names_and_exports_from_opset_14(tmp_path):
+    assert nn.Activation("hard_silu").activation == "hardswish"
+    assert nn.Dense(2, activation="hard_swish").get_config()["activation"] == "hardswish"
+    model = nn.Sequential([nn.Dense(3, activation="hardswish", input_shape=(4,))])
+    with pytest.raises(ValueError, match="ONNX's HardSwish .* from opset 14 on"):
+        engine.onnx.export(model, tmp_path / "m.onnx", opset=13)
