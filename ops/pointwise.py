@@ -22,15 +22,22 @@ derivative of ``x ** 0`` is 0 everywhere (also at x = 0). ``x / p`` divides (``x
 +-inf or nan, as NumPy's), never multiplies by ``1 / p``, which rounds differently (and
 raises ZeroDivisionError in Python for p = 0); the derivative of ``abs`` at 0 is 0, as torch's.
 """
+import hashlib
 import math
+import pathlib
 from dataclasses import dataclass
 
 from ops.constant_code import cpu_of_constant_code
 from ops.cuda import cuda
 
+# The codes are consecutive ints from a digest of this file. Numba's disk cache keys a kernel
+# by its own file and the code in its closure, never by this file, so a branch changed here
+# (or a constant it reads) would otherwise leave every kernel compiled before it in use; with
+# the digest every code changes with the file, and no such kernel is found again.
+CODES_BASE = int(hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:10], 16) * 64
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
- GELU, GELU_TANH, SILU, MISH, HARDSWISH) = range(21)
+ GELU, GELU_TANH, SILU, MISH, HARDSWISH) = range(CODES_BASE, CODES_BASE + 21)
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
 INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor

@@ -4,6 +4,9 @@ against torch: the function (``engine.<name>``, ``Tensor.<name>``), its op on bo
 ``Conv2D``, and Keras's other names), torch interop both ways and ONNX export and import.
 A new row is tested here without a line of this file; the tests at the end are the edge cases
 of the rows added last."""
+import hashlib
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -178,6 +181,14 @@ def test_onnx_export_and_import_or_a_refusal_naming_the_row(entry, tmp_path):
     assert [getattr(layer, "activation", None) for layer in loaded.layers] == [entry.name] * 2
     np.testing.assert_allclose(loaded(engine.tensor(x)).numpy(), expected, rtol=1e-6,
                                atol=1e-7)
+
+
+def test_the_codes_change_with_the_table_file():
+    """Numba's cache never sees ops/pointwise.py: its codes are what change with it."""
+    digest = hashlib.sha256(pathlib.Path(pointwise.__file__).read_bytes()).hexdigest()
+    assert pointwise.IDENTITY == pointwise.CODES_BASE == int(digest[:10], 16) * 64
+    codes = [entry.code for entry in pointwise.TABLE]
+    assert sorted(codes) == list(range(pointwise.CODES_BASE, pointwise.CODES_BASE + len(codes)))
 
 
 def test_the_kernels_of_every_fused_row_and_every_function_are_built_per_code():
