@@ -12,8 +12,11 @@ import pytest
 
 import engine
 from engine import functional, nn
+from engine.autograd import apply
 from engine.interop import torch as interop
 from ops import conv_cpu, dense, elementwise, pointwise
+from ops.conv import Conv2DOp
+from ops.dense import DenseOp
 from ops.gemm import plans, template
 from tests.op_check import Case, check_op
 
@@ -49,12 +52,37 @@ def engine_function(entry):
     return getattr(functional, entry.name)
 
 
-CASES = [Case(entry.name, ((3, 5),), engine_function(entry), torch_reference(entry),
-              low=-5, high=5)
-         for entry in WITH_TORCH if entry.doc]
+def fused_dense_case(entry):
+    """Dense with the row fused in its kernels (the CPU loops, the GEMM template's epilogue
+    and derivative prologue on CUDA), odd shapes."""
+    alpha = PARAMETERS.get(entry.name, 0.01)
+    return Case("dense", ((5, 7), (7, 3), (3,)),
+                lambda x, w, b: apply(DenseOp, x, w, b, activation=entry.name, alpha=alpha),
+                lambda x, w, b: torch_reference(entry)(x @ w + b))
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+def fused_conv_case(entry):
+    """Conv2D with the row fused (the CPU loops of its code, the implicit GEMM's on CUDA)."""
+    alpha = PARAMETERS.get(entry.name, 0.01)
+
+    def reference(x, w, b):
+        with torch.no_grad():
+            convolved = torch.nn.functional.conv2d(*(torch.from_numpy(a) for a in (x, w, b)))
+        return torch_reference(entry)(convolved.numpy())
+    return Case("conv2d", ((2, 2, 5, 4), (3, 2, 3, 2), (3,)),
+                lambda x, w, b: apply(Conv2DOp, x, w, b, activation=entry.name, alpha=alpha),
+                reference)
+
+
+NAMED_CASES = ([(entry.name, Case(entry.name, ((3, 5),), engine_function(entry),
+                                   torch_reference(entry), low=-5, high=5))
+                for entry in WITH_TORCH if entry.doc]
+               + [(f"{case.op}-{entry.name}", case) for entry in WITH_TORCH if entry.fuses
+                  for case in (fused_dense_case(entry), fused_conv_case(entry))])
+CASES = [case for _, case in NAMED_CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[name for name, _ in NAMED_CASES])
 def test_op(case, device):
     check_op(case, device)
 
