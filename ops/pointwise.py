@@ -37,7 +37,7 @@ from ops.cuda import cuda
 CODES_BASE = int(hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:10], 16) * 64
 (IDENTITY, NEG, EXP, LOG, SQRT, RELU, LEAKY_RELU, SIGMOID, TANH,
  ADD_SCALAR, MUL_SCALAR, RSUB_SCALAR, RDIV_SCALAR, POW_SCALAR, ABS, DIV_SCALAR,
- GELU, GELU_TANH, SILU, MISH, HARDSWISH) = range(CODES_BASE, CODES_BASE + 21)
+ GELU, GELU_TANH, SILU, MISH, HARDSWISH, SOFTSIGN) = range(CODES_BASE, CODES_BASE + 22)
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2): GELU's erf argument
 INV_SQRT_TWO_PI = 0.3989422804014327    # 1 / sqrt(2 pi): the normal density's factor
@@ -123,6 +123,10 @@ TABLE = (
               keras=("hard_silu", "hard_swish"), initializer="he_normal",
               doc="``x * min(max(x + 3, 0), 6) / 6`` elementwise, as "
               "``torch.nn.functional.hardswish``."),
+    # x / (1 + |x|), increasing: its derivative (1 - |y|)^2 is exact from y, so it fuses
+    Pointwise(name="softsign", code=SOFTSIGN, reads_input=False, activation=True, fuses=True,
+              onnx="Softsign", torch="Softsign",
+              doc="``x / (1 + |x|)`` elementwise, as ``torch.nn.functional.softsign``."),
 )
 BY_NAME = {entry.name: entry for entry in TABLE}
 
@@ -187,6 +191,8 @@ def value(code, x, p):
         if r > 6:
             r = p - p + 6
         return x * r / 6
+    if code == SOFTSIGN:
+        return x / (1 + abs(x))
     return x ** p   # POW_SCALAR
 
 
@@ -246,6 +252,9 @@ def derivative(code, x, y, p):
             return zero
         if x < 3:
             return x / 3 + 0.5
+    if code == SOFTSIGN:   # 1 / (1 + |x|)^2, as 1 - |y| = 1 / (1 + |x|)
+        d = 1 - abs(y)
+        return d * d
     return zero + 1   # IDENTITY, ADD_SCALAR, HARDSWISH from 3 on (and at nan, as torch)
 
 

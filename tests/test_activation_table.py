@@ -291,3 +291,21 @@ def test_hardswish_takes_keras_names_and_exports_from_opset_14(tmp_path):
     model = nn.Sequential([nn.Dense(3, activation="hardswish", input_shape=(4,))])
     with pytest.raises(ValueError, match="ONNX's HardSwish .* from opset 14 on"):
         engine.onnx.export(model, tmp_path / "m.onnx", opset=13)
+
+
+# ------------------------------------------------------------------ softsign
+
+def test_softsign_fuses_and_its_gradient_from_y_is_torchs():
+    """The one fused row added this way: Dense and Conv2D apply it in their kernels and take
+    its derivative (1 - |y|)^2 from the output they keep, which matches torch's from x far
+    out too (float64: 1 / (1 + |x|)^2 to 1e-9 relative at |x| = 1e4)."""
+    assert "softsign" in pointwise.ACTIVATIONS
+    assert pointwise.ACTIVATIONS["softsign"] in dense.DENSE
+    x = np.array([-1e4, -50.0, -1.0, -1e-3, 0.0, 1e-3, 1.0, 50.0, 1e4])
+    mine = engine.tensor(x, requires_grad=True)
+    y = engine.softsign(mine)
+    y.sum().backward()
+    theirs = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.softsign(theirs).sum().backward()
+    np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-9)
+    np.testing.assert_allclose(mine.grad.numpy(), 1 / (1 + np.abs(x)) ** 2, rtol=1e-9)
