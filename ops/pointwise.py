@@ -59,7 +59,8 @@ class Pointwise:
     #                            derivative is exact from y for every parameter a layer allows
     onnx: str = None           # the ONNX operator an activation exports to and imports from
     onnx_opset: int = 1        # the first ONNX opset that has that operator
-    torch: str = None          # its ``torch.nn`` module (interop converts it both ways)
+    torch: str = None          # its ``torch.nn`` module, interop converts it both ways (one
+    #                            taking arguments but ``inplace`` is converted by hand)
     keras: tuple = ()          # Keras's other names for it, which nn's layers also take
     initializer: str = "xavier_uniform"   # a layer's default kernel initialiser with it
     doc: str = None            # a public parameter-free function's docstring: engine.<name>
