@@ -13,7 +13,6 @@ import pytest
 import engine
 from engine import functional, nn
 from engine.autograd import apply
-from engine.interop import torch as interop
 from ops import conv_cpu, dense, elementwise, pointwise
 from ops.conv import Conv2DOp
 from ops.dense import DenseOp
@@ -21,6 +20,8 @@ from ops.gemm import plans, template
 from tests.op_check import Case, check_op
 
 torch = pytest.importorskip("torch")
+
+from engine.interop import torch as interop  # noqa: E402  (it needs torch)
 
 ACTIVATIONS = [entry for entry in pointwise.TABLE if entry.activation]
 WITH_TORCH = [entry for entry in ACTIVATIONS if entry.torch]
