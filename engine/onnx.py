@@ -65,7 +65,8 @@ INSTALL_HINT = "pip install -e '.[onnx]'"
 # the layers' pointwise activations (their ONNX operator in ops.pointwise.TABLE) and softmax
 ACTIVATIONS = {**{entry.name: entry.onnx for entry in pointwise.TABLE if entry.activation},
                "softmax": "Softmax"}
-GELU_OPSET = 20   # ONNX's Gelu operator; an older opset gets x * 0.5 * (1 + erf(x / sqrt 2))
+# ONNX's Gelu operator; an older opset gets x * 0.5 * (1 + erf(x / sqrt 2))
+GELU_OPSET = pointwise.BY_NAME["gelu"].onnx_opset
 
 
 def _onnx():
@@ -101,6 +102,12 @@ class _OnnxGraphBuilder:
         if layer.activation == "gelu" and self.opset < GELU_OPSET:
             self.gelu_composition(layer.name)
             return
+        entry = pointwise.BY_NAME.get(layer.activation)
+        if entry is not None and self.opset < entry.onnx_opset:
+            raise ValueError(f"engine.onnx.export: layer '{layer.name}': ONNX's {entry.onnx} "
+                             f"(its activation {layer.activation!r}) is an operator from opset "
+                             f"{entry.onnx_opset} on; export with opset={entry.onnx_opset} or "
+                             f"later, got {self.opset}")
         attributes = ({"alpha": layer.alpha} if layer.activation == "leaky_relu"
                       else {"axis": -1} if layer.activation == "softmax" else {})
         self.node(ACTIVATIONS[layer.activation], layer.name, **attributes)

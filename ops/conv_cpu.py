@@ -27,8 +27,8 @@ import numpy as np
 from numba import njit, prange
 
 from ops.launch import CPU_KERNEL
-from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
-                           derivative_cpu, value_cpu)
+from ops.constant_code import kernels_of_code
+from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
 
 BACKWARD_TASKS = 8   # batch slices of the CPU backward: a few per thread, few partial sums
 
@@ -137,138 +137,120 @@ _col2im_add = _patch_loop(adjoint=True)
 
 
 @njit(inline="always")
-def _activate_run(destination, source, shift, code, alpha):
+def _activate(destination, source, shift, code, alpha):
+    """destination = act(source + shift), ``code`` a constant of the calling kernel: the loop
+    vectorises (relu over 3.2M float32: 2.5 ms with a runtime code, 0.43 ms)."""
     for p in range(destination.size):
         destination[p] = value_cpu(code, source[p] + shift, alpha)
 
 
 @njit(inline="always")
-def _activate(destination, source, shift, act, alpha):
-    """destination = act(source + shift), one loop per activation with its code a constant:
-    the loop vectorises (relu over 3.2M float32: 2.5 ms with a runtime code, 0.43 ms)."""
-    if act == RELU:
-        _activate_run(destination, source, shift, RELU, alpha)
-    elif act == LEAKY_RELU:
-        _activate_run(destination, source, shift, LEAKY_RELU, alpha)
-    elif act == SIGMOID:
-        _activate_run(destination, source, shift, SIGMOID, alpha)
-    elif act == TANH:
-        _activate_run(destination, source, shift, TANH, alpha)
-    elif act == IDENTITY:
-        _activate_run(destination, source, shift, IDENTITY, alpha)
-
-
-@njit(inline="always")
-def _gradient_run(destination, grad_out, y, code, alpha):
+def _gradient(destination, grad_out, y, code, alpha):
+    """destination = grad_out · act'(y), ``code`` a constant (see ``_activate``)."""
     for p in range(destination.size):
         destination[p] = grad_out[p] * derivative_cpu(code, y[p], y[p], alpha)
 
 
-@njit(inline="always")
-def _gradient(destination, grad_out, y, act, alpha):
-    """destination = grad_out · act'(y), one loop per activation (see ``_activate``)."""
-    if act == RELU:
-        _gradient_run(destination, grad_out, y, RELU, alpha)
-    elif act == LEAKY_RELU:
-        _gradient_run(destination, grad_out, y, LEAKY_RELU, alpha)
-    elif act == SIGMOID:
-        _gradient_run(destination, grad_out, y, SIGMOID, alpha)
-    elif act == TANH:
-        _gradient_run(destination, grad_out, y, TANH, alpha)
-    elif act == IDENTITY:
-        _gradient_run(destination, grad_out, y, IDENTITY, alpha)
+@kernels_of_code("act")
+def conv2d_cpu_kernels(act):
+    """The CPU forward and backward of a Conv2D whose fused activation is ``act``, the code a
+    constant of the kernels (ops.constant_code.kernels_of_code). Each also takes the code as
+    its argument ``code``, the op's runs being the CPU kernel's and the CUDA plan's alike; only
+    a fused code has kernels (act' is read from y)."""
+    if act not in ACTIVATIONS.values():
+        raise ValueError(f"conv2d: activation code {act} has no fused CPU loop (the fused "
+                         f"ones: ops.pointwise.ACTIVATIONS {ACTIVATIONS}); run the activation "
+                         "after the conv")
 
-
-# the codes ``_activate`` and ``_gradient`` have a loop for; each CPU kernel refuses any
-# other before its parallel loop (a raise inside a prange loop serialises it)
-CPU_FUSED = (IDENTITY, RELU, LEAKY_RELU, SIGMOID, TANH)
-if set(CPU_FUSED) != set(ACTIVATIONS.values()):
-    raise ImportError("ops/conv_cpu.py: the CPU conv's activation loops (_activate, _gradient, "
-                      f"CPU_FUSED {CPU_FUSED}) do not cover ops.pointwise.ACTIVATIONS "
-                      f"{ACTIVATIONS}: add a branch for each fused code")
-
-
-@njit(inline="always")
-def _check_fused(act):
-    if act not in CPU_FUSED:
-        raise ValueError("conv2d: this activation code has no fused CPU loop "
-                         "(ops/conv_cpu.py CPU_FUSED); run the activation after the conv")
-
-
-@njit(**CPU_KERNEL, parallel=True)
-def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
-    _check_fused(act)
-    geometry = _geometry_cpu(meta)
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    has_bias = meta[HAS_BIAS_AT]
-    positions = oh_n * ow_n
-    cg, og = c_in // groups, o_out // groups
-    k = cg * kh * kw
-    for n in prange(nb):
-        cols = np.empty((k, positions), x.dtype)
-        for g in range(groups):
-            _im2col(x, n, g, geometry, cols)
-            at = (n * o_out + g * og) * positions
-            product = out[at:at + og * positions].reshape((og, positions))
-            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
-            for o_local in range(og):
-                o = g * og + o_local
-                _activate(product[o_local], product[o_local],
-                          bias[o] if has_bias else alpha - alpha, act, alpha)
-
-
-@njit(**CPU_KERNEL, parallel=True)
-def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
-                        needs_x, needs_w, needs_b):
-    """The gradients the flags ask for; the buffer of one not asked for is a placeholder
-    that is never written."""
-    _check_fused(act)
-    geometry = _geometry_cpu(meta)
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    positions = oh_n * ow_n
-    cg, og = c_in // groups, o_out // groups
-    k = cg * kh * kw
-    tasks = min(nb, BACKWARD_TASKS)
-    # one partial dw and db per task (a fixed split of the batch), added in task order
-    # below: the same sums on any number of threads
-    w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
-    b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
-    for task in prange(tasks):
-        gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
-        cols = np.empty((k, positions), x.dtype)
-        product = np.empty((og, k), x.dtype)
-        for n in range(task * nb // tasks, (task + 1) * nb // tasks):
-            at = n * o_out * positions
-            for o in range(o_out):
-                row = gradient[o]
-                _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
-                          y[at + o * positions:at + (o + 1) * positions], act, alpha)
-                if needs_b:
-                    total = b_partials[task, o]
-                    for p in range(positions):
-                        total += row[p]
-                    b_partials[task, o] = total
-            if needs_x:
-                grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+    @njit(**CPU_KERNEL, parallel=True)
+    def conv2d_forward_cpu(x, w, bias, out, meta, code, alpha):
+        geometry = _geometry_cpu(meta)
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        has_bias = meta[HAS_BIAS_AT]
+        positions = oh_n * ow_n
+        cg, og = c_in // groups, o_out // groups
+        k = cg * kh * kw
+        for n in prange(nb):
+            cols = np.empty((k, positions), x.dtype)
             for g in range(groups):
-                g_group = gradient[g * og:(g + 1) * og]
-                if needs_w:
-                    _im2col(x, n, g, geometry, cols)
-                    np.dot(g_group, cols.T, product)
-                    partial = w_partials[task, g * og * k:(g + 1) * og * k]
-                    flat_product = product.reshape(og * k)
-                    for index in range(og * k):
-                        partial[index] += flat_product[index]
+                _im2col(x, n, g, geometry, cols)
+                at = (n * o_out + g * og) * positions
+                product = out[at:at + og * positions].reshape((og, positions))
+                np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
+                for o_local in range(og):
+                    o = g * og + o_local
+                    _activate(product[o_local], product[o_local],
+                              bias[o] if has_bias else alpha - alpha, act, alpha)
+
+    @njit(**CPU_KERNEL, parallel=True)
+    def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, code, alpha,
+                            needs_x, needs_w, needs_b):
+        """The gradients the flags ask for; the buffer of one not asked for is a placeholder
+        that is never written."""
+        geometry = _geometry_cpu(meta)
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        positions = oh_n * ow_n
+        cg, og = c_in // groups, o_out // groups
+        k = cg * kh * kw
+        tasks = min(nb, BACKWARD_TASKS)
+        # one partial dw and db per task (a fixed split of the batch), added in task order
+        # below: the same sums on any number of threads
+        w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
+        b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+        for task in prange(tasks):
+            gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+            cols = np.empty((k, positions), x.dtype)
+            product = np.empty((og, k), x.dtype)
+            for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+                at = n * o_out * positions
+                for o in range(o_out):
+                    row = gradient[o]
+                    _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
+                              y[at + o * positions:at + (o + 1) * positions], act, alpha)
+                    if needs_b:
+                        total = b_partials[task, o]
+                        for p in range(positions):
+                            total += row[p]
+                        b_partials[task, o] = total
                 if needs_x:
-                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
-                    _col2im_add(grad_x, n, g, geometry, cols)
-    for index in range(w_partials.shape[1]):
-        total = alpha - alpha
-        for task in range(tasks):
-            total += w_partials[task, index]
-        grad_w[index] = total
-    for o in range(b_partials.shape[1]):
-        total = alpha - alpha
-        for task in range(tasks):
-            total += b_partials[task, o]
-        grad_b[o] = total
+                    grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+                for g in range(groups):
+                    g_group = gradient[g * og:(g + 1) * og]
+                    if needs_w:
+                        _im2col(x, n, g, geometry, cols)
+                        np.dot(g_group, cols.T, product)
+                        partial = w_partials[task, g * og * k:(g + 1) * og * k]
+                        flat_product = product.reshape(og * k)
+                        for index in range(og * k):
+                            partial[index] += flat_product[index]
+                    if needs_x:
+                        np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
+                        _col2im_add(grad_x, n, g, geometry, cols)
+        for index in range(w_partials.shape[1]):
+            total = alpha - alpha
+            for task in range(tasks):
+                total += w_partials[task, index]
+            grad_w[index] = total
+        for o in range(b_partials.shape[1]):
+            total = alpha - alpha
+            for task in range(tasks):
+                total += b_partials[task, o]
+            grad_b[o] = total
+
+    return conv2d_forward_cpu, conv2d_backward_cpu
+
+
+def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
+    """The CPU forward of ``act`` (the op's run picks the kernel by its code)."""
+    conv2d_cpu_kernels(act)[0](x, w, bias, out, meta, act, alpha)
+
+
+def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x,
+                        needs_w, needs_b):
+    """The CPU backward of ``act``: the gradients the flags ask for."""
+    conv2d_cpu_kernels(act)[1](x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
+                               needs_x, needs_w, needs_b)
+
+
+# the compiled side, for whoever inspects it: the linear layer's kernels
+conv2d_forward_cpu.__wrapped__, conv2d_backward_cpu.__wrapped__ = conv2d_cpu_kernels(IDENTITY)

@@ -33,6 +33,7 @@ from numba import njit
 
 from ops.cpu_threads import row_blocks, run_blocks
 from ops.dispatch import Out, run
+from ops.constant_code import kernels_of_code
 from ops.launch import CPU_KERNEL, Kernel
 from ops.gemm.cpu import blas_product
 from ops.gemm.plans import gemm_plan
@@ -53,11 +54,11 @@ def bias_gradient_cpu(g, grad_b):
             grad_b[j] += g[i, j]
 
 
+@kernels_of_code("act")
 def _dense_kernels(act):
     """The forward and backward twins of a Dense layer with activation ``act`` (an
-    ``ops.pointwise`` code): the CPU loops are built with the code as a constant, so the
-    compiler folds the activation and vectorises them (the relu epilogue over 128x256:
-    32 us with a runtime code, 6 us folded); the CUDA side is the GEMM template's."""
+    ``ops.pointwise`` code), a constant of their loops (``ops.constant_code``): the compiler
+    folds the activation and vectorises them; the CUDA side is the GEMM template's."""
 
     @njit(**CPU_KERNEL, nogil=True)
     def dense_epilogue_cpu(out, bias, alpha):

@@ -16,6 +16,7 @@ import numbers
 
 from numba import njit
 
+from ops.constant_code import kernels_of_code
 from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.element_kernel import split_over_threads
@@ -47,6 +48,7 @@ def _binary_value(code, x, y):
 _binary_value_cpu, _binary_value_cuda = twin(_binary_value)
 
 
+@kernels_of_code("code")
 def _binary_kernel(code):
     """The twin kernels of ``a <code> b`` into ``out`` (flat arrays, broadcast by ``meta``)."""
 
@@ -93,9 +95,10 @@ def add_arrays(a, b, out=None):
 
 # ------------------------------------------------------------------ unary kernels
 
+@kernels_of_code("code")
 def _unary_kernels(code, name):
-    """The twin kernels of f = ``ops.pointwise`` function ``code``: the value, and the input
-    gradient ``grad_out * f'(x)``."""
+    """The twin kernels of f = ``ops.pointwise`` function ``code``, a constant of each
+    (``ops.constant_code``): the value, and the input gradient ``grad_out * f'(x)``."""
 
     @njit(cache=True, error_model="numpy", nogil=True)
     def unary_cpu(x, out, p):

@@ -10,13 +10,14 @@ read back."""
 import numpy as np
 
 from engine import nn
+from ops import pointwise
 
 # the layers that take dtype=
 WEIGHTED = ("Dense", "Conv1D", "Conv2D", "BatchNorm", "Embedding", "LayerNorm")
 # the activations each layer computes inside its kernel (Conv2D's fused epilogue has no softmax)
+CONV_FUSED = tuple(name for name in pointwise.ACTIVATIONS if name is not None)
 FUSED = {"Dense": tuple(a for a in nn.ACTIVATIONS if a is not None),
-         "Conv1D": ("relu", "leaky_relu", "sigmoid", "tanh"),
-         "Conv2D": ("relu", "leaky_relu", "sigmoid", "tanh")}
+         "Conv1D": CONV_FUSED, "Conv2D": CONV_FUSED}
 
 
 def layer(class_name, config, **weights):

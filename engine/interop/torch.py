@@ -45,6 +45,7 @@ from engine.interop.state_dict import load_state_dict  # noqa: F401  (torch's ke
 from engine.parameter import FlatBuffer, Parameter
 from engine.tensor import Tensor, from_dlpack
 from ops.device import device_of
+from ops.pointwise import TABLE as POINTWISE
 from ops.registry import Op
 
 _NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
@@ -461,11 +462,12 @@ def _activation(name, **config):
 TORCH_MODULES = {
     "Linear": _from_linear, "Conv2d": _from_conv2d, "MaxPool2d": _from_pool("MaxPool2D"),
     "AvgPool2d": _from_pool("AvgPool2D"), "BatchNorm1d": _from_batch_norm,
-    "BatchNorm2d": _from_batch_norm, "ReLU": _activation("relu"),
+    "BatchNorm2d": _from_batch_norm,
+    # the activations of ops.pointwise.TABLE by their torch module; two with a parameter
+    **{entry.torch: _activation(entry.name) for entry in POINTWISE if entry.torch},
     "LeakyReLU": lambda index, module: sequential.layer(
         "Activation", {"activation": "leaky_relu", "alpha": module.negative_slope}),
-    "Sigmoid": _activation("sigmoid"), "Tanh": _activation("tanh"), "Softmax": _from_softmax,
-    "GELU": _from_gelu, "SiLU": _activation("silu"),
+    "GELU": _from_gelu, "Softmax": _from_softmax,
     "Flatten": _from_flatten, "Unflatten": _from_unflatten,
     "Dropout": lambda index, module: sequential.layer("Dropout", {"p": module.p}),
     "Identity": lambda index, module: None, **sequence.TORCH_MODULES}
@@ -514,8 +516,8 @@ def from_sequential(torch_sequential, input_shape):
 def _activation_module(name, alpha):
     if name is None:
         return []
-    modules = {"relu": torch.nn.ReLU, "sigmoid": torch.nn.Sigmoid, "tanh": torch.nn.Tanh,
-               "gelu": torch.nn.GELU, "silu": torch.nn.SiLU,
+    modules = {**{entry.name: getattr(torch.nn, entry.torch) for entry in POINTWISE
+                  if entry.torch},
                "softmax": lambda: torch.nn.Softmax(dim=-1),
                "leaky_relu": lambda: torch.nn.LeakyReLU(alpha)}
     if name not in modules:

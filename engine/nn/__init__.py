@@ -37,6 +37,7 @@ from engine.nn.torch_layers import (GELU, AvgPool2d, BatchNorm1d, BatchNorm2d,  
                                     ReLU, Sigmoid, Softmax, Tanh)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, MODEL_FILE,  # noqa: F401
                                      TRAINING_PREFIX)
+from ops import pointwise as _pointwise
 
 # ------------------------------------------------------------------ losses
 
@@ -47,6 +48,10 @@ _LOSSES = ("CrossEntropyLoss", "BCELoss", "MSELoss")
 TORCH_EQUIVALENTS = {   # (those torch_layers provides under torch's own names are gone)
     "Conv1d": "nn.Conv1D(filters, kernel_size, stride=1, padding='valid')",
 }
+# and every other activation torch has a module for (ops.pointwise.TABLE: SiLU, ...)
+TORCH_EQUIVALENTS.update({entry.torch: f"nn.Activation('{entry.name}')"
+                          for entry in _pointwise.TABLE
+                          if entry.torch and entry.torch not in TORCH_EQUIVALENTS})
 
 
 # Keras's names that the engine spells otherwise, or does without

@@ -42,6 +42,8 @@ class _Conv(Layer):
         self.data_format = check_data_format(data_format, where)
         if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters <= 0:
             raise ValueError(f"{where}: filters must be a positive int, got {filters!r}")
+        if isinstance(activation, str):   # Keras's other names ("swish" for "silu")
+            activation = pointwise.KERAS_NAMES.get(activation, activation)
         if activation not in pointwise.LAYER_ACTIVATIONS + (None,):
             raise ValueError(f"{where}: unknown activation {activation!r}; expected one of "
                              f"{pointwise.LAYER_ACTIVATIONS + (None,)}")

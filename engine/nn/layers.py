@@ -39,6 +39,8 @@ def _check_activation(name, where):
                          f"engine's function of that name, engine.relu ...), got {name!r}; "
                          "for another function, put an nn.Layer subclass after the layer "
                          "(see nn.register)")
+    if isinstance(name, str):   # Keras's other names: its "swish" is the engine's "silu"
+        name = pointwise.KERAS_NAMES.get(name, name)
     if name not in ACTIVATIONS:
         raise ValueError(f"{where}: unknown activation {name!r}; expected one of {ACTIVATIONS}")
     return name

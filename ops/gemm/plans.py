@@ -1,10 +1,10 @@
 """The launch plans of the GEMM and of the convolutions' implicit GEMMs: which kernels of the
 template (``ops.gemm.template``) run, in how many blocks, on which arguments; under split-K
 the partial products and the kernel that sums them in a fixed order."""
-import functools
 
 import numpy as np
 
+from ops.constant_code import kernels_of_code
 from ops.cuda import SIMULATOR, cuda, device_reshape
 from ops.gemm.choices import k_slices, mma_format, pick_config, pick_conv_config, pick_tiling
 from ops.gemm import gpu_facts  # noqa: F401  (loaded before a dry device: see gpu_facts)
@@ -45,7 +45,7 @@ def _slice_sum(partials, m, n):
     return (sum0 + sum1) + (sum2 + sum3)
 
 
-@functools.lru_cache(maxsize=None)
+@kernels_of_code("act")
 def _split_sum_kernel(mode, act):
     """The second launch of a split-K GEMM, one thread per output element: the sum of its
     partials, then ``mode``'s epilogue (bias and activation for FORWARD; for GRAD_B the bias

@@ -1,14 +1,13 @@
 """The GEMM kernel template (``gemm_kernels``): one ``@cuda.jit`` kernel per dtype, tiling,
 operand layout, mode, activation and split, a block computing a tile of the output through
 shared memory (ops/gemm/README.md)."""
-import functools
-
 import numpy as np
 from numba import float32
 from numba import uint64 as U
 from numba.np.numpy_support import from_dtype
 
 from ops import cuda as cuda_runtime
+from ops.constant_code import kernels_of_code
 from ops.cuda import SIMULATOR, cuda
 from ops.gemm.conv_operands import conv_entry, conv_operands
 from ops.gemm.mma import mma_parts, pipelined_accumulate, tensor_core_module
@@ -18,7 +17,7 @@ from ops.gemm.vector_operand import vector_operand
 from ops.pointwise import derivative_cuda, value_cuda
 
 
-@functools.lru_cache(maxsize=None)
+@kernels_of_code("act")
 def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None):
     """The kernels for one dtype/tiling/layout/mode: a device function ``tile_product`` holding
     the whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few

@@ -38,10 +38,10 @@ CASE_MODULES = {"Gemm": "gemm", "MatMul": "matmul", "Add": "add", "Conv": "conv"
                 "MaxPool": "maxpool", "AveragePool": "averagepool",
                 "BatchNormalization": "batch_normalization", "Flatten": "flatten",
                 "Reshape": "reshape", "Dropout": "dropout", "Identity": "identity",
-                "Cast": "cast", "Mul": "mul", "Sub": "sub", "Div": "div", "Relu": "relu",
-                "LeakyRelu": "leakyrelu", "Sigmoid": "sigmoid", "Tanh": "tanh",
-                "Gelu": "gelu", "Softmax": "softmax", "Gather": "gather",
-                "LayerNormalization": "layernormalization"}
+                "Cast": "cast", "Mul": "mul", "Sub": "sub", "Div": "div", "Gather": "gather",
+                "LayerNormalization": "layernormalization",
+                # the activations' operators (ops.pointwise.TABLE's, and Softmax)
+                **{operator: operator.lower() for operator in engine_onnx.OPERATOR_ACTIVATIONS}}
 
 
 def test_every_operator_the_importer_claims_has_its_cases():

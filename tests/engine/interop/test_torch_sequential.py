@@ -129,7 +129,7 @@ class Scale(t.Module):
 
 
 @pytest.mark.parametrize("module, words", [
-    (t.Mish(), r"module 1 Mish\(.*\): Mish has no engine layer; converted: Linear, Conv2d"),
+    (t.PReLU(), r"module 1 PReLU\(.*\): PReLU has no engine layer; converted: Linear, Conv2d"),
     (t.GELU(approximate="tanh"), r"module 1 GELU\(.*\): approximate='tanh'"),
     (Scale(), r"module 1 Scale\(\): Scale has no engine layer"),
     (t.Softmax(dim=0), r"module 1 Softmax\(dim=0\): .*give dim=-1"),
