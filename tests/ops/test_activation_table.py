@@ -17,7 +17,7 @@ from ops import conv_cpu, dense, elementwise, pointwise
 from ops.conv import Conv2DOp
 from ops.dense import DenseOp
 from ops.gemm import plans, template
-from tests.op_check import Case, check_op
+from tests.support.op_check import Case, check_op
 
 torch = pytest.importorskip("torch")
 
