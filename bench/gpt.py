@@ -1,6 +1,6 @@
 """The character-level GPT: the engine against PyTorch on the same model, data and optimizer.
 
-    python -m bench.gpt --device cpu [--steps 50] [--json results.json]
+    python -m bench.gpt --device cpu [--steps 50] [--threads N] [--json results.json]
     python -m bench.gpt --device cpu --steps 2000 --eval-every 500    # the learning check
 
 nanoGPT's architecture (``engine.gpt``; torch's side is the same network written with
@@ -239,9 +239,17 @@ def main(argv=None):
     parser.add_argument("--eval-every", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="also torch.compile's step")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of both engine and torch (default: each its own "
+                             "choice; 1 compares them fairly beside busy neighbours)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    if args.threads:
+        import engine
+        import torch
+        engine.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     result = measure(args.device, args.preset, args.steps, args.warmup, args.block,
                      args.eval_every, args.eval_batches, args.compile)
     emit(result, format_table(result), args.json)

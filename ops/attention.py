@@ -17,9 +17,10 @@ Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matr
 The CPU walks query tiles of ``CPU_TILE`` rows, all slices at once: the products are NumPy's
 batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores in memory); the
 softmax is two ``@njit`` row passes around NumPy's vector exp (row sums in float64), the
-second also drawing the dropout factors. dK and dV add the tiles in order, so results repeat
-bit for bit. A row whose every key is masked gives NaN, as torch. The mask gets no gradient
-(the CUDA kernels never hold dS whole).
+second also drawing the dropout factors; the backward's ``dS = s P ∘ (dP - Δ)`` is one
+``@njit`` row pass. dK and dV add the tiles in order, so results repeat bit for bit. A row
+whose every key is masked gives NaN, as torch. The mask gets no gradient (the CUDA kernels
+never hold dS whole).
 """
 import numpy as np
 from numba import njit
@@ -80,6 +81,22 @@ def _normalize_rows(probs, tops, lse, first_query, tq, seed, threshold, keep_sca
             if dropout:
                 _apply_dropout(row, (b * tq + first_query + r) * tk, seed, threshold,
                                keep_scale)
+
+
+@njit(**CPU_KERNEL, error_model="numpy")
+def _score_gradients(probs, grad_scores, scale):
+    """In place, row by row: ``dS = (dP - Δ) ∘ P ∘ s`` with ``Δ = Σ_j P dP`` summed in
+    float64 (``grad_scores`` holds dP, already times D under dropout)."""
+    bh, tile, tk = probs.shape
+    for b in range(bh):
+        for r in range(tile):
+            p, g = probs[b, r], grad_scores[b, r]
+            delta = 0.0
+            for j in range(tk):
+                delta += np.float64(p[j]) * np.float64(g[j])
+            delta_t = g.dtype.type(delta)
+            for j in range(tk):
+                g[j] = (g[j] - delta_t) * p[j] * scale
 
 
 @njit(inline="always", error_model="numpy")
@@ -147,10 +164,7 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
             _dropout_factors(factors, start, tq, seed, threshold, keep_scale)
             grad_scores *= factors
             dropped = probs * factors
-        delta = np.sum(probs * grad_scores, axis=-1, keepdims=True, dtype=np.float64)
-        grad_scores -= delta.astype(grad_scores.dtype)
-        grad_scores *= probs
-        grad_scores *= grad_scores.dtype.type(scale)
+        _score_gradients(probs, grad_scores, grad_scores.dtype.type(scale))
         np.matmul(grad_scores, k3, out=dq3[:, start:stop])
         if start == 0:   # the first tile writes dK and dV, later ones add in order
             np.matmul(grad_scores.transpose(0, 2, 1), q3[:, start:stop], out=dk3)

@@ -20,10 +20,11 @@ from ops.constant_code import kernels_of_code
 from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.element_kernel import split_over_threads
+from ops.gelu_cpu import gelu_cpu, gelu_grad_cpu
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
                         broadcast_shape, flat)
-from ops.pointwise import (NEG, TABLE, derivative_cpu, derivative_cuda, value_cpu,
+from ops.pointwise import (GELU, NEG, TABLE, derivative_cpu, derivative_cuda, value_cpu,
                            value_cuda)
 from ops.reduce import REDUCE, SUM, sum_to_shape
 from ops.registry import Op, register
@@ -122,8 +123,9 @@ def _unary_kernels(code, name):
         if i < grad_in.size:
             grad_in[i] = grad_out[i] * derivative_cuda(code, x[i], y[i], p)
 
-    # large inputs in blocks on the engine's threads (the GPT's exact GELU and its derivative,
-    # 393k elements at 5-9 ns an element on one thread: erf does not vectorise)
+    if code == GELU:   # erf and exp by vectorisable float32 code (ops.gelu_cpu)
+        unary_cpu, unary_grad_cpu = gelu_cpu, gelu_grad_cpu
+    # large inputs in blocks on the engine's threads (the GPT's GELU: 393k elements)
     return (Kernel(name, split_over_threads(unary_cpu, 2), unary_cuda, elements(1)),
             Kernel(f"{name}_grad", split_over_threads(unary_grad_cpu, 4), unary_grad_cuda,
                    elements(3)))
