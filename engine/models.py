@@ -54,8 +54,8 @@ def build_mlp(input_shape, hidden, classes, first_layers=()):
 
 
 def build_cnn(input_shape, classes, first_layers=()):
-    """``first_layers`` (``preprocessing``), then the network of engine/API.md's
-    "Convolutional networks" for images of ``input_shape`` (height, width), as one channel.
+    """``first_layers`` (``preprocessing``), then the network engine/API.md lists under
+    "Models" for images of ``input_shape`` (height, width), as one channel.
     A ValueError unless ``input_shape`` has two dimensions."""
     if len(input_shape) != 2:
         raise ValueError(f"cnn takes images of (height, width), got samples of shape "

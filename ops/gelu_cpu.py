@@ -10,7 +10,7 @@ For float32 this module evaluates erf as a rational function of x (Eigen's
 is 1 to float32) and exp of ``-x²/2`` by Cody-Waite reduction to ``2ⁿ eʳ`` with Cephes'
 degree-7 polynomial for ``eʳ`` and ``2ⁿ`` built in the exponent bits: all multiplies, adds
 and compares, so the loop runs 8 or 16 lanes at a time. Both stay within a few float32 ulps
-of the float64 values (tests/test_gelu_cpu.py measures it). float64 keeps the library calls
+of the float64 values (tests/ops/test_gelu_cpu.py measures it). float64 keeps the library calls
 (``ops.pointwise``'s code), so float64 results and gradchecks are unchanged.
 
 Each element is a function of its own input alone, so the results are the same bits on any

@@ -50,7 +50,7 @@ class Pointwise:
     """One function, and everything the layers and the interop above it need to know about
     it: a row declares a function, and every surface is derived from the rows (the kernels,
     ``engine.<name>`` and ``Tensor.<name>``, the names nn's layers take, torch's module and
-    ONNX's operator for it, tests/test_activation_table.py checks each row on each)."""
+    ONNX's operator for it, tests/ops/test_activation_table.py checks each row on each)."""
     name: str
     code: int
     reads_input: bool          # the derivative needs x itself, not just y (or the sign of x)

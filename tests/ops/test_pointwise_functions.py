@@ -20,7 +20,7 @@ REFERENCES = {
 
 
 def test_every_entry_with_a_doc_is_generated_and_has_a_reference():
-    """A NumPy reference here, or torch's module (tests/test_activation_table.py)."""
+    """A NumPy reference here, or torch's module (tests/ops/test_activation_table.py)."""
     documented = {entry.name for entry in TABLE if entry.doc}
     with_torch = {entry.name for entry in TABLE if entry.doc and entry.torch}
     assert set(functional.POINTWISE) == documented == set(REFERENCES) | with_torch

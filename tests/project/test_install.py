@@ -82,7 +82,8 @@ def test_version_comes_from_the_metadata_of_setup_cfg():
 
 
 def test_wheel_carries_the_license_and_the_api_reference(tmp_path):
-    """A wheel built from the sources has the license setup.cfg declares and engine/API.md."""
+    """A wheel built from the sources has the license setup.cfg declares, engine/API.md and
+    engine/GUIDE.md."""
     source = tmp_path / "source"
     source.mkdir()
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
@@ -103,7 +104,7 @@ def test_wheel_carries_the_license_and_the_api_reference(tmp_path):
     metadata = zipfile.ZipFile(wheel).read(
         next(name for name in names if name.endswith(".dist-info/METADATA"))).decode()
     assert "License: MIT" in metadata.splitlines()
-    assert "engine/API.md" in names
+    assert {"engine/API.md", "engine/GUIDE.md"} <= set(names)   # the reference and the guide
     assert "Provides-Extra: cuda" in metadata and "Requires-Dist: threadpoolctl" in metadata
 
 
