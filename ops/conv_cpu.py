@@ -26,6 +26,10 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 import numpy as np
 from numba import njit, prange
 
+from ops.conv_direct_cpu import (TILE_COLUMNS, round_up, blocked_weights, flipped_weights,
+                                 forward_sums, grad_input_sums, grad_weight_sample,
+                                 gradient_extents, input_extents, padded_size, position_offsets,
+                                 sums_size, sums_stride, tap_offsets, weight_partial_size)
 from ops.launch import CPU_KERNEL
 from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
                            derivative_cpu, value_cpu)
@@ -195,80 +199,184 @@ def _check_fused(act):
                          "(ops/conv_cpu.py CPU_FUSED); run the activation after the conv")
 
 
-@njit(**CPU_KERNEL, parallel=True)
-def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
-    _check_fused(act)
-    geometry = _geometry_cpu(meta)
-    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    has_bias = meta[HAS_BIAS_AT]
-    positions = oh_n * ow_n
-    cg, og = c_in // groups, o_out // groups
-    k = cg * kh * kw
-    for n in prange(nb):
-        cols = np.empty((k, positions), x.dtype)
-        for g in range(groups):
-            _im2col(x, n, g, geometry, cols)
-            at = (n * o_out + g * og) * positions
-            product = out[at:at + og * positions].reshape((og, positions))
-            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
-            for o_local in range(og):
-                o = g * og + o_local
-                _activate(product[o_local], product[o_local],
-                          bias[o] if has_bias else alpha - alpha, act, alpha)
+# The measured rule (bench.conv_ops --cpu-path, ``DIRECT_MIN_TAPS``): the direct loops of
+# ops.conv_direct_cpu where the shape has them (stride 1, one group; the input gradient also
+# needs padding <= (K-1)·D, its G padded before) and enough taps per output to fill their
+# tiles; im2col + GEMM elsewhere.
+DIRECT_MIN_TAPS = 32
 
 
-@njit(**CPU_KERNEL, parallel=True)
-def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
-                        needs_x, needs_w, needs_b):
-    """The gradients the flags ask for; the buffer of one not asked for is a placeholder
-    that is never written."""
-    _check_fused(act)
-    geometry = _geometry_cpu(meta)
+@njit(inline="always")
+def direct_forward_pays(geometry):
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    positions = oh_n * ow_n
-    cg, og = c_in // groups, o_out // groups
-    k = cg * kh * kw
-    tasks = min(nb, BACKWARD_TASKS)
-    # one partial dw and db per task (a fixed split of the batch), added in task order
-    # below: the same sums on any number of threads
-    w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
-    b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
-    for task in prange(tasks):
-        gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
-        cols = np.empty((k, positions), x.dtype)
-        product = np.empty((og, k), x.dtype)
-        for n in range(task * nb // tasks, (task + 1) * nb // tasks):
-            at = n * o_out * positions
-            for o in range(o_out):
-                row = gradient[o]
-                _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
-                          y[at + o * positions:at + (o + 1) * positions], act, alpha)
-                if needs_b:
-                    total = b_partials[task, o]
-                    for p in range(positions):
-                        total += row[p]
-                    b_partials[task, o] = total
-            if needs_x:
-                grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
-            for g in range(groups):
-                g_group = gradient[g * og:(g + 1) * og]
-                if needs_w:
+    return sh == 1 and sw == 1 and groups == 1 and c_in * kh * kw >= DIRECT_MIN_TAPS
+
+
+@njit(inline="always")
+def direct_backward_pays(geometry):
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    return (direct_forward_pays(geometry) and pt <= (kh - 1) * dh
+            and pl <= (kw - 1) * dw)
+
+
+@njit(inline="always")
+def always(geometry):
+    return True
+
+
+@njit(inline="always")
+def never(geometry):
+    return False
+
+
+def _forward_kernel(direct_pays, name):
+    """The forward, its path per shape chosen by ``direct_pays(geometry)`` (a constant of
+    the closure: the benchmarks build ``always`` and ``never`` too)."""
+    def conv2d_forward(x, w, bias, out, meta, act, alpha):
+        _check_fused(act)
+        geometry = _geometry_cpu(meta)
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        has_bias = meta[HAS_BIAS_AT]
+        positions = oh_n * ow_n
+        cg, og = c_in // groups, o_out // groups
+        k = cg * kh * kw
+        if direct_pays(geometry):
+            rows, columns = input_extents(geometry)
+            offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
+            weights = blocked_weights(w, o_out, k)
+            stride = sums_stride(oh_n, columns)
+            for n in prange(nb):
+                padded = np.empty(padded_size(c_in, rows, columns), x.dtype)
+                sums = np.empty(sums_size(o_out, oh_n, columns), x.dtype)
+                forward_sums(x, n, geometry, weights, offsets, padded, sums)
+                for o in range(o_out):
+                    shift = bias[o] if has_bias else alpha - alpha
+                    for oh in range(oh_n):
+                        at = ((n * o_out + o) * oh_n + oh) * ow_n
+                        row = o * stride + oh * columns
+                        _activate(out[at:at + ow_n], sums[row:row + ow_n], shift, act, alpha)
+        else:
+            for n in prange(nb):
+                cols = np.empty((k, positions), x.dtype)
+                for g in range(groups):
                     _im2col(x, n, g, geometry, cols)
-                    np.dot(g_group, cols.T, product)
-                    partial = w_partials[task, g * og * k:(g + 1) * og * k]
-                    flat_product = product.reshape(og * k)
-                    for index in range(og * k):
-                        partial[index] += flat_product[index]
-                if needs_x:
-                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
-                    _col2im_add(grad_x, n, g, geometry, cols)
-    for index in range(w_partials.shape[1]):
-        total = alpha - alpha
-        for task in range(tasks):
-            total += w_partials[task, index]
-        grad_w[index] = total
-    for o in range(b_partials.shape[1]):
-        total = alpha - alpha
-        for task in range(tasks):
-            total += b_partials[task, o]
-        grad_b[o] = total
+                    at = (n * o_out + g * og) * positions
+                    product = out[at:at + og * positions].reshape((og, positions))
+                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
+                    for o_local in range(og):
+                        o = g * og + o_local
+                        _activate(product[o_local], product[o_local],
+                                  bias[o] if has_bias else alpha - alpha, act, alpha)
+
+    conv2d_forward.__name__ = conv2d_forward.__qualname__ = name
+    return njit(**CPU_KERNEL, parallel=True)(conv2d_forward)
+
+
+@njit(inline="always")
+def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, needs_b, act,
+                     alpha):
+    """Sample n's G = grad_out · act'(y) into ``gradient`` (O, OH·OW); its row sums added
+    to ``b_partial`` when asked."""
+    at = n * o_out * positions
+    for o in range(o_out):
+        row = gradient[o]
+        _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
+                  y[at + o * positions:at + (o + 1) * positions], act, alpha)
+        if needs_b:
+            total = b_partial[o]
+            for p in range(positions):
+                total += row[p]
+            b_partial[o] = total
+
+
+def _backward_kernel(direct_pays, name):
+    """The backward, its path per shape chosen by ``direct_pays(geometry)`` (see
+    ``_forward_kernel``). The gradients the flags ask for; the buffer of one not asked for
+    is a placeholder that is never written."""
+    def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
+                        needs_x, needs_w, needs_b):
+        _check_fused(act)
+        geometry = _geometry_cpu(meta)
+        nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+        positions = oh_n * ow_n
+        cg, og = c_in // groups, o_out // groups
+        k = cg * kh * kw
+        tasks = min(nb, BACKWARD_TASKS)
+        direct = direct_pays(geometry)
+        # one partial dw and db per task (a fixed split of the batch), added in task order
+        # below: the same sums on any number of threads
+        w_size = (weight_partial_size(k, o_out) if direct else w.size) if needs_w else 0
+        w_partials = np.zeros((tasks, w_size), x.dtype)
+        b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+        if direct:
+            rows, columns = input_extents(geometry)
+            offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
+            positions_at = position_offsets(geometry, columns)
+            g_rows, g_columns = gradient_extents(geometry)
+            g_offsets = tap_offsets(o_out, kh, kw, dh, dw, g_rows, g_columns)
+            flipped = flipped_weights(w, o_out, c_in, kh, kw) if needs_x else w[:0]
+            stride = sums_stride(h, g_columns)
+            g_size = positions * round_up(o_out, TILE_COLUMNS) if needs_w else 0
+            for task in prange(tasks):
+                gradient = np.empty((o_out, positions), x.dtype)
+                padded = np.empty(padded_size(c_in, rows, columns) if needs_w else 0, x.dtype)
+                blocked_g = np.zeros(g_size, x.dtype)
+                g_padded = np.empty(padded_size(o_out, g_rows, g_columns) if needs_x else 0,
+                                    x.dtype)
+                sums = np.empty(sums_size(c_in, h, g_columns) if needs_x else 0, x.dtype)
+                for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+                    _sample_gradient(grad_out, y, n, o_out, positions, gradient,
+                                     b_partials[task], needs_b, act, alpha)
+                    if needs_w:
+                        grad_weight_sample(x, n, geometry, gradient, offsets, positions_at,
+                                           padded, blocked_g, w_partials[task])
+                    if needs_x:
+                        grad_input_sums(gradient, geometry, flipped, g_offsets, g_padded, sums)
+                        for c in range(c_in):
+                            for ih in range(h):
+                                at = ((n * c_in + c) * h + ih) * w_in
+                                row = c * stride + ih * g_columns
+                                grad_x[at:at + w_in] = sums[row:row + w_in]
+        else:
+            for task in prange(tasks):
+                gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+                cols = np.empty((k, positions), x.dtype)
+                product = np.empty((og, k), x.dtype)
+                for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+                    _sample_gradient(grad_out, y, n, o_out, positions, gradient,
+                                     b_partials[task], needs_b, act, alpha)
+                    if needs_x:
+                        grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+                    for g in range(groups):
+                        g_group = gradient[g * og:(g + 1) * og]
+                        if needs_w:
+                            _im2col(x, n, g, geometry, cols)
+                            np.dot(g_group, cols.T, product)
+                            partial = w_partials[task, g * og * k:(g + 1) * og * k]
+                            flat_product = product.reshape(og * k)
+                            for index in range(og * k):
+                                partial[index] += flat_product[index]
+                        if needs_x:
+                            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group,
+                                   cols)
+                            _col2im_add(grad_x, n, g, geometry, cols)
+        # the direct partials are (K rounded up, O rounded up), the GEMM's (O, K)
+        o_columns = round_up(o_out, TILE_COLUMNS)
+        for index in range(w.size if needs_w else 0):
+            at = (index % k) * o_columns + index // k if direct else index
+            total = alpha - alpha
+            for task in range(tasks):
+                total += w_partials[task, at]
+            grad_w[index] = total
+        for o in range(b_partials.shape[1]):
+            total = alpha - alpha
+            for task in range(tasks):
+                total += b_partials[task, o]
+            grad_b[o] = total
+
+    conv2d_backward.__name__ = conv2d_backward.__qualname__ = name
+    return njit(**CPU_KERNEL, parallel=True)(conv2d_backward)
+
+
+conv2d_forward_cpu = _forward_kernel(direct_forward_pays, "conv2d_forward_cpu")
+conv2d_backward_cpu = _backward_kernel(direct_backward_pays, "conv2d_backward_cpu")
