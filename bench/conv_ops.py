@@ -207,14 +207,14 @@ CPU_PATHS = ("direct", "im2col")
 def _cpu_path_kernels(path):
     """``(forward, backward)`` CPU functions of ops.conv's kernels forced onto ``path`` (one
     of ``CPU_PATHS``), or its own for "rule"."""
-    from ops import conv, conv_cpu
+    from ops import conv_cpu
     from ops.cpu_threads import engine_threads
     if path == "rule":
         return (engine_threads(conv_cpu.conv2d_forward_cpu),
                 engine_threads(conv_cpu.conv2d_backward_cpu))
-    pays = conv_cpu.always if path == "direct" else conv_cpu.never
-    return (engine_threads(conv_cpu._forward_kernel(pays, f"conv2d_forward_cpu_{path}")),
-            engine_threads(conv_cpu._backward_kernel(pays, f"conv2d_backward_cpu_{path}")))
+    forced = conv_cpu.DIRECT if path == "direct" else conv_cpu.IM2COL
+    return (engine_threads(conv_cpu._forward_kernel(forced, f"conv2d_forward_cpu_{path}")),
+            engine_threads(conv_cpu._backward_kernel(forced, f"conv2d_backward_cpu_{path}")))
 
 
 def _on_cpu_path(kernels, call):

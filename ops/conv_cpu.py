@@ -219,19 +219,15 @@ def direct_backward_pays(geometry):
             and pl <= (kw - 1) * dw)
 
 
-@njit(inline="always")
-def always(geometry):
-    return True
+# a kernel's path: the rule's per shape, or one forced (the benchmarks and tests build those);
+# an int, as the closure's constant: Numba's cache keys a closure by its variables' pickle,
+# which for a compiled function differs in every process (a recompile each time)
+RULE, DIRECT, IM2COL = 0, 1, 2
 
 
-@njit(inline="always")
-def never(geometry):
-    return False
-
-
-def _forward_kernel(direct_pays, name):
-    """The forward, its path per shape chosen by ``direct_pays(geometry)`` (a constant of
-    the closure: the benchmarks build ``always`` and ``never`` too)."""
+def _forward_kernel(path, name):
+    """The forward, its path per shape chosen by ``path`` (``RULE``: ``direct_forward_pays``,
+    or ``DIRECT`` or ``IM2COL`` forced)."""
     def conv2d_forward(x, w, bias, out, meta, act, alpha):
         _check_fused(act)
         geometry = _geometry_cpu(meta)
@@ -240,7 +236,7 @@ def _forward_kernel(direct_pays, name):
         positions = oh_n * ow_n
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
-        if direct_pays(geometry):
+        if direct_forward_pays(geometry) if path == RULE else path == DIRECT:
             rows, columns = input_extents(geometry)
             offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
             weights = blocked_weights(w, o_out, k)
@@ -289,9 +285,9 @@ def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, need
             b_partial[o] = total
 
 
-def _backward_kernel(direct_pays, name):
-    """The backward, its path per shape chosen by ``direct_pays(geometry)`` (see
-    ``_forward_kernel``). The gradients the flags ask for; the buffer of one not asked for
+def _backward_kernel(path, name):
+    """The backward, its path per shape chosen by ``path`` (``RULE``:
+    ``direct_backward_pays``; see ``_forward_kernel``). The gradients the flags ask for; the buffer of one not asked for
     is a placeholder that is never written."""
     def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
                         needs_x, needs_w, needs_b):
@@ -302,7 +298,7 @@ def _backward_kernel(direct_pays, name):
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
         tasks = min(nb, BACKWARD_TASKS)
-        direct = direct_pays(geometry)
+        direct = direct_backward_pays(geometry) if path == RULE else path == DIRECT
         # one partial dw and db per task (a fixed split of the batch), added in task order
         # below: the same sums on any number of threads
         w_size = (weight_partial_size(k, o_out) if direct else w.size) if needs_w else 0
@@ -378,5 +374,5 @@ def _backward_kernel(direct_pays, name):
     return njit(**CPU_KERNEL, parallel=True)(conv2d_backward)
 
 
-conv2d_forward_cpu = _forward_kernel(direct_forward_pays, "conv2d_forward_cpu")
-conv2d_backward_cpu = _backward_kernel(direct_backward_pays, "conv2d_backward_cpu")
+conv2d_forward_cpu = _forward_kernel(RULE, "conv2d_forward_cpu")
+conv2d_backward_cpu = _backward_kernel(RULE, "conv2d_backward_cpu")

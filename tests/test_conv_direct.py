@@ -14,8 +14,8 @@ import engine
 from engine.autograd import apply
 from ops import cpu_threads
 from ops.conv import Conv2DOp
-from ops.conv_cpu import (DIRECT_MIN_TAPS, _backward_kernel, _forward_kernel, always,
-                          direct_backward_pays, direct_forward_pays, never)
+from ops.conv_cpu import (DIRECT, DIRECT_MIN_TAPS, IM2COL, _backward_kernel, _forward_kernel,
+                          direct_backward_pays, direct_forward_pays)
 from tests.op_check import Case, check_op
 from tests.test_ops_conv import np_conv2d
 
@@ -78,10 +78,10 @@ def test_direct_matches_im2col_on_the_cnn_layer():
     """The CNN's 32->64 3x3 "same" layer (batch 9, float32): direct against im2col + GEMM,
     each written in full (NaN-filled outputs)."""
     meta, *arrays = _layer(np.random.default_rng(0), 9, 32, 14, 64, np.float32)
-    direct = _run(_forward_kernel(always, "forward_direct"),
-                  _backward_kernel(always, "backward_direct"), meta, *arrays)
-    im2col = _run(_forward_kernel(never, "forward_im2col"),
-                  _backward_kernel(never, "backward_im2col"), meta, *arrays)
+    direct = _run(_forward_kernel(DIRECT, "conv2d_forward_cpu_direct"),
+                  _backward_kernel(DIRECT, "conv2d_backward_cpu_direct"), meta, *arrays)
+    im2col = _run(_forward_kernel(IM2COL, "conv2d_forward_cpu_im2col"),
+                  _backward_kernel(IM2COL, "conv2d_backward_cpu_im2col"), meta, *arrays)
     for name, got, want in zip(("y", "dx", "dw", "db"), direct, im2col):
         assert np.isfinite(got).all(), name
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(),
