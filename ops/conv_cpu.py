@@ -26,10 +26,11 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 import numpy as np
 from numba import njit, prange
 
-from ops.conv_direct_cpu import (TILE_COLUMNS, round_up, blocked_weights, flipped_weights,
+from ops.conv_direct_cpu import (TILE_COLUMNS, aligned_empty, blocked_weights, copy_rows, flipped_weights,
                                  forward_sums, grad_input_sums, grad_weight_sample,
                                  gradient_extents, input_extents, padded_size, position_offsets,
-                                 sums_size, sums_stride, tap_offsets, weight_partial_size)
+                                 round_up, sums_size, sums_stride, tap_offsets,
+                                 weight_partial_size)
 from ops.launch import CPU_KERNEL
 from ops.pointwise import (ACTIVATIONS, IDENTITY, LEAKY_RELU, RELU, SIGMOID, TANH,
                            derivative_cpu, value_cpu)
@@ -199,10 +200,11 @@ def _check_fused(act):
                          "(ops/conv_cpu.py CPU_FUSED); run the activation after the conv")
 
 
-# The measured rule (bench.conv_ops --cpu-path, ``DIRECT_MIN_TAPS``): the direct loops of
-# ops.conv_direct_cpu where the shape has them (stride 1, one group; the input gradient also
-# needs padding <= (K-1)·D, its G padded before) and enough taps per output to fill their
-# tiles; im2col + GEMM elsewhere.
+# The measured rule (``bench.conv_ops --cpu-path both``; the serial table in
+# ops/conv_direct_cpu.py): the direct loops where the shape has them (stride 1, one group; the
+# input gradient also needs padding <= (K-1)·D, as its G is padded before) and enough taps
+# per output to fill their tiles: the 1->32 layer's 9 taps ran 1.4x im2col's time forward,
+# 1.5x in dw; from 32->64 on 14x14 up (288 taps) every gradient ran 0.79-0.98x.
 DIRECT_MIN_TAPS = 32
 
 
@@ -213,10 +215,21 @@ def direct_forward_pays(geometry):
 
 
 @njit(inline="always")
-def direct_backward_pays(geometry):
+def direct_grad_weight_pays(geometry):
+    return direct_forward_pays(geometry)
+
+
+@njit(inline="always")
+def direct_backward_fits(geometry):
+    """The direct input gradient's shapes: the forward's, padding at most (K-1)·D."""
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    return (direct_forward_pays(geometry) and pt <= (kh - 1) * dh
+    return (sh == 1 and sw == 1 and groups == 1 and pt <= (kh - 1) * dh
             and pl <= (kw - 1) * dw)
+
+
+@njit(inline="always")
+def direct_grad_input_pays(geometry):
+    return direct_forward_pays(geometry) and direct_backward_fits(geometry)
 
 
 # a kernel's path: the rule's per shape, or one forced (the benchmarks and tests build those);
@@ -242,15 +255,14 @@ def _forward_kernel(path, name):
             weights = blocked_weights(w, o_out, k)
             stride = sums_stride(oh_n, columns)
             for n in prange(nb):
-                padded = np.empty(padded_size(c_in, rows, columns), x.dtype)
-                sums = np.empty(sums_size(o_out, oh_n, columns), x.dtype)
+                padded = aligned_empty(padded_size(c_in, rows, columns), x.dtype)
+                sums = aligned_empty(sums_size(o_out, oh_n, columns), x.dtype)
                 forward_sums(x, n, geometry, weights, offsets, padded, sums)
+                copy_rows(sums, stride, columns, out, n * o_out * positions, o_out, oh_n, ow_n)
                 for o in range(o_out):
-                    shift = bias[o] if has_bias else alpha - alpha
-                    for oh in range(oh_n):
-                        at = ((n * o_out + o) * oh_n + oh) * ow_n
-                        row = o * stride + oh * columns
-                        _activate(out[at:at + ow_n], sums[row:row + ow_n], shift, act, alpha)
+                    at = (n * o_out + o) * positions
+                    plane = out[at:at + positions]
+                    _activate(plane, plane, bias[o] if has_bias else alpha - alpha, act, alpha)
         else:
             for n in prange(nb):
                 cols = np.empty((k, positions), x.dtype)
@@ -286,9 +298,10 @@ def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, need
 
 
 def _backward_kernel(path, name):
-    """The backward, its path per shape chosen by ``path`` (``RULE``:
-    ``direct_backward_pays``; see ``_forward_kernel``). The gradients the flags ask for; the buffer of one not asked for
-    is a placeholder that is never written."""
+    """The backward, the path of each gradient per shape chosen by ``path`` (``RULE``:
+    ``direct_grad_weight_pays``, ``direct_grad_input_pays``; see ``_forward_kernel``). The
+    gradients the flags ask for; the buffer of one not asked for is a placeholder that is
+    never written."""
     def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
                         needs_x, needs_w, needs_b):
         _check_fused(act)
@@ -298,68 +311,64 @@ def _backward_kernel(path, name):
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
         tasks = min(nb, BACKWARD_TASKS)
-        direct = direct_backward_pays(geometry) if path == RULE else path == DIRECT
+        direct_w = needs_w and (direct_grad_weight_pays(geometry) if path == RULE
+                                else path == DIRECT and direct_forward_pays(geometry))
+        direct_x = needs_x and (direct_grad_input_pays(geometry) if path == RULE
+                                else path == DIRECT and direct_backward_fits(geometry))
         # one partial dw and db per task (a fixed split of the batch), added in task order
         # below: the same sums on any number of threads
-        w_size = (weight_partial_size(k, o_out) if direct else w.size) if needs_w else 0
-        w_partials = np.zeros((tasks, w_size), x.dtype)
+        w_size = (weight_partial_size(k, o_out) if direct_w else w.size) if needs_w else 0
+        w_partials = aligned_empty(tasks * w_size, x.dtype)
+        w_partials[:] = 0
+        w_partials = w_partials.reshape((tasks, w_size))
         b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
-        if direct:
-            rows, columns = input_extents(geometry)
-            offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
-            positions_at = position_offsets(geometry, columns)
-            g_rows, g_columns = gradient_extents(geometry)
-            g_offsets = tap_offsets(o_out, kh, kw, dh, dw, g_rows, g_columns)
-            flipped = flipped_weights(w, o_out, c_in, kh, kw) if needs_x else w[:0]
-            stride = sums_stride(h, g_columns)
-            g_size = positions * round_up(o_out, TILE_COLUMNS) if needs_w else 0
-            for task in prange(tasks):
-                gradient = np.empty((o_out, positions), x.dtype)
-                padded = np.empty(padded_size(c_in, rows, columns) if needs_w else 0, x.dtype)
-                blocked_g = np.zeros(g_size, x.dtype)
-                g_padded = np.empty(padded_size(o_out, g_rows, g_columns) if needs_x else 0,
-                                    x.dtype)
-                sums = np.empty(sums_size(c_in, h, g_columns) if needs_x else 0, x.dtype)
-                for n in range(task * nb // tasks, (task + 1) * nb // tasks):
-                    _sample_gradient(grad_out, y, n, o_out, positions, gradient,
-                                     b_partials[task], needs_b, act, alpha)
-                    if needs_w:
-                        grad_weight_sample(x, n, geometry, gradient, offsets, positions_at,
-                                           padded, blocked_g, w_partials[task])
-                    if needs_x:
-                        grad_input_sums(gradient, geometry, flipped, g_offsets, g_padded, sums)
-                        for c in range(c_in):
-                            for ih in range(h):
-                                at = ((n * c_in + c) * h + ih) * w_in
-                                row = c * stride + ih * g_columns
-                                grad_x[at:at + w_in] = sums[row:row + w_in]
-        else:
-            for task in prange(tasks):
-                gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
-                cols = np.empty((k, positions), x.dtype)
-                product = np.empty((og, k), x.dtype)
-                for n in range(task * nb // tasks, (task + 1) * nb // tasks):
-                    _sample_gradient(grad_out, y, n, o_out, positions, gradient,
-                                     b_partials[task], needs_b, act, alpha)
-                    if needs_x:
-                        grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+        rows, columns = input_extents(geometry)
+        offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
+        positions_at = position_offsets(geometry, columns)
+        g_rows, g_columns = gradient_extents(geometry)
+        g_offsets = tap_offsets(o_out, kh, kw, dh, dw, g_rows, g_columns)
+        flipped = flipped_weights(w, o_out, c_in, kh, kw) if direct_x else w[:0]
+        stride = sums_stride(h, g_columns)
+        im2col_k = k if (needs_w and not direct_w) or (needs_x and not direct_x) else 0
+        for task in prange(tasks):
+            gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+            cols = np.empty((im2col_k, positions), x.dtype)
+            product = np.empty((og, k if needs_w and not direct_w else 0), x.dtype)
+            padded = aligned_empty(padded_size(c_in, rows, columns) if direct_w else 0, x.dtype)
+            blocked_g = aligned_empty(positions * round_up(o_out, TILE_COLUMNS) if direct_w
+                                      else 0, x.dtype)
+            blocked_g[:] = 0
+            g_padded = aligned_empty(padded_size(o_out, g_rows, g_columns) if direct_x else 0,
+                                     x.dtype)
+            sums = aligned_empty(sums_size(c_in, h, g_columns) if direct_x else 0, x.dtype)
+            for n in range(task * nb // tasks, (task + 1) * nb // tasks):
+                _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partials[task],
+                                 needs_b, act, alpha)
+                if direct_w:
+                    grad_weight_sample(x, n, geometry, gradient, offsets, positions_at, padded,
+                                       blocked_g, w_partials[task])
+                elif needs_w:
                     for g in range(groups):
-                        g_group = gradient[g * og:(g + 1) * og]
-                        if needs_w:
-                            _im2col(x, n, g, geometry, cols)
-                            np.dot(g_group, cols.T, product)
-                            partial = w_partials[task, g * og * k:(g + 1) * og * k]
-                            flat_product = product.reshape(og * k)
-                            for index in range(og * k):
-                                partial[index] += flat_product[index]
-                        if needs_x:
-                            np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group,
-                                   cols)
-                            _col2im_add(grad_x, n, g, geometry, cols)
+                        _im2col(x, n, g, geometry, cols)
+                        np.dot(gradient[g * og:(g + 1) * og], cols.T, product)
+                        partial = w_partials[task, g * og * k:(g + 1) * og * k]
+                        flat_product = product.reshape(og * k)
+                        for index in range(og * k):
+                            partial[index] += flat_product[index]
+                if direct_x:
+                    grad_input_sums(gradient, geometry, flipped, g_offsets, g_padded, sums)
+                    copy_rows(sums, stride, g_columns, grad_x, n * c_in * h * w_in, c_in, h,
+                              w_in)
+                elif needs_x:
+                    grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+                    for g in range(groups):
+                        np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T,
+                               gradient[g * og:(g + 1) * og], cols)
+                        _col2im_add(grad_x, n, g, geometry, cols)
         # the direct partials are (K rounded up, O rounded up), the GEMM's (O, K)
         o_columns = round_up(o_out, TILE_COLUMNS)
         for index in range(w.size if needs_w else 0):
-            at = (index % k) * o_columns + index // k if direct else index
+            at = (index % k) * o_columns + index // k if direct_w else index
             total = alpha - alpha
             for task in range(tasks):
                 total += w_partials[task, at]

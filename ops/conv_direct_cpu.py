@@ -27,9 +27,9 @@ from numba.extending import intrinsic, models, register_model
 from ops.launch import CPU_KERNEL
 
 LANES = 16               # one AVX-512 register of float32
-TILE_ROWS = 8            # scalars of a tile: 8 x 2 vectors = 16 accumulators of 32
+TILE_ROWS = 7            # scalars of a tile: 7 x 2 vectors = 14 accumulators of 16
 TILE_COLUMNS = 2 * LANES
-CHUNK_PLANES = 16         # input planes a pass of the direct sums reads
+CHUNK_PLANES = 8         # input planes a pass of the direct sums reads
 
 
 class Lanes(types.Type):
@@ -111,9 +111,9 @@ def _fma(typingctx, a, b, c):
 @njit(inline="always")
 def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step):
     """``tile[tile_at + k·tile_step + l] += Σ_r a[a_at[k] + a_off[r]] · v[v_at + v_off[r] +
-    l]`` for k < 8, l < 32, r < count, r in order: 16 accumulators of 16 lanes."""
+    l]`` for k < 7, l < 32, r < count, r in order: 14 accumulators of 16 lanes."""
     a0, a1, a2, a3 = a_at[0], a_at[1], a_at[2], a_at[3]
-    a4, a5, a6, a7 = a_at[4], a_at[5], a_at[6], a_at[7]
+    a4, a5, a6 = a_at[4], a_at[5], a_at[6]
     t = tile_at
     s0, s1 = _load(tile, t), _load(tile, t + LANES)
     t += tile_step
@@ -128,8 +128,6 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
     s10, s11 = _load(tile, t), _load(tile, t + LANES)
     t += tile_step
     s12, s13 = _load(tile, t), _load(tile, t + LANES)
-    t += tile_step
-    s14, s15 = _load(tile, t), _load(tile, t + LANES)
     for r in range(count):
         offset, at = a_off[r], v_at + v_off[r]
         b0, b1 = _load(v, at), _load(v, at + LANES)
@@ -147,8 +145,6 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
         s10, s11 = _fma(x, b0, s10), _fma(x, b1, s11)
         x = _splat(a, a6 + offset)
         s12, s13 = _fma(x, b0, s12), _fma(x, b1, s13)
-        x = _splat(a, a7 + offset)
-        s14, s15 = _fma(x, b0, s14), _fma(x, b1, s15)
     t = tile_at
     _store(tile, t, s0)
     _store(tile, t + LANES, s1)
@@ -170,9 +166,28 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
     t += tile_step
     _store(tile, t, s12)
     _store(tile, t + LANES, s13)
-    t += tile_step
-    _store(tile, t, s14)
-    _store(tile, t + LANES, s15)
+
+
+ALIGNMENT = 64            # bytes: a cache line, one vector of 16 float32
+
+
+@njit(inline="always")
+def aligned_empty(size, dtype):
+    """An uninitialised 1-d array of ``size`` whose first element starts a cache line: the
+    tiles' loads and stores at multiples of 16 lanes then never straddle two lines (the
+    same kernels ran 12 or 17 ms, 32->64 forward, as malloc's alignment fell)."""
+    buffer = np.empty(size + ALIGNMENT, dtype)   # ALIGNMENT elements: bytes to spare
+    start = (-buffer.ctypes.data) % ALIGNMENT // buffer.itemsize
+    return buffer[start:start + size]
+
+
+@njit(inline="always")
+def _multiples(count, step):
+    """``[0, step, 2·step, ...]``, ``count`` of them, cache-line aligned."""
+    multiples = aligned_empty(count, np.int64)
+    for r in range(count):
+        multiples[r] = r * step
+    return multiples
 
 
 @njit(inline="always")
@@ -206,7 +221,7 @@ def gradient_extents(geometry):
 def tap_offsets(channels, kh, kw, dh, dw, rows, columns):
     """Where tap (c, i, j) reads in padded planes of ``rows`` x ``columns``, relative to its
     output's first tap."""
-    offsets = np.empty(channels * kh * kw, np.int64)
+    offsets = aligned_empty(channels * kh * kw, np.int64)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
@@ -218,7 +233,8 @@ def tap_offsets(channels, kh, kw, dh, dw, rows, columns):
 def blocked_weights(w, o_out, k):
     """The forward's filter: w, (O, K) flat, as (O/8, K, 8) flat, ``blocked[o // 8, t, o % 8]
     = w[o, t]``, zeros past O: a tile's 8 channels of each tap side by side."""
-    blocked = np.zeros(round_up(o_out, TILE_ROWS) * k, w.dtype)
+    blocked = aligned_empty(round_up(o_out, TILE_ROWS) * k, w.dtype)
+    blocked[:] = 0
     for o in range(o_out):
         for t in range(k):
             blocked[((o // TILE_ROWS) * k + t) * TILE_ROWS + o % TILE_ROWS] = w[o * k + t]
@@ -230,7 +246,8 @@ def flipped_weights(w, o_out, c_in, kh, kw):
     """The input gradient's filter, blocked as ``blocked_weights``: ``flipped[c // 8, (o·KH
     + KH-1-i)·KW + KW-1-j, c % 8] = w[o, c, i, j]``."""
     k = o_out * kh * kw
-    flipped = np.zeros(round_up(c_in, TILE_ROWS) * k, w.dtype)
+    flipped = aligned_empty(round_up(c_in, TILE_ROWS) * k, w.dtype)
+    flipped[:] = 0
     for o in range(o_out):
         for c in range(c_in):
             for i in range(kh):
@@ -250,7 +267,8 @@ def _pad_planes(source, first, channels, h, w, top, left, rows, columns, padded)
         for r in range(h):
             at = first + (c * h + r) * w
             to = (c * rows + r + top) * columns + left
-            padded[to:to + w] = source[at:at + w]
+            for p in range(w):   # a loop: a slice copy per row cost ~2 ms per batch
+                padded[to + p] = source[at + p]
 
 
 @njit(inline="always")
@@ -267,8 +285,9 @@ def sums_stride(out_rows, columns):
 
 @njit(inline="always")
 def sums_size(channels, out_rows, columns):
-    """``direct_sums``' scratch: channels rounded up to tile rows, planes to tile columns."""
-    return round_up(channels, TILE_ROWS) * sums_stride(out_rows, columns)
+    """``direct_sums``' scratch: channels rounded up to tile rows, planes to tile columns,
+    and ``copy_rows``' overrun of the last row."""
+    return round_up(channels, TILE_ROWS) * sums_stride(out_rows, columns) + LANES
 
 
 @njit(inline="always")
@@ -282,7 +301,7 @@ def _direct_sums(a, channels, v, v_offsets, taps_per_plane, plane, sums):
     count = v_offsets.size
     stride = sums_stride(plane, 1)
     a_at = np.empty(TILE_ROWS, np.int64)
-    a_off = np.arange(count) * TILE_ROWS
+    a_off = _multiples(count, TILE_ROWS)
     sums[:] = 0
     chunk = CHUNK_PLANES * taps_per_plane
     for r0 in range(0, count, chunk):
@@ -293,6 +312,31 @@ def _direct_sums(a, channels, v, v_offsets, taps_per_plane, plane, sums):
             for q0 in range(0, plane, TILE_COLUMNS):
                 _outer_tile(a, a_at, a_off[r0:r1], r1 - r0, v, q0, v_offsets[r0:r1], sums,
                             k0 * stride + q0, stride)
+
+
+@njit(**CPU_KERNEL)
+def copy_rows(sums, stride, columns, out, first, channels, out_rows, width):
+    """``out[first + (k·rows + r)·width + p] = sums[k·stride + r·columns + p]``: the rows of
+    ``channels`` planes of direct sums (``stride`` apart, ``columns`` wide) into NCHW, 16
+    lanes a load and a store: a row narrower than 16 spills into the next rows' start, which
+    they then overwrite (the rows go in address order); the rows within 16 of the block's
+    end go lane by lane, so nothing past ``out``'s block is touched (another thread's
+    sample). ``sums`` has 16 lanes of slack past its last plane."""
+    end = first + channels * out_rows * width
+    for k in range(channels):
+        for r in range(out_rows):
+            at = first + (k * out_rows + r) * width
+            row = k * stride + r * columns
+            if width < LANES:
+                if at + LANES <= end:
+                    _store(out, at, _load(sums, row))
+                else:
+                    for p in range(width):
+                        out[at + p] = sums[row + p]
+                continue
+            for p in range(0, width - LANES, LANES):
+                _store(out, at + p, _load(sums, row + p))
+            _store(out, at + width - LANES, _load(sums, row + width - LANES))
 
 
 @njit(**CPU_KERNEL)
@@ -323,7 +367,7 @@ def grad_input_sums(gradient, geometry, flipped, offsets, padded, sums):
 def position_offsets(geometry, columns):
     """Where each output position's first tap reads in padded planes ``columns`` wide."""
     nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
-    offsets = np.empty(oh_n * ow_n, np.int64)
+    offsets = aligned_empty(oh_n * ow_n, np.int64)
     for oh in range(oh_n):
         for ow in range(ow_n):
             offsets[oh * ow_n + ow] = oh * columns + ow
@@ -351,7 +395,7 @@ def grad_weight_sample(x, n, geometry, gradient, offsets, positions, padded, blo
     for o in range(o_out):
         for p in range(count):
             blocked_g[p * g_columns + o] = gradient[o, p]
-    g_offsets = np.arange(count) * g_columns
+    g_offsets = _multiples(count, g_columns)
     a_at = np.empty(TILE_ROWS, np.int64)
     k = offsets.size
     for t0 in range(0, k, TILE_ROWS):
