@@ -1,6 +1,7 @@
 """Per-op times of the CNN's layers: the engine's ops against PyTorch eager, forward and backward.
 
     python -m bench.conv_ops [--device cpu|cuda] [--threads N] [--json PATH] [--quick]
+    python -m bench.conv_ops --device cpu --cpu-path both   # direct loops against im2col
     python -m bench.conv_ops --device cuda --sweep   # every conv GEMM config at the CNN's shapes
 
 The shapes are those of the network of API.md's "Convolutional networks" at batch 128:
@@ -28,6 +29,11 @@ already applied to its gradient: cuDNN's kernels alone.
 dw), every candidate config of ``SWEEP_CANDIDATES`` forced through
 ``ops.gemm.choices.CONV_CHOICES``, and prints the winners as entries to paste there; each output
 is compared with the one the rule's config gives (max relative difference).
+
+``--cpu-path direct|im2col|both`` (CPU) forces the CPU convolution's loops
+(``ops.conv_cpu``: the direct loops of ``ops.conv_direct_cpu`` or im2col + GEMM) instead of
+its per-shape rule; ``both`` gives each conv row once per path, the paths timed in turn: the
+figures the rule was set from.
 
 ``--threads N`` runs the engine's parallel CPU loops (``engine.set_num_threads``) and torch's
 intra-op pool on N threads each; by default the engine follows the usable CPUs and their
@@ -177,7 +183,36 @@ def _flops(name, x_shape, params, phase):
     return forward
 
 
-def run(device, quick=False, threads=None):
+CPU_PATHS = ("direct", "im2col")
+
+
+def _cpu_path_kernels(path):
+    """``(forward, backward)`` CPU functions of ops.conv's kernels forced onto ``path`` (one
+    of ``CPU_PATHS``), or its own for "rule"."""
+    from ops import conv_cpu
+    from ops.cpu_threads import engine_threads
+    if path == "rule":
+        return (engine_threads(conv_cpu.conv2d_forward_cpu),
+                engine_threads(conv_cpu.conv2d_backward_cpu))
+    forced = conv_cpu.DIRECT if path == "direct" else conv_cpu.IM2COL
+    return tuple(engine_threads(function) for function in conv_cpu.conv2d_cpu_functions(forced))
+
+
+def _on_cpu_path(kernels, call):
+    """``call`` with ops.conv's CPU kernels set to ``kernels`` while it runs."""
+    from ops import conv
+
+    def on_path():
+        saved = conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu
+        conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu = kernels
+        try:
+            return call()
+        finally:
+            conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu = saved
+    return on_path
+
+
+def run(device, quick=False, threads=None, cpu_path="rule"):
     import engine
     if threads is not None:
         engine.set_num_threads(threads)
@@ -202,11 +237,21 @@ def run(device, quick=False, threads=None):
     batch = QUICK_BATCH if quick else BATCH
     round_seconds = QUICK_ROUND_SECONDS if quick else ROUND_SECONDS
     rows = []
+    paths = (CPU_PATHS if cpu_path == "both" else (cpu_path,)) if device == "cpu" else ("rule",)
     for name, shape, params in LAYERS:
         x_shape = (batch,) + shape
         arrays = _arrays(name, x_shape, params, rng)
-        calls = {"engine": _engine_calls(name, arrays, params, device)}
-        syncs = {"engine": engine_sync}
+        calls, syncs = {}, {}
+        for path in (paths if name == "conv2d relu" else ("rule",)):
+            label = "engine" if path == "rule" else f"engine {path}"
+            kernels = _cpu_path_kernels(path) if device == "cpu" else None
+            engine_calls = (_engine_calls(name, arrays, params, device) if kernels is None
+                            else _on_cpu_path(kernels, lambda: _engine_calls(name, arrays,
+                                                                             params, device))())
+            calls[label] = (engine_calls if kernels is None else
+                            {phase: _on_cpu_path(kernels, call)
+                             for phase, call in engine_calls.items()})
+            syncs[label] = engine_sync
         if has_torch:
             calls["torch"] = _torch_calls(name, arrays, params, torch_device)
             syncs["torch"] = torch_sync
@@ -223,6 +268,7 @@ def run(device, quick=False, threads=None):
                            for framework, timer in gpu_timers.items()}
             rows.append({"op": name, "phase": phase, "x_shape": list(x_shape),
                          "us_per_call": {k: 1e6 * v for k, v in seconds.items()},
+                         "c_in": shape[0], "c_out": params.get("out"),
                          "gpu_us_per_call": ({k: 1e6 * v for k, v in gpu_seconds.items()}
                                              if gpu_timers else None),
                          "gflops": None if flops is None else
@@ -232,8 +278,26 @@ def run(device, quick=False, threads=None):
             "torch_threads": torch_threads, "rows": rows}
 
 
+def _rows_per_engine_path(rows):
+    """A row per engine path (``--cpu-path both``: "engine direct", "engine im2col"), each
+    with its times under "engine" and the path in its op's name."""
+    for row in rows:
+        paths = [k for k in row["us_per_call"] if k.startswith("engine ")]
+        if not paths:
+            yield row
+            continue
+        for path in paths:
+            def of(values):
+                return values and {"engine": values[path], **{k: v for k, v in values.items()
+                                                               if not k.startswith("engine")}}
+            yield {**row, "op": f"{row['op']} [{path[len('engine '):]}]",
+                   "us_per_call": of(row["us_per_call"]),
+                   "gpu_us_per_call": of(row.get("gpu_us_per_call")),
+                   "gflops": of(row["gflops"])}
+
+
 def format_table(result):
-    frameworks = list(result["rows"][0]["us_per_call"])
+    frameworks = list(next(_rows_per_engine_path(result["rows"]))["us_per_call"])
     gpu_frameworks = list(result["rows"][0].get("gpu_us_per_call") or ())
     threads = ""
     if result["device"] == "cpu":
@@ -250,7 +314,7 @@ def format_table(result):
                   [f"{k} us" for k in frameworks] + [f"{k} gpu us" for k in gpu_frameworks])
               + " | engine / torch | engine GFLOP/s |",
               "|---|---|---|" + "---:|" * (len(frameworks) + len(gpu_frameworks) + 2)]
-    for row in result["rows"]:
+    for row in _rows_per_engine_path(result["rows"]):
         times = row[times_of]
         ratio = f"{times['engine'] / times['torch']:.2f}" if "torch" in times else "-"
         rate = f"{row['gflops']['engine']:.1f}" if row["gflops"] else "-"
@@ -388,6 +452,9 @@ def main(argv=None):
                         help="CPU threads of the engine's parallel loops and of torch "
                              "(default: each library's own)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--cpu-path", choices=("rule",) + CPU_PATHS + ("both",), default="rule",
+                        help="CPU: the convolution's loops, the per-shape rule's (default), "
+                             "forced direct or im2col, or a row for each")
     parser.add_argument("--quick", action="store_true",
                         help=f"batch {QUICK_BATCH}, short rounds (a smoke test, not a "
                              "measurement)")
@@ -403,7 +470,9 @@ def main(argv=None):
         return None
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    result = run(args.device, args.quick, args.threads)
+    if args.cpu_path != "rule" and args.device != "cpu":
+        parser.error("--cpu-path is a CPU option")
+    result = run(args.device, args.quick, args.threads, args.cpu_path)
     return emit(result, format_table(result), args.json)
 
 

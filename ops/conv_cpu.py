@@ -1,4 +1,8 @@
-"""The CPU loops of Conv2D (``ops.conv``): im2col and one BLAS GEMM per sample and group.
+"""The CPU loops of Conv2D (``ops.conv``): the direct loops of ``ops.conv_direct_cpu`` where
+the measured rule below picks them (stride 1, one group, >= 32 taps: each gradient 0.85-0.96x
+im2col's time on the CNN's 32->64 layer), else im2col and one BLAS GEMM per sample and group.
+Both paths share G, the bias sums, the fixed batch slices of the backward and the activation
+loops. The im2col path:
 
 CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLAS GEMM
 (``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
@@ -26,6 +30,11 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 import numpy as np
 from numba import njit, prange
 
+from ops.conv_direct_cpu import (TILE_COLUMNS, aligned_empty, blocked_weights, copy_rows,
+                                 flipped_weights, forward_sums, grad_input_sums, grad_weight_sample,
+                                 gradient_extents, input_extents, padded_size, position_offsets,
+                                 round_up, sums_size, sums_stride, tap_offsets,
+                                 weight_partial_size)
 from ops.launch import CPU_KERNEL
 from ops.constant_code import kernels_of_code
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
@@ -151,85 +160,177 @@ def _gradient(destination, grad_out, y, code, alpha):
         destination[p] = grad_out[p] * derivative_cpu(code, y[p], y[p], alpha)
 
 
-@kernels_of_code("act")
-def conv2d_cpu_kernels(act):
-    """The CPU forward and backward of a Conv2D whose fused activation is ``act``, the code a
-    constant of the kernels (ops.constant_code.kernels_of_code). Each also takes the code as
-    its argument ``code``, the op's runs being the CPU kernel's and the CUDA plan's alike; only
-    a fused code has kernels (act' is read from y)."""
-    if act not in ACTIVATIONS.values():
-        raise ValueError(f"conv2d: activation code {act} has no fused CPU loop (the fused "
-                         f"ones: ops.pointwise.ACTIVATIONS {ACTIVATIONS}); run the activation "
-                         "after the conv")
+# The measured rule (``bench.conv_ops --cpu-path both``; the serial table in
+# ops/conv_direct_cpu.py): the direct loops where the shape has them (stride 1, one group; the
+# input gradient also needs padding <= (K-1)·D, as its G is padded before) and enough taps
+# per output to fill their tiles: the 1->32 layer's 9 taps ran 1.4x im2col's time forward,
+# 1.5x in dw; from 32->64 on 14x14 up (288 taps) every gradient ran 0.79-0.98x.
+DIRECT_MIN_TAPS = 32
 
-    @njit(**CPU_KERNEL, parallel=True)
-    def conv2d_forward_cpu(x, w, bias, out, meta, code, alpha):
+
+@njit(inline="always")
+def direct_forward_pays(geometry):
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    return sh == 1 and sw == 1 and groups == 1 and c_in * kh * kw >= DIRECT_MIN_TAPS
+
+
+@njit(inline="always")
+def direct_grad_weight_pays(geometry):
+    return direct_forward_pays(geometry)
+
+
+@njit(inline="always")
+def direct_backward_fits(geometry):
+    """The direct input gradient's shapes: the forward's, padding at most (K-1)·D."""
+    nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
+    return (sh == 1 and sw == 1 and groups == 1 and pt <= (kh - 1) * dh
+            and pl <= (kw - 1) * dw)
+
+
+@njit(inline="always")
+def direct_grad_input_pays(geometry):
+    return direct_forward_pays(geometry) and direct_backward_fits(geometry)
+
+
+# a kernel's path: the rule's per shape, or one forced (the benchmarks and tests build those);
+# an int, as the closure's constant: Numba's cache keys a closure by its variables' pickle,
+# which for a compiled function differs in every process (a recompile each time)
+RULE, DIRECT, IM2COL = 0, 1, 2
+
+
+def _forward_kernel(path, act, name):
+    """The forward of the fused activation ``act`` (a constant of the kernel; its argument
+    ``code`` is the op's, unread), its path per shape chosen by ``path`` (``RULE``:
+    ``direct_forward_pays``, or ``DIRECT`` or ``IM2COL`` forced)."""
+    def conv2d_forward(x, w, bias, out, meta, code, alpha):
         geometry = _geometry_cpu(meta)
         nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
         has_bias = meta[HAS_BIAS_AT]
         positions = oh_n * ow_n
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
-        for n in prange(nb):
-            cols = np.empty((k, positions), x.dtype)
-            for g in range(groups):
-                _im2col(x, n, g, geometry, cols)
-                at = (n * o_out + g * og) * positions
-                product = out[at:at + og * positions].reshape((og, positions))
-                np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
-                for o_local in range(og):
-                    o = g * og + o_local
-                    _activate(product[o_local], product[o_local],
-                              bias[o] if has_bias else alpha - alpha, act, alpha)
+        if direct_forward_pays(geometry) if path == RULE else path == DIRECT:
+            rows, columns = input_extents(geometry)
+            offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
+            weights = blocked_weights(w, o_out, k)
+            stride = sums_stride(oh_n, columns)
+            for n in prange(nb):
+                padded = aligned_empty(padded_size(c_in, rows, columns), x.dtype)
+                sums = aligned_empty(sums_size(o_out, oh_n, columns), x.dtype)
+                forward_sums(x, n, geometry, weights, offsets, padded, sums)
+                copy_rows(sums, stride, columns, out, n * o_out * positions, o_out, oh_n, ow_n)
+                for o in range(o_out):
+                    at = (n * o_out + o) * positions
+                    plane = out[at:at + positions]
+                    _activate(plane, plane, bias[o] if has_bias else alpha - alpha, act, alpha)
+        else:
+            for n in prange(nb):
+                cols = np.empty((k, positions), x.dtype)
+                for g in range(groups):
+                    _im2col(x, n, g, geometry, cols)
+                    at = (n * o_out + g * og) * positions
+                    product = out[at:at + og * positions].reshape((og, positions))
+                    np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)), cols, product)
+                    for o_local in range(og):
+                        o = g * og + o_local
+                        _activate(product[o_local], product[o_local],
+                                  bias[o] if has_bias else alpha - alpha, act, alpha)
 
-    @njit(**CPU_KERNEL, parallel=True)
-    def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, code, alpha,
-                            needs_x, needs_w, needs_b):
-        """The gradients the flags ask for; the buffer of one not asked for is a placeholder
-        that is never written."""
+    conv2d_forward.__name__ = conv2d_forward.__qualname__ = name
+    return njit(**CPU_KERNEL, parallel=True)(conv2d_forward)
+
+
+@njit(inline="always")
+def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, needs_b, act,
+                     alpha):
+    """Sample n's G = grad_out · act'(y) into ``gradient`` (O, OH·OW); its row sums added
+    to ``b_partial`` when asked."""
+    at = n * o_out * positions
+    for o in range(o_out):
+        row = gradient[o]
+        _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
+                  y[at + o * positions:at + (o + 1) * positions], act, alpha)
+        if needs_b:
+            total = b_partial[o]
+            for p in range(positions):
+                total += row[p]
+            b_partial[o] = total
+
+
+def _backward_kernel(path, act, name):
+    """The backward, the path of each gradient per shape chosen by ``path`` (``RULE``:
+    ``direct_grad_weight_pays``, ``direct_grad_input_pays``; see ``_forward_kernel``). The
+    gradients the flags ask for; the buffer of one not asked for is a placeholder that is
+    never written."""
+    def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, code, alpha,
+                        needs_x, needs_w, needs_b):
         geometry = _geometry_cpu(meta)
         nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
         positions = oh_n * ow_n
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
         tasks = min(nb, BACKWARD_TASKS)
+        direct_w = needs_w and (direct_grad_weight_pays(geometry) if path == RULE
+                                else path == DIRECT and direct_forward_pays(geometry))
+        direct_x = needs_x and (direct_grad_input_pays(geometry) if path == RULE
+                                else path == DIRECT and direct_backward_fits(geometry))
         # one partial dw and db per task (a fixed split of the batch), added in task order
         # below: the same sums on any number of threads
-        w_partials = np.zeros((tasks, w.size if needs_w else 0), x.dtype)
+        w_size = (weight_partial_size(k, o_out) if direct_w else w.size) if needs_w else 0
+        w_partials = aligned_empty(tasks * w_size, x.dtype)
+        w_partials[:] = 0
+        w_partials = w_partials.reshape((tasks, w_size))
         b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+        rows, columns = input_extents(geometry)
+        offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
+        positions_at = position_offsets(geometry, columns)
+        g_rows, g_columns = gradient_extents(geometry)
+        g_offsets = tap_offsets(o_out, kh, kw, dh, dw, g_rows, g_columns)
+        flipped = flipped_weights(w, o_out, c_in, kh, kw) if direct_x else w[:0]
+        stride = sums_stride(h, g_columns)
+        im2col_k = k if (needs_w and not direct_w) or (needs_x and not direct_x) else 0
         for task in prange(tasks):
             gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
-            cols = np.empty((k, positions), x.dtype)
-            product = np.empty((og, k), x.dtype)
+            cols = np.empty((im2col_k, positions), x.dtype)
+            product = np.empty((og, k if needs_w and not direct_w else 0), x.dtype)
+            padded = aligned_empty(padded_size(c_in, rows, columns) if direct_w else 0, x.dtype)
+            blocked_g = aligned_empty(positions * round_up(o_out, TILE_COLUMNS) if direct_w
+                                      else 0, x.dtype)
+            blocked_g[:] = 0
+            g_padded = aligned_empty(padded_size(o_out, g_rows, g_columns) if direct_x else 0,
+                                     x.dtype)
+            sums = aligned_empty(sums_size(c_in, h, g_columns) if direct_x else 0, x.dtype)
             for n in range(task * nb // tasks, (task + 1) * nb // tasks):
-                at = n * o_out * positions
-                for o in range(o_out):
-                    row = gradient[o]
-                    _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
-                              y[at + o * positions:at + (o + 1) * positions], act, alpha)
-                    if needs_b:
-                        total = b_partials[task, o]
-                        for p in range(positions):
-                            total += row[p]
-                        b_partials[task, o] = total
-                if needs_x:
-                    grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
-                for g in range(groups):
-                    g_group = gradient[g * og:(g + 1) * og]
-                    if needs_w:
+                _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partials[task],
+                                 needs_b, act, alpha)
+                if direct_w:
+                    grad_weight_sample(x, n, geometry, gradient, offsets, positions_at, padded,
+                                       blocked_g, w_partials[task])
+                elif needs_w:
+                    for g in range(groups):
                         _im2col(x, n, g, geometry, cols)
-                        np.dot(g_group, cols.T, product)
+                        np.dot(gradient[g * og:(g + 1) * og], cols.T, product)
                         partial = w_partials[task, g * og * k:(g + 1) * og * k]
                         flat_product = product.reshape(og * k)
                         for index in range(og * k):
                             partial[index] += flat_product[index]
-                    if needs_x:
-                        np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T, g_group, cols)
+                if direct_x:
+                    grad_input_sums(gradient, geometry, flipped, g_offsets, g_padded, sums)
+                    copy_rows(sums, stride, g_columns, grad_x, n * c_in * h * w_in, c_in, h,
+                              w_in)
+                elif needs_x:
+                    grad_x[n * c_in * h * w_in:(n + 1) * c_in * h * w_in] = 0
+                    for g in range(groups):
+                        np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T,
+                               gradient[g * og:(g + 1) * og], cols)
                         _col2im_add(grad_x, n, g, geometry, cols)
-        for index in range(w_partials.shape[1]):
+        # the direct partials are (K rounded up, O rounded up), the GEMM's (O, K)
+        o_columns = round_up(o_out, TILE_COLUMNS)
+        for index in range(w.size if needs_w else 0):
+            at = (index % k) * o_columns + index // k if direct_w else index
             total = alpha - alpha
             for task in range(tasks):
-                total += w_partials[task, index]
+                total += w_partials[task, at]
             grad_w[index] = total
         for o in range(b_partials.shape[1]):
             total = alpha - alpha
@@ -237,20 +338,41 @@ def conv2d_cpu_kernels(act):
                 total += b_partials[task, o]
             grad_b[o] = total
 
-    return conv2d_forward_cpu, conv2d_backward_cpu
+    conv2d_backward.__name__ = conv2d_backward.__qualname__ = name
+    return njit(**CPU_KERNEL, parallel=True)(conv2d_backward)
 
 
-def conv2d_forward_cpu(x, w, bias, out, meta, act, alpha):
-    """The CPU forward of ``act`` (the op's run picks the kernel by its code)."""
-    conv2d_cpu_kernels(act)[0](x, w, bias, out, meta, act, alpha)
+PATH_NAMES = {RULE: "", DIRECT: "_direct", IM2COL: "_im2col"}
 
 
-def conv2d_backward_cpu(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x,
+@kernels_of_code("act")
+def conv2d_cpu_kernels(act, path=RULE):
+    """The CPU forward and backward of a Conv2D whose fused activation is ``act``, the code a
+    constant of the kernels (ops.constant_code.kernels_of_code), on ``path``. Each also takes
+    the code as its argument ``code``, the op's runs being the CPU kernel's and the CUDA
+    plan's alike; only a fused code has kernels (act' is read from y)."""
+    if act not in ACTIVATIONS.values():
+        raise ValueError(f"conv2d: activation code {act} has no fused CPU loop (the fused "
+                         f"ones: ops.pointwise.ACTIVATIONS {ACTIVATIONS}); run the activation "
+                         "after the conv")
+    suffix = PATH_NAMES[path]
+    return (_forward_kernel(path, act, "conv2d_forward_cpu" + suffix),
+            _backward_kernel(path, act, "conv2d_backward_cpu" + suffix))
+
+
+def conv2d_cpu_functions(path=RULE):
+    """``(forward, backward)``: the CPU functions the op runs, each picking the kernels of its
+    activation code on ``path`` (the benchmarks and tests force ``DIRECT`` or ``IM2COL``)."""
+    def conv2d_forward(x, w, bias, out, meta, act, alpha):
+        conv2d_cpu_kernels(act, path)[0](x, w, bias, out, meta, act, alpha)
+
+    def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x,
                         needs_w, needs_b):
-    """The CPU backward of ``act``: the gradients the flags ask for."""
-    conv2d_cpu_kernels(act)[1](x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha,
-                               needs_x, needs_w, needs_b)
+        conv2d_cpu_kernels(act, path)[1](x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act,
+                                         alpha, needs_x, needs_w, needs_b)
+    return conv2d_forward, conv2d_backward
 
 
+conv2d_forward_cpu, conv2d_backward_cpu = conv2d_cpu_functions()
 # the compiled side, for whoever inspects it: the linear layer's kernels
 conv2d_forward_cpu.__wrapped__, conv2d_backward_cpu.__wrapped__ = conv2d_cpu_kernels(IDENTITY)

@@ -23,55 +23,16 @@ from ops.cuda import SIMULATOR
 from ops.device import to_device, to_host
 from ops.launch import LaunchRecorder
 from tests.support.op_check import Case, check_op
-from tests.support.references import batch_norm_case, np_activation, np_batch_norm
+from tests.support.references import batch_norm_case, np_batch_norm, np_conv2d, pair
 
 
 # ------------------------------------------------------------------ NumPy references
 
-def _pair(value):
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
-def _np_padding(padding, kernel, dilation):
-    if padding == "valid":
-        return (0, 0), (0, 0)
-    if padding == "same":
-        totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
-        return tuple((t // 2, t - t // 2) for t in totals)
-    rows, columns = _pair(padding)
-    return (rows, rows), (columns, columns)
-
-
-def np_conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, activation=None,
-              alpha=0.01):
-    """The convolution as a sum over taps of the zero-padded input, sliced per tap."""
-    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
-    rows, columns = _np_padding(padding, w.shape[2:], (dh, dw))
-    padded = np.pad(x, ((0, 0), (0, 0), rows, columns))
-    out_c, in_per_group, kh, kw = w.shape
-    oh = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    ow = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    out = np.zeros((x.shape[0], out_c, oh, ow))
-    per_group = out_c // groups
-    for g in range(groups):
-        channels = padded[:, g * in_per_group:(g + 1) * in_per_group]
-        filters = w[g * per_group:(g + 1) * per_group]
-        for i in range(kh):
-            for j in range(kw):
-                patch = channels[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh,
-                                 j * dw:j * dw + sw * (ow - 1) + 1:sw]
-                out[:, g * per_group:(g + 1) * per_group] += np.einsum(
-                    "nchw,oc->nohw", patch, filters[:, :, i, j])
-    if b is not None:
-        out += b[None, :, None, None]
-    return np_activation(activation, out, alpha)
-
-
 def _np_pool(x, kernel_size, stride=None, padding=0, average=False):
     """Max (or mean, padded zeros counted) of each window of the padded input."""
-    (kh, kw) = _pair(kernel_size)
-    (sh, sw) = (kh, kw) if stride is None else _pair(stride)
-    (ph, pw) = _pair(padding)
+    (kh, kw) = pair(kernel_size)
+    (sh, sw) = (kh, kw) if stride is None else pair(stride)
+    (ph, pw) = pair(padding)
     padded = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)),
                     constant_values=0.0 if average else -np.inf)
     oh = (padded.shape[2] - kh) // sh + 1
