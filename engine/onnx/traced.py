@@ -78,6 +78,8 @@ class OnnxGraph:
         """The node(s) of an ``ops.pointwise`` function of ``x`` (parameter ``p``)."""
         if entry.name in FUNCTIONS:
             return self.node(FUNCTIONS[entry.name], [x])
+        if entry.name == "silu":   # ONNX has no SiLU operator: x * sigmoid(x)
+            return self.node("Mul", [x, self.node("Sigmoid", [x])])
         return self.activation(entry.name, x, p)
 
     def activation(self, name, x, alpha):

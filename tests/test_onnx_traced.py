@@ -1,0 +1,137 @@
+"""ONNX export traced from the ops a forward runs (``engine.onnx.export(..., example=...)``):
+models beyond a chain (residual blocks, two inputs, a shared layer, the GPT) export, and
+onnxruntime computes what the engine's forward computes."""
+import numpy as np
+import pytest
+
+import engine
+from engine import nn
+from engine import onnx as engine_onnx
+from engine.models import build_gpt
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+
+def _run(proto, feeds):
+    session = ort.InferenceSession(proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+class Residual(nn.Model):
+    """Two inputs, a shared Dense used twice, residual adds, a LayerNorm and a GELU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shared = nn.Dense(8, activation="relu")
+        self.mix = nn.Dense(8)
+        self.norm = nn.LayerNorm()
+        self.head = nn.Dense(3, activation="gelu")
+
+    def forward(self, a, b):
+        x = self.shared(a) + self.shared(b)          # one layer, two calls
+        x = x + self.mix(engine.tanh(x)) * 0.5       # a residual around a block
+        x = engine.silu(x) / 2.0 + 1.0 - (-x).exp().sqrt()
+        x = self.norm(x)
+        return self.head(x) + x[:, :3]
+
+
+def test_a_residual_model_with_two_inputs_and_a_shared_layer_matches(tmp_path):
+    engine.manual_seed(0)
+    model = Residual()
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((5, 8)).astype(np.float32) for _ in range(2))
+    expected = model.eval()(engine.tensor(a), engine.tensor(b)).numpy()
+    model.train()
+    proto = engine_onnx.export(model, tmp_path / "residual.onnx",
+                               example=(engine.tensor(a), engine.tensor(b)))
+    assert model.training   # the export ran eval mode and gave the mode back
+    (got,) = _run(proto, {"input_0": a, "input_1": b})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    stored = {tensor.name for tensor in proto.graph.initializer}
+    # the shared layer's weight is stored once, under its dotted name
+    assert {"shared.weight", "shared.bias", "mix.weight", "norm.weight"} <= stored
+    operators = [node.op_type for node in proto.graph.node]
+    assert operators.count("Gemm") == 4 and "LayerNormalization" in operators
+    # the file is the proto
+    assert onnx.load(tmp_path / "residual.onnx").graph.node[0].op_type == operators[0]
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_the_gpt_exports_and_matches(opset):
+    engine.manual_seed(0)
+    model = build_gpt(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    ids = np.random.default_rng(2).integers(0, 11, (2, 6)).astype(np.int64)
+    model.eval()
+    expected = model(engine.tensor(ids)).numpy()
+    proto = engine_onnx.to_onnx(model, opset=opset, example=engine.tensor(ids))
+    (got,) = _run(proto, {"input": ids})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    operators = {node.op_type for node in proto.graph.node}
+    assert {"Gather", "LayerNormalization", "MatMul", "Softmax"} <= operators
+    assert ("Gelu" in operators) == (opset >= 20)
+    # the tied head reads the token table stored once
+    names = [tensor.name for tensor in proto.graph.initializer]
+    assert names.count("tokens.weight") == 1
+
+
+def test_a_multi_head_attention_block_matches_with_a_float64_model():
+    engine.manual_seed(0)
+    block = nn.MultiHeadAttention(2, causal=False, dtype=np.float64)
+    x = np.random.default_rng(3).standard_normal((3, 4, 6))
+    expected = block.eval()(engine.tensor(x)).numpy()
+    proto = engine_onnx.to_onnx(block, example=engine.tensor(x))
+    (got,) = _run(proto, {"input": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_convnet_model_with_a_skip_matches():
+    class Skip(nn.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.conv = nn.Conv2D(3, 3, padding="same", activation="relu")
+            self.norm = nn.BatchNorm()
+            self.pool = nn.MaxPool2D(2)
+            self.flat = nn.Flatten()
+            self.out = nn.Dense(4)
+
+        def forward(self, x):
+            x = self.norm(self.conv(x)) + x
+            return engine.softmax(self.out(self.flat(self.pool(x))))
+
+    engine.manual_seed(0)
+    model = Skip()
+    x = np.random.default_rng(4).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    model(engine.tensor(x))   # a training step's statistics, so eval differs from train
+    expected = model.eval()(engine.tensor(x)).numpy()
+    proto = engine_onnx.to_onnx(model, example=x)
+    (got,) = _run(proto, {"input": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert {"Conv", "BatchNormalization", "MaxPool", "Softmax"} <= {
+        node.op_type for node in proto.graph.node}
+
+
+def test_an_op_without_an_onnx_declaration_names_the_op_and_the_layer(tmp_path):
+    class Sorted(nn.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Picks()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    class Picks(nn.Model):
+        def forward(self, x):
+            return engine.topk(x, 2)[0]
+
+    # topk runs take_along_rows, which declares no ONNX node (ONNX's TopK would be its own)
+    with pytest.raises(ValueError, match="op 'take_along_rows' \\(run by layer 'inner'\\) "
+                                         "declares no ONNX node"):
+        engine_onnx.export(Sorted(), tmp_path / "m.onnx", example=np.ones((2, 5), np.float32))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_model_without_an_example_is_told_to_give_one(tmp_path):
+    with pytest.raises(TypeError, match="example=x"):
+        engine_onnx.export(Residual(), tmp_path / "m.onnx")
