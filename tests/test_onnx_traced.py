@@ -135,3 +135,60 @@ def test_an_op_without_an_onnx_declaration_names_the_op_and_the_layer(tmp_path):
 def test_a_model_without_an_example_is_told_to_give_one(tmp_path):
     with pytest.raises(TypeError, match="example=x"):
         engine_onnx.export(Residual(), tmp_path / "m.onnx")
+
+
+class Block(nn.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.outer = nn.Dense(6, activation="relu"), nn.Dense(6)
+
+    def forward(self, x):
+        return x + self.outer(self.inner(x))
+
+
+class Residuals(nn.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem, self.blocks = nn.Dense(6), nn.LayerList([Block(), Block()])
+        self.head = nn.Dense(2, activation="sigmoid")
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_graph_with_residual_adds_imports_back_and_matches(tmp_path):
+    engine.manual_seed(0)
+    model = Residuals()
+    x = np.random.default_rng(5).standard_normal((4, 3)).astype(np.float32)
+    path = tmp_path / "residual.onnx"
+    proto = engine_onnx.export(model, path, example=x)
+    joins = [node for node in proto.graph.node if node.op_type == "Add"]
+    assert len(joins) == 2
+    loaded = engine_onnx.load(path)
+    assert isinstance(loaded, nn.Model)
+    loaded.eval()
+    (expected,) = _run(proto, {"input": x})
+    np.testing.assert_allclose(loaded(engine.tensor(x)).numpy(), expected, rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(loaded(engine.tensor(x)).numpy(),
+                               model.eval()(engine.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
+    assert sum(p.size for p in loaded.parameters()) == sum(p.size for p in model.parameters())
+
+
+def test_a_graph_joining_by_anything_but_add_is_refused(tmp_path):
+    class Product(nn.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a, self.b = nn.Dense(3), nn.Dense(3)
+
+        def forward(self, x):
+            return self.a(x) * self.b(x)
+
+    path = tmp_path / "product.onnx"
+    engine_onnx.export(Product(), path, example=np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="combines 2 computed values .* only by a residual "
+                                         "Add"):
+        engine_onnx.load(path)

@@ -7,6 +7,7 @@ import numpy as np
 from engine import nn
 from engine.file_safety import SizeBudget
 from engine.interop import sequential
+from engine.onnx.import_graph import joins, read_graph
 from engine.onnx.common import ACTIVATIONS, MIN_OPSET, _onnx
 
 # ------------------------------------------------------------------ import
@@ -680,6 +681,8 @@ def from_onnx(proto, path="<model>"):
     # every step reads values of the file: a failure the checks do not name (an unknown
     # element type, a missing field of a crafted file) is a damaged file too
     layers, input_shape, dtype = reader.guarded(None, _layers, reader, proto)
+    if isinstance(layers, nn.Model):   # a graph with residual joins
+        return layers
     return sequential.build(sequential.fuse_activations(layers), input_shape, dtype,
                             proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
 
@@ -689,7 +692,16 @@ def _layers(reader, proto):
     feature shape and dtype."""
     onnx = reader.onnx
     _opset(reader, proto)
-    graph_input, chain = _chain(reader)
+    graph = reader.graph
+    inputs = [value for value in graph.input if value.name not in reader.initializers]
+    nodes = _gelu_compositions_as_nodes(reader)
+    if len(inputs) == 1 and len(graph.output) == 1 and joins(
+            reader, nodes, inputs[0].name):
+        graph_input = inputs[0]
+        chain = [node for node in nodes if graph_input.name in node.input]   # what reads it
+    else:
+        graph_input, chain = _chain(reader)
+        nodes = None
     if not graph_input.type.HasField("tensor_type"):
         raise reader.fail(None, f"input {graph_input.name!r} is a "
                                 f"{graph_input.type.WhichOneof('value')}, not a tensor")
@@ -703,6 +715,22 @@ def _layers(reader, proto):
         raise reader.fail(None, f"input {graph_input.name!r} is {dtype}; the engine's models "
                                 "take float32 or float64")
     shape = reader.shapes[graph_input.name] = _feature_shape(reader, graph_input)
+    if nodes is not None:
+        model = read_graph(reader, nodes, graph_input, graph.output[0].name, dtype,
+                           lambda chain, shape, dtype: _import_chain(reader, chain, shape,
+                                                                     dtype))
+        model.build(shape, dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
+            graph_input.type.tensor_type.elem_type)))
+        return model, shape, dtype
+    layers, _ = _import_chain(reader, chain, shape, dtype)
+    if not layers:
+        raise reader.fail(None, "the graph computes nothing but its input: no layers")
+    return layers, reader.shapes[graph_input.name], dtype
+
+
+def _import_chain(reader, chain, shape, dtype):
+    """The layer descriptions of ``chain``'s nodes read from a value of feature ``shape``,
+    and the shape they compute."""
     layers = []
     for node in chain:
         if node.domain not in ("", "ai.onnx") or node.op_type not in IMPORTERS:
@@ -719,9 +747,7 @@ def _layers(reader, proto):
                 raise reader.fail(node, str(error)) from None
             layers.append(layer)
         reader.shapes[node.output[0]] = shape
-    if not layers:
-        raise reader.fail(None, "the graph computes nothing but its input: no layers")
-    return layers, reader.shapes[graph_input.name], dtype
+    return layers, shape
 
 
 def load(path):
