@@ -192,3 +192,18 @@ def test_a_graph_joining_by_anything_but_add_is_refused(tmp_path):
     with pytest.raises(ValueError, match="combines 2 computed values .* only by a residual "
                                          "Add"):
         engine_onnx.load(path)
+
+
+def test_a_sequential_traced_computes_what_its_layer_by_layer_export_computes():
+    engine.manual_seed(0)
+    model = nn.Sequential([nn.Conv2D(4, 3, input_shape=(2, 7, 7), activation="leaky_relu"),
+                           nn.AvgPool2D(2, padding=1), nn.Flatten(),
+                           nn.Dense(5, activation="sigmoid"), nn.Dropout(0.5),
+                           nn.Dense(3, activation="softmax")])
+    x = np.random.default_rng(6).standard_normal((3, 2, 7, 7)).astype(np.float32)
+    (by_layers,) = _run(engine_onnx.to_onnx(model), {"input": x})
+    traced = engine_onnx.to_onnx(model, example=x)
+    (got,) = _run(traced, {"input": x})
+    np.testing.assert_allclose(got, by_layers, rtol=1e-5, atol=1e-6)
+    assert [n.op_type for n in traced.graph.node if n.op_type in ("Conv", "Gemm")] == [
+        "Conv", "Gemm", "Gemm"]
