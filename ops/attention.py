@@ -213,10 +213,10 @@ class AttentionOp(Op):
         q, k, v = inputs[:3]
         scores = graph.node("MatMul", [q, graph.node("Transpose", [k], perm=[0, 2, 1])])
         scores = graph.node("Mul", [scores, graph.constant(scale, "attention.scale")])
-        mask = np.zeros((bh, tq, tk), graph.dtype)
         if causal:   # torch's is_causal: query i sees keys 0..i (from the top left)
-            mask[:, np.triu_indices(tq, 1, tk)[0], np.triu_indices(tq, 1, tk)[1]] = -np.inf
-        elif self.saved[3].size:   # the additive mask as the kernel reads it
+            mask = np.triu(np.full((tq, tk), -np.inf, graph.dtype), 1)   # for every slice
+        elif self.saved[3].size:
+            mask = np.zeros((bh, tq, tk), graph.dtype)   # the additive mask as the kernel reads it
             given = np.ascontiguousarray(to_host(self.saved[3]))
             mask += np.lib.stride_tricks.as_strided(
                 given, (bh, tq, tk), [s * given.itemsize for s in mask_strides])

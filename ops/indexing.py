@@ -395,6 +395,8 @@ class Index(Movement):
                 index = graph.constant(np.array(int(part), np.int64), "index.at")
                 value = graph.node("Gather", [value, index], axis=axis)   # drops the axis
                 shape = shape[:axis] + shape[axis + 1:]
+            elif part == slice(None):   # the whole axis: nothing to cut
+                axis += 1
             elif isinstance(part, slice):
                 start, stop, step = part.indices(shape[axis])
                 if step < 0 and stop < 0:   # to the front: past index 0

@@ -65,7 +65,8 @@ def test_the_gpt_exports_and_matches(opset):
     ids = np.random.default_rng(2).integers(0, 11, (2, 6)).astype(np.int64)
     model.eval()
     expected = model(engine.tensor(ids)).numpy()
-    proto = engine_onnx.to_onnx(model, opset=opset, example=engine.tensor(ids))
+    # traced on other ids: the graph reads its input, not the example's values
+    proto = engine_onnx.to_onnx(model, opset=opset, example=engine.tensor(np.zeros_like(ids)))
     (got,) = _run(proto, {"input": ids})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     operators = {node.op_type for node in proto.graph.node}
@@ -207,3 +208,28 @@ def test_a_sequential_traced_computes_what_its_layer_by_layer_export_computes():
     np.testing.assert_allclose(got, by_layers, rtol=1e-5, atol=1e-6)
     assert [n.op_type for n in traced.graph.node if n.op_type in ("Conv", "Gemm")] == [
         "Conv", "Gemm", "Gemm"]
+
+
+def test_the_batch_dimension_stays_open_where_only_reshape_targets_follow_it():
+    engine.manual_seed(0)
+    model = build_gpt(vocab_size=7, block_size=4, n_layer=1, n_head=2, n_embd=4)
+    model.eval()
+    proto = engine_onnx.to_onnx(model, example=np.zeros((2, 4), np.int64))
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    ids = np.random.default_rng(7).integers(0, 7, (5, 4)).astype(np.int64)   # 5, not 2
+    (got,) = _run(proto, {"input": ids})
+    np.testing.assert_allclose(got, model(engine.tensor(ids)).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_that_depends_on_the_batch_otherwise_keeps_the_example_shapes():
+    class Batchwise(nn.Model):   # a constant made to the batch's size: the shapes stay fixed
+        def forward(self, x):
+            ramp = np.arange(x.shape[0] * x.shape[1], dtype=np.float32).reshape(x.shape)
+            return x * x.sum(axis=0) + engine.tensor(ramp)
+
+    x = np.random.default_rng(8).standard_normal((3, 2)).astype(np.float32)
+    proto = engine_onnx.to_onnx(Batchwise(), example=x)
+    dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [3, 2]
+    (got,) = _run(proto, {"input": x})
+    np.testing.assert_allclose(got, Batchwise()(engine.tensor(x)).numpy(), rtol=1e-6)

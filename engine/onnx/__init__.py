@@ -9,7 +9,8 @@ too) exports from the ops its forward runs: ``export(model, path, example=x)`` r
 forward once on ``x`` (a tuple for several inputs) and writes each op through its own ONNX
 declaration (``ops.registry.Op.onnx``; ``engine.onnx.traced``), the graph's inputs
 ``input`` (or ``input_0``, ``input_1``, ...), its outputs ``output`` (``output_0``, ...), the
-weights as initializers under their dotted names, at the example's shapes. An op that
+weights as initializers under their dotted names, the batch dimension open where only it
+changes between traces on two batch sizes (else at the example's shapes). An op that
 declares no ONNX node is a ValueError naming the op and the layer that ran it.
 
 Without ``example``, a Sequential exports layer by layer (``engine.onnx.sequential``), with

@@ -9,8 +9,8 @@ writes its node(s) through ``OnnxGraph`` below, so no table here knows any layer
 op reads that no recorded op computed is the graph's input (an example tensor), a parameter
 or buffer (an initializer under its dotted name, ``blocks.0.fc.weight``; a weight shared by
 two layers is stored once), or a constant the forward made (``arange``'s positions). The
-shapes are those of the example (a Reshape's target is the one the trace saw), so the
-graph takes inputs of the example's shapes.
+shapes are those the trace saw; a second trace on one more sample opens the batch
+dimension where nothing but Reshape targets follow it (``to_onnx``).
 """
 import itertools
 
@@ -151,7 +151,8 @@ def _trace(model, examples):
 
 def _needed(records, outputs):
     """The records the outputs depend on, in the order they ran."""
-    made = {id(output): index for index, (_, _, output, _) in enumerate(records)}
+    made = {key: index for index, (_, _, output, _) in enumerate(records)
+            for key in (id(output), id(output.data))}
     needed, stack = set(), [made[id(x)] for x in outputs if id(x) in made]
     while stack:
         index = stack.pop()
@@ -170,12 +171,67 @@ def _refuse_undeclared(op, layer):
 
 def to_onnx(model, example, opset):
     """The checked ``onnx.ModelProto`` of ``model``'s forward on ``example`` (a tensor or
-    array, or a tuple of them for a forward of several inputs)."""
+    array, or a tuple of them for a forward of several inputs). The forward is traced again
+    on one more sample: where the two graphs differ only in the batch dimension of the
+    inputs and outputs and in one entry of a Reshape's target, that entry becomes -1 and the
+    batch dimension is left open (``batch``); otherwise the example's shapes are fixed."""
     onnx = _onnx()
     opset = checked_opset(onnx, opset)
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     examples = tuple(x if isinstance(x, Value) else engine.tensor(np.asarray(x))
                      for x in examples)
+    proto = _graph_proto(onnx, model, examples, opset)
+    if all(x.ndim for x in examples):
+        grown = tuple(engine.tensor(np.concatenate([x.numpy(), x.numpy()[:1]]),
+                                    device=x.device) for x in examples)
+        proto = _open_batch(onnx, proto, _graph_proto(onnx, model, grown, opset)) or proto
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def _open_batch(onnx, proto, grown):
+    """``proto`` with its batch dimension open, where ``grown`` (the trace on one more
+    sample) differs from it only there (``to_onnx``); None where it differs elsewhere."""
+    graph, other = proto.graph, grown.graph
+    if [(n.op_type, list(n.input)) for n in graph.node] != [
+            (n.op_type, list(n.input)) for n in other.node]:
+        return None
+    reshape_targets = {n.input[1] for n in graph.node if n.op_type == "Reshape"}
+    theirs = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in other.initializer}
+    opened = []
+    for tensor in graph.initializer:
+        mine, their = onnx.numpy_helper.to_array(tensor), theirs.get(tensor.name)
+        if their is None or mine.shape != their.shape:
+            return None
+        if np.array_equal(mine, their):
+            continue
+        differs = np.flatnonzero(mine != their)
+        if tensor.name not in reshape_targets or mine.ndim != 1 or len(differs) != 1:
+            return None
+        target = mine.copy()
+        target[differs[0]] = -1
+        opened.append((tensor, target))
+    for values, their_values in ((graph.input, other.input), (graph.output, other.output)):
+        for value, their_value in zip(values, their_values):
+            dims, their_dims = value.type.tensor_type.shape.dim, \
+                their_value.type.tensor_type.shape.dim
+            if any(a.dim_value != b.dim_value for a, b in list(zip(dims, their_dims))[1:]):
+                return None
+    opened_proto = type(proto)()
+    opened_proto.CopyFrom(proto)
+    names = {tensor.name: target for tensor, target in opened}
+    for tensor in opened_proto.graph.initializer:
+        if tensor.name in names:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(names[tensor.name], tensor.name))
+    for value in [*opened_proto.graph.input, *opened_proto.graph.output]:
+        first = value.type.tensor_type.shape.dim[0]
+        first.Clear()
+        first.dim_param = "batch"
+    return opened_proto
+
+
+def _graph_proto(onnx, model, examples, opset):
+    """The (unchecked) proto of ``model``'s forward traced on ``examples``."""
     records, outputs = _trace(model, examples)
     outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
     if not all(isinstance(x, Value) for x in outputs):
@@ -191,7 +247,9 @@ def to_onnx(model, example, opset):
     helper = onnx.helper
     input_names = [INPUT] if len(examples) == 1 else [f"{INPUT}_{i}" for i in range(
         len(examples))]
-    names = {id(x): name for x, name in zip(examples, input_names)}
+    # a value is known by its tensor and by its array: an op may be handed either (the
+    # embedding takes its ids' array)
+    names = {key: name for x, name in zip(examples, input_names) for key in (id(x), id(x.data))}
     for x, name in zip(examples, input_names):
         graph.value_dtypes[name] = np.dtype(x.dtype)
     stored = {id(value): name for name, value in [*model.named_parameters(),
@@ -213,7 +271,7 @@ def to_onnx(model, example, opset):
         graph.output_shape = tuple(output.shape)
         value = op.onnx(graph, [name_of(x, layer) for x in inputs])
         graph.value_dtypes.setdefault(value, np.dtype(output.dtype))
-        names[id(output)] = value
+        names[id(output)] = names[id(output.data)] = value
     output_names = _name_outputs(graph, [name_of(x, model.name) for x in outputs], input_names)
     used = {name for node in graph.nodes for name in node.input}
     proto = helper.make_model(
@@ -227,7 +285,6 @@ def to_onnx(model, example, opset):
         opset_imports=[helper.make_opsetid("", opset)], producer_name="numba-engine",
         producer_version=engine.__version__,
         ir_version=helper.find_min_ir_version_for([helper.make_opsetid("", opset)]))
-    onnx.checker.check_model(proto, full_check=True)
     return proto
 
 
