@@ -395,7 +395,7 @@ class Index(Movement):
                 index = graph.constant(np.array(int(part), np.int64), "index.at")
                 value = graph.node("Gather", [value, index], axis=axis)   # drops the axis
                 shape = shape[:axis] + shape[axis + 1:]
-            elif part == slice(None):   # the whole axis: nothing to cut
+            elif isinstance(part, slice) and part == slice(None):   # the whole axis: no cut
                 axis += 1
             elif isinstance(part, slice):
                 start, stop, step = part.indices(shape[axis])

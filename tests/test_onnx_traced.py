@@ -233,3 +233,20 @@ def test_a_graph_that_depends_on_the_batch_otherwise_keeps_the_example_shapes():
     assert dims == [3, 2]
     (got,) = _run(proto, {"input": x})
     np.testing.assert_allclose(got, Batchwise()(engine.tensor(x)).numpy(), rtol=1e-6)
+
+
+def test_indexing_by_integers_and_slices_exports_and_an_index_array_is_named(tmp_path):
+    class Slices(nn.Model):
+        def forward(self, x):
+            return x[1:3, ::2].sum(axis=1) + x[::-1][:2, 0]
+
+    class Picks(nn.Model):
+        def forward(self, x):
+            return x[np.array([0, 2])]
+
+    x = np.random.default_rng(9).standard_normal((4, 5)).astype(np.float32)
+    (got,) = _run(engine_onnx.to_onnx(Slices(), example=x), {"input": x})
+    np.testing.assert_allclose(got, Slices()(engine.tensor(x)).numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="op 'index' in layer 'picks': index: only integers "
+                                         "and slices export"):
+        engine_onnx.export(Picks(), tmp_path / "p.onnx", example=x)
