@@ -10,6 +10,7 @@ INSTALL_HINT = "pip install -e '.[onnx]'"
 # the layers' pointwise activations (their ONNX operator in ops.pointwise.TABLE) and softmax
 ACTIVATIONS = {**{entry.name: entry.onnx for entry in pointwise.TABLE if entry.activation},
                "softmax": "Softmax"}
+PROBE_BATCHES = (2, 3)   # import: a Reshape target must follow the batch and fix the rest
 GELU_OPSET = 20   # ONNX's Gelu operator; an older opset gets x * 0.5 * (1 + erf(x / sqrt 2))
 
 
