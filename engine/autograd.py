@@ -163,6 +163,7 @@ class _State(threading.local):
         self.grad_enabled = True
         self.anomaly = False
         self.tape = Tape()
+        self.tracer = None   # engine.onnx's export: called with every op applied
 
 
 _state = _State()
@@ -206,6 +207,17 @@ class enable_grad(no_grad):
     def __enter__(self):
         self.prev = _state.grad_enabled
         _state.grad_enabled = True
+
+
+@contextlib.contextmanager
+def trace_ops(record):
+    """Call ``record(op, inputs, result)`` after every op this thread applies inside the
+    block, recorded for backward or not (``engine.onnx`` exports what a forward ran)."""
+    previous, _state.tracer = _state.tracer, record
+    try:
+        yield
+    finally:
+        _state.tracer = previous
 
 
 class detect_anomaly(contextlib.ContextDecorator):
@@ -358,6 +370,8 @@ def apply(op_class, *inputs, **params):
         counter = result._version_counter
         versions.append((counter, counter.value, OUTPUT))
         node.versions = versions
+    if _state.tracer is not None:
+        _state.tracer(op, inputs, result)
     return result
 
 

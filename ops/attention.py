@@ -27,6 +27,7 @@ from numba import njit
 
 from ops.attention_cuda import backward_plan, forward_plan
 from ops.cpu_threads import numpy_blas_on_one_thread
+from ops.device import to_host
 from ops.dispatch import Out, run
 from ops.dropout import _keep_cpu
 from ops.launch import CPU_KERNEL, Kernel
@@ -217,6 +218,25 @@ class AttentionOp(Op):
                             self.sizes, *self._scalars())
         self.saved = (q, k, v, mask, seed, out)
         return out
+
+    def onnx(self, graph, inputs):   # its composition: softmax(q kᵀ scale + mask) v
+        bh, tq, tk, _, _ = self.sizes
+        mask_strides, scale, causal, _, _, dropout = self._scalars()
+        if dropout:
+            graph.refuse("attention with dropout (training mode); export runs eval mode")
+        q, k, v = inputs[:3]
+        scores = graph.node("MatMul", [q, graph.node("Transpose", [k], perm=[0, 2, 1])])
+        scores = graph.node("Mul", [scores, graph.constant(scale, "attention.scale")])
+        if causal:   # torch's is_causal: query i sees keys 0..i (from the top left)
+            mask = np.triu(np.full((tq, tk), -np.inf, graph.dtype), 1)   # for every slice
+        elif self.saved[3].size:
+            mask = np.zeros((bh, tq, tk), graph.dtype)   # the additive mask as the kernel reads it
+            given = np.ascontiguousarray(to_host(self.saved[3]))
+            mask += np.lib.stride_tricks.as_strided(
+                given, (bh, tq, tk), [s * given.itemsize for s in mask_strides])
+        if causal or self.saved[3].size:
+            scores = graph.node("Add", [scores, graph.constant(mask, "attention.mask")])
+        return graph.node("MatMul", [graph.node("Softmax", [scores], axis=-1), v])
 
     def backward(self, grad_out, grad_dst):
         q, k, v, mask, seed, out = self.saved

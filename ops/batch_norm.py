@@ -54,6 +54,19 @@ class BatchNormOp(Op):
     name = "batch_norm"
     kernels = (BATCH_NORM, BATCH_NORM_BACKWARD)
 
+    def onnx(self, graph, inputs):   # eval mode: the running statistics
+        if self.params.get("training", False):
+            graph.refuse("batch_norm in training mode (batch statistics); export runs the "
+                         "model in eval mode: call model.eval() in a custom forward's place")
+        x, mean, var, *affine = inputs
+        channels = graph.input_shapes[0][1]
+        weight = affine[0] if affine else graph.constant(np.ones(channels, graph.dtype),
+                                                         "batch_norm.ones")
+        bias = affine[1] if len(affine) > 1 else graph.constant(
+            np.zeros(channels, graph.dtype), "batch_norm.zeros")
+        return graph.node("BatchNormalization", [x, weight, bias, mean, var],
+                          epsilon=float(self.params.get("eps", 1e-5)))
+
     def check(self, x, running_mean, running_var, weight=None, bias=None):
         training = bool(self.params.get("training", False))
         momentum = self.params.get("momentum", 0.1)

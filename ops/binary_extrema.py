@@ -97,6 +97,9 @@ class _Extremum(Op):
         forward, _ = KERNELS[self.code]
         return run(forward, flat(a), flat(b), Out(self.shape, a.dtype), self.meta)
 
+    def onnx(self, graph, inputs):   # ONNX's Max and Min broadcast as NumPy does
+        return graph.node(self.name[:3].capitalize(), inputs)
+
     def backward(self, grad_out, grad_dst):
         _, backward = KERNELS[self.code]
         dtype = self.a.dtype

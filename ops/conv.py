@@ -236,6 +236,17 @@ class Conv2DOp(Op):
         self.x, self.w, self.y, self.has_bias = x, w, out, b is not None
         return out
 
+    def onnx(self, graph, inputs):   # Conv with the weight in the layout both share
+        _, _, kh, kw = graph.input_shapes[1]
+        stride = pair(self.params.get("stride", 1), "stride", "conv2d", 1)
+        dilation = pair(self.params.get("dilation", 1), "dilation", "conv2d", 1)
+        (top, bottom), (left, right) = conv_padding(self.params.get("padding", 0), (kh, kw),
+                                                    dilation, stride, "conv2d")
+        out = graph.node("Conv", inputs, kernel_shape=[kh, kw], strides=list(stride),
+                         dilations=list(dilation), group=int(self.params.get("groups", 1)),
+                         pads=[top, left, bottom, right])
+        return graph.activation(self.params.get("activation"), out, float(self.alpha))
+
     def backward(self, grad_out, grad_dst):
         asked = tuple(self.needs_input_grad)
         needs = (asked[0], asked[1], len(asked) > 2 and asked[2] and self.has_bias)

@@ -174,6 +174,10 @@ class DenseOp(Op):
         self.x, self.w, self.y = x, w, out
         return out
 
+    def onnx(self, graph, inputs):   # Gemm computes x @ W + b with W (in, out) as held
+        return graph.activation(self.params.get("activation"), graph.node("Gemm", inputs),
+                                float(self.alpha))
+
     def backward(self, grad_out, grad_dst):
         needs_x, needs_w, needs_b = self.needs_input_grad
         needs_params = needs_w or needs_b

@@ -157,6 +157,9 @@ class _Binary(Op):
         self.a_shape, self.b_shape = tuple(a.shape), tuple(b.shape)
         return binary(self.code, a, b)
 
+    def onnx(self, graph, inputs):   # ONNX's Add, Sub, Mul, Div broadcast as NumPy does
+        return graph.node(self.name.capitalize(), inputs)
+
 
 @register
 class Add(_Binary):
@@ -228,6 +231,19 @@ class _Unary(Op):
 
     def backward(self, grad_out, grad_dst):
         return (unary_grad(self.entry.code, self.x, self.y, grad_out, self.p),)
+
+    # the scalar forms: ONNX's binary operator, and whether the scalar is its first operand
+    ONNX_SCALAR = {"add_scalar": ("Add", False), "mul_scalar": ("Mul", False),
+                   "div_scalar": ("Div", False), "pow_scalar": ("Pow", False),
+                   "rsub_scalar": ("Sub", True), "rdiv_scalar": ("Div", True)}
+
+    def onnx(self, graph, inputs):
+        p = self.params.get("p", 0.0)
+        if self.entry.name not in self.ONNX_SCALAR:   # the functions: graph knows their nodes
+            return graph.pointwise(self.entry, inputs[0], p)
+        operator, scalar_first = self.ONNX_SCALAR[self.entry.name]
+        scalar = graph.constant(p, f"{self.entry.name}.p")
+        return graph.node(operator, [scalar, inputs[0]] if scalar_first else [inputs[0], scalar])
 
 
 def _unary_op(entry):
@@ -322,3 +338,9 @@ class Clip(Op):
     def backward(self, grad_out, grad_dst):
         return (run(CLIP_GRAD, flat(self.x), flat(grad_out), Out(self.x.shape, self.x.dtype),
                     self.low, self.high),)
+
+    def onnx(self, graph, inputs):   # ONNX's Clip: bounds as inputs, "" for an open side
+        bounds = [graph.constant(bound, f"clip.{side}") if bound is not None else ""
+                  for side, bound in (("low", self.params.get("low")),
+                                      ("high", self.params.get("high")))]
+        return graph.node("Clip", [inputs[0], *bounds])

@@ -150,6 +150,9 @@ class EmbeddingOp(Op):
     integer_inputs = (0,)
     host_inputs = (0,)   # host ids are checked on the host, then copied
 
+    def onnx(self, graph, inputs):   # Gather's data is the table, its indices the ids
+        return graph.node("Gather", [inputs[1], graph.int64(inputs[0])], axis=0)
+
     def check(self, ids, weight):
         if weight.ndim != 2:
             raise ValueError(f"embedding: the weight must be 2-D (num_embeddings, dim), got "

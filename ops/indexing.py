@@ -233,6 +233,31 @@ class Index(Movement):
         self.device = device_of(x)
         self.plan = plan(tuple(x.shape), self.params["key"], self.device)
 
+    def onnx(self, graph, inputs):   # ints (Gather) and slices (Slice), axis by axis
+        key = self.params["key"]
+        value, axis, shape = inputs[0], 0, graph.input_shapes[0]
+        for part in key if isinstance(key, tuple) else (key,):
+            if isinstance(part, numbers.Integral) and not isinstance(part, bool):
+                index = graph.constant(np.array(int(part), np.int64), "index.at")
+                value = graph.node("Gather", [value, index], axis=axis)   # drops the axis
+                shape = shape[:axis] + shape[axis + 1:]
+            elif isinstance(part, slice) and part == slice(None):   # the whole axis: no cut
+                axis += 1
+            elif isinstance(part, slice):
+                start, stop, step = part.indices(shape[axis])
+                if step < 0 and stop < 0:   # to the front: past index 0
+                    stop = -shape[axis] - 1
+                bounds = [graph.constant(np.array([bound], np.int64), f"index.{what}")
+                          for what, bound in (("starts", start), ("ends", stop),
+                                              ("axes", axis), ("steps", step))]
+                value = graph.node("Slice", [value, *bounds])
+                shape = shape[:axis] + (len(range(start, stop, step)),) + shape[axis + 1:]
+                axis += 1
+            else:
+                graph.refuse(f"index: only integers and slices export (x[0], x[:, 2:5]), "
+                             f"got the key {key!r}")
+        return value
+
     def forward(self, x):
         self.indices = pack_indices(self.plan, self.device)
         self.is_view = self.plan.contiguous_block()   # gather returns a view of x then

@@ -71,6 +71,9 @@ class Cat(Movement):
                 raise ValueError(f"cat: tensor {k} does not fit along axis {self.axis}: the "
                                  f"shapes ({shapes}) must be equal except on that axis")
 
+    def onnx(self, graph, inputs):
+        return graph.node("Concat", inputs, axis=int(self.axis))
+
     def forward(self, *inputs):
         first, axis = inputs[0], self.axis
         self.lengths = [x.shape[axis] for x in inputs]

@@ -313,6 +313,18 @@ class LayerNormOp(Op):
         self.x, self.weight = x, weight
         return out
 
+    def onnx(self, graph, inputs):   # ONNX's LayerNormalization: opset 17 on
+        if graph.opset < 17:
+            graph.refuse(f"layer_norm needs opset 17 or later (LayerNormalization), got "
+                         f"{graph.opset}")
+        shape, affine = tuple(self.params["normalized_shape"]), self.params["affine"]
+        weight = inputs[1] if affine & HAS_WEIGHT else graph.constant(
+            np.ones(shape, graph.dtype), "layer_norm.ones")
+        bias = inputs[2] if affine & HAS_BIAS else graph.constant(
+            np.zeros(shape, graph.dtype), "layer_norm.zeros")
+        return graph.node("LayerNormalization", [inputs[0], weight, bias], axis=-len(shape),
+                          epsilon=float(self.params["eps"]))
+
     def backward(self, grad_out, grad_dst):
         needs_x, needs_w, needs_b = self.needs_input_grad
         affine = self.params["affine"]

@@ -59,6 +59,9 @@ def _described(x, transposed):
 class MatMul(Op):
     """``a @ b`` for a (..., K) and b (K, N); backward uses the transposed GEMMs."""
     name = "matmul"
+
+    def onnx(self, graph, inputs):   # ONNX's MatMul broadcasts batches as numpy.matmul
+        return graph.node("MatMul", inputs)
     kernels = (GEMM,)
 
     def check(self, a, b):

@@ -357,6 +357,13 @@ class _Pool2D(Op):
                           + padding)
         self.scale = np.dtype(x.dtype).type(1.0 / (kernel[0] * kernel[1]))
 
+    def onnx(self, graph, inputs):   # meta: ..., kernel (2), stride (2), padding (2)
+        kernel, stride, (rows, columns) = self.meta[5:7], self.meta[7:9], self.meta[9:11]
+        extra = {"count_include_pad": 1} if self.name == "avg_pool2d" else {}
+        return graph.node("MaxPool" if self.name == "max_pool2d" else "AveragePool", inputs,
+                          kernel_shape=list(kernel), strides=list(stride),
+                          pads=[rows, columns, rows, columns], **extra)
+
 
 @register
 class MaxPool2DOp(_Pool2D):

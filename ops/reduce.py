@@ -233,6 +233,21 @@ class _Reduce(Op):
         self.axes = normalize_axes(self.params.get("axis"), x.ndim, self.name)
         self.keepdims = self.params.get("keepdims", False)
 
+    # ONNX's reductions: ReduceSum takes its axes as an input from opset 13, the others from 18
+    ONNX_REDUCE = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax",
+                   "min": "ReduceMin"}
+
+    def onnx(self, graph, inputs):
+        operator = self.ONNX_REDUCE.get(self.name)
+        if operator is None:
+            graph.refuse(f"{self.name} has no ONNX reduction")
+        axes, keepdims = [int(axis) for axis in self.axes], int(bool(self.keepdims))
+        if operator == "ReduceSum" or graph.opset >= 18:
+            return graph.node(operator, [inputs[0], graph.constant(np.array(axes, np.int64),
+                                                                   "reduce.axes")],
+                              keepdims=keepdims)
+        return graph.node(operator, inputs, axes=axes, keepdims=keepdims)
+
 
 @register
 class Sum(_Reduce):

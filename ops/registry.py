@@ -29,6 +29,11 @@ class Op:
     integer_inputs = ()   # input positions that take integer arrays (class labels)
     host_inputs = ()      # input positions that may be host arrays beside device ones
     same_dtype = True     # the float inputs must share one dtype
+    # ``onnx(self, graph, inputs)`` -> the name of the ONNX value computing this op's output
+    # from ``inputs`` (the names of its inputs'), through ``graph``'s ``node``/``constant``
+    # (engine.onnx's builder, duck-typed: ops import nothing of the engine); None: an op
+    # that no ONNX export takes
+    onnx = None
 
     def __init__(self, **params):
         self.params = params

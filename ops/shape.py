@@ -60,6 +60,10 @@ def resolve_shape(shape, size, op_name="reshape"):
 class ReshapeOp(Movement):
     """A view of the same memory: no kernel on either device."""
     name = "reshape"
+
+    def onnx(self, graph, inputs):   # the shape the trace saw (the export's shapes are fixed)
+        shape = graph.constant(np.array(graph.output_shape, np.int64), "reshape.shape")
+        return graph.node("Reshape", [inputs[0], shape])
     is_view = True
 
     def check(self, x):
@@ -112,6 +116,9 @@ class Transpose(Movement):
 
     def forward(self, x):
         return transpose(x)
+
+    def onnx(self, graph, inputs):
+        return graph.node("Transpose", inputs, perm=[1, 0])
 
     def backward(self, grad_out, grad_dst):
         return (transpose(grad_out),)
@@ -181,6 +188,10 @@ def normalize_permutation(axes, ndim, op_name):
 @register
 class Permute(Movement):
     name = "permute"
+
+    def onnx(self, graph, inputs):
+        axes = [int(axis) % len(graph.output_shape) for axis in self.params["axes"]]
+        return graph.node("Transpose", inputs, perm=axes)
     kernels = (PERMUTE,)
 
     def check(self, x):

@@ -209,6 +209,9 @@ class _Softmax(Op):
 class Softmax(_Softmax):
     """``exp(x - max) / Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "softmax"
+
+    def onnx(self, graph, inputs):   # ONNX's Softmax over one axis: opset 13 on
+        return graph.node("Softmax", inputs, axis=int(self.params.get("axis", -1)))
     kernels = _softmax_kernels(False, "softmax")
 
 
@@ -216,4 +219,7 @@ class Softmax(_Softmax):
 class LogSoftmax(_Softmax):
     """``(x - max) - log Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "log_softmax"
+
+    def onnx(self, graph, inputs):
+        return graph.node("LogSoftmax", inputs, axis=int(self.params.get("axis", -1)))
     kernels = _softmax_kernels(True, "log_softmax")
