@@ -18,8 +18,10 @@ The CPU walks query tiles of ``CPU_TILE`` rows, all slices at once: the products
 batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores in memory); the
 softmax is two ``@njit`` row passes around NumPy's vector exp (row sums in float64), the
 second also drawing the dropout factors. dK and dV add the tiles in order, so results repeat
-bit for bit. A row whose every key is masked gives NaN, as torch. The mask gets no gradient
-(the CUDA kernels never hold dS whole).
+bit for bit. A row whose every key is masked gives NaN, as torch. A float mask that requires
+grad gets dM = dS (the scores' gradient before the scale), summed over the dims it was
+broadcast along: the CPU stores each tile's dS, the CUDA dQ kernel each (query, key) element
+its thread owns; the sum is a fixed-order reduction.
 """
 import numpy as np
 from numba import njit
@@ -30,6 +32,8 @@ from ops.dispatch import Out, run
 from ops.dropout import _keep_cpu
 from ops.launch import CPU_KERNEL, Kernel
 from ops.layout import flat
+from ops.memory import empty
+from ops.reduce import REDUCE, SUM, reduce
 from ops.registry import Op, register
 
 CPU_TILE = 64   # query rows a CPU pass scores at once
@@ -122,8 +126,9 @@ def attention_cpu(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale, cau
         np.matmul(scores, v3, out=out3[:, start:stop])
 
 
-def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, sizes,
-                       mask_strides, scale, causal, threshold, keep_scale, dropout):
+def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v,
+                       grad_mask, sizes, mask_strides, scale, causal, threshold, keep_scale,
+                       dropout):
     numpy_blas_on_one_thread()
     bh, tq, tk, d, dv = sizes
     q3, k3, v3 = _views(q, k, v, sizes)
@@ -150,6 +155,8 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
         delta = np.sum(probs * grad_scores, axis=-1, keepdims=True, dtype=np.float64)
         grad_scores -= delta.astype(grad_scores.dtype)
         grad_scores *= probs
+        if grad_mask.size:   # dM = dS, each (slice, query, key) once
+            grad_mask.reshape(bh, tq, tk)[:, start:stop] = grad_scores
         grad_scores *= grad_scores.dtype.type(scale)
         np.matmul(grad_scores, k3, out=dq3[:, start:stop])
         if start == 0:   # the first tile writes dK and dV, later ones add in order
@@ -176,9 +183,10 @@ class AttentionOp(Op):
     """Inputs ``(q, k, v, mask, seed)``: q (bh, Tq, d), k (bh, Tk, d), v (bh, Tk, dv) as 3-D
     arrays, ``mask`` a float additive mask read through ``mask_strides`` (an empty array for
     none) and ``seed`` a one-element int64 array; params ``scale``, ``causal``,
-    ``mask_strides`` and ``dropout_p``. The mask and the seed get no gradient."""
+    ``mask_strides`` and ``dropout_p``. A float mask that requires grad gets one, the seed
+    none."""
     name = "attention"
-    kernels = (ATTENTION, ATTENTION_GRAD)
+    kernels = (ATTENTION, ATTENTION_GRAD, REDUCE[SUM])
     integer_inputs = (4,)
 
     def check(self, q, k, v, mask, seed):
@@ -206,7 +214,18 @@ class AttentionOp(Op):
 
     def backward(self, grad_out, grad_dst):
         q, k, v, mask, seed, out = self.saved
+        bh, tq, tk, _, _ = self.sizes
+        mask_grad = self.needs_input_grad[3] and mask.size > 0
+        grad_mask = (Out((bh, tq, tk), q.dtype) if mask_grad else
+                     empty((0,), q.dtype, q.device))
         grads = run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
                     flat(out), flat(grad_out), Out(q.shape, q.dtype), Out(k.shape, k.dtype),
-                    Out(v.shape, v.dtype), self.sizes, *self._scalars())
-        return (*grads, None, None)
+                    Out(v.shape, v.dtype), grad_mask, self.sizes, *self._scalars())
+        if not mask_grad:
+            return (*grads, None, None)
+        *grads, full = grads
+        # the dims the mask's strides do not walk were broadcast: summed, in a fixed order
+        axes = tuple(axis for axis, stride in enumerate(self.params["mask_strides"])
+                     if stride == 0)
+        summed = reduce(SUM, full, axes, keepdims=True) if axes else full
+        return (*grads, summed.reshape(mask.shape), None)
