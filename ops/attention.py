@@ -28,6 +28,7 @@ from numba import njit
 
 from ops.attention_cuda import backward_plan, forward_plan
 from ops.cpu_threads import numpy_blas_on_one_thread
+from ops.device import device_of
 from ops.dispatch import Out, run
 from ops.dropout import _keep_cpu
 from ops.launch import CPU_KERNEL, Kernel
@@ -217,7 +218,7 @@ class AttentionOp(Op):
         bh, tq, tk, _, _ = self.sizes
         mask_grad = self.needs_input_grad[3] and mask.size > 0
         grad_mask = (Out((bh, tq, tk), q.dtype) if mask_grad else
-                     empty((0,), q.dtype, q.device))
+                     empty((0,), q.dtype, device_of(q)))
         grads = run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
                     flat(out), flat(grad_out), Out(q.shape, q.dtype), Out(k.shape, k.dtype),
                     Out(v.shape, v.dtype), grad_mask, self.sizes, *self._scalars())
