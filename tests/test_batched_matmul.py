@@ -92,3 +92,69 @@ def test_matmul_rejects_bad_shapes_naming_them(shapes, message):
     a, b = (engine.tensor(np.ones(s)) for s in shapes)
     with pytest.raises(ValueError, match=message):
         a @ b
+
+
+# ------------------------------------------------------------------ real GPU, every tiling
+
+FMA_TILINGS = ["LARGE", "MEDIUM", "SMALL", "COMPACT", "WIDE", "TALL"]
+
+
+def _batched_on_gpu(a, b, trans_a, trans_b):
+    from ops.device import to_device
+    from ops.matmul import batched_gemm
+    stored_a = np.ascontiguousarray(np.swapaxes(a, -1, -2)) if trans_a else a
+    stored_b = np.ascontiguousarray(np.swapaxes(b, -1, -2)) if trans_b else b
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    with LaunchRecorder() as recorder:
+        out = batched_gemm(to_device(stored_a.reshape((-1,) + stored_a.shape[-2:]), "cuda"),
+                           to_device(stored_b.reshape((-1,) + stored_b.shape[-2:]), "cuda"),
+                           batch, a.shape[:-2], b.shape[:-2], trans_a, trans_b)
+    assert recorder.cuda_kernel_names() == ["gemm_batched_cuda"]
+    return out.copy_to_host().reshape(batch + out.shape[-2:])
+
+
+GPU_SHAPES = [((6, 257, 129), (6, 129, 131)),        # odd edges in every dim
+              ((2, 1, 128, 256), (1, 3, 256, 128)),  # both broadcast, whole tiles
+              ((300, 64), (48, 64, 64))]              # attention-sized, a shared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", FMA_TILINGS)
+@pytest.mark.parametrize("shapes", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False)])
+def test_gpu_batched_fma_tilings_against_float64(monkeypatch, tiling, shapes, trans_a,
+                                                  trans_b):
+    from ops.gemm import choices, tilings
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    count = int(np.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2])))
+    key = (a.shape[-2] * count, b.shape[-1], a.shape[-1], trans_a, trans_b)
+    monkeypatch.setitem(choices.GEMM_CHOICES, key,
+                        choices.GemmConfig(getattr(tilings, tiling), 1))
+    got = _batched_on_gpu(a, b, trans_a, trans_b)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5 * a.shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("shapes", GPU_SHAPES + [((4, 512, 512), (4, 512, 512))], ids=str)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False)])
+def test_gpu_batched_tensor_cores_against_the_rounded_operands(precision, shapes, trans_a,
+                                                                trans_b):
+    """TF32 / bf16 (the pipelined tiling where the operands suit it, 512³ batches): the
+    float64 product of the operands rounded as the tensor cores take them."""
+    from ops.gemm.choices import mma_format
+    from tests.rounded_operands import ROUNDING_OF_FORMAT, assert_product_of_rounded
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    before = engine.get_float32_matmul_precision()
+    engine.set_float32_matmul_precision(precision)
+    try:
+        rounding = ROUNDING_OF_FORMAT[mma_format(np.float32)]
+        got = _batched_on_gpu(a, b, trans_a, trans_b)
+    finally:
+        engine.set_float32_matmul_precision(before)
+    ra, rb = (rounding(x).astype(np.float64) for x in (a, b))
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert_product_of_rounded(got, ra @ rb, magnitude, a.shape[-1], f"{precision} {shapes}")
