@@ -34,10 +34,12 @@ ROUNDS = 3
 
 MLP_SIZE = {"add": [(128, 256)] * 2, "relu": [(128, 256)], "sum": [(128, 256)],
             "softmax": [(128, 10)], "matmul": [(128, 784), (784, 256)],
-            "dense relu": [(128, 784), (784, 256)]}
+            "dense relu": [(128, 784), (784, 256)],
+            "bmm": [(48, 64, 32), (48, 32, 64)]}   # nanoGPT's CPU scores: 12 x 4 heads, T 64
 LARGE_SIZE = {"add": [(1024, 1024)] * 2, "relu": [(1024, 1024)], "sum": [(1024, 1024)],
               "softmax": [(4096, 1000)], "matmul": [(1024, 1024)] * 2,
-              "dense relu": [(1024, 1024)] * 2}
+              "dense relu": [(1024, 1024)] * 2,
+              "bmm": [(384, 256, 64), (384, 64, 256)]}   # nanoGPT's: 64 x 6 heads, T 256
 # float32 arrays moved per element of the first input: read inputs once, write outputs once
 TRAFFIC = {"add": 3, "relu": 2, "sum": 1, "softmax": 2}
 
@@ -46,8 +48,9 @@ def _work(name, shapes):
     """``(unit, amount)`` of one call: GB moved, or GFLOP for the matrix products."""
     if name in TRAFFIC:
         return "GB", TRAFFIC[name] * 4 * int(np.prod(shapes[0]))
-    (rows, inner), (_, columns) = shapes
-    return "GFLOP", 2 * rows * inner * columns
+    *batch, rows, inner = shapes[0]
+    columns = shapes[1][-1]
+    return "GFLOP", 2 * int(np.prod(batch)) * rows * inner * columns
 
 
 def _engine_calls(name, arrays, device):
@@ -62,7 +65,7 @@ def _engine_calls(name, arrays, device):
         return lambda: tensors[0].sum()
     if name == "softmax":
         return lambda: tensors[0].softmax(axis=-1)
-    if name == "matmul":
+    if name in ("matmul", "bmm"):
         return lambda: tensors[0] @ tensors[1]
     features, units = arrays[1].shape
     layer = nn.Sequential([nn.Dense(units, activation="relu", input_shape=(features,))]).to(device)
@@ -83,7 +86,7 @@ def _numpy_calls(name, arrays):
         return e / e.sum(axis=-1, keepdims=True)
     if name == "softmax":
         return softmax
-    if name == "matmul":
+    if name in ("matmul", "bmm"):
         return lambda: a @ arrays[1]
     bias = np.zeros(arrays[1].shape[1], np.float32)
     return lambda: np.maximum(a @ arrays[1] + bias, 0)
@@ -101,7 +104,7 @@ def _torch_calls(name, arrays, device):
         return lambda: a.sum()
     if name == "softmax":
         return lambda: torch.softmax(a, dim=-1)
-    if name == "matmul":
+    if name in ("matmul", "bmm"):
         return lambda: a @ tensors[1]
     weight = tensors[1].T.contiguous()
     bias = torch.zeros(weight.shape[0], device=device)
@@ -155,7 +158,7 @@ def format_table(result):
                         + [f"{name} gpu us" for name in gpu_frameworks])
     rates = " | ".join(f"{name}" for name in frameworks)
     lines = [f"bench.ops on {result['device']} (NumPy on the host); throughput in GB/s "
-             "(memory-bound ops) or GFLOP/s (matmul, dense)"]
+             "(memory-bound ops) or GFLOP/s (matmul, bmm, dense)"]
     if gpu_frameworks:
         lines.append(f"us: wall time per call, launch included; gpu us: GPU time alone ({CALLS} "
                      f"calls queued behind a {BUSY_SIZE}³ product, timed by CUDA events)")
@@ -163,7 +166,7 @@ def format_table(result):
               "|---|---|" + "---:|" * (2 * len(frameworks) + len(gpu_frameworks) + 1)]
     for row in result["rows"]:
         shapes = " @ ".join("x".join(map(str, shape)) for shape in row["shapes"])
-        if row["op"] not in ("matmul", "dense relu"):
+        if row["op"] not in ("matmul", "dense relu", "bmm"):
             shapes = "x".join(map(str, row["shapes"][0]))
         times = " | ".join([f"{row['us_per_call'][k]:.1f}" for k in frameworks]
                            + [f"{row['gpu_us_per_call'][k]:.1f}" for k in gpu_frameworks])

@@ -86,25 +86,25 @@ def _binary(name, op_class, scalar_op, reflected_scalar_op, a, b, scalar_map=lam
 
 
 def add(a, b):
-    return _binary("add", ew.Add, ew.AddScalar, ew.AddScalar, a, b)
+    return _binary("add", ew.Add, ew.AddScalarOp, ew.AddScalarOp, a, b)
 
 
 def sub(a, b):
-    return _binary("sub", ew.Sub, ew.AddScalar, ew.RSubScalar, a, b, scalar_map=lambda s: -s)
+    return _binary("sub", ew.Sub, ew.AddScalarOp, ew.RSubScalarOp, a, b, scalar_map=lambda s: -s)
 
 
 def mul(a, b):
-    return _binary("mul", ew.Mul, ew.MulScalar, ew.MulScalar, a, b)
+    return _binary("mul", ew.Mul, ew.MulScalarOp, ew.MulScalarOp, a, b)
 
 
 def div(a, b):
-    return _binary("div", ew.Div, ew.DivScalar, ew.RDivScalar, a, b)
+    return _binary("div", ew.Div, ew.DivScalarOp, ew.RDivScalarOp, a, b)
 
 
 def pow(x, exponent):
     if not _is_scalar(exponent):
         raise TypeError(f"pow: the exponent must be a Python number, got {type(exponent).__name__}")
-    return apply(ew.PowScalar, x, p=float(exponent))
+    return apply(ew.PowScalarOp, x, p=float(exponent))
 
 
 def _pointwise_function(entry):
@@ -127,13 +127,13 @@ globals().update(POINTWISE)
 def leaky_relu(x, alpha=0.01):
     """``x`` where ``x > 0``, else ``alpha * x``, elementwise, as
     ``torch.nn.functional.leaky_relu`` (``negative_slope``)."""
-    return apply(ew.LeakyRelu, x, p=float(alpha))
+    return apply(ew.LeakyReluOp, x, p=float(alpha))
 
 
 def gelu(x, approximate="none"):
     """x·Phi(x), Phi the standard normal CDF (``approximate="none"``), or its tanh form
     (``"tanh"``), as ``torch.nn.functional.gelu``."""
-    forms = {"none": ew.Gelu, "tanh": ew.GeluTanh}
+    forms = {"none": ew.GeluOp, "tanh": ew.GeluTanhOp}
     if approximate not in forms:
         raise ValueError(f"gelu: approximate must be \"none\" or \"tanh\" (torch's values), "
                          f"got {approximate!r}")
@@ -411,9 +411,9 @@ def matmul(a, b):
 def softmax(x, axis=None, *, dim=None):
     """Softmax over ``axis`` (the last when neither axis nor dim is given)."""
     axis = _axis("softmax", axis, dim)
-    return apply(sm.Softmax, x, axis=-1 if axis is None else axis)
+    return apply(sm.SoftmaxOp, x, axis=-1 if axis is None else axis)
 
 
 def log_softmax(x, axis=None, *, dim=None):
     axis = _axis("log_softmax", axis, dim)
-    return apply(sm.LogSoftmax, x, axis=-1 if axis is None else axis)
+    return apply(sm.LogSoftmaxOp, x, axis=-1 if axis is None else axis)

@@ -244,7 +244,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     dropout on the attention weights (drawn from the device seed, as nn.Dropout);
     ``scale``: default ``1 / sqrt(d)``. One fused kernel per direction on CUDA.
     ``seed_state``: a layer's own dropout seed state (``ops.dropout.new_seed_state``'s two
-    arrays) instead of the one this module keeps per device. The mask gets no gradient."""
+    arrays) instead of the one this module keeps per device. A float mask that requires grad
+    gets its gradient, summed over the dims it broadcast along."""
     name = "scaled_dot_product_attention"
     for label, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Value):
@@ -301,8 +302,8 @@ def _attention_mask(name, q, attn_mask, lead, tq, tk):
         attn_mask = F.add(attn_mask, q._wrap(fill(empty(lead + (1, 1), q.dtype, q.device), 0)))
         mask_lead = lead
     slice_stride = rows * cols if mask_lead == lead and any(s != 1 for s in lead) else 0
-    data = attn_mask.detach().data
-    return data, (slice_stride, cols if rows != 1 else 0, 1 if cols != 1 else 0)
+    # a float mask that requires grad gets dS (torch's SDPA too); a bool one is constant
+    return attn_mask, (slice_stride, cols if rows != 1 else 0, 1 if cols != 1 else 0)
 
 
 def _attention_seed(device, dropout_p, seed_state):

@@ -19,19 +19,23 @@ batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores i
 softmax is two ``@njit`` row passes around NumPy's vector exp (row sums in float64), the
 second also drawing the dropout factors; the backward's ``dS = s P ∘ (dP - Δ)`` is one
 ``@njit`` row pass. dK and dV add the tiles in order, so results repeat bit for bit. A row
-whose every key is masked gives NaN, as torch. The mask gets no gradient (the CUDA kernels
-never hold dS whole).
+whose every key is masked gives NaN, as torch. A float mask that requires grad gets dM = dS
+(the scores' gradient before the scale), summed over the dims it was broadcast along: the CPU
+stores each tile's dS, the CUDA dQ kernel each (query, key) element its thread owns; the sum
+is a fixed-order reduction.
 """
 import numpy as np
 from numba import njit
 
 from ops.attention_cuda import backward_plan, forward_plan
 from ops.cpu_threads import numpy_blas_on_one_thread
-from ops.device import to_host
+from ops.device import device_of, to_host
 from ops.dispatch import Out, run
 from ops.dropout import _keep_cpu
 from ops.launch import CPU_KERNEL, Kernel
 from ops.layout import flat
+from ops.memory import empty
+from ops.reduce import REDUCE, SUM, reduce
 from ops.registry import Op, register
 
 CPU_TILE = 64   # query rows a CPU pass scores at once
@@ -140,8 +144,9 @@ def attention_cpu(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale, cau
         np.matmul(scores, v3, out=out3[:, start:stop])
 
 
-def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, sizes,
-                       mask_strides, scale, causal, threshold, keep_scale, dropout):
+def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v,
+                       grad_mask, sizes, mask_strides, scale, causal, threshold, keep_scale,
+                       dropout):
     numpy_blas_on_one_thread()
     bh, tq, tk, d, dv = sizes
     q3, k3, v3 = _views(q, k, v, sizes)
@@ -165,7 +170,12 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
             _dropout_factors(factors, start, tq, seed, threshold, keep_scale)
             grad_scores *= factors
             dropped = probs * factors
-        _score_gradients(probs, grad_scores, grad_scores.dtype.type(scale))
+        if grad_mask.size:   # dM = dS before the scale, each (slice, query, key) once
+            _score_gradients(probs, grad_scores, grad_scores.dtype.type(1))
+            grad_mask.reshape(bh, tq, tk)[:, start:stop] = grad_scores
+            grad_scores *= grad_scores.dtype.type(scale)
+        else:
+            _score_gradients(probs, grad_scores, grad_scores.dtype.type(scale))
         np.matmul(grad_scores, k3, out=dq3[:, start:stop])
         if start == 0:   # the first tile writes dK and dV, later ones add in order
             np.matmul(grad_scores.transpose(0, 2, 1), q3[:, start:stop], out=dk3)
@@ -191,9 +201,10 @@ class AttentionOp(Op):
     """Inputs ``(q, k, v, mask, seed)``: q (bh, Tq, d), k (bh, Tk, d), v (bh, Tk, dv) as 3-D
     arrays, ``mask`` a float additive mask read through ``mask_strides`` (an empty array for
     none) and ``seed`` a one-element int64 array; params ``scale``, ``causal``,
-    ``mask_strides`` and ``dropout_p``. The mask and the seed get no gradient."""
+    ``mask_strides`` and ``dropout_p``. A float mask that requires grad gets one, the seed
+    none."""
     name = "attention"
-    kernels = (ATTENTION, ATTENTION_GRAD)
+    kernels = (ATTENTION, ATTENTION_GRAD, REDUCE[SUM])
     integer_inputs = (4,)
 
     def check(self, q, k, v, mask, seed):
@@ -240,7 +251,18 @@ class AttentionOp(Op):
 
     def backward(self, grad_out, grad_dst):
         q, k, v, mask, seed, out = self.saved
+        bh, tq, tk, _, _ = self.sizes
+        mask_grad = self.needs_input_grad[3] and mask.size > 0
+        grad_mask = (Out((bh, tq, tk), q.dtype) if mask_grad else
+                     empty((0,), q.dtype, device_of(q)))
         grads = run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
                     flat(out), flat(grad_out), Out(q.shape, q.dtype), Out(k.shape, k.dtype),
-                    Out(v.shape, v.dtype), self.sizes, *self._scalars())
-        return (*grads, None, None)
+                    Out(v.shape, v.dtype), grad_mask, self.sizes, *self._scalars())
+        if not mask_grad:
+            return (*grads, None, None)
+        *grads, full = grads
+        # the dims the mask's strides do not walk were broadcast: summed, in a fixed order
+        axes = tuple(axis for axis, stride in enumerate(self.params["mask_strides"])
+                     if stride == 0)
+        summed = reduce(SUM, full, axes, keepdims=True) if axes else full
+        return (*grads, summed.reshape(mask.shape), None)

@@ -11,7 +11,8 @@ CPU side), in the flash-attention manner: no T x T matrix in global memory, no a
   dQ with a thread per query row walking the key tiles (Δ_i = dO_i · O_i from its own row),
   and dK, dV with a block owning ``KEY_TILE`` keys, a thread per key row, walking the query
   tiles through shared memory (each thread of the block first writes one query's Δ there).
-  Each gradient element is summed by the one thread that owns it, in key or query order.
+  A float mask's gradient dS is stored by the dQ kernel, each element by its query's thread
+  (a mask excludes is_causal, so every key is visited). Each gradient element is summed by the one thread that owns it, in key or query order.
 
 A head dimension up to ``MAX_HEAD_DIM`` fits; the kernels are compiled per dtype and per
 head-dimension cap (32, 64 or 128: the registers a row takes). Accumulators are in the
@@ -132,7 +133,7 @@ def _kernels(dtype, cap):
 
     @cuda.jit(cache=True)
     def attention_grad_q_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
-                              grad_v, sizes, mask_strides, scale, causal, threshold,
+                              grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
                               keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
         keys = cuda.shared.array((key_tile, cap), kind)
@@ -175,6 +176,8 @@ def _kernels(dtype, cap):
                         element = row * tk + start + r
                         d_p = d_p * keep_scale if _keep_cuda(element, seed[0], threshold) else 0
                     d_s = p * (d_p - delta)
+                    if grad_mask.size > 0:   # dM = dS: this thread owns the query's row
+                        grad_mask[row * tk + start + r] = d_s
                     for c in range(d):
                         acc[c] += d_s * keys[r, c]
             cuda.syncthreads()
@@ -184,8 +187,8 @@ def _kernels(dtype, cap):
 
     @cuda.jit(cache=True)
     def attention_grad_kv_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
-                               grad_v, sizes, mask_strides, scale, causal, threshold,
-                               keep_scale, dropout):
+                               grad_v, grad_mask, sizes, mask_strides, scale, causal,
+                               threshold, keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
         queries = cuda.shared.array((key_tile, cap), kind)
         grads = cuda.shared.array((key_tile, cap), kind)
@@ -258,7 +261,8 @@ def forward_plan(args):
 
 
 def backward_plan(args):
-    q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, sizes = args[:12]
+    q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, grad_mask, sizes = \
+        args[:13]
     bh, tq, tk, d, dv = sizes
     _, grad_q_kernel, grad_kv_kernel, key_tile = _kernels(np.dtype(q.dtype), head_cap(d, dv))
     return ((grad_q_kernel, bh * -(-tq // QUERY_TILE), QUERY_TILE, args),

@@ -370,6 +370,8 @@ def conv2d_cpu_functions(path=RULE):
                         needs_w, needs_b):
         conv2d_cpu_kernels(act, path)[1](x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act,
                                          alpha, needs_x, needs_w, needs_b)
+    conv2d_forward.__name__ = "conv2d_forward_cpu" + PATH_NAMES[path]
+    conv2d_backward.__name__ = "conv2d_backward_cpu" + PATH_NAMES[path]
     return conv2d_forward, conv2d_backward
 
 

@@ -247,7 +247,8 @@ class _Unary(Op):
 
 
 def _unary_op(entry):
-    class_name = "".join(part.capitalize() for part in entry.name.split("_"))
+    # "Op" as DenseOp's: a layer may have the function's name (torch's nn.Sigmoid)
+    class_name = "".join(part.capitalize() for part in entry.name.split("_")) + "Op"
     cls = type(class_name, (_Unary,), {"name": entry.name, "entry": entry,
                                        "kernels": UNARY[entry.code],
                                        "__doc__": f"Elementwise {entry.name}."})
@@ -255,13 +256,11 @@ def _unary_op(entry):
 
 
 UNARY_OPS = {entry.name: _unary_op(entry) for entry in TABLE if entry.name != "identity"}
-Neg, Exp, Log, Sqrt = (UNARY_OPS[n] for n in ("neg", "exp", "log", "sqrt"))
-Relu, LeakyRelu, Sigmoid, Tanh = (UNARY_OPS[n] for n in ("relu", "leaky_relu", "sigmoid", "tanh"))
-AddScalar, MulScalar = UNARY_OPS["add_scalar"], UNARY_OPS["mul_scalar"]
-RSubScalar, RDivScalar, PowScalar = (UNARY_OPS[n] for n in ("rsub_scalar", "rdiv_scalar",
-                                                            "pow_scalar"))
-Abs, DivScalar = UNARY_OPS["abs"], UNARY_OPS["div_scalar"]
-Gelu, GeluTanh = UNARY_OPS["gelu"], UNARY_OPS["gelu_tanh"]
+AddScalarOp, MulScalarOp, DivScalarOp = (UNARY_OPS[n] for n in ("add_scalar", "mul_scalar",
+                                                                  "div_scalar"))
+RSubScalarOp, RDivScalarOp, PowScalarOp = (UNARY_OPS[n] for n in ("rsub_scalar", "rdiv_scalar",
+                                                                  "pow_scalar"))
+LeakyReluOp, GeluOp, GeluTanhOp = (UNARY_OPS[n] for n in ("leaky_relu", "gelu", "gelu_tanh"))
 
 
 # ------------------------------------------------------------------ clip

@@ -206,7 +206,7 @@ class _Softmax(Op):
 
 
 @register
-class Softmax(_Softmax):
+class SoftmaxOp(_Softmax):
     """``exp(x - max) / Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "softmax"
 
@@ -216,7 +216,7 @@ class Softmax(_Softmax):
 
 
 @register
-class LogSoftmax(_Softmax):
+class LogSoftmaxOp(_Softmax):
     """``(x - max) - log Σ exp(x - max)`` along ``axis`` (default -1)."""
     name = "log_softmax"
 

@@ -47,3 +47,35 @@ def blas_product(a, b, out):
     numpy_blas_on_one_thread()
     np.dot(a, b, out=out)
 
+
+
+@njit(cache=True, nogil=True)
+def gemm_batches_cpu(a, b, out, batches, trans_a, trans_b, first, stop):
+    """out[z] = op(a[i]) @ op(b[j]) for the batches z in [first, stop), i and j from
+    ``batches`` (``ops.gemm.plans.batch_meta``), one BLAS call each."""
+    dims = batches[0]
+    for z in range(first, stop):
+        rest, at_a, at_b = z, 0, 0
+        for d in range(dims - 1, -1, -1):   # the last batch dim varies fastest
+            index = rest % batches[1 + d]
+            rest //= batches[1 + d]
+            at_a += index * batches[1 + dims + d]
+            at_b += index * batches[1 + 2 * dims + d]
+        gemm_cpu(a[at_a], b[at_b], out[z], trans_a, trans_b)
+
+
+def gemm_batched_cpu(a, b, out, batches, trans_a, trans_b):
+    """``gemm_batches_cpu`` over all batches, a large product's batches in blocks across the
+    engine's threads: each product is one BLAS call whichever thread runs it, so the bits
+    do not depend on the thread count."""
+    count = out.shape[0]
+    k = a.shape[1] if trans_a else a.shape[2]
+    blocks = row_blocks(count, out.size * k) if count > 1 else None
+    if blocks is None:
+        gemm_batches_cpu(a, b, out, batches, trans_a, trans_b, 0, count)
+    else:
+        run_blocks([(gemm_batches_cpu, (a, b, out, batches, trans_a, trans_b, start, stop))
+                    for start, stop in blocks])
+
+
+gemm_batched_cpu.__wrapped__ = gemm_batches_cpu

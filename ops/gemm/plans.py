@@ -174,3 +174,46 @@ def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
     return [(partial_kernel, blocks, threads, (grad_out, y, x, flat(partials), alpha)),
             (conv2d_grad_weight_sum_cuda, -(-elements // sum_threads), sum_threads,
              (partials, device_reshape(grad_w, (geometry.O, weights)), grad_b))]
+
+
+MAX_GRID_Z = 65535   # CUDA's limit on a grid's z extent: the batched GEMM's batches
+
+
+def batch_meta(batch_shape, a_strides, b_strides):
+    """The batched GEMM's batch description as one tuple of ints: the count d of batch dims,
+    their sizes, then A's and B's strides along them in whole matrices of the operand (0
+    where it is broadcast). Adjacent dims that both operands walk as one merge, so a
+    contiguous batch is one dim whatever its rank."""
+    dims = []
+    for size, sa, sb in zip(batch_shape, a_strides, b_strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == sa * size and dims[-1][2] == sb * size:
+            outer = dims.pop()
+            dims.append((outer[0] * size, sa, sb))
+        else:
+            dims.append((size, sa, sb))
+    return (len(dims), *(d[0] for d in dims), *(d[1] for d in dims), *(d[2] for d in dims))
+
+
+def batched_gemm_plan(m, n, k, dtype, trans_a, trans_b, args):
+    """The one launch of a batched PLAIN GEMM ``(a, b, out, batches)``: out (B, m, n), a grid
+    of the tiles of one product by B; the tiling is picked for all B products' rows together
+    (the B x tiles blocks are what fills the GPU), without split-K."""
+    a, b, out, batches = args
+    count = out.shape[0]
+    if count > MAX_GRID_Z:
+        raise ValueError(f"matmul: {count} batches exceed a CUDA grid's {MAX_GRID_Z}; "
+                         f"multiply in parts of at most {MAX_GRID_Z} batches")
+    dtype = np.dtype(dtype)
+    mma = mma_format(dtype)
+    pipelined = pipelined_tiling(mma, PLAIN, (a[0], b[0])) if count else None
+    tiling, _ = pick_config(m * count, n, k, trans_a, trans_b, 0, mma, pipelined=pipelined)
+    if tiling.stages and pipelined is None:
+        tiling, _ = pick_config(m * count, n, k, trans_a, trans_b, 0, None)
+    if not tiling.stages and shared_bytes(tiling, dtype) > STATIC_SHARED_BYTES:
+        tiling = pick_tiling(m * count, n)
+    blocks = (-(-n // tiling.BN), -(-m // tiling.BM), count)
+    kernel = gemm_kernels(dtype, tiling, trans_a, trans_b, PLAIN, IDENTITY, False,
+                          batched=True)
+    return [(kernel, blocks, threads_of(tiling), args)]

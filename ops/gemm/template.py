@@ -18,7 +18,7 @@ from ops.pointwise import derivative_cuda, value_cuda
 
 
 @kernels_of_code("act")
-def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None):
+def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None, batched=False):
     """The kernels for one dtype/tiling/layout/mode: a device function ``tile_product`` holding
     the whole GEMM, and the thin ``@cuda.jit`` entry point for ``mode`` with its own few
     arguments (each kernel argument costs launch time).
@@ -29,7 +29,15 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None)
     epilogue moves to the sum).
 
     ``conv``: the ``ConvGeometry`` of a CONV_ mode, whose operands are gathered from the
-    convolution's arrays (``conv_operands``) through the same main loop (``accumulate``)."""
+    convolution's arrays (``conv_operands``) through the same main loop (``accumulate``).
+
+    ``batched``: PLAIN's batched entry point ``gemm_batched_cuda(a, b, out, batches)`` for
+    a (Ba, ., .), b (Bb, ., .), out (B, M, N): the grid's z index is the output's batch, whose
+    operands' batches ``batches`` (``ops.gemm.plans.batch_meta``) gives (a stride of 0 for a
+    broadcast one); no split-K."""
+    if batched and (mode != PLAIN or partial or conv is not None):
+        raise ValueError(f"matmul: the batched GEMM is PLAIN and unsplit, not {mode} "
+                         f"(partial {partial}, conv {conv})")
     check_tiling(tiling, dtype, mode)
     BM, BN, BK, TM, TN = tiling[:5]
     # cache=True: numba-cuda keys a closure kernel's cache by the closure's contents, which
@@ -59,6 +67,7 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None)
     ONES_ROW = mode == GRAD_B   # A gets a virtual last row of ones: that output row is db
     EXTRA_ROWS = 1 if ONES_ROW else 0
     PARTIAL = partial
+    BATCHED = batched
     A_ROW, B_ROW = BM + pad_of(tiling), BN + pad_of(tiling)   # elements from one k row to the next
     A_BUFFER, B_BUFFER = BK * A_ROW, BK * B_ROW
     A_TILE, B_TILE = 2 * A_BUFFER, 2 * B_BUFFER   # two buffers each, as constants
@@ -322,7 +331,10 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None)
         else:
             m_data, k_size = U(a.shape[0]), U(a.shape[1])
         n_size = U(b.shape[0]) if trans_b else U(b.shape[1])
-        k_begin, k_end = k_range(k_size, U(cuda.blockIdx.z), U(cuda.gridDim.z))
+        if BATCHED:   # the grid's z is the batch: the whole of K
+            k_begin, k_end = U(0), k_size
+        else:
+            k_begin, k_end = k_range(k_size, U(cuda.blockIdx.z), U(cuda.gridDim.z))
         accumulate(a, b, aux, acc, row0, col0, m_data, n_size, k_begin, k_end, U(0), alpha)
         if PAIRED:
             pairs = out.shape[OUT_DIMS - 1] % 2 == 0 and address_of(out) % U(8) == U(0)
@@ -353,6 +365,25 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None)
         def dense_grad_params_partial_cuda(x, g, y, partials, alpha):
             tile_product(x, g, partials, y, partials[0, 0], partials[0, 0], alpha)
         return dense_grad_params_partial_cuda
+    if BATCHED:
+        @entry
+        def gemm_batched_cuda(a, b, out, batches):
+            """out[z] = op(a[i]) @ op(b[j]) for the block's batch z, i and j from ``batches``
+            (dims d, then their sizes, a's strides and b's, in batches of the operand)."""
+            z = U(cuda.blockIdx.z)
+            dims = U(batches[0])
+            rest, at_a, at_b = z, U(0), U(0)
+            d = dims
+            while d > U(0):   # the last batch dim varies fastest
+                d -= U(1)
+                size = U(batches[U(1) + d])
+                index = rest % size
+                rest //= size
+                at_a += index * U(batches[U(1) + dims + d])
+                at_b += index * U(batches[U(1) + dims + dims + d])
+            c = out[z]
+            tile_product(a[at_a], b[at_b], c, a[at_a], c[0], c[0], ZERO)
+        return gemm_batched_cuda
     if mode == PLAIN:
         @entry
         def gemm_cuda(a, b, out):

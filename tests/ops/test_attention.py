@@ -9,23 +9,7 @@ from engine.autograd import apply
 from ops.attention import AttentionOp
 from ops.dropout import dropout, seed_array
 from tests.support.op_check import Case, check_op
-
-
-def _softmax(s):
-    top = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - top)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _reference(q, k, v, mask=None, causal=False, scale=None, keep=None):
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = q @ np.swapaxes(k, -1, -2) * scale
-    if mask is not None:
-        s = s + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
-    if causal:
-        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
-    p = _softmax(s)
-    return (p if keep is None else p * keep) @ v
+from tests.support.references import np_attention
 
 
 def _sdpa(*args, **kwargs):
@@ -48,19 +32,19 @@ def _with_mask(shapes, mask):
 
 QKV = ((2, 2, 5, 3), (2, 2, 5, 3), (2, 2, 5, 3))
 CASES = [
-    Case("attention", QKV, _sdpa, _reference),
+    Case("attention", QKV, _sdpa, np_attention),
     Case("attention", QKV, lambda q, k, v: _sdpa(q, k, v, is_causal=True),
-         lambda q, k, v: _reference(q, k, v, causal=True)),
+         lambda q, k, v: np_attention(q, k, v, causal=True)),
     Case("attention", ((3, 4, 3), (3, 6, 3), (3, 6, 2)),
          lambda q, k, v: _sdpa(q, k, v, scale=0.3),
-         lambda q, k, v: _reference(q, k, v, scale=0.3)),
+         lambda q, k, v: np_attention(q, k, v, scale=0.3)),
     Case("attention", ((1, 5, 3), (1, 5, 3), (1, 5, 3), (5, 5)),
          lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m),
-         lambda q, k, v, m: _reference(q, k, v, mask=m),
+         lambda q, k, v, m: np_attention(q, k, v, mask=m),
          make_inputs=_with_mask(((1, 5, 3),) * 3, _bool_mask((5, 5)))),
     Case("attention", ((2, 2, 3, 2), (2, 2, 4, 2), (2, 2, 4, 3), (2, 1, 1, 4)),
          lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m),
-         lambda q, k, v, m: _reference(q, k, v, mask=m), grad=(True, True, True, False)),
+         lambda q, k, v, m: np_attention(q, k, v, mask=m), grad=(True, True, True, False)),
 ]
 
 
@@ -133,7 +117,7 @@ def test_dropout_follows_the_seed_and_its_gradient_checks(device):
     keep = _dropout_keep(2, 5, 5, 0.4, 11)
     assert 0 < (keep == 0).sum() < keep.size
     np.testing.assert_allclose(attend(*tensors).numpy(),
-                               _reference(*arrays, causal=True, scale=0.5, keep=keep),
+                               np_attention(*arrays, causal=True, scale=0.5, keep=keep),
                                rtol=1e-10, atol=1e-12)
     engine.gradcheck(attend, tensors, fast=device == "cuda")
 

@@ -315,9 +315,9 @@ ADAPTERS = {
 
 
 # the OpInfos whose every sample needs what the engine refuses: a Tensor exponent or bound
-# (its pow and clip take numbers), a rounding mode, batched matmul of 3-D operands
+# (its pow and clip take numbers), a rounding mode
 ONLY_REFUSED = {("pow", ""), ("clamp", ""), ("clamp_min", ""), ("clamp_max", ""),
-                ("div", "trunc_rounding"), ("div", "floor_rounding"), ("bmm", "")}
+                ("div", "trunc_rounding"), ("div", "floor_rounding")}
 
 
 # ------------------------------------------------------------------ running a sample

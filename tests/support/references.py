@@ -97,3 +97,21 @@ def np_conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, activatio
     if b is not None:
         out += b[None, :, None, None]
     return np_activation(activation, out, alpha)
+
+
+def np_softmax(s):
+    top = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - top)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def np_attention(q, k, v, mask=None, causal=False, scale=None, keep=None):
+    """Scaled dot-product attention as torch defines it (``keep``: dropout's kept factors)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if mask is not None:
+        s = s + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np_softmax(s)
+    return (p if keep is None else p * keep) @ v
