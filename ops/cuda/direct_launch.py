@@ -17,9 +17,9 @@ import ops.cuda.runtime as runtime
 from ops.cuda.runtime import SIMULATOR, cuda, is_cuda_ndarray
 from ops.cuda.shipped import shipped_function
 
-_ARRAY, _INT, _FLOAT64, _FLOAT32, _BOOL = range(5)
-_SCALAR_KINDS = {int: _INT, np.int64: _INT, float: _FLOAT64, np.float64: _FLOAT64,
-                 np.float32: _FLOAT32, bool: _BOOL, np.bool_: _BOOL}
+_ARRAY, _INT, _UINT64, _FLOAT64, _FLOAT32, _BOOL = range(6)
+_SCALAR_KINDS = {int: _INT, np.int64: _INT, np.uint64: _UINT64, float: _FLOAT64,
+                 np.float64: _FLOAT64, np.float32: _FLOAT32, bool: _BOOL, np.bool_: _BOOL}
 _compiled = {}            # (kernel, signature) -> cuda.core kernel, or False: always via Numba
 _configs = {}
 _dynamic_shared = {}      # dispatcher -> the bytes of dynamic shared memory of its launches
@@ -91,16 +91,19 @@ def direct_function(kernel, args):
 
 def kernel_params(args):
     """The kernel parameter list Numba would pass for ``args`` (each array expands to
-    meminfo, parent, size, itemsize, data, shape, strides)."""
+    meminfo, parent, size, itemsize, data, shape, strides; a tuple, its members one by one)."""
     params = []
     for arg in args:
         if is_cuda_ndarray(arg):
             params += (0, 0, arg.size, arg.dtype.itemsize, arg.device_ctypes_pointer.value)
             params += arg.shape
             params += arg.strides
+        elif type(arg) is tuple:
+            params += kernel_params(arg)
         else:
             kind = _SCALAR_KINDS[type(arg)]
             params.append(ctypes.c_int64(arg) if kind == _INT else
+                          ctypes.c_uint64(arg) if kind == _UINT64 else
                           ctypes.c_double(arg) if kind == _FLOAT64 else
                           ctypes.c_float(arg) if kind == _FLOAT32 else bool(arg))
     return params
@@ -114,6 +117,11 @@ def launch_signature(args):
             if not arg.is_c_contiguous():
                 return None
             key.append((arg.dtype, arg.ndim))
+        elif type(arg) is tuple:   # a geometry tuple (attention's): Numba passes its members
+            members = launch_signature(arg)
+            if members is None:
+                return None
+            key.append(members)
         elif type(arg) in _SCALAR_KINDS:
             key.append(type(arg))
         else:
