@@ -242,9 +242,17 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of both engine and torch (default: each its own "
                              "choice; 1 compares them fairly beside busy neighbours)")
+    parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"),
+                        help="float32 matmul precision of both engine and torch (torch's "
+                             "names: high = TF32, medium = bf16 where the engine has it)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    if args.precision != "highest":
+        import engine
+        import torch
+        engine.set_float32_matmul_precision(args.precision)
+        torch.set_float32_matmul_precision(args.precision)
     if args.threads:
         import engine
         import torch

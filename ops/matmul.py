@@ -1,25 +1,25 @@
-"""Matrix products: the ``matmul`` op and ``gemm``, the array-level GEMM every other product
-calls.
+"""Matrix products: the ``matmul`` op and ``gemm``, the array-level GEMM every other product calls.
 
 CPU: BLAS (``ops.gemm.cpu``), a large product in row blocks across the engine's threads.
 CUDA: our own tiled, register-blocked GEMM template (``ops.gemm.template``), whose tiling and
 split-K count ``ops.gemm.choices`` picks and whose launches ``ops.gemm.plans`` makes; the
 same template carries Dense's fused kernels (``ops.dense``) and the convolutions
-(``ops.conv``). How a call flows from here to a kernel: ops/gemm/README.md."""
+(``ops.conv``); batched products are ``ops.batched_matmul``'s. How a call flows from here
+to a kernel: ops/gemm/README.md."""
 import math
 
 import numpy as np
 
-from ops.dispatch import Meta, Out, run
-from ops.gemm.cpu import gemm_batched_cpu, gemm_split_cpu
-from ops.gemm.plans import batch_meta, batched_gemm_plan, gemm_plan
+from ops.batched_matmul import BATCHED_GEMM, BatchedProduct
+from ops.dispatch import Out, run
+from ops.gemm.cpu import gemm_split_cpu
+from ops.gemm.plans import gemm_plan
 from ops.gemm.tilings import PLAIN
 from ops.launch import Kernel
 from ops.pointwise import IDENTITY
-from ops.reduce import REDUCE, SUM, sum_to_shape
+from ops.reduce import REDUCE, SUM
 from ops.registry import Op, register
 
-# ------------------------------------------------------------------ array-level GEMM
 
 def _gemm_plan(args):
     a, b, out, trans_a, trans_b = args
@@ -29,40 +29,6 @@ def _gemm_plan(args):
 
 
 GEMM = Kernel("gemm", gemm_split_cpu, cuda_plan=_gemm_plan)
-
-
-def _batched_gemm_plan(args):
-    a, b, out, batches, trans_a, trans_b = args
-    k = a.shape[1] if trans_a else a.shape[2]
-    return batched_gemm_plan(out.shape[1], out.shape[2], k, a.dtype, trans_a, trans_b,
-                             (a, b, out, batches))
-
-
-BATCHED_GEMM = Kernel("gemm_batched", gemm_batched_cpu, cuda_plan=_batched_gemm_plan)
-
-
-def batched_gemm(a, b, batch_shape, a_batch, b_batch, trans_a=False, trans_b=False):
-    """``op(a[i]) @ op(b[j])`` for every batch of ``batch_shape``: a (Ba, ., .) and b (Bb,
-    ., .) C-contiguous stacks of matrices whose batch shapes ``a_batch``, ``b_batch``
-    broadcast to ``batch_shape`` (torch.matmul's rule); one launch on CUDA. Returns the
-    (prod(batch_shape), M, N) stack."""
-    m = a.shape[2] if trans_a else a.shape[1]
-    n = b.shape[1] if trans_b else b.shape[2]
-    meta = batch_meta(batch_shape, _matrix_strides(a_batch, len(batch_shape)),
-                      _matrix_strides(b_batch, len(batch_shape)))
-    return run(BATCHED_GEMM, a, b, Out((math.prod(batch_shape), m, n), a.dtype, flat=False),
-               Meta(meta), bool(trans_a), bool(trans_b))
-
-
-def _matrix_strides(batch, rank):
-    """An operand's strides along the broadcast batch dims, in whole matrices (0 where it
-    is broadcast: a missing or size-1 dim)."""
-    batch = (1,) * (rank - len(batch)) + tuple(batch)
-    strides, step = [], 1
-    for size in reversed(batch):
-        strides.append(step if size != 1 else 0)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def gemm(a, b, trans_a=False, trans_b=False, out=None):
@@ -75,8 +41,8 @@ def gemm(a, b, trans_a=False, trans_b=False, out=None):
     m, k = (a.shape[1], a.shape[0]) if trans_a else tuple(a.shape)
     k_b, n = (b.shape[1], b.shape[0]) if trans_b else tuple(b.shape)
     if k != k_b:
-        raise ValueError(f"matmul: inner dimensions differ: {_described(a, trans_a)} @ "
-                         f"{_described(b, trans_b)}")
+        raise ValueError(f"matmul: inner dimensions differ: {tuple(a.shape)}{'ᵀ' * bool(trans_a)} @ "
+                         f"{tuple(b.shape)}{'ᵀ' * bool(trans_b)}")
     flags = (bool(trans_a), bool(trans_b))
     if out is None:
         return run(GEMM, a, b, Out((m, n), a.dtype, flat=False), *flags)
@@ -85,12 +51,6 @@ def gemm(a, b, trans_a=False, trans_b=False, out=None):
     run(GEMM, a, b, out, *flags)
     return out
 
-
-def _described(x, transposed):
-    return f"{tuple(x.shape)}" + ("ᵀ" if transposed else "")
-
-
-# ------------------------------------------------------------------ the op
 
 @register
 class MatMul(Op):
@@ -127,26 +87,20 @@ class MatMul(Op):
         a_m = a_shape if len(a_shape) > 1 else (1,) + a_shape     # a row
         b_m = b_shape if len(b_shape) > 1 else b_shape + (1,)     # a column
         dropped = (() if len(a_shape) > 1 else (-2,)) + (() if len(b_shape) > 1 else (-1,))
-        self.batched = len(b_m) > 2
+        self.batched = BatchedProduct(a, b, a_m, b_m) if len(b_m) > 2 else None
         if self.batched:
-            self.batch = np.broadcast_shapes(a_m[:-2], b_m[:-2])
-            self.a_batch, self.b_batch = a_m[:-2], b_m[:-2]
-            self.a3 = a.reshape((math.prod(a_m[:-2]),) + a_m[-2:])   # C-contiguous: views
-            self.b3 = b.reshape((math.prod(b_m[:-2]),) + b_m[-2:])
-            out = batched_gemm(self.a3, self.b3, self.batch, self.a_batch, self.b_batch)
-            shape = self.batch + (a_m[-2], b_m[-1])
+            out, shape = self.batched.forward()
         else:
             self.a2 = a.reshape(math.prod(a_m[:-1]), a_m[-1])
             self.b = b.reshape(b_m)
             out = gemm(self.a2, self.b)
             shape = a_m[:-1] + (b_m[1],)
-        self.out_shape = shape
         return out.reshape(tuple(s for i, s in enumerate(shape)
                                  if i - len(shape) not in dropped))
 
     def backward(self, grad_out, grad_dst):
         if self.batched:
-            return self._batched_backward(grad_out)
+            return self.batched.backward(grad_out, *self.needs_input_grad)
         needs_a, needs_b = self.needs_input_grad
         g = grad_out.reshape(self.a2.shape[0], self.b.shape[1])
         grad_a = grad_b = None
@@ -160,25 +114,4 @@ class MatMul(Op):
             grad_b = grad_dst[1] if dst is not None else grad_b.reshape(self.b_shape)
         return grad_a, grad_b
 
-    def _batched_backward(self, grad_out):
-        """Each gradient over the whole batch in one batched GEMM, then summed over the
-        batches its operand was broadcast along."""
-        needs_a, needs_b = self.needs_input_grad
-        batch, count = self.batch, math.prod(self.batch)
-        g = grad_out.reshape((count,) + self.out_shape[-2:])
-        grad_a = grad_b = None
-        if needs_a:   # dA = G @ Bᵀ
-            full = batched_gemm(g, self.b3, batch, batch, self.b_batch, trans_b=True)
-            grad_a = _summed(full, batch, self.a_batch, self.a_shape)
-        if needs_b:   # dB = Aᵀ @ G
-            full = batched_gemm(self.a3, g, batch, self.a_batch, batch, trans_a=True)
-            grad_b = _summed(full, batch, self.b_batch, self.b_shape)
-        return grad_a, grad_b
 
-
-def _summed(full, batch, operand_batch, shape):
-    """The (prod(batch), r, c) gradient summed down to its operand's ``shape``."""
-    full = full.reshape(batch + tuple(full.shape[1:]))
-    if tuple(operand_batch) != tuple(batch):
-        full = sum_to_shape(full, tuple(operand_batch) + tuple(full.shape[-2:]))
-    return full.reshape(shape)

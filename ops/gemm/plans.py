@@ -179,23 +179,6 @@ def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
 MAX_GRID_Z = 65535   # CUDA's limit on a grid's z extent: the batched GEMM's batches
 
 
-def batch_meta(batch_shape, a_strides, b_strides):
-    """The batched GEMM's batch description as one tuple of ints: the count d of batch dims,
-    their sizes, then A's and B's strides along them in whole matrices of the operand (0
-    where it is broadcast). Adjacent dims that both operands walk as one merge, so a
-    contiguous batch is one dim whatever its rank."""
-    dims = []
-    for size, sa, sb in zip(batch_shape, a_strides, b_strides):
-        if size == 1:
-            continue
-        if dims and dims[-1][1] == sa * size and dims[-1][2] == sb * size:
-            outer = dims.pop()
-            dims.append((outer[0] * size, sa, sb))
-        else:
-            dims.append((size, sa, sb))
-    return (len(dims), *(d[0] for d in dims), *(d[1] for d in dims), *(d[2] for d in dims))
-
-
 def batched_gemm_plan(m, n, k, dtype, trans_a, trans_b, args):
     """The one launch of a batched PLAIN GEMM ``(a, b, out, batches)``: out (B, m, n), a grid
     of the tiles of one product by B; the tiling is picked for all B products' rows together

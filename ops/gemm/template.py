@@ -8,6 +8,7 @@ from numba.np.numpy_support import from_dtype
 
 from ops import cuda as cuda_runtime
 from ops.constant_code import kernels_of_code
+from ops.gemm.batches import batch_offsets
 from ops.cuda import SIMULATOR, cuda
 from ops.gemm.conv_operands import conv_entry, conv_operands
 from ops.gemm.mma import mma_parts, pipelined_accumulate, tensor_core_module
@@ -368,19 +369,9 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
     if BATCHED:
         @entry
         def gemm_batched_cuda(a, b, out, batches):
-            """out[z] = op(a[i]) @ op(b[j]) for the block's batch z, i and j from ``batches``
-            (dims d, then their sizes, a's strides and b's, in batches of the operand)."""
+            """out[z] = op(a[i]) @ op(b[j]) for the block's batch z (``batch_offsets``)."""
             z = U(cuda.blockIdx.z)
-            dims = U(batches[0])
-            rest, at_a, at_b = z, U(0), U(0)
-            d = dims
-            while d > U(0):   # the last batch dim varies fastest
-                d -= U(1)
-                size = U(batches[U(1) + d])
-                index = rest % size
-                rest //= size
-                at_a += index * U(batches[U(1) + dims + d])
-                at_b += index * U(batches[U(1) + dims + dims + d])
+            at_a, at_b = batch_offsets(batches, z)
             c = out[z]
             tile_product(a[at_a], b[at_b], c, a[at_a], c[0], c[0], ZERO)
         return gemm_batched_cuda

@@ -10,7 +10,7 @@ import pytest
 import engine
 from ops import cpu_threads
 from ops.cpu_threads import row_blocks
-from ops.gemm.plans import batch_meta
+from ops.gemm.batches import batch_meta
 from ops.launch import LaunchRecorder
 from tests.support.op_check import Case, check_op
 
@@ -102,7 +102,7 @@ FMA_TILINGS = ["LARGE", "MEDIUM", "SMALL", "COMPACT", "WIDE", "TALL"]
 
 def _batched_on_gpu(a, b, trans_a, trans_b):
     from ops.device import to_device
-    from ops.matmul import batched_gemm
+    from ops.batched_matmul import batched_gemm
     stored_a = np.ascontiguousarray(np.swapaxes(a, -1, -2)) if trans_a else a
     stored_b = np.ascontiguousarray(np.swapaxes(b, -1, -2)) if trans_b else b
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
