@@ -226,28 +226,16 @@ def _own_dtype(value):
     return np.asarray(value).dtype if dtype is None else dtype
 
 
-def lt(a, b):
-    return _compare("lt", cmp.Lt, a, b)
+def _comparison(name, op_class):
+    def compare(a, b):
+        return _compare(name, op_class, a, b)
+    compare.__name__ = compare.__qualname__ = name
+    compare.__doc__ = f"``{name}(a, b)`` elementwise, as ``torch.{name}``: a boolean Tensor."
+    return compare
 
 
-def le(a, b):
-    return _compare("le", cmp.Le, a, b)
-
-
-def gt(a, b):
-    return _compare("gt", cmp.Gt, a, b)
-
-
-def ge(a, b):
-    return _compare("ge", cmp.Ge, a, b)
-
-
-def eq(a, b):
-    return _compare("eq", cmp.Eq, a, b)
-
-
-def ne(a, b):
-    return _compare("ne", cmp.Ne, a, b)
+lt, le, gt, ge, eq, ne = (_comparison(name, getattr(cmp, name.capitalize()))
+                          for name in ("lt", "le", "gt", "ge", "eq", "ne"))
 
 
 def where(cond, a, b):

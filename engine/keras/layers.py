@@ -40,26 +40,29 @@ def Dense(units, activation=None, use_bias=True, kernel_initializer="glorot_unif
                     input_shape=input_shape)
 
 
+def _conv(layer_class, where, filters, kernel_size, strides, padding, data_format,
+          dilation_rate, groups, activation, use_bias, kernel_initializer, input_shape):
+    return layer_class(filters, kernel_size, stride=strides, padding=_padding(padding, where),
+                       activation=activation, dilation=dilation_rate, groups=groups,
+                       use_bias=use_bias,
+                       kernel_initializer=_kernel_initializer(kernel_initializer),
+                       input_shape=input_shape, data_format=_data_format(data_format))
+
+
 def Conv2D(filters, kernel_size, strides=(1, 1), padding="valid", data_format=None,
            dilation_rate=(1, 1), groups=1, activation=None, use_bias=True,
            kernel_initializer="glorot_uniform", input_shape=None):
     """Keras's ``Conv2D(filters, kernel_size, ...)`` on channels-last images by default."""
-    return nn.Conv2D(filters, kernel_size, stride=strides, padding=_padding(padding, "Conv2D"),
-                     activation=activation, dilation=dilation_rate, groups=groups,
-                     use_bias=use_bias,
-                     kernel_initializer=_kernel_initializer(kernel_initializer),
-                     input_shape=input_shape, data_format=_data_format(data_format))
+    return _conv(nn.Conv2D, "Conv2D", filters, kernel_size, strides, padding, data_format,
+                 dilation_rate, groups, activation, use_bias, kernel_initializer, input_shape)
 
 
 def Conv1D(filters, kernel_size, strides=1, padding="valid", data_format=None,
            dilation_rate=1, groups=1, activation=None, use_bias=True,
            kernel_initializer="glorot_uniform", input_shape=None):
     """Keras's ``Conv1D(filters, kernel_size, ...)`` on channels-last signals (N, L, C)."""
-    return nn.Conv1D(filters, kernel_size, stride=strides, padding=_padding(padding, "Conv1D"),
-                     activation=activation, dilation=dilation_rate, groups=groups,
-                     use_bias=use_bias,
-                     kernel_initializer=_kernel_initializer(kernel_initializer),
-                     input_shape=input_shape, data_format=_data_format(data_format))
+    return _conv(nn.Conv1D, "Conv1D", filters, kernel_size, strides, padding, data_format,
+                 dilation_rate, groups, activation, use_bias, kernel_initializer, input_shape)
 
 
 def _pool(layer_class, where, pool_size, strides, padding, data_format, input_shape):
