@@ -567,20 +567,21 @@ class TensorBoard(Callback):
     def _let_go(self):
         """After a failed write: tensorboardX's writers would flush the bytes the disk
         refused again, each time failing, at the end of training, in their thread and at
-        the interpreter's exit. Their files are closed here, the bytes dropped, and the
-        writers closed onto a sink; the files keep what was written before."""
+        the interpreter's exit. Each writer is pointed at a sink and closed, which stops its
+        thread; only then is its file closed (its thread may be inside a write to it: closed
+        first, the thread failed with "write to closed file", seen once in CI). The bytes
+        the disk refused are dropped; the files keep what was written before."""
         writer, self.writer = self.writer, None
         for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
             events = getattr(file_writer, "event_writer", None)
             records = getattr(getattr(events, "_ev_writer", None), "_py_recordio_writer", None)
             if records is None or not hasattr(records, "_writer"):
                 continue   # another tensorboardX than 2.6's: left as it is
+            file, records._writer = records._writer, _Sink()
             with contextlib.suppress(OSError):
-                records._writer.close()   # raises the failed flush again, and closes
-            records._writer = _Sink()
+                events.close()   # flushes into the sink, joins the thread
             with contextlib.suppress(OSError):
-                events.close()
-            self.writer = None
+                file.close()   # raises the failed flush again, and closes
 
 
 class _StepLoggingTensorBoard(TensorBoard):
