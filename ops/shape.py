@@ -126,8 +126,27 @@ class Transpose(Movement):
 
 # ------------------------------------------------------------------ N-D permute
 
-@njit(cache=True, error_model="numpy")
 def permute_cpu(x, out, meta):
+    """Rows the input holds contiguously (the last output axis of stride 1, as the GPT's
+    heads of 32): NumPy's copy of the strided view, a block copy per row; others: the
+    compiled element loop. Over the GPT's 295k-element head permute: 95 us against the
+    loop's 250, whose row loop of unknown length LLVM cannot vectorise without a check per
+    row (a loop with the sizes constant took 90)."""
+    ndim = meta[0]
+    if ndim and meta[2 * ndim] == 1 and meta[ndim] >= CONTIGUOUS_ROW_MIN:
+        shape, strides = meta[1:1 + ndim], meta[1 + ndim:1 + 2 * ndim]
+        view = np.lib.stride_tricks.as_strided(x, shape, strides * x.itemsize,
+                                               writeable=False)
+        np.copyto(out.reshape(shape), view)
+    else:
+        _permute_elements(x, out, meta)
+
+
+CONTIGUOUS_ROW_MIN = 8   # the rows a block copy pays for (shorter: the loop)
+
+
+@njit(cache=True, error_model="numpy")
+def _permute_elements(x, out, meta):
     # rows of the last output axis, the others walked as an odometer: a stride added per
     # row instead of a division and a remainder per axis per element (the GPT's attention
     # permutes of 295k elements took 7.6 ms each the other way, 26 ns an element)
@@ -159,6 +178,7 @@ def permute_cuda(x, out, meta):
         out[i] = x[offset_cuda(i, meta, 1, meta[0])]
 
 
+permute_cpu.__wrapped__ = _permute_elements   # the compiled kernel behind the CPU side
 PERMUTE = Kernel("permute", permute_cpu, permute_cuda, elements(1))
 
 
