@@ -250,6 +250,24 @@ def row_blocks(rows, macs):
                         ROW_ALIGN)
 
 
+def shared_row_blocks(gemms):
+    """Row blocks for independent GEMMs run at once, in one hand-off: ``gemms`` is a list
+    of ``(rows, macs)``; the threads are dealt out among them in turn and each GEMM cut as
+    ``row_blocks`` cuts one into its share (a share of one: the GEMM whole). Returns per
+    GEMM its ``(start, stop)`` blocks, or None: run them one after another on this thread
+    (one thread, or together less than ``SPLIT_MIN_MACS``). Dense's backward on 2 threads,
+    dX beside dW (the GPT's 768x128x384 layer): each GEMM whole on one core beats each cut
+    in two, one hand-off instead of two and BLAS on full-size blocks."""
+    count = threads()
+    if count < 2 or sum(macs for _, macs in gemms) < SPLIT_MIN_MACS:
+        return None
+    shares = [count // len(gemms) + (index < count % len(gemms))
+              for index in range(len(gemms))]
+    return [_even_blocks(rows, min(share, rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS),
+                         ROW_ALIGN) or [(0, rows)]
+            for (rows, macs), share in zip(gemms, shares)]
+
+
 def element_blocks(size, seconds_per_element=None):
     """The ``(start, stop)`` blocks an element kernel (``ops.element_kernel``) over ``size``
     elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS`` and, where

@@ -12,7 +12,10 @@ first step, against 0.7 for the three loops now (``python -m bench.mlp``, 2-core
 A large CPU GEMM runs in row blocks of its output across the engine's threads
 (``ops.cpu_threads``), each block the same BLAS call and the same compiled loops on row
 slices: the forward's and dX's blocks are batch rows, dW's are input features (a column
-slice of x, read by BLAS in place as the same transposed operand). A row block is the same
+slice of x, read by BLAS in place as the same transposed operand); the backward's dX and
+dW, independent once G is made, share the threads in one hand-off
+(``ops.cpu_threads.shared_row_blocks``: on 2 threads each GEMM whole on its core). A row
+block is the same
 dot products summed in the same order, so the results are bit-identical on any thread count
 (tests/ops/test_thread_determinism.py).
 
@@ -31,7 +34,7 @@ The activation and its derivative are ``ops.pointwise``'s, the code the elementw
 import numpy as np
 from numba import njit
 
-from ops.cpu_threads import row_blocks, run_blocks
+from ops.cpu_threads import row_blocks, run_blocks, shared_row_blocks
 from ops.dispatch import Out, run
 from ops.constant_code import kernels_of_code
 from ops.launch import CPU_KERNEL, Kernel
@@ -91,26 +94,31 @@ def _dense_kernels(act):
             run_blocks([(forward_rows, (x[start:stop], w, bias, out[start:stop], alpha))
                         for start, stop in blocks])
 
-    def gradient_rows(w, y, grad_out, g, grad_x, alpha):
-        """G's rows, and dX's (dX = G @ Wᵀ) when grad_x has rows (x needs a gradient)."""
-        if act != IDENTITY:
-            dense_gradient_cpu(y, grad_out, g, alpha)
-        if grad_x.shape[0]:
-            blas_product(g, w.T, grad_x)
-
     def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
                        needs_params):
         rows, features = grad_out.shape[0], x.shape[1]
-        g = grad_out if act == IDENTITY else np.empty_like(grad_out)   # act' = 1: G is grad_out
-        row_split = row_blocks(rows, grad_out.size * features) if needs_x else None
-        feature_split = row_blocks(features, grad_w.size * rows) if needs_params else None
-        # G and dX in batch rows, then dW in rows of input features, which need all of G
-        run_blocks([(gradient_rows, (w, y[start:stop], grad_out[start:stop], g[start:stop],
-                                     grad_x[start:stop] if needs_x else grad_x, alpha))
-                    for start, stop in row_split or [(0, rows)]])
+        if act == IDENTITY:   # act' = 1: G is grad_out
+            g = grad_out
+        else:
+            g = np.empty_like(grad_out)
+            dense_gradient_cpu(y, grad_out, g, alpha)
+        # dX in batch rows and dW in rows of input features (both need all of G), at once
+        gemms = (([(rows, grad_out.size * features)] if needs_x else [])
+                 + ([(features, grad_w.size * rows)] if needs_params else []))
+        split = shared_row_blocks(gemms) if gemms else None
+        blocks = iter(split or [[(0, rows)], [(0, features)]][not needs_x:])
+        calls = []
+        if needs_x:
+            calls += [(blas_product, (g[start:stop], w.T, grad_x[start:stop]))
+                      for start, stop in next(blocks)]
         if needs_params:
-            run_blocks([(weight_rows, (x, g, grad_w, grad_b, start, stop))
-                        for start, stop in feature_split or [(0, features)]])
+            calls += [(weight_rows, (x, g, grad_w, grad_b, start, stop))
+                      for start, stop in next(blocks)]
+        if split is None:
+            for function, args in calls:
+                function(*args)
+        else:
+            run_blocks(calls)
 
     def weight_rows(x, g, grad_w, grad_b, start, stop):
         """dW's rows ``start:stop`` (dW = xᵀ @ G over x's columns ``start:stop``, a strided

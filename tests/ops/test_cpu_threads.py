@@ -251,3 +251,17 @@ def test_a_split_into_one_block_runs_it_without_a_pool(monkeypatch):
     ran = []
     cpu_threads.run_blocks([(ran.append, (1,))])
     assert ran == [1]
+
+
+@pytest.mark.parametrize("threads, gemms, expected", [
+    (1, [(768, 40 << 20), (128, 40 << 20)], None),   # one thread: one after another
+    (2, [(64, 2 << 20), (64, 2 << 20)], None),   # together too little for a hand-off
+    (2, [(768, 40 << 20), (128, 40 << 20)], [[(0, 768)], [(0, 128)]]),   # each whole
+    (4, [(768, 40 << 20), (128, 40 << 20)], [[(0, 384), (384, 768)], [(0, 64), (64, 128)]]),
+    (3, [(768, 40 << 20), (128, 40 << 20)], [[(0, 384), (384, 768)], [(0, 128)]]),
+    (2, [(768, 40 << 20)], [[(0, 384), (384, 768)]]),   # one GEMM: row_blocks' cut
+])
+def test_independent_gemms_share_the_threads_in_one_hand_off(threads, gemms, expected,
+                                                             follow_the_load_after):
+    engine.set_num_threads(threads)
+    assert cpu_threads.shared_row_blocks(gemms) == expected
