@@ -231,7 +231,8 @@ def extremum_method(name, x, args, kwargs):
 
 # ------------------------------------------------------------------ attention
 
-_dropout_seed_states = {}   # device -> the seed state of the functional attention's dropout
+_dropout_seed_states = {}   # device -> (the generator it came from, the functional attention's
+#                              dropout seed state): engine.manual_seed starts a new one
 _no_seeds = {}              # device -> the one-element array a call without dropout passes
 
 
@@ -315,7 +316,8 @@ def _attention_seed(device, dropout_p, seed_state):
         return _no_seeds[device]
     if seed_state is not None:
         return next_mask_seed(*seed_state)
-    if device not in _dropout_seed_states:
-        _dropout_seed_states[device] = new_seed_state(int(generator().integers(SEED_LIMIT)),
-                                                      device)
-    return next_mask_seed(*_dropout_seed_states[device])
+    drawn_from, state = _dropout_seed_states.get(device, (None, None))
+    if drawn_from is not generator():   # the first call, or engine.manual_seed since
+        state = new_seed_state(int(generator().integers(SEED_LIMIT)), device)
+        _dropout_seed_states[device] = (generator(), state)
+    return next_mask_seed(*state)

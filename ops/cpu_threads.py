@@ -268,6 +268,15 @@ def shared_row_blocks(gemms):
             for (rows, macs), share in zip(gemms, shares)]
 
 
+def slice_blocks(slices, macs):
+    """The ``(first, last)`` blocks of ``slices`` independent slices of ``macs`` multiply-adds
+    in all (attention's batch x heads) run in: one per thread, as many as give each
+    ``MIN_BLOCK_MACS``; None for one plain call."""
+    if macs < SPLIT_MIN_MACS:
+        return None
+    return _even_blocks(slices, min(threads(), slices, macs // MIN_BLOCK_MACS), 1)
+
+
 def element_blocks(size, seconds_per_element=None):
     """The ``(start, stop)`` blocks an element kernel (``ops.element_kernel``) over ``size``
     elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS`` and, where

@@ -16,7 +16,6 @@ of the float64 values (tests/ops/test_gelu_cpu.py measures it). float64 keeps th
 Each element is a function of its own input alone, so the results are the same bits on any
 thread count and in any block of a split (``ops.element_kernel.split_over_threads``).
 """
-import math
 
 import numpy as np
 from numba import njit, types
@@ -57,7 +56,7 @@ def erf_float32(x):
 def exp_nonpositive_float32(a):
     """e^a for float32 a <= 0, vectorisable; 0 below -87 (a float32 denormal or less)."""
     clamped = max(a, EXP_FLOOR)
-    n = math.floor(clamped * LOG2E + HALF)
+    n = np.floor(clamped * LOG2E + HALF)   # float32: math.floor's int64 made the rest float64
     r = clamped - n * LN2_HIGH - n * LN2_LOW
     p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
     e = p * r * r + r + ONE
