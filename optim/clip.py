@@ -80,11 +80,25 @@ _finish_cpu, _finish_cuda = twin(_finish)
 _coefficient_cpu, _coefficient_cuda = twin(_clip_coefficient)
 
 
-@njit(cache=True, fastmath=False, error_model="numpy")
-def norm_partials_cpu(grad, norm_type, partials, first, count):
+@njit(cache=True, fastmath={"reassoc"}, error_model="numpy")
+def _sum_of_squares_cpu(grad):
+    """Σ g² in float64 vector lanes ("reassoc": a fixed order of this code, the same bits
+    every run): the GPT's 0.8M gradients 0.67 -> 0.1 ms, where one running sum waits on
+    each add."""
     acc = 0.0
     for i in range(grad.size):
-        acc = _accumulate_cpu(acc, float(grad[i]), norm_type)
+        acc += float(grad[i]) * float(grad[i])
+    return acc
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def norm_partials_cpu(grad, norm_type, partials, first, count):
+    if norm_type == 2.0:
+        acc = _sum_of_squares_cpu(grad)
+    else:
+        acc = 0.0
+        for i in range(grad.size):
+            acc = _accumulate_cpu(acc, float(grad[i]), norm_type)
     partials[first] = acc
     for k in range(first + 1, first + count):
         partials[k] = 0.0
