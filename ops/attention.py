@@ -14,11 +14,14 @@ Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matr
     dP = D ∘ (dO Vᵀ),   Δ_i = Σ_j P_ij dP_ij (= dO_i · O_i),   dS = P ∘ (dP - Δ)
     dQ = s dS K,   dK = s dSᵀ Q,   dV = (P ∘ D)ᵀ dO
 
-The CPU walks query tiles of ``CPU_TILE`` rows, all slices at once: the products are NumPy's
-batched BLAS calls (one tile's scores, ``bh x tile x Tk``, are the only scores in memory); the
-softmax is two ``@njit`` row passes around NumPy's vector exp (row sums in float64), the
-second also drawing the dropout factors; the backward's ``dS = s P ∘ (dP - Δ)`` is one
-``@njit`` row pass. dK and dV add the tiles in order, so results repeat bit for bit. A row
+The CPU splits the bh slices into one block per engine thread (``ops.cpu_threads.
+slice_blocks``) and walks query tiles of ``CPU_TILE`` rows, a block's slices at once: the
+products are NumPy's batched BLAS calls (one tile's scores, ``slices x tile x keys``, are the
+only scores in memory; under ``is_causal`` a tile scores only the keys up to its last query);
+the softmax is one ``@njit`` row pass (``_probability_rows``: the float32 maximum, a
+vectorisable exp, row sums in float64 lanes, the dropout factors), which the backward runs
+again from the saved ``lse``; its ``dS = s P ∘ (dP - Δ)`` is one more. dK and dV add the
+tiles in order, each slice in one block, so results repeat bit for bit on any thread count. A row
 whose every key is masked gives NaN, as torch. A float mask that requires grad gets dM = dS
 (the scores' gradient before the scale), summed over the dims it was broadcast along: the CPU
 stores each tile's dS, the CUDA dQ kernel each (query, key) element its thread owns; the sum
@@ -87,51 +90,44 @@ def _row_max(row, keys):
     return top
 
 
+@njit(inline="always")
+def _exponentiated_row(row, keys, top, shift):
+    """``row[:keys] = e^(row - top + shift)`` (``top`` the row's maximum), 0 beyond."""
+    for j in range(keys):
+        row[j] = exp_nonpositive(row[j] - top + shift)
+    row[keys:] = 0
+
+
 @njit(**_ROW_PASS)
-def _softmax_rows(scores, mask, mask_strides, first_slice, first_query, tq, tk, scale, causal,
-                  lse, seed, threshold, keep_scale, dropout):
+def _probability_rows(scores, mask, mask_strides, first_slice, first_query, tq, tk, scale,
+                      causal, lse, from_lse, seed, threshold, keep_scale, dropout):
     """In place, row by row of the tile (slices, t, keys), slices from ``first_slice``: P =
-    softmax(s · score + M) by rows (0 at the keys causality hides), the row's logsumexp into
-    ``lse`` (bh * tq), and with ``dropout`` each element times its factor of D (kept:
-    ``keep_scale``, else 0; ``ops.dropout``'s test of the flat (bh, tq, tk) score index, as
-    on CUDA)."""
+    softmax(s · score + M) by rows, 0 at the keys causality hides. The forward
+    (``from_lse`` False) normalises each row, writes its logsumexp into ``lse`` (bh * tq)
+    and with ``dropout`` multiplies each element by its factor of D (kept: ``keep_scale``,
+    else 0; ``ops.dropout``'s test of the flat (bh, tq, tk) score index, as on CUDA); the
+    backward makes P again from the saved ``lse`` as ``exp(s · score + M - lse)`` (the row
+    less its maximum first, as the forward exponentiates it)."""
     slices, tile, width = scores.shape
     for b in range(slices):
         for r in range(tile):
             i, row = first_query + r, scores[b, r]
+            flat_row = (first_slice + b) * tq + i
             keys = min(width, i + 1) if causal else width
             top = _scaled_row(row, keys, mask, mask_strides, first_slice + b, i, scale)
+            if from_lse:
+                _exponentiated_row(row, keys, top, row.dtype.type(top - lse[flat_row]))
+                continue
+            _exponentiated_row(row, keys, top, top - top)
             total = 0.0
-            for j in range(keys):
-                row[j] = exp_nonpositive(row[j] - top)
             for j in range(keys):
                 total += row[j]
             inverse = row.dtype.type(1.0 / total) if total > 0 else row.dtype.type(np.nan)
             for j in range(keys):
                 row[j] *= inverse
-            row[keys:] = 0
-            flat_row = (first_slice + b) * tq + i
             lse[flat_row] = top + np.log(total) if total > 0 else np.nan
             if dropout:
                 _apply_dropout(row, flat_row * tk, seed, threshold, keep_scale)
-
-
-@njit(**_ROW_PASS)
-def _probability_rows(scores, mask, mask_strides, first_slice, first_query, tq, scale, causal,
-                      lse):
-    """In place, the backward's P from the scores and the saved ``lse``: ``exp(s · score + M
-    - lse)``, 0 at the keys causality hides (the row less its maximum first, as the forward
-    exponentiates it)."""
-    slices, tile, width = scores.shape
-    for b in range(slices):
-        for r in range(tile):
-            i, row = first_query + r, scores[b, r]
-            keys = min(width, i + 1) if causal else width
-            top = _scaled_row(row, keys, mask, mask_strides, first_slice + b, i, scale)
-            shift = row.dtype.type(top - lse[(first_slice + b) * tq + i])
-            for j in range(keys):
-                row[j] = exp_nonpositive(row[j] - top + shift)
-            row[keys:] = 0
 
 
 @njit(**_ROW_PASS)
@@ -208,8 +204,8 @@ def _attention_slices(first, last, q, k, v, mask, seed, out, lse, sizes, mask_st
     keys_t = k3.transpose(0, 2, 1)
     for start, stop, keys in _tiles(tq, tk, causal):
         probs = np.matmul(q3[:, start:stop], keys_t[:, :, :keys])
-        _softmax_rows(probs, mask, mask_strides, first, start, tq, tk, scale, causal, lse, seed,
-                      threshold, keep_scale, dropout)
+        _probability_rows(probs, mask, mask_strides, first, start, tq, tk, scale, causal, lse,
+                          False, seed, threshold, keep_scale, dropout)
         np.matmul(probs, v3[:, :keys], out=out3[:, start:stop])
 
 
@@ -236,7 +232,8 @@ def _attention_grad_slices(first, last, q, k, v, mask, seed, lse, grad_out, grad
     dv3[:] = 0
     for start, stop, keys in _tiles(tq, tk, causal):
         probs = np.matmul(q3[:, start:stop], keys_t[:, :, :keys])
-        _probability_rows(probs, mask, mask_strides, first, start, tq, scale, causal, lse)
+        _probability_rows(probs, mask, mask_strides, first, start, tq, tk, scale, causal, lse,
+                          True, seed, threshold, keep_scale, False)
         grad_scores = np.matmul(g3[:, start:stop], values_t[:, :, :keys])   # dO Vᵀ
         dropped = probs
         if dropout:
@@ -258,7 +255,7 @@ def _attention_grad_slices(first, last, q, k, v, mask, seed, lse, grad_out, grad
 
 
 # the compiled kernels behind each CPU side (tests/ops/test_registry.py looks for them)
-attention_cpu.__wrapped__ = _softmax_rows
+attention_cpu.__wrapped__ = _probability_rows
 attention_grad_cpu.__wrapped__ = _probability_rows
 
 ATTENTION = Kernel("attention", attention_cpu, cuda_plan=forward_plan)
