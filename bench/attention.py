@@ -1,7 +1,8 @@
 """Sequence ops, the engine against torch's eager ops: attention, LayerNorm and Embedding,
 forward and backward together.
 
-    python -m bench.attention [--device cpu|cuda] [--rounds 15] [--torch-threads N] [--json PATH]
+    python -m bench.attention [--device cpu|cuda] [--rounds 15] [--threads N] [--torch-threads N]
+                              [--json PATH]
 
 CPU rows at nanoGPT's CPU configuration (batch 12, 4 heads, block 64, head 32: width 128;
 the character vocabulary of 65): causal attention (N, H, T, hd) fwd+bwd, LayerNorm of the
@@ -136,12 +137,18 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of both engine and torch (default: the engine "
+                             "follows the load, torch its own choice)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     require_device(parser, args.device)
-    if args.torch_threads:
+    if args.threads:
+        import engine
+        engine.set_num_threads(args.threads)
+    if args.torch_threads or args.threads:
         import torch
-        torch.set_num_threads(args.torch_threads)
+        torch.set_num_threads(args.torch_threads or args.threads)
     result = run(args.device, args.rounds)
     return emit(result, format_table(result), args.json)
 
