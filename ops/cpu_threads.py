@@ -240,32 +240,30 @@ def numpy_blas_on_one_thread():
 
 # ------------------------------------------------------------------ the GEMM split
 
-def row_blocks(rows, macs):
+def row_blocks(rows, macs, threads_at_most=None):
     """The ``(start, stop)`` row blocks a GEMM of ``macs`` multiply-adds with ``rows``
-    output rows runs in: one per thread, as many as give each block ``MIN_BLOCK_MACS`` and
-    ``MIN_BLOCK_ROWS``; None for one plain call (small, or one thread)."""
+    output rows (or columns) runs in: one per thread (at most ``threads_at_most``), as many
+    as give each block ``MIN_BLOCK_MACS`` and ``MIN_BLOCK_ROWS``; None for one plain call
+    (small, or one thread)."""
     if macs < SPLIT_MIN_MACS:
         return None
-    return _even_blocks(rows, min(threads(), rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS),
+    count = threads() if threads_at_most is None else min(threads(), threads_at_most)
+    return _even_blocks(rows, min(count, rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS),
                         ROW_ALIGN)
 
 
-def shared_row_blocks(gemms):
-    """Row blocks for independent GEMMs run at once, in one hand-off: ``gemms`` is a list
-    of ``(rows, macs)``; the threads are dealt out among them in turn and each GEMM cut as
-    ``row_blocks`` cuts one into its share (a share of one: the GEMM whole). Returns per
-    GEMM its ``(start, stop)`` blocks, or None: run them one after another on this thread
-    (one thread, or together less than ``SPLIT_MIN_MACS``). Dense's backward on 2 threads,
-    dX beside dW (the GPT's 768x128x384 layer): each GEMM whole on one core beats each cut
-    in two, one hand-off instead of two and BLAS on full-size blocks."""
+def thread_shares(gemm_macs):
+    """The threads each of several independent GEMMs (of ``gemm_macs`` multiply-adds) may
+    split into when they run at once, in one hand-off: the engine's threads dealt out in
+    turn; None: run them one after another, whole, on this thread (one thread, or together
+    less than ``SPLIT_MIN_MACS``). Dense's backward on 2 threads, dX beside dW (the GPT's
+    768x128x384 layer): each GEMM whole on one core beats each cut in two, one hand-off
+    instead of two and BLAS on full-size blocks."""
     count = threads()
-    if count < 2 or sum(macs for _, macs in gemms) < SPLIT_MIN_MACS:
+    if count < 2 or sum(gemm_macs) < SPLIT_MIN_MACS:
         return None
-    shares = [count // len(gemms) + (index < count % len(gemms))
-              for index in range(len(gemms))]
-    return [_even_blocks(rows, min(share, rows // MIN_BLOCK_ROWS, macs // MIN_BLOCK_MACS),
-                         ROW_ALIGN) or [(0, rows)]
-            for (rows, macs), share in zip(gemms, shares)]
+    return [count // len(gemm_macs) + (index < count % len(gemm_macs))
+            for index in range(len(gemm_macs))]
 
 
 def slice_blocks(slices, macs):

@@ -9,14 +9,15 @@ those loops: with ``np.dot`` inside the kernels, Numba's GEMM wrapper was compil
 operand layout and again into each of the four kernels of the MLP, 1.7-2.1 s of its cold
 first step, against 0.7 for the three loops now (``python -m bench.mlp``, 2-core machine).
 
-A large CPU GEMM runs in row blocks of its output across the engine's threads
-(``ops.cpu_threads``), each block the same BLAS call and the same compiled loops on row
-slices: the forward's and dX's blocks are batch rows, dW's are input features (a column
-slice of x, read by BLAS in place as the same transposed operand); the backward's dX and
-dW, independent once G is made, share the threads in one hand-off
-(``ops.cpu_threads.shared_row_blocks``: on 2 threads each GEMM whole on its core). A row
-block is the same
-dot products summed in the same order, so the results are bit-identical on any thread count
+A large CPU GEMM runs in blocks of its output across the engine's threads
+(``ops.cpu_threads``), each block the same BLAS call on slices (``ops.gemm.cpu.
+product_blocks``): of the output's columns when the left operand is the smaller (each block
+packs it whole and a slice of the right one: a batch of 64 into 512 units), else of its
+rows; a forward's row blocks also run the compiled epilogue on their rows, column blocks
+leave it to one pass after. The backward's dX and dW, independent once G is made, share the
+threads in one hand-off (``ops.cpu_threads.thread_shares``: on 2 threads each GEMM whole on
+its core). A block is the same dot products summed in the same order, so the results are
+bit-identical on any thread count
 (tests/ops/test_thread_determinism.py).
 
 Backward, with ``G = grad_out * act'(x)`` written in terms of the saved output ``y``:
@@ -34,11 +35,11 @@ The activation and its derivative are ``ops.pointwise``'s, the code the elementw
 import numpy as np
 from numba import njit
 
-from ops.cpu_threads import row_blocks, run_blocks, shared_row_blocks
+from ops.cpu_threads import run_blocks, thread_shares
 from ops.dispatch import Out, run
 from ops.constant_code import kernels_of_code
 from ops.launch import CPU_KERNEL, Kernel
-from ops.gemm.cpu import blas_product
+from ops.gemm.cpu import blas_product, product_blocks, product_calls
 from ops.gemm.plans import gemm_plan
 from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
@@ -55,6 +56,12 @@ def bias_gradient_cpu(g, grad_b):
     for i in range(rows):
         for j in range(cols):
             grad_b[j] += g[i, j]
+
+
+def with_bias_gradient(product, args, g, grad_b):
+    """A block of dW's product, and db = Σ_rows G (beside the first block)."""
+    product(*args)
+    bias_gradient_cpu(g, grad_b)
 
 
 @kernels_of_code("act")
@@ -79,17 +86,23 @@ def _dense_kernels(act):
             for j in range(cols):
                 g[i, j] = grad_out[i, j] * derivative_cpu(act, y[i, j], y[i, j], alpha)
 
-    def forward_rows(x, w, bias, out, alpha):
-        blas_product(x, w, out)
+    def epilogue(out, bias, alpha):
         if act == IDENTITY:   # NumPy's add: the same float32 sums, and no kernel to compile
             np.add(out, bias, out=out)
         else:
             dense_epilogue_cpu(out, bias, alpha)
 
+    def forward_rows(x, w, bias, out, alpha):
+        blas_product(x, w, out)
+        epilogue(out, bias, alpha)
+
     def dense_forward(x, w, bias, out, alpha):
-        blocks = row_blocks(out.shape[0], out.size * x.shape[1])
+        by_columns, blocks = product_blocks(x, w, out)
         if blocks is None:
             forward_rows(x, w, bias, out, alpha)
+        elif by_columns:   # the GEMM's column blocks, then the epilogue over whole rows
+            run_blocks(product_calls(x, w, out))
+            epilogue(out, bias, alpha)
         else:
             run_blocks([(forward_rows, (x[start:stop], w, bias, out[start:stop], alpha))
                         for start, stop in blocks])
@@ -102,30 +115,19 @@ def _dense_kernels(act):
         else:
             g = np.empty_like(grad_out)
             dense_gradient_cpu(y, grad_out, g, alpha)
-        # dX in batch rows and dW in rows of input features (both need all of G), at once
-        gemms = (([(rows, grad_out.size * features)] if needs_x else [])
-                 + ([(features, grad_w.size * rows)] if needs_params else []))
-        split = shared_row_blocks(gemms) if gemms else None
-        blocks = iter(split or [[(0, rows)], [(0, features)]][not needs_x:])
-        calls = []
-        if needs_x:
-            calls += [(blas_product, (g[start:stop], w.T, grad_x[start:stop]))
-                      for start, stop in next(blocks)]
+        # dX = G @ Wᵀ and dW = xᵀ @ G (both need all of G) at once, sharing the threads
+        shares = thread_shares([grad_out.size * features] * (needs_x + needs_params))
+        together = shares is not None   # else one after another, each whole
+        shares = shares or [1, 1]
+        calls = product_calls(g, w.T, grad_x, shares[0]) if needs_x else []
         if needs_params:
-            calls += [(weight_rows, (x, g, grad_w, grad_b, start, stop))
-                      for start, stop in next(blocks)]
-        if split is None:
+            (product, args), *rest = product_calls(x.T, g, grad_w, shares[-1])
+            calls += [(with_bias_gradient, (product, args, g, grad_b)), *rest]
+        if together:
+            run_blocks(calls)
+        else:
             for function, args in calls:
                 function(*args)
-        else:
-            run_blocks(calls)
-
-    def weight_rows(x, g, grad_w, grad_b, start, stop):
-        """dW's rows ``start:stop`` (dW = xᵀ @ G over x's columns ``start:stop``, a strided
-        view BLAS reads in place), with db in the first block."""
-        blas_product(x[:, start:stop].T, g, grad_w[start:stop])
-        if start == 0:
-            bias_gradient_cpu(g, grad_b)
 
     # the compiled kernels behind each (a linear layer's forward compiles none)
     dense_forward.__wrapped__ = dense_epilogue_cpu

@@ -253,15 +253,31 @@ def test_a_split_into_one_block_runs_it_without_a_pool(monkeypatch):
     assert ran == [1]
 
 
-@pytest.mark.parametrize("threads, gemms, expected", [
-    (1, [(768, 40 << 20), (128, 40 << 20)], None),   # one thread: one after another
-    (2, [(64, 2 << 20), (64, 2 << 20)], None),   # together too little for a hand-off
-    (2, [(768, 40 << 20), (128, 40 << 20)], [[(0, 768)], [(0, 128)]]),   # each whole
-    (4, [(768, 40 << 20), (128, 40 << 20)], [[(0, 384), (384, 768)], [(0, 64), (64, 128)]]),
-    (3, [(768, 40 << 20), (128, 40 << 20)], [[(0, 384), (384, 768)], [(0, 128)]]),
-    (2, [(768, 40 << 20)], [[(0, 384), (384, 768)]]),   # one GEMM: row_blocks' cut
+@pytest.mark.parametrize("threads, macs, expected", [
+    (1, [40 << 20, 40 << 20], None),   # one thread: one after another
+    (2, [2 << 20, 2 << 20], None),   # together too little for a hand-off
+    (2, [40 << 20, 40 << 20], [1, 1]),   # each whole, at once
+    (4, [40 << 20, 40 << 20], [2, 2]),
+    (3, [40 << 20, 40 << 20], [2, 1]),
+    (2, [40 << 20], [2]),   # one GEMM: all the threads
 ])
-def test_independent_gemms_share_the_threads_in_one_hand_off(threads, gemms, expected,
+def test_independent_gemms_share_the_threads_in_one_hand_off(threads, macs, expected,
                                                              follow_the_load_after):
     engine.set_num_threads(threads)
-    assert cpu_threads.shared_row_blocks(gemms) == expected
+    assert cpu_threads.thread_shares(macs) == expected
+
+
+@pytest.mark.parametrize("m, k, n, by_columns", [(64, 784, 512, True), (768, 128, 384, False)])
+def test_a_product_splits_along_the_side_of_the_larger_operand_with_the_same_bits(
+        m, k, n, by_columns, follow_the_load_after):
+    from ops.gemm.cpu import blas_product, product_blocks, product_calls
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k)).astype(np.float32), \
+        rng.standard_normal((k, n)).astype(np.float32)
+    whole, split = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    blas_product(a, b, whole)
+    engine.set_num_threads(2)
+    columns, blocks = product_blocks(a, b, split)
+    assert columns == by_columns and len(blocks) == 2
+    cpu_threads.run_blocks(product_calls(a, b, split))
+    assert np.array_equal(whole, split)
