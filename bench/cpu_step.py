@@ -79,12 +79,13 @@ def _label(kernel_run):
 def run(steps, threads, model="mlp"):
     import threading
 
-    from ops import cpu_threads, dense
+    from ops import cpu_threads
+    from ops.gemm import cpu as gemm_cpu
     runs, cursor, full_batches = _recorded_step(model, threads)
     left_in_epoch = full_batches - 3
     here = threading.get_ident()
     spent = {"blas": 0.0, "wait": 0.0}   # of the run being timed, on this thread
-    stalled, product = cpu_threads.split_stalled, dense.blas_product
+    stalled, product = cpu_threads.split_stalled, gemm_cpu.blas_product
 
     def waited(own_s, waited_s):   # what run_blocks asks after each split
         spent["wait"] += waited_s
@@ -98,7 +99,7 @@ def run(steps, threads, model="mlp"):
 
     seconds = {part: [[] for _ in runs] for part in ("run", "blas", "wait")}
     whole = []
-    cpu_threads.split_stalled, dense.blas_product = waited, timed_product
+    cpu_threads.split_stalled, gemm_cpu.blas_product = waited, timed_product
     try:
         for _ in range(steps):
             if left_in_epoch == 0:   # the cursor at the epoch's end: the next epoch's batches
@@ -115,7 +116,7 @@ def run(steps, threads, model="mlp"):
                 seconds["wait"][index].append(spent["wait"])
             whole.append(time.perf_counter() - step_start)
     finally:
-        cpu_threads.split_stalled, dense.blas_product = stalled, product
+        cpu_threads.split_stalled, gemm_cpu.blas_product = stalled, product
         cpu_threads.set_threads(None)
     rows = [{"run": _label(kernel_run),
              **{f"{part}_median_us": 1e6 * statistics.median(seconds[part][index])

@@ -264,8 +264,9 @@ def test_bench_cpu_split_busy_neighbour_times_each_call_again_and_stops_its_proc
 
 def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_blas(capsys):
     from bench import cpu_step
-    from ops import cpu_threads, dense
-    product, stalled = dense.blas_product, cpu_threads.split_stalled
+    from ops import cpu_threads
+    from ops.gemm import cpu as gemm_cpu
+    product, stalled = gemm_cpu.blas_product, cpu_threads.split_stalled
     result = cpu_step.main(["--steps", "3", "--threads", "2"])
     runs = [row["run"] for row in result["rows"]]
     assert runs[0] == "gather_rows" and runs[-1] == "adam"
@@ -275,7 +276,7 @@ def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_bl
     first = result["rows"][runs.index("dense_backward_relu 784->256")]
     assert 0 < first["blas_median_us"] <= first["run_median_us"]
     assert sum(row["run_median_us"] for row in result["rows"]) <= 1.5 * result["step_median_us"]
-    assert dense.blas_product is product and cpu_threads.split_stalled is stalled
+    assert gemm_cpu.blas_product is product and cpu_threads.split_stalled is stalled
     assert cpu_threads.following_load()
     assert "| the whole step |" in capsys.readouterr().out
 
