@@ -70,6 +70,18 @@ def run_shape(x, out):
     return out.size, (x.size // out.size if out.size else 0)
 
 
+@cuda.jit(device=True)
+def block_chunk_cuda(b, meta, chunk_length):
+    """``(first, stop, base)`` of block ``b`` of a chunked reduction (``chunking``): it takes
+    reduced elements ``first`` to ``stop`` of output ``b // chunks``, whose kept-dim offset
+    is ``base``."""
+    n_reduced, kept_dims = meta[0], meta[1]
+    chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
+    o = b // chunks
+    first = (b - o * chunks) * chunk_length
+    return first, min(first + chunk_length, n_reduced), offset_cuda(o, meta, 3, kept_dims)
+
+
 def _reduce_kernel(code, name):
     """The twin kernels of a sum (``code`` SUM), max or min over the reduced dims, times
     ``scale``."""
@@ -100,13 +112,8 @@ def _reduce_kernel(code, name):
         output, else the partials that a second launch of this kernel folds."""
         b = cuda.blockIdx.x
         t = cuda.threadIdx.x
-        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-        reduced_first = 3 + 2 * kept_dims
-        chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
-        o = b // chunks
-        first = (b - o * chunks) * chunk_length
-        stop = min(first + chunk_length, n_reduced)
-        base = offset_cuda(o, meta, 3, kept_dims)
+        reduced_dims, reduced_first = meta[2], 3 + 2 * meta[1]
+        first, stop, base = block_chunk_cuda(b, meta, chunk_length)
         acc = start
         # float(): the simulator would otherwise add float32 elements in float32 (NumPy's
         # scalar rules), where the compiled kernel adds in float64
