@@ -68,6 +68,13 @@ def _keepdims(name, keepdims, keepdim):
     return bool(keepdim)
 
 
+def _reduction(run, op_class, name, x, axis, keepdims, dim, keepdim):
+    """``run(op_class, x, ...)`` over ``axis`` (or torch's ``dim``) with ``keepdims`` (or
+    torch's ``keepdim``): the one way every reduction reads its axis arguments."""
+    return run(op_class, x, axis=_axis(name, axis, dim),
+               keepdims=_keepdims(name, keepdims, keepdim))
+
+
 def _untracked(op_class, *inputs, **params):
     """Run an op whose result is never differentiated (bools, int64 positions, a cast to an
     integer dtype): no node, whatever the inputs require."""
@@ -153,13 +160,11 @@ clamp = clip
 
 
 def sum(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
-    return apply(rd.Sum, x, axis=_axis("sum", axis, dim),
-                 keepdims=_keepdims("sum", keepdims, keepdim))
+    return _reduction(apply, rd.Sum, "sum", x, axis, keepdims, dim, keepdim)
 
 
 def mean(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
-    return apply(rd.Mean, x, axis=_axis("mean", axis, dim),
-                 keepdims=_keepdims("mean", keepdims, keepdim))
+    return _reduction(apply, rd.Mean, "mean", x, axis, keepdims, dim, keepdim)
 
 
 def max(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
@@ -168,8 +173,7 @@ def max(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
     form: ``maximum(a, b)``."""
     if isinstance(axis, Value):
         return _elementwise_extremum("max", ex.Maximum, x, axis, keepdims, dim, keepdim)
-    return apply(rd.Max, x, axis=_axis("max", axis, dim),
-                 keepdims=_keepdims("max", keepdims, keepdim))
+    return _reduction(apply, rd.Max, "max", x, axis, keepdims, dim, keepdim)
 
 
 def min(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
@@ -177,8 +181,7 @@ def min(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
     ``min(a, b)`` with a Tensor ``b`` is ``minimum(a, b)``, as torch's."""
     if isinstance(axis, Value):
         return _elementwise_extremum("min", ex.Minimum, x, axis, keepdims, dim, keepdim)
-    return apply(rd.Min, x, axis=_axis("min", axis, dim),
-                 keepdims=_keepdims("min", keepdims, keepdim))
+    return _reduction(apply, rd.Min, "min", x, axis, keepdims, dim, keepdim)
 
 
 def _elementwise_extremum(name, op_class, a, b, keepdims, dim, keepdim):
@@ -202,13 +205,11 @@ def minimum(a, b):
 
 def argmax(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
     """The int64 position of the first maximum over ``axis`` (None: of the flattened input)."""
-    return _untracked(ax.ArgMax, x, axis=_axis("argmax", axis, dim),
-                      keepdims=_keepdims("argmax", keepdims, keepdim))
+    return _reduction(_untracked, ax.ArgMax, "argmax", x, axis, keepdims, dim, keepdim)
 
 
 def argmin(x, axis=None, keepdims=False, *, dim=None, keepdim=None):
-    return _untracked(ax.ArgMin, x, axis=_axis("argmin", axis, dim),
-                      keepdims=_keepdims("argmin", keepdims, keepdim))
+    return _reduction(_untracked, ax.ArgMin, "argmin", x, axis, keepdims, dim, keepdim)
 
 
 # ------------------------------------------------------------------ comparisons and where

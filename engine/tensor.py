@@ -52,6 +52,32 @@ def _with_pointwise_methods(cls):
     return cls
 
 
+def _operator_and_reflected(name, function):
+    """``(__name__, __rname__)``: ``function(self, other)`` and ``function(other, self)``."""
+    def operator(self, other):
+        return function(self, other)
+
+    def reflected(self, other):
+        return function(other, self)
+
+    operator.__name__, reflected.__name__ = f"__{name}__", f"__r{name}__"
+    operator.__qualname__, reflected.__qualname__ = (f"Tensor.{operator.__name__}",
+                                                     f"Tensor.{reflected.__name__}")
+    return operator, reflected
+
+
+def _comparison(name, function):
+    """``__name__``: ``function(self, other)`` (a bool tensor) for a Tensor, number, array,
+    list or tuple ``other``; NotImplemented for anything else, so it compares by identity."""
+    def compare(self, other):
+        if isinstance(other, (Tensor,) + COMPARABLE):
+            return function(self, other)
+        return NotImplemented
+    compare.__name__ = f"__{name}__"
+    compare.__qualname__ = f"Tensor.{compare.__name__}"
+    return compare
+
+
 # torch's tensor-type names, for ``x.type("torch.FloatTensor")``
 _TORCH_TYPE_NAMES = {"torch.FloatTensor": np.float32, "torch.DoubleTensor": np.float64,
                      "torch.LongTensor": np.int64, "torch.IntTensor": np.int32,
@@ -209,66 +235,19 @@ class Tensor(Value):
         return "tensor(" + ", ".join([body] + extras) + ")"
 
     # ----------------------------------------------------------- math (engine.functional)
-    def __add__(self, other):
-        return F.add(self, other)
-
-    def __radd__(self, other):
-        return F.add(other, self)
-
-    def __sub__(self, other):
-        return F.sub(self, other)
-
-    def __rsub__(self, other):
-        return F.sub(other, self)
-
-    def __mul__(self, other):
-        return F.mul(self, other)
-
-    def __rmul__(self, other):
-        return F.mul(other, self)
-
-    def __truediv__(self, other):
-        return F.div(self, other)
-
-    def __rtruediv__(self, other):
-        return F.div(other, self)
-
-    def __pow__(self, exponent):
-        return F.pow(self, exponent)
-
-    def __neg__(self):
-        return F.neg(self)
+    # a function of engine.functional bound as the method: ``x.sum(1)`` is ``F.sum(x, 1)``
+    __add__, __radd__ = _operator_and_reflected("add", F.add)
+    __sub__, __rsub__ = _operator_and_reflected("sub", F.sub)
+    __mul__, __rmul__ = _operator_and_reflected("mul", F.mul)
+    __truediv__, __rtruediv__ = _operator_and_reflected("truediv", F.div)
+    __matmul__, __rmatmul__ = _operator_and_reflected("matmul", F.matmul)
+    __pow__, __neg__ = F.pow, F.neg
 
     # comparisons are elementwise (bool tensors); anything else compares by identity
-    def __eq__(self, other):
-        return F.eq(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
+    __eq__, __ne__, __lt__, __le__, __gt__, __ge__ = (
+        _comparison(name, getattr(F, name)) for name in ("eq", "ne", "lt", "le", "gt", "ge"))
 
-    def __ne__(self, other):
-        return F.ne(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
-
-    def __lt__(self, other):
-        return F.lt(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
-
-    def __le__(self, other):
-        return F.le(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
-
-    def __gt__(self, other):
-        return F.gt(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
-
-    def __ge__(self, other):
-        return F.ge(self, other) if isinstance(other, (Tensor,) + COMPARABLE) else NotImplemented
-
-    def __matmul__(self, other):
-        return F.matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return F.matmul(other, self)
-
-    def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.sum(self, axis, keepdims, dim=dim, keepdim=keepdim)
-
-    def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.mean(self, axis, keepdims, dim=dim, keepdim=keepdim)
+    sum, mean, argmax, argmin = F.sum, F.mean, F.argmax, F.argmin
 
     def max(self, *args, **kwargs):
         """torch's and NumPy's max: ``x.max()`` the largest value, ``x.max(dim)`` /
@@ -280,50 +259,14 @@ class Tensor(Value):
         """The smallest values, as ``max`` reads its arguments."""
         return S.extremum_method("min", self, args, kwargs)
 
-    def argmax(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.argmax(self, axis, keepdims, dim=dim, keepdim=keepdim)
+    clip = clamp = F.clip
+    leaky_relu, gelu, softmax, log_softmax = F.leaky_relu, F.gelu, F.softmax, F.log_softmax
 
-    def argmin(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        return F.argmin(self, axis, keepdims, dim=dim, keepdim=keepdim)
-
-    def clip(self, low=None, high=None, *, min=None, max=None):
-        return F.clip(self, low, high, min=min, max=max)
-
-    clamp = clip
-
-    def leaky_relu(self, alpha=0.01):
-        return F.leaky_relu(self, alpha)
-
-    def gelu(self, approximate="none"):
-        return F.gelu(self, approximate)
-
-    def softmax(self, axis=None, *, dim=None):
-        return F.softmax(self, axis, dim=dim)
-
-    def log_softmax(self, axis=None, *, dim=None):
-        return F.log_softmax(self, axis, dim=dim)
-
-    def reshape(self, *shape):
+    def reshape(self, *shape):   # F.reshape's op_name is for its callers, not a method's
         return F.reshape(self, *shape)
 
-    def view(self, *shape):
-        return F.view(self, *shape)
-
-    def flatten(self, start_dim=1):
-        return F.flatten(self, start_dim)
-
-    def squeeze(self, axis=None, *, dim=None):
-        return F.squeeze(self, axis, dim=dim)
-
-    def unsqueeze(self, axis=None, *, dim=None):
-        return F.unsqueeze(self, axis, dim=dim)
-
-    def transpose(self, *axes):
-        return F.transpose(self, *axes)
-
-    def permute(self, *axes):
-        return F.permute(self, *axes)
-
+    view, flatten, squeeze, unsqueeze = F.view, F.flatten, F.squeeze, F.unsqueeze
+    transpose, permute = F.transpose, F.permute
     T = property(F.transpose)
 
     # ----------------------------------------------------------- sequence models' methods

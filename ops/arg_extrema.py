@@ -21,7 +21,7 @@ from ops.launch import Kernel
 from ops.layout import (flat, normalize_axes, offset_cpu, offset_cuda, reduced_shape,
                         reduction_layout)
 from ops.memory import empty
-from ops.reduce import chunking, run_shape
+from ops.reduce import block_chunk_cuda, chunking, run_shape
 from ops.registry import Op, register
 
 ARGMAX, ARGMIN = 0, 1
@@ -97,13 +97,8 @@ def _arg_kernel(code, name):
         that the largest wins."""
         b = cuda.blockIdx.x
         t = cuda.threadIdx.x
-        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-        reduced_first = 3 + 2 * kept_dims
-        chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
-        o = b // chunks
-        first = (b - o * chunks) * chunk_length
-        stop = min(first + chunk_length, n_reduced)
-        base = offset_cuda(o, meta, 3, kept_dims)
+        reduced_dims, reduced_first = meta[2], 3 + 2 * meta[1]
+        first, stop, base = block_chunk_cuda(b, meta, chunk_length)
         stride = meta[reduced_first + 1] if reduced_dims == 1 else 0
         best = 0.0
         best_at = -1   # this thread's share may be empty

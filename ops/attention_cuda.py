@@ -60,6 +60,16 @@ def _masked_score(score, mask, mask_strides, b, i, j, causal, has_mask):
 _masked_score_cuda = cuda.jit(device=True)(_masked_score)
 
 
+@cuda.jit(device=True)
+def _query_block(tq):
+    """``(b, first, i)``: the (batch, head) slice and first query of a forward or dQ block
+    (``QUERY_TILE`` queries), and its thread's query."""
+    query_tiles = (tq + QUERY_TILE - 1) // QUERY_TILE
+    b = cuda.blockIdx.x // query_tiles
+    first = (cuda.blockIdx.x - b * query_tiles) * QUERY_TILE
+    return b, first, first + cuda.threadIdx.x
+
+
 @functools.cache
 def _kernels(dtype, cap):
     """The forward, dQ and dK/dV kernels for inputs of ``dtype`` and head dims <= ``cap``."""
@@ -74,6 +84,26 @@ def _kernels(dtype, cap):
             r = e // width
             tile[r, e - r * width] = source[(b * total_rows + row0 + r) * width + e - r * width]
 
+    @cuda.jit(device=True)
+    def load_tiles(tile, other_tile, source, other_source, row0, total_rows, width,
+                   other_width, b):
+        """The rows from ``row0`` of two sources into two tiles (K and V, or Q and dO); the
+        row count, short at the end."""
+        rows = min(key_tile, total_rows - row0)
+        load_tile(tile, source, row0, rows, width, b, total_rows)
+        load_tile(other_tile, other_source, row0, rows, other_width, b, total_rows)
+        return rows
+
+    @cuda.jit(device=True)
+    def score(tile, r, row, d, scale, mask, mask_strides, b, i, j, causal):
+        """Query i's scaled, masked score for key j, one of them ``tile`` row r, the other
+        ``row``."""
+        dot = kind(0)
+        for c in range(d):
+            dot += row[c] * tile[r, c]
+        return _masked_score_cuda(dot * scale, mask, mask_strides, b, i, j, causal,
+                                  mask.size > 0)
+
     @cuda.jit(cache=True)
     def attention_forward_cuda(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale,
                                causal, threshold, keep_scale, dropout):
@@ -83,10 +113,7 @@ def _kernels(dtype, cap):
         q_row = cuda.local.array(cap, kind)
         acc = cuda.local.array(cap, kind)
         scores = cuda.local.array(key_tile, kind)
-        query_tiles = (tq + QUERY_TILE - 1) // QUERY_TILE
-        b = cuda.blockIdx.x // query_tiles
-        first = (cuda.blockIdx.x - b * query_tiles) * QUERY_TILE
-        i = first + cuda.threadIdx.x
+        b, first, i = _query_block(tq)
         active = i < tq
         for c in range(d):
             q_row[c] = q[(b * tq + i) * d + c] if active else 0
@@ -96,18 +123,13 @@ def _kernels(dtype, cap):
         total = 0.0
         key_end = min(tk, first + QUERY_TILE) if causal else tk
         for start in range(0, key_end, key_tile):
-            rows = min(key_tile, tk - start)
-            load_tile(keys, k, start, rows, d, b, tk)
-            load_tile(values, v, start, rows, dv, b, tk)
+            rows = load_tiles(keys, values, k, v, start, tk, d, dv, b)
             cuda.syncthreads()
             if active:
                 tile_top = top
                 for r in range(rows):
-                    dot = kind(0)
-                    for c in range(d):
-                        dot += q_row[c] * keys[r, c]
-                    s = _masked_score_cuda(dot * scale, mask, mask_strides, b, i, start + r,
-                                           causal, mask.size > 0)
+                    s = score(keys, r, q_row, d, scale, mask, mask_strides, b, i, start + r,
+                              causal)
                     scores[r] = s
                     tile_top = max(tile_top, s)
                 if tile_top > -math.inf:
@@ -141,10 +163,7 @@ def _kernels(dtype, cap):
         q_row = cuda.local.array(cap, kind)
         g_row = cuda.local.array(cap, kind)
         acc = cuda.local.array(cap, kind)
-        query_tiles = (tq + QUERY_TILE - 1) // QUERY_TILE
-        b = cuda.blockIdx.x // query_tiles
-        first = (cuda.blockIdx.x - b * query_tiles) * QUERY_TILE
-        i = first + cuda.threadIdx.x
+        b, first, i = _query_block(tq)
         active = i < tq
         row = b * tq + i
         delta = kind(0)
@@ -157,17 +176,12 @@ def _kernels(dtype, cap):
         row_lse = lse[row] if active else 0.0
         key_end = min(tk, first + QUERY_TILE) if causal else tk
         for start in range(0, key_end, key_tile):
-            rows = min(key_tile, tk - start)
-            load_tile(keys, k, start, rows, d, b, tk)
-            load_tile(values, v, start, rows, dv, b, tk)
+            rows = load_tiles(keys, values, k, v, start, tk, d, dv, b)
             cuda.syncthreads()
             if active:
                 for r in range(rows):
-                    dot = kind(0)
-                    for c in range(d):
-                        dot += q_row[c] * keys[r, c]
-                    s = _masked_score_cuda(dot * scale, mask, mask_strides, b, i, start + r,
-                                           causal, mask.size > 0)
+                    s = score(keys, r, q_row, d, scale, mask, mask_strides, b, i, start + r,
+                              causal)
                     p = math.exp(s - row_lse)
                     d_p = kind(0)
                     for c in range(dv):
@@ -212,9 +226,7 @@ def _kernels(dtype, cap):
             acc_v[c] = 0
         query_start = first if causal else 0   # earlier queries see none of these keys
         for start in range(query_start, tq, key_tile):
-            rows = min(key_tile, tq - start)
-            load_tile(queries, q, start, rows, d, b, tq)
-            load_tile(grads, grad_out, start, rows, dv, b, tq)
+            rows = load_tiles(queries, grads, q, grad_out, start, tq, d, dv, b)
             if t < rows:
                 row = b * tq + start + t
                 lses[t] = lse[row]
@@ -226,11 +238,7 @@ def _kernels(dtype, cap):
             if active:
                 for r in range(rows):
                     i = start + r
-                    dot = kind(0)
-                    for c in range(d):
-                        dot += queries[r, c] * k_row[c]
-                    s = _masked_score_cuda(dot * scale, mask, mask_strides, b, i, j, causal,
-                                           mask.size > 0)
+                    s = score(queries, r, k_row, d, scale, mask, mask_strides, b, i, j, causal)
                     p = math.exp(s - lses[r])
                     factor = kind(1)
                     if dropout:

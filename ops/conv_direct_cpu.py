@@ -125,6 +125,13 @@ def _put_pair(array, index, low, high):
 
 
 @njit(inline="always")
+def _row_fma(a, at, b0, b1, low, high):
+    """A tile row's two accumulators plus ``a[at]`` (every lane) times the pair b0, b1."""
+    x = _splat(a, at)
+    return _fma(x, b0, low), _fma(x, b1, high)
+
+
+@njit(inline="always")
 def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step):
     """``tile[tile_at + k·tile_step + l] += Σ_r a[a_at[k] + a_off[r]] · v[v_at + v_off[r] +
     l]`` for k < 7, l < 32, r < count, r in order: 14 accumulators of 16 lanes."""
@@ -140,20 +147,13 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
     for r in range(count):
         offset = a_off[r]
         b0, b1 = _pair(v, v_at + v_off[r])
-        x = _splat(a, a0 + offset)
-        s0, s1 = _fma(x, b0, s0), _fma(x, b1, s1)
-        x = _splat(a, a1 + offset)
-        s2, s3 = _fma(x, b0, s2), _fma(x, b1, s3)
-        x = _splat(a, a2 + offset)
-        s4, s5 = _fma(x, b0, s4), _fma(x, b1, s5)
-        x = _splat(a, a3 + offset)
-        s6, s7 = _fma(x, b0, s6), _fma(x, b1, s7)
-        x = _splat(a, a4 + offset)
-        s8, s9 = _fma(x, b0, s8), _fma(x, b1, s9)
-        x = _splat(a, a5 + offset)
-        s10, s11 = _fma(x, b0, s10), _fma(x, b1, s11)
-        x = _splat(a, a6 + offset)
-        s12, s13 = _fma(x, b0, s12), _fma(x, b1, s13)
+        s0, s1 = _row_fma(a, a0 + offset, b0, b1, s0, s1)
+        s2, s3 = _row_fma(a, a1 + offset, b0, b1, s2, s3)
+        s4, s5 = _row_fma(a, a2 + offset, b0, b1, s4, s5)
+        s6, s7 = _row_fma(a, a3 + offset, b0, b1, s6, s7)
+        s8, s9 = _row_fma(a, a4 + offset, b0, b1, s8, s9)
+        s10, s11 = _row_fma(a, a5 + offset, b0, b1, s10, s11)
+        s12, s13 = _row_fma(a, a6 + offset, b0, b1, s12, s13)
     _put_pair(tile, tile_at + 0 * tile_step, s0, s1)
     _put_pair(tile, tile_at + 1 * tile_step, s2, s3)
     _put_pair(tile, tile_at + 2 * tile_step, s4, s5)

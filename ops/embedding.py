@@ -31,6 +31,7 @@ from ops.cuda import SIMULATOR, cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
+from ops.input_fault import fault_message, record_fault_cpu, record_fault_cuda
 from ops.launch import CPU_KERNEL, Kernel, elements
 from ops.layout import flat
 from ops.registry import Op, register
@@ -41,22 +42,21 @@ NO_PADDING = -1
 GRAD_THREADS = 8 if SIMULATOR else 128
 
 
-def _gather_element(k, ids, weight, out, dim, rows, bad):
-    """``out[k]`` = its weight element; a bad id is recorded in ``bad`` and gives NaN."""
-    i = k // dim
-    row = ids[i]
-    if row < 0 or row >= rows:
-        if bad[0] == 0:   # the first bad id (on CUDA: one of them)
-            bad[1] = row
-            bad[2] = i
-            bad[3] = rows
-            bad[0] = 1
-        out[k] = math.nan
-    else:
-        out[k] = weight[row * dim + k - i * dim]
+def _gather_element_with(record_fault):
+    def gather_element(k, ids, weight, out, dim, rows, bad):
+        """``out[k]`` = its weight element; a bad id is recorded in ``bad`` and gives NaN."""
+        i = k // dim
+        row = ids[i]
+        if row < 0 or row >= rows:
+            record_fault(bad, row, i, rows)
+            out[k] = math.nan
+        else:
+            out[k] = weight[row * dim + k - i * dim]
+    return gather_element
 
 
-_gather_element_cpu, _gather_element_cuda = twin(_gather_element)
+_gather_element_cpu, _gather_element_cuda = twin(_gather_element_with,
+                                                 (record_fault_cpu, record_fault_cuda))
 
 
 @njit(**CPU_KERNEL, error_model="numpy")
@@ -122,10 +122,9 @@ EMBEDDING = Kernel("embedding", embedding_cpu, embedding_cuda, elements(2))
 EMBEDDING_GRAD = Kernel("embedding_grad", embedding_grad_cpu, embedding_grad_cuda, _grad_grid)
 
 
-def _bad_id_message(values, deferred):
-    when = " (ids of a recent CUDA call)" if deferred else ""
-    return (f"embedding: id {values[1]} at position {values[2]} is out of range for "
-            f"num_embeddings {values[3]} (ids must lie in [0, {values[3]})){when}")
+_bad_id_message = fault_message("embedding: id {0} at position {1} is out of range for "
+                                "num_embeddings {2} (ids must lie in [0, {2}))",
+                                "ids of a recent CUDA call")
 
 
 def _bad_ids(device):

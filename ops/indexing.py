@@ -34,6 +34,7 @@ from ops.device import device_of, to_device
 from ops.dispatch import Meta, Out, run
 from ops.fill import FILL, fill
 from ops.flag_buffer import flag_buffer
+from ops.input_fault import fault_message, record_fault_cpu, record_fault_cuda
 from ops.index_plan import plan
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
@@ -46,10 +47,8 @@ from ops.twin import twin
 
 # ------------------------------------------------------------------ bad indices
 
-def _bad_index_message(values, deferred):
-    when = " (an index tensor of a recent CUDA indexing call)" if deferred else ""
-    return (f"index {values[1]} is out of bounds for axis {values[2]} with "
-            f"size {values[3]}{when}")
+_bad_index_message = fault_message("index {0} is out of bounds for axis {1} with size {2}",
+                                   "an index tensor of a recent CUDA indexing call")
 
 
 def _bad_indices(device):
@@ -58,21 +57,19 @@ def _bad_indices(device):
 
 # ------------------------------------------------------------------ kernels
 
-def _pack_one(value, p, indices, row, size, axis, bad):
-    """indices[row, p] = ``value`` made non-negative; one outside [-size, size) is recorded in
-    ``bad`` and read as 0."""
-    index = value + size if value < 0 else value
-    if index < 0 or index >= size:
-        if bad[0] == 0:   # the first bad index (on CUDA: one of them)
-            bad[1] = value
-            bad[2] = axis
-            bad[3] = size
-            bad[0] = 1
-        index = 0
-    indices[row, p] = index
+def _pack_one_with(record_fault):
+    def pack_one(value, p, indices, row, size, axis, bad):
+        """indices[row, p] = ``value`` made non-negative; one outside [-size, size) is
+        recorded in ``bad`` and read as 0."""
+        index = value + size if value < 0 else value
+        if index < 0 or index >= size:
+            record_fault(bad, value, axis, size)
+            index = 0
+        indices[row, p] = index
+    return pack_one
 
 
-_pack_one_cpu, _pack_one_cuda = twin(_pack_one)
+_pack_one_cpu, _pack_one_cuda = twin(_pack_one_with, (record_fault_cpu, record_fault_cuda))
 
 
 @njit(cache=True, error_model="numpy")
@@ -149,32 +146,39 @@ GATHER = Kernel("index_gather", gather_cpu, gather_cuda, elements(2))
 ADD, SET = 0, 1
 
 
-def _scatter_kernel(mode, name):
-    """The twin kernels of ``x[plan] += source`` (``mode`` ADD) or ``x[plan] = source``: one
-    thread per R combination, walking the advanced elements in order."""
-
-    @njit(cache=True, error_model="numpy")
-    def scatter_cpu(source, indices, x, meta, rows):
-        for r in range(rows):
-            x_r, source_r = _r_offsets_cpu(r, meta)
+def _scatter_row_with(mode):
+    def make(r_offsets, b_offsets):
+        def scatter_row(r, source, indices, x, meta):
+            """R combination ``r`` of ``x[plan] += source`` (``mode`` ADD) or ``= source``,
+            its advanced elements in order."""
+            x_r, source_r = r_offsets(r, meta)
             for b in range(indices.shape[1]):
-                x_b, source_b = _b_offsets_cpu(b, indices, meta)
+                x_b, source_b = b_offsets(b, indices, meta)
                 if mode == ADD:
                     x[x_r + x_b] += source[source_r + source_b]
                 else:
                     x[x_r + x_b] = source[source_r + source_b]
+        return scatter_row
+    return make
+
+
+def _scatter_kernel(mode, name):
+    """The twin kernels of ``x[plan] += source`` (``mode`` ADD) or ``x[plan] = source``: one
+    thread per R combination, walking the advanced elements in order."""
+    scatter_row_cpu, scatter_row_cuda = twin(_scatter_row_with(mode),
+                                             (_r_offsets_cpu, _r_offsets_cuda),
+                                             (_b_offsets_cpu, _b_offsets_cuda))
+
+    @njit(cache=True, error_model="numpy")
+    def scatter_cpu(source, indices, x, meta, rows):
+        for r in range(rows):
+            scatter_row_cpu(r, source, indices, x, meta)
 
     @cuda.jit(cache=True)
     def scatter_cuda(source, indices, x, meta, rows):
         r = cuda.grid(1)
         if r < rows:
-            x_r, source_r = _r_offsets_cuda(r, meta)
-            for b in range(indices.shape[1]):
-                x_b, source_b = _b_offsets_cuda(b, indices, meta)
-                if mode == ADD:
-                    x[x_r + x_b] += source[source_r + source_b]
-                else:
-                    x[x_r + x_b] = source[source_r + source_b]
+            scatter_row_cuda(r, source, indices, x, meta)
 
     return Kernel(name, scatter_cpu, scatter_cuda, lambda *args: args[4])
 

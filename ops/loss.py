@@ -29,6 +29,7 @@ from ops.cuda import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
+from ops.input_fault import fault_message
 from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements
 from ops.layout import flat
 from ops.registry import Op, register
@@ -122,10 +123,8 @@ CROSS_ENTROPY_GRAD = Kernel("cross_entropy_grad", cross_entropy_grad_cpu,
                             cross_entropy_grad_cuda, elements(0))
 
 
-def _bad_label_message(values, deferred):
-    when = " (a recent CUDA batch)" if deferred else ""
-    return (f"cross_entropy: label {values[1]} at row {values[2]} is outside "
-            f"[0, {values[3]}){when}")
+_bad_label_message = fault_message("cross_entropy: label {0} at row {1} is outside [0, {2})",
+                                   "a recent CUDA batch")
 
 
 def _bad_labels(device):

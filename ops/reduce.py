@@ -37,6 +37,7 @@ from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offse
                         reduced_shape, reduction_layout)
 from ops.memory import empty
 from ops.registry import Op, register
+from ops.twin import twin
 
 MIN = 2   # beside ops.block_reduce's SUM and MAX: reduced as MAX of -x
 
@@ -69,6 +70,18 @@ def run_shape(x, out):
     return out.size, (x.size // out.size if out.size else 0)
 
 
+@cuda.jit(device=True)
+def block_chunk_cuda(b, meta, chunk_length):
+    """``(first, stop, base)`` of block ``b`` of a chunked reduction (``chunking``): it takes
+    reduced elements ``first`` to ``stop`` of output ``b // chunks``, whose kept-dim offset
+    is ``base``."""
+    n_reduced, kept_dims = meta[0], meta[1]
+    chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
+    o = b // chunks
+    first = (b - o * chunks) * chunk_length
+    return first, min(first + chunk_length, n_reduced), offset_cuda(o, meta, 3, kept_dims)
+
+
 def _reduce_kernel(code, name):
     """The twin kernels of a sum (``code`` SUM), max or min over the reduced dims, times
     ``scale``."""
@@ -99,13 +112,8 @@ def _reduce_kernel(code, name):
         output, else the partials that a second launch of this kernel folds."""
         b = cuda.blockIdx.x
         t = cuda.threadIdx.x
-        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-        reduced_first = 3 + 2 * kept_dims
-        chunks = max(1, (n_reduced + chunk_length - 1) // chunk_length)
-        o = b // chunks
-        first = (b - o * chunks) * chunk_length
-        stop = min(first + chunk_length, n_reduced)
-        base = offset_cuda(o, meta, 3, kept_dims)
+        reduced_dims, reduced_first = meta[2], 3 + 2 * meta[1]
+        first, stop, base = block_chunk_cuda(b, meta, chunk_length)
         acc = start
         # float(): the simulator would otherwise add float32 elements in float32 (NumPy's
         # scalar rules), where the compiled kernel adds in float64
@@ -160,40 +168,40 @@ def expand_cuda(g, out, meta, scale):
 EXPAND = Kernel("expand", expand_cpu, expand_cuda, elements(1))
 
 
-@njit(cache=True, error_model="numpy")
-def max_backward_cpu(x, y, grad_out, grad_in, meta):
-    """grad_in = grad_out on the extrema ``y`` of each reduced group (split evenly among ties),
-    else 0: the backward of max and of min."""
-    n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-    reduced_first = 3 + 2 * kept_dims
-    for o in range(y.size):
-        base = offset_cpu(o, meta, 3, kept_dims)
+def _route_to_extrema_with(offset):
+    def route_to_extrema(o, x, y, grad_out, grad_in, meta):
+        """grad_in over output ``o``'s reduced group = grad_out[o] on its extrema ``y[o]``
+        (split evenly among ties), else 0."""
+        n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
+        reduced_first = 3 + 2 * kept_dims
+        base = offset(o, meta, 3, kept_dims)
         ties = 0
         for r in range(n_reduced):
-            if x[base + offset_cpu(r, meta, reduced_first, reduced_dims)] == y[o]:
+            if x[base + offset(r, meta, reduced_first, reduced_dims)] == y[o]:
                 ties += 1
         share = grad_out[o] / max(ties, 1)
         for r in range(n_reduced):
-            at = base + offset_cpu(r, meta, reduced_first, reduced_dims)
+            at = base + offset(r, meta, reduced_first, reduced_dims)
             grad_in[at] = share if x[at] == y[o] else share - share
+    return route_to_extrema
+
+
+_route_to_extrema_cpu, _route_to_extrema_cuda = twin(_route_to_extrema_with,
+                                                     (offset_cpu, offset_cuda))
+
+
+@njit(cache=True, error_model="numpy")
+def max_backward_cpu(x, y, grad_out, grad_in, meta):
+    """The backward of max and of min: grad_out routed to each group's extrema."""
+    for o in range(y.size):
+        _route_to_extrema_cpu(o, x, y, grad_out, grad_in, meta)
 
 
 @cuda.jit(cache=True)
 def max_backward_cuda(x, y, grad_out, grad_in, meta):
     o = cuda.grid(1)
-    if o >= y.size:
-        return
-    n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-    reduced_first = 3 + 2 * kept_dims
-    base = offset_cuda(o, meta, 3, kept_dims)
-    ties = 0
-    for r in range(n_reduced):
-        if x[base + offset_cuda(r, meta, reduced_first, reduced_dims)] == y[o]:
-            ties += 1
-    share = grad_out[o] / max(ties, 1)
-    for r in range(n_reduced):
-        at = base + offset_cuda(r, meta, reduced_first, reduced_dims)
-        grad_in[at] = share if x[at] == y[o] else share - share
+    if o < y.size:
+        _route_to_extrema_cuda(o, x, y, grad_out, grad_in, meta)
 
 
 MAX_BACKWARD = Kernel("max_backward", max_backward_cpu, max_backward_cuda, elements(1))

@@ -239,6 +239,18 @@ def test_the_kernels_of_every_fused_row_and_every_function_are_built_per_code():
         conv_cpu.conv2d_cpu_kernels(pointwise.RELU)
 
 
+def _values_and_gradients(name, x, dtype):
+    """engine's and torch.nn.functional's ``name`` of ``x`` as ``dtype``, each summed and
+    backpropagated: ``(y, grad, expected_y, expected_grad)`` as NumPy arrays."""
+    mine = engine.tensor(x, dtype=dtype, requires_grad=True)
+    y = getattr(engine, name)(mine)
+    y.sum().backward()
+    theirs = torch.tensor(x.astype(dtype), requires_grad=True)
+    expected = getattr(torch.nn.functional, name)(theirs)
+    expected.sum().backward()
+    return y.numpy(), mine.grad.numpy(), expected.detach().numpy(), theirs.grad.numpy()
+
+
 # ------------------------------------------------------------------ mish
 
 def test_mish_saturates_as_torch_where_exp_overflows():
@@ -246,16 +258,10 @@ def test_mish_saturates_as_torch_where_exp_overflows():
     far left both go to -0 and 0, as torch's."""
     x = np.concatenate([np.linspace(-30, 30, 121), [85.0, 88.5, 89.0, 100.0, 1e4, -1e4]])
     for dtype in (np.float32, np.float64):
-        mine = engine.tensor(x, dtype=dtype, requires_grad=True)
-        y = engine.mish(mine)
-        y.sum().backward()
-        theirs = torch.tensor(x.astype(dtype), requires_grad=True)
-        expected = torch.nn.functional.mish(theirs)
-        expected.sum().backward()
-        assert np.isfinite(mine.grad.numpy()).all()
-        np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-5,
-                                   atol=1e-6)
+        y, grad, expected_y, expected_grad = _values_and_gradients("mish", x, dtype)
+        assert np.isfinite(grad).all()
+        np.testing.assert_allclose(y, expected_y, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_mish_runs_after_the_layers_kernel_and_exports_from_opset_18(tmp_path):
@@ -274,16 +280,11 @@ def test_hardswish_gradient_at_its_corners_is_torchs():
     -0.5 and 1.5 of the inside's formula there; a NaN input gives a NaN value, gradient 1."""
     x = np.array([-3.0001, -3.0, -2.9999, -1.5, 0.0, 2.9999, 3.0, 3.0001, np.nan])
     for dtype in (np.float32, np.float64):
-        mine = engine.tensor(x, dtype=dtype, requires_grad=True)
-        y = engine.hardswish(mine)
-        y.sum().backward()
-        theirs = torch.tensor(x.astype(dtype), requires_grad=True)
-        expected = torch.nn.functional.hardswish(theirs)
-        expected.sum().backward()
-        np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-6)
-        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-6)
-        np.testing.assert_array_equal(mine.grad.numpy()[[1, 6, 8]], [0.0, 1.0, 1.0])
-        assert np.isnan(y.numpy()[8])
+        y, grad, expected_y, expected_grad = _values_and_gradients("hardswish", x, dtype)
+        np.testing.assert_allclose(y, expected_y, rtol=1e-6)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-6)
+        np.testing.assert_array_equal(grad[[1, 6, 8]], [0.0, 1.0, 1.0])
+        assert np.isnan(y[8])
 
 
 def test_hardswish_takes_keras_names_and_exports_from_opset_14(tmp_path):
@@ -303,10 +304,6 @@ def test_softsign_fuses_and_its_gradient_from_y_is_torchs():
     assert "softsign" in pointwise.ACTIVATIONS
     assert pointwise.ACTIVATIONS["softsign"] in dense.DENSE
     x = np.array([-1e4, -50.0, -1.0, -1e-3, 0.0, 1e-3, 1.0, 50.0, 1e4])
-    mine = engine.tensor(x, requires_grad=True)
-    y = engine.softsign(mine)
-    y.sum().backward()
-    theirs = torch.tensor(x, requires_grad=True)
-    torch.nn.functional.softsign(theirs).sum().backward()
-    np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-9)
-    np.testing.assert_allclose(mine.grad.numpy(), 1 / (1 + np.abs(x)) ** 2, rtol=1e-9)
+    _, grad, _, expected_grad = _values_and_gradients("softsign", x, np.float64)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-9)
+    np.testing.assert_allclose(grad, 1 / (1 + np.abs(x)) ** 2, rtol=1e-9)
