@@ -4,8 +4,8 @@
     python -m engine.cli.build_kernels --check  # exit 1 when ops/kernels/ is not what a build makes
 
 Which kernels: the (kernel, argument types) pairs that ``python -m engine.train`` launches
-for the MLP and the CNN (Adam, SGD, AdamW) on an H200 and on an A100, found by running the CLI
-on ``ops.cuda.DryDevice``: real numba-cuda without a GPU, whose device arrays hold no memory
+for the MLP and the CNN (Adam, SGD, AdamW) and the GPT (both presets) on an H200 and on an
+A100, found by running the CLI on ``ops.cuda.DryDevice``: real numba-cuda without a GPU, whose device arrays hold no memory
 (reads give zeros) and whose launches are recorded instead of run. Each pair is compiled as
 Numba compiles it at a first launch (``ops.cuda.compile_artifact``) for sm_80 and sm_90, and
 written as ``<key>.sm_XY.cubin`` beside a ``manifest.json``; the key is the content hash of
@@ -30,19 +30,21 @@ TARGETS = {"H200": ((9, 0), 132), "A100": ((8, 0), 108)}
 COMPUTE_CAPABILITIES = ((8, 0), (9, 0))
 MANIFEST_FILE = cuda_runtime.MANIFEST_NAME
 # The CLI runs whose kernels are shipped: the models of engine.train with each optimizer
-RUNS = (["--model", "mlp", "--optimizer", "adam"],
-        ["--model", "cnn", "--optimizer", "adam"],
-        ["--model", "mlp", "--optimizer", "sgd"],
-        ["--model", "mlp", "--optimizer", "adamw"])
-CLI_OPTIONS = ["--device", "cuda", "--epochs", "1", "--no-capture", "--no-save",
-               "--no-progress"]
+# (one epoch, or the GPT's two steps in each of its configurations: its first CUDA step then
+# compiles nothing either)
+_GPT = ["--model", "gpt", "--dataset", "shakespeare", "--steps", "2", "--eval-every", "2"]
+RUNS = (["--model", "mlp", "--optimizer", "adam", "--epochs", "1"],
+        ["--model", "cnn", "--optimizer", "adam", "--epochs", "1"],
+        ["--model", "mlp", "--optimizer", "sgd", "--epochs", "1"],
+        ["--model", "mlp", "--optimizer", "adamw", "--epochs", "1"],
+        _GPT, _GPT + ["--preset", "shakespeare-char"])
+CLI_OPTIONS = ["--device", "cuda", "--no-capture", "--no-save", "--no-progress"]
 COMMAND = "engine.cli.build_kernels"
 
 
 def enumerate_launches(multiprocessors, runs=RUNS):
     """``{(id, argtypes): (dispatcher, argtypes)}`` of every kernel the CLI ``runs`` launch
-    on a GPU of ``multiprocessors`` (one epoch each over the shipped MNIST, on the dry
-    device). Runs in this process: call it from a process of its own (the build's)."""
+    on a GPU of ``multiprocessors`` (on the dry device). Runs in this process: call it from a process of its own (the build's)."""
     import io
     from engine import train
     device = cuda_runtime.DryDevice(multiprocessors)

@@ -102,6 +102,11 @@ class StepLine(Callback):
 
     def on_epoch_end(self, logs):
         tokens = self.tokens_per_step * self.every / logs["seconds"] if logs["seconds"] else 0
-        print(f"step {logs['epoch'] * self.every}/{self.steps}  train loss {logs['loss']:.4f}  "
-              f"val loss {logs['test_loss']:.4f}  {logs['seconds']:.1f} s  {tokens:.0f} "
-              f"tokens/s", flush=True)
+        print(f"step {logs['epoch'] * self.every}/{self.steps}  train loss "
+              f"{_loss_text(logs['loss'])}  val loss {_loss_text(logs['test_loss'])}  "
+              f"{logs['seconds']:.1f} s  {tokens:.0f} tokens/s", flush=True)
+
+
+def _loss_text(value):
+    """A loss to 4 places, "-" for none (no rows were read: the build's dry device)."""
+    return "-" if value is None else f"{value:.4f}"
