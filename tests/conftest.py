@@ -29,19 +29,19 @@ def pytest_collection_modifyitems(config, items):
     repeats = (simulator_repeats() if SIMULATOR and not os.environ.get("ENGINE_SIMULATE_ALL")
                else set())
     for item in items:
-        if "gpu" in item.keywords and (SIMULATOR or not cuda_available()):
+        if item.get_closest_marker("gpu") and (SIMULATOR or not cuda_available()):
             item.add_marker(pytest.mark.skip(reason="needs a real CUDA GPU (-m gpu on a GPU "
                                                     "machine)"))
-        if "cuda" in item.keywords and not cuda_available():
+        if item.get_closest_marker("cuda") and not cuda_available():
             item.add_marker(pytest.mark.skip(reason="a CUDA test: runs in the simulator phase "
                                                     "(NUMBA_ENABLE_CUDASIM=1 pytest -m cuda) "
                                                     "or on a GPU"))
-        if "cuda" in item.keywords and item.nodeid in repeats:
+        if item.get_closest_marker("cuda") and item.nodeid in repeats:
             item.add_marker(pytest.mark.skip(reason="repeats kernel branches that other "
                                                     "simulator tests reach "
                                                     "(tests/simulator_repeats.txt); a real "
                                                     "GPU runs it"))
-        if "torch" in item.keywords and not HAS_TORCH:
+        if item.get_closest_marker("torch") and not HAS_TORCH:
             item.add_marker(pytest.mark.skip(reason="needs PyTorch (pip install -e '.[torch]')"))
 
 

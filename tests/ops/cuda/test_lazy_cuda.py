@@ -45,23 +45,10 @@ def test_a_first_cpu_tensor_imports_no_numba_cuda():
 
 def test_captured_cpu_training_steps_import_no_numba_cuda():
     _assert_cpu_work_imports_no_numba_cuda("""
-        import numpy as np, engine, optim
-        from engine import nn
-        from engine.losses import cross_entropy
-        model = nn.Sequential([nn.Dense(8, activation='relu', input_shape=(5,)),
-                               nn.Dropout(0.1), nn.Dense(3)])
-        opt = optim.Adam(model.parameters(), lr=1e-2)
-        @engine.capture
-        def step(xb, yb):
-            opt.zero_grad()
-            loss = cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            return loss
-        xb, yb = engine.randn(6, 5), engine.tensor(np.arange(6) % 3)
-        for _ in range(4):
-            step(xb, yb)
-        """, "step.eager_reason is None")
+        import optim
+        from tests.support.captured_training import train
+        *_, step = train("cpu", True, lambda params: optim.Adam(params, lr=1e-2), clip=True)
+        """, "step.eager_reason is None and step.replayed > 0")
 
 
 def test_the_first_cuda_tensor_makes_the_module_kernels_real():
