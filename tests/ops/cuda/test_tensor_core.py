@@ -26,35 +26,34 @@ def _kernels():
     from ops.cuda import cuda
     from ops.cuda.ptx import mma_bf16, mma_tf32, pack_bf16, to_tf32
 
-    @cuda.jit
-    def tiles_tf32(a, b, c):
-        """C (16x8) = A (16xK) · B (Kx8), K a multiple of 8, in K steps of 8."""
-        lane = cuda.threadIdx.x
-        g, i = lane // 4, lane % 4
-        d0 = d1 = d2 = d3 = np.float32(0)
-        for k in range(0, a.shape[1], 8):
-            d0, d1, d2, d3 = mma_tf32(
-                to_tf32(a[g, k + i]), to_tf32(a[g + 8, k + i]), to_tf32(a[g, k + i + 4]),
-                to_tf32(a[g + 8, k + i + 4]), to_tf32(b[k + i, g]), to_tf32(b[k + i + 4, g]),
-                d0, d1, d2, d3)
-        c[g, 2 * i], c[g, 2 * i + 1], c[g + 8, 2 * i], c[g + 8, 2 * i + 1] = d0, d1, d2, d3
+    def tiles(k_step, mma, operands):
+        """C (16x8) = A (16xK) · B (Kx8), K a multiple of ``k_step``, in K steps of it: each
+        step's A and B fragments of this lane from ``operands``, into one ``mma``."""
 
-    @cuda.jit
-    def tiles_bf16(a, b, c):
-        """C (16x8) = A (16xK) · B (Kx8), K a multiple of 16, in K steps of 16."""
-        lane = cuda.threadIdx.x
-        g, i = lane // 4, lane % 4
-        d0 = d1 = d2 = d3 = np.float32(0)
-        for k in range(0, a.shape[1], 16):
-            lo, hi = k + 2 * i, k + 2 * i + 8
-            d0, d1, d2, d3 = mma_bf16(
-                pack_bf16(a[g, lo], a[g, lo + 1]), pack_bf16(a[g + 8, lo], a[g + 8, lo + 1]),
+        @cuda.jit
+        def kernel(a, b, c):
+            lane = cuda.threadIdx.x
+            g, i = lane // 4, lane % 4
+            d0 = d1 = d2 = d3 = np.float32(0)
+            for k in range(0, a.shape[1], k_step):
+                a0, a1, a2, a3, b0, b1 = operands(a, b, g, i, k)
+                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3)
+            c[g, 2 * i], c[g, 2 * i + 1], c[g + 8, 2 * i], c[g + 8, 2 * i + 1] = d0, d1, d2, d3
+        return kernel
+
+    @cuda.jit(device=True)
+    def tf32_operands(a, b, g, i, k):   # a K step of 8: A columns k+i, k+i+4, B rows alike
+        return (to_tf32(a[g, k + i]), to_tf32(a[g + 8, k + i]), to_tf32(a[g, k + i + 4]),
+                to_tf32(a[g + 8, k + i + 4]), to_tf32(b[k + i, g]), to_tf32(b[k + i + 4, g]))
+
+    @cuda.jit(device=True)
+    def bf16_operands(a, b, g, i, k):   # a K step of 16: pairs from k+2i and k+2i+8
+        lo, hi = k + 2 * i, k + 2 * i + 8
+        return (pack_bf16(a[g, lo], a[g, lo + 1]), pack_bf16(a[g + 8, lo], a[g + 8, lo + 1]),
                 pack_bf16(a[g, hi], a[g, hi + 1]), pack_bf16(a[g + 8, hi], a[g + 8, hi + 1]),
-                pack_bf16(b[lo, g], b[lo + 1, g]), pack_bf16(b[hi, g], b[hi + 1, g]),
-                d0, d1, d2, d3)
-        c[g, 2 * i], c[g, 2 * i + 1], c[g + 8, 2 * i], c[g + 8, 2 * i + 1] = d0, d1, d2, d3
+                pack_bf16(b[lo, g], b[lo + 1, g]), pack_bf16(b[hi, g], b[hi + 1, g]))
 
-    return tiles_tf32, tiles_bf16
+    return tiles(8, mma_tf32, tf32_operands), tiles(16, mma_bf16, bf16_operands)
 
 
 @pytest.mark.gpu
