@@ -1,13 +1,13 @@
-"""Where one replayed CPU training step of the reference MLP or the CNN spends its time, kernel
-by kernel.
+"""Where one replayed CPU training step of the reference MLP, the CNN or the GPT spends its
+time, kernel by kernel.
 
-    python -m bench.cpu_step [--model mlp|cnn] [--steps 400] [--threads 2] [--json results.json]
+    python -m bench.cpu_step [--model mlp|cnn|gpt] [--steps 400] [--threads 2] [--json PATH]
 
 The step of ``bench.mlp`` (784-256-128-10 ReLU) or of ``bench.cnn`` (``--model cnn``:
 ``engine.models.build_cnn``, ``engine.train --model cnn``'s network), Adam lr 1e-3, batch 128
-of MNIST gathered at the loader's epoch cursor, as ``engine.fit`` runs it, is recorded once
-with an
-``ops.launch.LaunchRecorder`` and its kernel runs are replayed ``--steps`` times the way a
+of MNIST gathered at the loader's epoch cursor, or of ``bench.gpt``'s CPU configuration
+(``--model gpt``: AdamW, batches of Shakespeare's windows), as ``engine.fit`` runs it (the
+GPT's without its gradient clipping), is recorded once with an ``ops.launch.LaunchRecorder`` and its kernel runs are replayed ``--steps`` times the way a
 captured step replays them on the CPU (each run's function on its arguments, in order), each
 run timed on its own. The table gives each run's median and mean microseconds, and for the
 Dense runs the time of their BLAS calls on the calling thread and the time it waited for the
@@ -24,34 +24,53 @@ from bench.report import emit
 BATCH_SIZE = 128
 
 
-def _model(name, image_shape):
+def _mnist_training(model_name):
+    """``(model, optimizer, cursor, batch size, loss function)`` of bench.mlp's or bench.cnn's
+    training (Adam lr 1e-3, shuffled MNIST, normalised)."""
+    import data
+    import optim
+    from data.datasets import load_dataset, pixel_statistics
+    from engine.losses import cross_entropy
     from engine.models import build_cnn, build_mlp
-    return build_cnn(image_shape, 10) if name == "cnn" else build_mlp(image_shape, (256, 128), 10)
+
+    (x_train, y_train), _ = load_dataset("mnist")
+    loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
+                             device="cpu", normalize=pixel_statistics(x_train))
+    model = (build_cnn(x_train.shape[1:], 10) if model_name == "cnn"
+             else build_mlp(x_train.shape[1:], (256, 128), 10))
+    return (model, optim.Adam(model.parameters(), lr=1e-3), loader.epoch_cursor(), BATCH_SIZE,
+            cross_entropy)
+
+
+def _gpt_training():
+    """The same for bench.gpt's CPU configuration (AdamW, its windows of Shakespeare)."""
+    from bench.gpt import BETAS, LR, PRESETS, WEIGHT_DECAY, corpus
+    from engine import data, models, optim
+
+    config = PRESETS["cpu"]
+    tokenizer, train_ids, _ = corpus()
+    model = models.build_gpt(tokenizer.vocab_size, config["block_size"], config["n_layer"],
+                             config["n_head"], config["n_embd"], config["dropout"])
+    optimizer = optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"], seed=0)
+    return model, optimizer, loader.epoch_cursor(), config["batch_size"], models.gpt_loss
 
 
 def _recorded_step(model_name, threads):
     """The kernel runs of one training step at the loader's cursor (its third: the cursor
     at the epoch's fourth batch now), the cursor, and the epoch's full batches."""
-    import data
     import engine
-    import optim
-    from data.datasets import load_dataset, pixel_statistics
-    from engine.losses import cross_entropy
     from ops.launch import LaunchRecorder
 
     engine.set_num_threads(threads)
     engine.manual_seed(0)
-    (x_train, y_train), _ = load_dataset("mnist")
-    loader = data.DataLoader(x_train, y_train, batch_size=BATCH_SIZE, shuffle=True, seed=0,
-                             device="cpu", normalize=pixel_statistics(x_train))
-    model = _model(model_name, x_train.shape[1:])
-    optimizer = optim.Adam(model.parameters(), lr=1e-3)
-    cursor = loader.epoch_cursor()
+    model, optimizer, cursor, batch_size, loss_function = (
+        _gpt_training() if model_name == "gpt" else _mnist_training(model_name))
 
     def step():
-        inputs, labels = cursor.next_batch(BATCH_SIZE)
+        inputs, labels = cursor.next_batch(batch_size)
         optimizer.zero_grad()
-        cross_entropy(model(inputs), labels).backward()
+        loss_function(model(inputs), labels).backward()
         optimizer.step()
 
     spans = cursor.start_epoch()
@@ -59,7 +78,7 @@ def _recorded_step(model_name, threads):
         step()
     with LaunchRecorder() as recorder:
         step()
-    return list(recorder.runs), cursor, sum(count == BATCH_SIZE for _, count in spans)
+    return list(recorder.runs), cursor, sum(count == batch_size for _, count in spans)
 
 
 def _label(kernel_run):
@@ -153,8 +172,9 @@ def format_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_step",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                        help="bench.mlp's network or bench.cnn's")
+    parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
+                        help="bench.mlp's network, bench.cnn's or bench.gpt's (its CPU "
+                             "configuration)")
     parser.add_argument("--steps", type=int, default=400, help="replayed steps")
     parser.add_argument("--threads", type=int, default=2, help="engine threads")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

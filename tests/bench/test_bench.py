@@ -281,6 +281,15 @@ def test_bench_cpu_step_times_every_run_of_the_mlp_step_in_order_and_restores_bl
     assert "| the whole step |" in capsys.readouterr().out
 
 
+def test_bench_cpu_step_of_the_gpt_times_its_attention_and_layer_norms(capsys):
+    from bench import cpu_step
+    result = cpu_step.main(["--model", "gpt", "--steps", "2", "--threads", "1"])
+    runs = [row["run"] for row in result["rows"]]
+    assert runs.count("attention") == runs.count("attention_grad") == 4   # one a layer
+    assert runs.count("layer_norm") == 9 and runs[-1] == "adam"
+    assert "the GPT's CPU step replayed 2 times" in capsys.readouterr().out
+
+
 def test_bench_cpu_step_of_the_cnn_names_each_convolution_by_its_channels(capsys):
     from bench import cpu_step
     from ops import cpu_threads
