@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.report import emit
+from bench.report import at_least, emit
 
 # (name, batch, inputs, units, x needs a gradient): the reference MLP's three layers
 LAYERS = (("dense 784->256", 128, 784, 256, False), ("dense 256->128", 128, 256, 128, True),
@@ -131,16 +131,15 @@ def format_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=300, help="calls per thread count")
-    parser.add_argument("--threads", type=int, default=2,
+    parser.add_argument("--rounds", type=at_least(1), default=300,
+                        help="calls per thread count")
+    parser.add_argument("--threads", type=at_least(2), default=2,
                         help="the thread count timed against 1 (e.g. the host's cores)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--busy-neighbour", action="store_true",
                         help="time every call again beside a busy process (one core) that "
                              "the run starts and stops")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.threads < 2:
-        parser.error("--rounds must be positive and --threads at least 2")
     result = run(args.rounds, args.busy_neighbour, args.threads)
     return emit(result, format_table(result), args.json)
 

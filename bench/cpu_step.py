@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from bench.report import emit
+from bench.report import at_least, emit
 
 BATCH_SIZE = 128
 
@@ -175,12 +175,10 @@ def main(argv=None):
     parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
                         help="bench.mlp's network, bench.cnn's or bench.gpt's (its CPU "
                              "configuration)")
-    parser.add_argument("--steps", type=int, default=400, help="replayed steps")
-    parser.add_argument("--threads", type=int, default=2, help="engine threads")
+    parser.add_argument("--steps", type=at_least(1), default=400, help="replayed steps")
+    parser.add_argument("--threads", type=at_least(1), default=2, help="engine threads")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.threads < 1:
-        parser.error("--steps and --threads must be positive")
     result = run(args.steps, args.threads, args.model)
     return emit(result, format_table(result), args.json)
 
