@@ -14,15 +14,14 @@ its captured step fetches its own batches through ``epoch_cursor()``, reading th
 count on the device.
 """
 import numpy as np
-from numba import njit
 
 from data.transforms import _GOLDEN, _mix64, stream_key
 from engine.tensor import Tensor
-from ops.cuda import cuda
 from ops.device import check_device, to_device
 from ops.dispatch import Out, run
-from ops.launch import Kernel, elements
+from ops.element_kernel import element_kernel
 from ops.step_counter import advance, new_counter, set_counter
+from ops.twin import twin
 
 _ROW_MIX = 0xD1B54A32D192ED03   # a second odd constant: rows and steps stir different bits
 
@@ -35,38 +34,20 @@ def _window_start(mix64):
     return start
 
 
-_window_start_cpu = njit(inline="always")(_window_start(njit(inline="always")(_mix64)))
-_window_start_cuda = cuda.jit(device=True)(_window_start(cuda.jit(device=True)(_mix64)))
+_window_starts = twin(_window_start, twin(_mix64))   # (cpu, cuda)
 
 
 def _window_element(window_start):
-    def element(k, ids, x, y, step, seed_key, block):
-        row = k // block
+    def element(i, ids, x, y, step, seed_key, block):
+        row = i // block
         start = window_start(seed_key, step[0], row, ids.size - block)
-        x[k] = ids[start + k % block]
-        y[k] = ids[start + k % block + 1]
+        x[i] = ids[start + i % block]
+        y[i] = ids[start + i % block + 1]
     return element
 
 
-_element_cpu = njit(inline="always")(_window_element(_window_start_cpu))
-_element_cuda = cuda.jit(device=True)(_window_element(_window_start_cuda))
-
-
-@njit(cache=True)
-def sequence_windows_cpu(ids, x, y, step, seed_key, block):
-    for k in range(x.size):
-        _element_cpu(k, ids, x, y, step, seed_key, block)
-
-
-@cuda.jit(cache=True)
-def sequence_windows_cuda(ids, x, y, step, seed_key, block):
-    k = cuda.grid(1)
-    if k < x.size:
-        _element_cuda(k, ids, x, y, step, seed_key, block)
-
-
-SEQUENCE_WINDOWS = Kernel("sequence_windows", sequence_windows_cpu, sequence_windows_cuda,
-                          elements(1))
+SEQUENCE_WINDOWS = element_kernel("sequence_windows", _window_element, size="x",
+                                  positional=True, pairs=[_window_starts])
 
 
 class SequenceLoader:

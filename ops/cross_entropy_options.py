@@ -24,10 +24,12 @@ from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
 from ops.cuda import cuda
 from ops.device import device_of
 from ops.dispatch import Out, run
-from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements
+from ops.element_kernel import element_kernel
+from ops.launch import CPU_KERNEL, Kernel, blocks_of
 from ops.layout import flat
 from ops.loss import _bad_labels, _row_loss_cpu, _row_loss_cuda, labels_on_device
 from ops.registry import Op, register
+from ops.twin import twin
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 NONE, MEAN = REDUCTIONS["none"], REDUCTIONS["mean"]
@@ -131,77 +133,48 @@ def probability_cross_entropy_cuda(logits, target, probs, row_losses, loss, smoo
         loss[0] = total / rows if reduction == MEAN else total
 
 
-def _grad_math(jit):
-    """The two gradients compiled by ``jit``: one copy per device."""
+def _row_scale(grad_out, row, rows, reduction):
+    if reduction == NONE:
+        return grad_out[row]
+    return grad_out[0] / rows if reduction == MEAN else grad_out[0]
 
-    @jit
-    def row_scale(grad_out, row, rows, reduction):
-        if reduction == NONE:
-            return grad_out[row]
-        return grad_out[0] / rows if reduction == MEAN else grad_out[0]
 
-    def label_grad(k, probs, labels, grad_out, grad_logits, smoothing, reduction):
+def _label_grad(row_scale):
+    def element(i, probs, labels, grad_out, grad_logits, smoothing, reduction):
         rows = labels.size
         classes = probs.size // rows
-        row = k // classes
-        hit = (1.0 - smoothing) if labels[row] == k % classes else 0.0
-        grad_logits[k] = ((probs[k] - hit - smoothing / classes)
+        row = i // classes
+        hit = (1.0 - smoothing) if labels[row] == i % classes else 0.0
+        grad_logits[i] = ((probs[i] - hit - smoothing / classes)
                           * row_scale(grad_out, row, rows, reduction))
+    return element
 
-    def probability_grad(k, probs, target, grad_out, grad_logits, rows, smoothing, reduction):
+
+def _probability_grad(row_scale):
+    def element(i, probs, target, grad_out, grad_logits, rows, smoothing, reduction):
         classes = probs.size // rows
-        row = k // classes
+        row = i // classes
         weights = 0.0   # Σ_j t'_j of the row (1 for rows of probabilities, not assumed)
         for j in range(row * classes, (row + 1) * classes):
             weights += (1.0 - smoothing) * target[j] + smoothing / classes
-        weight = (1.0 - smoothing) * target[k] + smoothing / classes
-        grad_logits[k] = (probs[k] * weights - weight) * row_scale(grad_out, row, rows, reduction)
-
-    return jit(label_grad), jit(probability_grad)
-
-
-_label_grad_cpu, _probability_grad_cpu = _grad_math(njit(inline="always"))
-_label_grad_cuda, _probability_grad_cuda = _grad_math(cuda.jit(device=True))
+        weight = (1.0 - smoothing) * target[i] + smoothing / classes
+        grad_logits[i] = (probs[i] * weights - weight) * row_scale(grad_out, row, rows,
+                                                                   reduction)
+    return element
 
 
-@njit(**CPU_KERNEL)
-def label_cross_entropy_grad_cpu(probs, labels, grad_out, grad_logits, smoothing, reduction):
-    for k in range(probs.size):
-        _label_grad_cpu(k, probs, labels, grad_out, grad_logits, smoothing, reduction)
-
-
-@cuda.jit(cache=True)
-def label_cross_entropy_grad_cuda(probs, labels, grad_out, grad_logits, smoothing, reduction):
-    k = cuda.grid(1)
-    if k < probs.size:
-        _label_grad_cuda(k, probs, labels, grad_out, grad_logits, smoothing, reduction)
-
-
-@njit(**CPU_KERNEL)
-def probability_cross_entropy_grad_cpu(probs, target, grad_out, grad_logits, rows, smoothing,
-                                       reduction):
-    for k in range(probs.size):
-        _probability_grad_cpu(k, probs, target, grad_out, grad_logits, rows, smoothing, reduction)
-
-
-@cuda.jit(cache=True)
-def probability_cross_entropy_grad_cuda(probs, target, grad_out, grad_logits, rows, smoothing,
-                                        reduction):
-    k = cuda.grid(1)
-    if k < probs.size:
-        _probability_grad_cuda(k, probs, target, grad_out, grad_logits, rows, smoothing,
-                               reduction)
+_row_scales = twin(_row_scale)   # (cpu, cuda)
 
 
 LABEL_CROSS_ENTROPY = Kernel("label_cross_entropy", label_cross_entropy_cpu,
                              label_cross_entropy_cuda, ONE_BLOCK)
-LABEL_CROSS_ENTROPY_GRAD = Kernel("label_cross_entropy_grad", label_cross_entropy_grad_cpu,
-                                  label_cross_entropy_grad_cuda, elements(0))
+LABEL_CROSS_ENTROPY_GRAD = element_kernel("label_cross_entropy_grad", _label_grad,
+                                          positional=True, pairs=[_row_scales])
 PROBABILITY_CROSS_ENTROPY = Kernel("probability_cross_entropy", probability_cross_entropy_cpu,
                                    probability_cross_entropy_cuda, ONE_BLOCK)
-PROBABILITY_CROSS_ENTROPY_GRAD = Kernel(
-    "probability_cross_entropy_grad", probability_cross_entropy_grad_cpu,
-    probability_cross_entropy_grad_cuda, elements(0))
+PROBABILITY_CROSS_ENTROPY_GRAD = element_kernel("probability_cross_entropy_grad",
+                                                _probability_grad, positional=True,
+                                                pairs=[_row_scales])
 
 
 def checked_options(label_smoothing, reduction):

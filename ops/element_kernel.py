@@ -18,6 +18,13 @@ makes the kernel change nothing. ``flush_subnormals`` runs the CPU loop with sub
 results flushed to zero (``ops.subnormals``; on CUDA, flushing is the compiler's default for
 float32).
 
+``size`` names the array whose size is the loop's (the first one's by default).
+``positional=True`` says the element reads its position ``i`` as a place in a shape (a row
+and a column, a window and an offset): the CPU loop then runs whole, never in blocks, whose
+positions would restart at 0. ``pairs`` are twins (``ops.twin``) of the helpers the element
+calls, which differ by device: ``element`` is then a factory ``element(*helpers)`` of the
+element function, as ``twin(make, *pairs)`` takes.
+
 ``scalars=(function, count)`` computes per launch what every element reads (Adam's bias
 corrections): ``function(..., out)`` writes ``count`` float64 values into ``out``, once
 before the CPU loop and once per CUDA block, by thread 0 into shared memory (every thread
@@ -81,9 +88,11 @@ _TEMPLATE_DIGEST = {side: hashlib.sha1(text.encode()).hexdigest()[:12] for side,
     ("cuda", _TEMPLATE), ("cpu", _TEMPLATE + repr(sorted(_CPU_FLAGS.items()))))}
 
 
-def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=None):
+def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=None,
+                   size=None, positional=False, pairs=()):
     """The ``Kernel`` ``name`` that runs ``element(i, ...)`` for every ``i`` (module doc)."""
-    parameters = list(inspect.signature(element).parameters)
+    made = element(*(cpu for cpu, _ in pairs)) if pairs else element   # twin's factory form
+    parameters = list(inspect.signature(made).parameters)
     scalar_function, count = scalars or (None, 0)
     if len(parameters) < 2 + count or parameters[0] != "i":
         raise TypeError(f"element_kernel {name}: the element function takes (i, array, ...)"
@@ -96,33 +105,38 @@ def element_kernel(name, element, skip_if=None, flush_subnormals=False, scalars=
     if skip_if is not None and skip_if[0] not in arguments:
         raise TypeError(f"element_kernel {name}: skip_if={skip_if[0]!r} is not an argument "
                         f"of the kernel ({', '.join(arguments)})")
+    if size is not None and size not in arrays:
+        raise TypeError(f"element_kernel {name}: size={size!r} is not an array of the "
+                        f"element ({', '.join(arrays)})")
+    size = size or arrays[0]
     first_dtype = f"{arrays[0]}.dtype.type"
     element_arguments = arrays + [f"{first_dtype}(s[{k}])" for k in range(count)]
     fields = dict(count=count, scalar_arguments=", ".join(scalar_parameters))
     source = _SOURCE.format(
-        name=name, arguments=", ".join(arguments), size=arrays[0],
+        name=name, arguments=", ".join(arguments), size=size,
         element_arguments=", ".join(element_arguments),
         skipped=f"{skip_if[0]}[{skip_if[1]}] != 0" if skip_if else "False",
         flush_begin="flush_begin()" if flush_subnormals else "0",
         flush_end="flush_end(mode)" if flush_subnormals else "",
         cpu_scalars=_CPU_SCALARS.format(**fields) if count else "",
         cuda_scalars=_CUDA_SCALARS.format(**fields) if count else "")
-    element_cpu, element_cuda = twin(element)
+    element_cpu, element_cuda = twin(element, *pairs)
     namespace = {"element_cpu": element_cpu, "element_cuda": element_cuda, "cuda": cuda,
                  "np": np, "float64": float64, "flush_begin": flush_begin,
                  "flush_end": flush_end,
-                 "__name__": element.__module__}   # a cached kernel reloads from that module
+                 "__name__": made.__module__}   # a cached kernel reloads from that module
     if scalar_function is not None:
         namespace["scalars_cpu"], namespace["scalars_cuda"] = twin(scalar_function)
     # line numbers as in element's file, so a traceback and the cache point at its module
-    line = element.__code__.co_firstlineno
-    exec(compile("\n" * (line - 1) + source, inspect.getfile(element), "exec"), namespace)
+    line = made.__code__.co_firstlineno
+    exec(compile("\n" * (line - 1) + source, inspect.getfile(made), "exec"), namespace)
     for side in ("cpu", "cuda"):
         namespace[f"{name}_{side}"].__qualname__ = f"{name}_{side}_{_TEMPLATE_DIGEST[side]}"
     cpu = njit(**_CPU_FLAGS)(namespace[f"{name}_cpu"])
     gpu = cuda.jit(cache=True)(namespace[f"{name}_cuda"])
-    return Kernel(name, split_over_threads(cpu, len(arrays)), gpu,
-                  strided_blocks(0) if count else elements(0))
+    at = arguments.index(size)
+    return Kernel(name, cpu if positional else split_over_threads(cpu, len(arrays)), gpu,
+                  strided_blocks(at) if count else elements(at))
 
 
 def split_over_threads(cpu, array_count):

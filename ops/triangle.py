@@ -3,44 +3,24 @@ matrices), the rest zero, as torch's: ``tril`` keeps ``col - row <= diagonal``, 
 keeps ``col - row >= diagonal``. The backward is the same mask on ``grad_out``, so one kernel
 pair serves both directions: one thread per element, each element written (kept or zero).
 """
-from numba import njit
-
-from ops.cuda import cuda
 from ops.dispatch import Out, run
-from ops.launch import CPU_KERNEL, Kernel, elements
+from ops.element_kernel import element_kernel
 from ops.layout import flat
 from ops.registry import Op, register
-from ops.twin import twin
 
 LOWER, UPPER = 0, 1
 
 
-def _masked(k, x, out, rows, cols, diagonal, upper):
-    """``out[k]``: x's element where the triangle keeps it, else 0."""
-    col = k % cols
-    row = (k // cols) % rows
+def _masked(i, x, out, rows, cols, diagonal, upper):
+    """``out[i]``: x's element where the triangle keeps it, else 0."""
+    col = i % cols
+    row = (i // cols) % rows
     offset = col - row
     keep = offset >= diagonal if upper else offset <= diagonal
-    out[k] = x[k] if keep else 0
+    out[i] = x[i] if keep else 0
 
 
-_masked_cpu, _masked_cuda = twin(_masked)
-
-
-@njit(**CPU_KERNEL)
-def triangle_cpu(x, out, rows, cols, diagonal, upper):
-    for k in range(out.size):
-        _masked_cpu(k, x, out, rows, cols, diagonal, upper)
-
-
-@cuda.jit(cache=True)
-def triangle_cuda(x, out, rows, cols, diagonal, upper):
-    k = cuda.grid(1)
-    if k < out.size:
-        _masked_cuda(k, x, out, rows, cols, diagonal, upper)
-
-
-TRIANGLE = Kernel("triangle", triangle_cpu, triangle_cuda, elements(1))
+TRIANGLE = element_kernel("triangle", _masked, size="out", positional=True)
 
 
 @register
