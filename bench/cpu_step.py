@@ -4,15 +4,16 @@ time, kernel by kernel.
     python -m bench.cpu_step [--model mlp|cnn|gpt] [--steps 400] [--threads 2] [--json PATH]
 
 The step of ``bench.mlp`` (784-256-128-10 ReLU) or of ``bench.cnn`` (``--model cnn``:
-``engine.models.build_cnn``, ``engine.train --model cnn``'s network), Adam lr 1e-3, batch 128
-of MNIST gathered at the loader's epoch cursor, or of ``bench.gpt``'s CPU configuration
+``engine.models.build_cnn``, ``engine.train --model cnn``'s network), Adam lr 1e-3, batch
+128 of MNIST gathered at the loader's epoch cursor, or of ``bench.gpt``'s CPU configuration
 (``--model gpt``: AdamW, batches of Shakespeare's windows), as ``engine.fit`` runs it (the
-GPT's without its gradient clipping), is recorded once with an ``ops.launch.LaunchRecorder`` and its kernel runs are replayed ``--steps`` times the way a
-captured step replays them on the CPU (each run's function on its arguments, in order), each
-run timed on its own. The table gives each run's median and mean microseconds, and for the
-Dense runs the time of their BLAS calls on the calling thread and the time it waited for the
-pool's workers after its own block (``ops.cpu_threads.run_blocks``: the hand-off and any
-imbalance). The gather walks the epoch's batches, as in training.
+GPT's without its gradient clipping), is recorded once with an ``ops.launch.LaunchRecorder``
+and its kernel runs are replayed ``--steps`` times the way a captured step replays them on
+the CPU (each run's function on its arguments, in order), each run timed on its own. The
+table gives each run's median and mean microseconds, and for the Dense runs the time of
+their BLAS calls on the calling thread and the time it waited for the pool's workers after
+its own block (``ops.cpu_threads.run_blocks``: the hand-off and any imbalance). The gather
+walks the epoch's batches, as in training.
 """
 import argparse
 import os
@@ -44,14 +45,18 @@ def _mnist_training(model_name):
 
 def _gpt_training():
     """The same for bench.gpt's CPU configuration (AdamW, its windows of Shakespeare)."""
-    from bench.gpt import BETAS, LR, PRESETS, WEIGHT_DECAY, corpus
+    from bench.harness import GPT_BETAS, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY, gpt_corpus
     from engine import data, models, optim
 
-    config = PRESETS["cpu"]
-    tokenizer, train_ids, _ = corpus()
+    config = GPT_PRESETS["cpu"]
+    tokenizer, train_ids, _ = gpt_corpus()
     model = models.build_gpt(tokenizer.vocab_size, config["block_size"], config["n_layer"],
                              config["n_head"], config["n_embd"], config["dropout"])
-    optimizer = optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    keep = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
+                             {"params": keep, "weight_decay": 0.0}], lr=GPT_LR,
+                            betas=GPT_BETAS)
     loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"], seed=0)
     return model, optimizer, loader.epoch_cursor(), config["batch_size"], models.gpt_loss
 

@@ -26,23 +26,9 @@ import time
 
 import numpy as np
 
+from bench.harness import (GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY,
+                           gpt_corpus)
 from bench.report import emit, require_device
-
-PRESETS = {"cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12,
-                       dropout=0.0),
-           "gpu": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64,
-                       dropout=0.2)}
-LR, BETAS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
-
-
-def corpus():
-    from engine import data
-    text = data.shakespeare.load()
-    tok = data.CharTokenizer(text)
-    ids = tok.encode(text)
-    cut = int(0.9 * len(ids))
-    return tok, ids[:cut], ids[cut:]
-
 
 # ------------------------------------------------------------------ the engine side
 
@@ -56,8 +42,8 @@ def engine_side(config, device, train_ids, val_ids, vocab, seed):
                              config["n_embd"], config["dropout"], device=device)
     decay = [p for name, p in model.named_parameters() if p.ndim >= 2]
     keep = [p for name, p in model.named_parameters() if p.ndim < 2]
-    opt = optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                       {"params": keep, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    opt = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
+                       {"params": keep, "weight_decay": 0.0}], lr=GPT_LR, betas=GPT_BETAS)
     loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"],
                                  seed=seed, device=device)
     cursor = loader.epoch_cursor()
@@ -70,7 +56,7 @@ def engine_side(config, device, train_ids, val_ids, vocab, seed):
         opt.zero_grad()
         loss = models.gpt_loss(model(xb), yb)
         loss.backward()
-        optim.clip_grad_norm_(parameters, CLIP)
+        optim.clip_grad_norm_(parameters, GPT_CLIP)
         opt.step()
         return loss
 
@@ -143,8 +129,8 @@ def torch_side(config, device, train_ids, val_ids, vocab, seed, compiled):
     model = GPT().to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     keep = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": keep, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
+                             {"params": keep, "weight_decay": 0.0}], lr=GPT_LR, betas=GPT_BETAS)
     loader = data.SequenceLoader(train_ids, block, config["batch_size"], seed=seed)
     batches = iter(range(10 ** 9))
 
@@ -153,7 +139,7 @@ def torch_side(config, device, train_ids, val_ids, vocab, seed, compiled):
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_CLIP)
         opt.step()
         return loss
 
@@ -185,8 +171,8 @@ def torch_side(config, device, train_ids, val_ids, vocab, seed, compiled):
 # ------------------------------------------------------------------ the run
 
 def measure(device, preset, steps, warmup, block, eval_every, eval_batches, compiled, seed=0):
-    config = PRESETS[preset]
-    tok, train_ids, val_ids = corpus()
+    config = GPT_PRESETS[preset]
+    tok, train_ids, val_ids = gpt_corpus()
     sides = {"engine": engine_side(config, device, train_ids, val_ids, tok.vocab_size, seed)[:2],
              "torch": torch_side(config, device, train_ids, val_ids, tok.vocab_size, seed, False)}
     if compiled:
@@ -232,7 +218,7 @@ def format_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.gpt", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="cpu", choices=sorted(GPT_PRESETS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block", type=int, default=10, help="steps per timed block")

@@ -1,9 +1,9 @@
 """What the training benchmarks share (``bench.mlp``, ``bench.cnn``, ``bench.distributed``,
-``bench.cpu_split``): the engine's side of a training row (``engine.fit.fit`` with Adam),
-PyTorch's training step (eager or one CUDA graph), the rows' epochs alternated round by
-round (and again beside a busy process), the first training steps timed from a cold and a
-warm Numba cache in fresh processes, and the machine's description. A benchmark imports this
-module, never another benchmark."""
+``bench.cpu_split``, and ``bench.gpt``'s recipe with ``bench.cpu_step``): the engine's side
+of a training row (``engine.fit.fit`` with Adam), PyTorch's training step (eager or one CUDA
+graph), the rows' epochs alternated round by round (and again beside a busy process), the
+first training steps timed from a cold and a warm Numba cache in fresh processes, and the
+machine's description. A benchmark imports this module, never another benchmark."""
 import functools
 import importlib.util
 import json
@@ -21,6 +21,23 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH_SIZE = 128
 LEARNING_RATE = 1e-3
 PROCESSES_NOTE = ", each row in a process of its own"   # the table's note on separate processes
+# the character-level GPT's configurations (nanoGPT's CPU one and its shakespeare-char one)
+# and optimizer (AdamW, weight decay on the matrices only, the gradient norm clipped)
+GPT_PRESETS = {"cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12,
+                           dropout=0.0),
+               "gpu": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64,
+                           dropout=0.2)}
+GPT_LR, GPT_BETAS, GPT_WEIGHT_DECAY, GPT_CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
+
+
+def gpt_corpus():
+    """``(tokenizer, training ids, validation ids)``: the shipped Shakespeare, 90% to train."""
+    from engine import data
+    text = data.shakespeare.load()
+    tok = data.CharTokenizer(text)
+    ids = tok.encode(text)
+    cut = int(0.9 * len(ids))
+    return tok, ids[:cut], ids[cut:]
 
 
 # ------------------------------------------------------------------ the rows
