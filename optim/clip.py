@@ -83,7 +83,7 @@ _coefficient_cpu, _coefficient_cuda = twin(_clip_coefficient)
 @njit(cache=True, fastmath={"reassoc"}, error_model="numpy")
 def _sum_of_squares_cpu(grad):
     """Σ g² in float64 vector lanes ("reassoc": a fixed order of this code, the same bits
-    every run): the GPT's 0.8M gradients 0.67 -> 0.1 ms, where one running sum waits on
+    every run): 0.8M float32 gradients 0.67 -> 0.06 ms, where one running sum waits on
     each add."""
     acc = 0.0
     for i in range(grad.size):
