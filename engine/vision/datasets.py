@@ -101,7 +101,7 @@ class MNIST:
         if _holds_the_files(raw):
             return read_set(raw, type(self).__name__, missing_hint=self._remedy())
         own = self._own_folder()
-        if own is not None and _holds_the_files(own):
+        if _holds_the_files(own):
             return self._read_own()
         if not download:
             raise FileNotFoundError(f"{type(self).__name__}: {raw} does not hold the four "
@@ -118,8 +118,10 @@ class MNIST:
         return mnist.load()
 
     def _remedy(self):
-        return (f"pass download=True (internet access), or put the four files there, or "
-                f"set ${mnist.ENV_VAR} to a folder holding them")
+        return "pass download=True (internet access), or " + self._by_hand()
+
+    def _by_hand(self):
+        return f"put the four files there, or set ${mnist.ENV_VAR} to a folder holding them"
 
     def _download(self, folder):
         failures = []
@@ -130,7 +132,7 @@ class MNIST:
             except OSError as error:   # the next mirror; a checksum mismatch is not retried
                 failures.append(str(error))
         raise OSError(f"{type(self).__name__}: cannot download into {folder} "
-                      f"({'; '.join(failures)}); put the four files there by hand")
+                      f"({'; '.join(failures)}); " + self._by_hand())
 
 
 class FashionMNIST(MNIST):
@@ -146,8 +148,8 @@ class FashionMNIST(MNIST):
     def _read_own(self):
         return fashion_mnist.load(root=self._own_folder())
 
-    def _remedy(self):
-        return ("pass download=True (internet access), or put the four upstream files "
+    def _by_hand(self):
+        return ("put the four upstream files "
                 "(https://github.com/zalandoresearch/fashion-mnist) there, or "
                 "`apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or set "
                 f"${fashion_mnist.ENV_VAR} to a folder holding them")
