@@ -88,7 +88,8 @@ class MNIST:
 
     def __repr__(self):
         lines = [f"Dataset {type(self).__name__}", f"    Number of datapoints: {len(self)}",
-                 f"    Root location: {self.root}", f"    Split: {'Train' if self.train else 'Test'}"]
+                 f"    Root location: {self.root}",
+                 f"    Split: {'Train' if self.train else 'Test'}"]
         for name, transform in (("Transform", self.transform),
                                 ("Target transform", self.target_transform)):
             if transform is not None:
