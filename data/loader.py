@@ -58,6 +58,10 @@ class DataLoader:
     map-style dataset (``__len__`` and ``__getitem__`` giving ``(sample, target)``, as a
     ``torch.utils.data.Dataset`` does) reads every sample once into memory. ``loader.dataset``
     is that dataset, or the ``(x, y)`` pairs given (``len(loader.dataset)``: the samples).
+    A ``TensorDataset`` is taken whole, and so is a dataset whose ``loader_arrays()`` gives
+    ``(x, y, normalize)``: arrays this loader converts (``normalize`` as its own, or None)
+    into exactly the stacked samples, as ``engine.vision.datasets.MNIST`` does for
+    ``ToTensor``.
     """
 
     def __init__(self, x, y=None, batch_size=128, shuffle=False, seed=None, drop_last=False,
@@ -69,7 +73,7 @@ class DataLoader:
                 raise TypeError("DataLoader: a dataset gives its own targets; pass it alone "
                                 "(DataLoader(dataset, batch_size=...))")
             self.dataset = x
-            x, y = (x.x, x.y) if type(x) is ArrayDataset else _read_dataset(x)
+            x, y, normalize = _dataset_arrays(x, normalize)
         elif y is None:
             raise TypeError(f"DataLoader: expects (x, y) arrays or a dataset with __len__ and "
                             f"__getitem__, got {type(x).__name__} and no y")
@@ -285,6 +289,22 @@ class ArrayDataset:
 def _is_map_dataset(x):
     return (hasattr(x, "__getitem__") and hasattr(x, "__len__")
             and not isinstance(x, (np.ndarray, Tensor, list, tuple)) and not hasattr(x, "shape"))
+
+
+def _dataset_arrays(dataset, normalize):
+    """``(x, y, normalize)`` of a map-style dataset: its arrays whole when it offers them,
+    else its samples read one by one."""
+    if type(dataset) is ArrayDataset:
+        return dataset.x, dataset.y, normalize
+    whole = getattr(dataset, "loader_arrays", None)
+    arrays = whole() if callable(whole) else None
+    if arrays is None:
+        return (*_read_dataset(dataset), normalize)
+    x, y, own_normalize = arrays
+    if own_normalize is not None and normalize is not None:
+        raise ValueError(f"DataLoader: the {type(dataset).__name__}'s transform normalizes "
+                         "already; pass normalize= or a Normalize transform, not both")
+    return x, y, normalize if own_normalize is None else own_normalize
 
 
 def _read_dataset(dataset):

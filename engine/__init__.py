@@ -172,7 +172,7 @@ _LAZY_SUBMODULES = {"optim": "optim", "data": "data", "nn": "engine.nn",
                     "losses": "engine.losses", "init": "engine.init", "train": "engine.train",
                     "interop": "engine.interop", "callbacks": "engine.callbacks",
                     "onnx": "engine.onnx", "distributed": "engine.distributed",
-                    "fit": "engine.fit"}
+                    "fit": "engine.fit", "vision": "engine.vision"}
 
 
 # torch's dtype names (``engine.float32``, ``engine.long``) as the NumPy dtypes they mean

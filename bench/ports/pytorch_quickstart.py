@@ -1,10 +1,11 @@
 import engine as torch
 from engine import nn
 from engine.data import DataLoader
-from engine.data import TensorDataset, mnist   # torchvision is not here: the shipped MNIST
+from engine.vision import datasets
+from engine.vision.transforms import ToTensor
 
-training_data = TensorDataset(*mnist.load()[0])   # uint8 images: the loader scales as ToTensor
-test_data = TensorDataset(*mnist.load()[1])
+training_data = datasets.FashionMNIST(root="data", train=True, download=True, transform=ToTensor())
+test_data = datasets.FashionMNIST(root="data", train=False, download=True, transform=ToTensor())
 
 batch_size = 64
 train_dataloader = DataLoader(training_data, batch_size=batch_size)

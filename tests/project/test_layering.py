@@ -227,11 +227,20 @@ def test_only_the_cli_wing_imports_optim_or_data_in_engine():
     """DESIGN's rule: the engine core never imports the optimizers or the data loaders; the
     CLI wing (engine/cli/) wires them in (fit is handed clipping, and finds a loader's
     cursor by its epoch_cursor method). engine/train.py, the shim of ``python -m
-    engine.train``, imports the wing and neither; the benchmarks never import the wing."""
+    engine.train``, imports the wing and neither; the benchmarks never import the wing.
+    engine/vision/ (torchvision's data sets over data's readers) is a wing too: data's
+    readers below it, no engine module imports it."""
+    wings = ("engine/cli/", "engine/vision/")
     importers = sorted(str(path.relative_to(REPO_ROOT))
                        for path in (REPO_ROOT / "engine").rglob("*.py")
                        if _imports_of(path) & {"optim", "data"})
-    assert importers and all(path.startswith("engine/cli/") for path in importers), importers
+    assert importers and all(path.startswith(wings) for path in importers), importers
+    vision_users = sorted(str(path.relative_to(REPO_ROOT))
+                          for path in (REPO_ROOT / "engine").rglob("*.py")
+                          if not str(path.relative_to(REPO_ROOT)).startswith("engine/vision/")
+                          and any(name == "engine.vision" or name.startswith("engine.vision.")
+                                  for name in _imported_names(path)))
+    assert vision_users == [], vision_users
     assert not _imports_of(REPO_ROOT / "engine" / "train.py") & {"optim", "data"}
     wing_users = sorted(str(path.relative_to(REPO_ROOT))
                         for path in (REPO_ROOT / "bench").rglob("*.py")
