@@ -39,6 +39,7 @@ QUERY_TILE = 4 if SIMULATOR else 64   # threads of a forward or dQ block: one qu
 TILE_BYTES = 32 * 1024                # the K and V (or Q and dO) tiles of a block together
 KV_BYTES = 40 * 1024                  # a dK/dV block's shared memory: those tiles, its own rows
 PARTIAL_SUMS = 4
+ALIGN = None if SIMULATOR else 16   # bytes: 16-byte tiles read in vector loads
 
 
 def _key_tile(dtype, cap):
@@ -56,7 +57,7 @@ def _kv_tile(dtype, cap):
     if SIMULATOR:
         return 4
     tile = 32
-    while tile > 8 and tile * (4 * cap + 2) * np.dtype(dtype).itemsize > KV_BYTES:
+    while tile > 8 and tile * (4 * cap + 8) * np.dtype(dtype).itemsize > KV_BYTES:
         tile //= 2
     return tile
 
@@ -97,7 +98,11 @@ def _kernels(dtype, cap):
     kind = float32 if np.dtype(dtype) == np.float32 else float64
     key_tile, kv_tile = _key_tile(dtype, cap), _kv_tile(dtype, cap)
     minus_infinity = -math.inf
-    padded = cap + 1   # a shared array's shape must be a constant, not an expression
+    # a thread's own row in shared memory: rows padded by 16 bytes so that the 16-byte loads
+    # of 8 threads (a quarter warp) reading their own rows fall in different banks (a
+    # shape must be a constant name, not an expression)
+    padded = cap + 4
+    grad_q_tile = max(8, key_tile // 2)   # beside the block's own q rows
 
     @cuda.jit(device=True)
     def load_tile(tile, source, row0, rows, width, b, total_rows):
@@ -152,8 +157,8 @@ def _kernels(dtype, cap):
     def attention_forward_cuda(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale,
                                causal, threshold, keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
-        keys = cuda.shared.array((key_tile, cap), kind)
-        values = cuda.shared.array((key_tile, cap), kind)
+        keys = cuda.shared.array((key_tile, cap), kind, alignment=ALIGN)
+        values = cuda.shared.array((key_tile, cap), kind, alignment=ALIGN)
         q_row = cuda.local.array(cap, kind)
         acc = cuda.local.array(cap, kind)
         b, first, i = _query_block(tq)
@@ -201,15 +206,16 @@ def _kernels(dtype, cap):
                               grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
                               keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
-        keys = cuda.shared.array((key_tile, cap), kind)
-        values = cuda.shared.array((key_tile, cap), kind)
-        q_row = cuda.local.array(cap, kind)
+        keys = cuda.shared.array((grad_q_tile, cap), kind, alignment=ALIGN)
+        values = cuda.shared.array((grad_q_tile, cap), kind, alignment=ALIGN)
+        own_q = cuda.shared.array((QUERY_TILE, padded), kind, alignment=ALIGN)
         g_row = cuda.local.array(cap, kind)
         acc = cuda.local.array(cap, kind)
         b, first, i = _query_block(tq)
+        t = cuda.threadIdx.x
         active = i < tq
         row = b * tq + i
-        load_row(q_row, q, row, d, active)
+        load_tile(own_q, q, first, min(QUERY_TILE, tq - first), d, b, tq)
         load_row(g_row, grad_out, row, dv, active)
         delta = kind(0)
         for c in range(cap):
@@ -219,14 +225,14 @@ def _kernels(dtype, cap):
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
         row_lse = kind(lse[row]) if active else kind(0)
         key_end = min(tk, first + QUERY_TILE) if causal else tk
-        for start in range(0, key_end, key_tile):
-            rows = min(key_tile, tk - start)
+        for start in range(0, key_end, grad_q_tile):
+            rows = min(grad_q_tile, tk - start)
             load_tile(keys, k, start, rows, d, b, tk)
             load_tile(values, v, start, rows, dv, b, tk)
             cuda.syncthreads()
             if active:
                 for r in range(keys_seen(i, start, rows, causal)):
-                    s = masked(dot_row(q_row, keys, r), scale_, mask, mask_strides, b, i,
+                    s = masked(dot_tiles(keys, r, own_q, t), scale_, mask, mask_strides, b, i,
                                start + r)
                     p = math.exp(s - row_lse)
                     d_p = dot_row(g_row, values, r)
@@ -249,10 +255,10 @@ def _kernels(dtype, cap):
                                grad_v, grad_mask, sizes, mask_strides, scale, causal,
                                threshold, keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
-        queries = cuda.shared.array((kv_tile, cap), kind)
-        grads = cuda.shared.array((kv_tile, cap), kind)
-        own_k = cuda.shared.array((kv_tile, padded), kind)
-        own_v = cuda.shared.array((kv_tile, padded), kind)
+        queries = cuda.shared.array((kv_tile, cap), kind, alignment=ALIGN)
+        grads = cuda.shared.array((kv_tile, cap), kind, alignment=ALIGN)
+        own_k = cuda.shared.array((kv_tile, padded), kind, alignment=ALIGN)
+        own_v = cuda.shared.array((kv_tile, padded), kind, alignment=ALIGN)
         lses = cuda.shared.array(kv_tile, kind)
         deltas = cuda.shared.array(kv_tile, kind)
         acc_k = cuda.local.array(cap, kind)
