@@ -114,6 +114,16 @@ def _kernels(dtype, cap):
             tile[r, c] = source[(b * total_rows + row0 + r) * width + c] if c < width else 0
 
     @cuda.jit(device=True)
+    def load_keys(keys, values, k, v, start, tile, d, dv, b, tk):
+        """The K and V rows from ``start`` (``tile`` of them, fewer at the end) into the
+        block's tiles, ready to read (after the barrier); returns how many."""
+        rows = min(tile, tk - start)
+        load_tile(keys, k, start, rows, d, b, tk)
+        load_tile(values, v, start, rows, dv, b, tk)
+        cuda.syncthreads()
+        return rows
+
+    @cuda.jit(device=True)
     def load_row(row, source, at, width, active):
         """row[c] = source[at * width + c] for c < width (and ``active``), zero past it."""
         for c in range(cap):
@@ -171,10 +181,7 @@ def _kernels(dtype, cap):
         total = kind(0)
         key_end = min(tk, first + QUERY_TILE) if causal else tk
         for start in range(0, key_end, key_tile):
-            rows = min(key_tile, tk - start)
-            load_tile(keys, k, start, rows, d, b, tk)
-            load_tile(values, v, start, rows, dv, b, tk)
-            cuda.syncthreads()
+            rows = load_keys(keys, values, k, v, start, key_tile, d, dv, b, tk)
             if active:
                 for r in range(keys_seen(i, start, rows, causal)):
                     s = masked(dot_row(q_row, keys, r), scale_, mask, mask_strides, b, i,
@@ -226,10 +233,7 @@ def _kernels(dtype, cap):
         row_lse = kind(lse[row]) if active else kind(0)
         key_end = min(tk, first + QUERY_TILE) if causal else tk
         for start in range(0, key_end, grad_q_tile):
-            rows = min(grad_q_tile, tk - start)
-            load_tile(keys, k, start, rows, d, b, tk)
-            load_tile(values, v, start, rows, dv, b, tk)
-            cuda.syncthreads()
+            rows = load_keys(keys, values, k, v, start, grad_q_tile, d, dv, b, tk)
             if active:
                 for r in range(keys_seen(i, start, rows, causal)):
                     s = masked(dot_tiles(keys, r, own_q, t), scale_, mask, mask_strides, b, i,

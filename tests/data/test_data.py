@@ -1,13 +1,10 @@
 """Data: IDX format, shipped MNIST, Fashion-MNIST, verified downloads, DataLoader, augmentation,
 synthetic sets."""
-import functools
 import gzip
 import hashlib
-import http.server
 import os
 import shutil
 import struct
-import threading
 import tracemalloc
 import zlib
 
@@ -19,6 +16,7 @@ import engine
 from data import download as downloads
 from data.idx import parse_idx
 from ops.gather import gather_rows
+from tests.support.http_folder import served_folder
 
 MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
@@ -364,28 +362,10 @@ def test_fashion_mnist_absent_says_how_to_get_it(tmp_path, monkeypatch):
 @pytest.fixture
 def http_folder(tmp_path, monkeypatch):
     """A folder served over HTTP on 127.0.0.1; yields (folder, base_url, requested paths)."""
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     folder = tmp_path / "served"
     folder.mkdir()
-    requested = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            requested.append(self.path)
-            super().do_GET()
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield folder, f"http://127.0.0.1:{server.server_address[1]}/files/", requested
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with served_folder(folder, monkeypatch) as (base_url, requested):
+        yield folder, base_url, requested
 
 
 def _serve_shipped(folder):

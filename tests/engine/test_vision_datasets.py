@@ -2,10 +2,7 @@
 the files are looked for, download=True over a local HTTP server (this machine has no
 network: the shipped MNIST files stand in for upstream's, with their own checksums), and the
 DataLoader taking such a set whole with the batches the per-sample path gives."""
-import functools
-import http.server
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +13,7 @@ from engine.archive import TEMPORARY_SUFFIX
 from engine.data import DataLoader
 from engine.vision import datasets
 from engine.vision.transforms import Compose, Normalize, ToTensor
+from tests.support.http_folder import served_folder
 
 
 @pytest.fixture(scope="module")
@@ -33,28 +31,10 @@ def no_fashion_copy(monkeypatch, tmp_path):
 @pytest.fixture
 def served_mnist(tmp_path, monkeypatch):
     """The shipped MNIST .gz files over HTTP on 127.0.0.1: ``(base_url, requested paths)``."""
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     folder = tmp_path / "served"
     shutil.copytree(data.mnist.PACKAGE_DIR, folder / "files")
-    requested = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            requested.append(self.path)
-            super().do_GET()
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/files/", requested
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with served_folder(folder, monkeypatch) as served:
+        yield served
 
 
 def test_mnist_as_torchvision_gives_it(mnist_test_split):
