@@ -315,3 +315,29 @@ def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
         assert split >= 1
     with pytest.raises(SystemExit, match="bench.tiling_sweep: needs a CUDA GPU"):
         tiling_sweep.main(["fp32"])
+
+
+def test_bench_gpu_step_needs_a_gpu_and_its_table_gives_each_kernel_its_share(capsys):
+    from bench import gpu_step
+    from ops.device import cuda_available
+    if not cuda_available():
+        with pytest.raises(SystemExit):
+            gpu_step.main(["--preset", "cpu"])
+        assert "no CUDA GPU is usable here" in capsys.readouterr().err
+    table = gpu_step.format_table({
+        "preset": "gpu", "precision": "highest", "dropout": 0.2, "launches": 3,
+        "eager_step_ms": 5.0, "kernels_ms": 4.0,
+        "rows": [{"kernel": "attention_grad: attention_grad_q_cuda", "launches": 2, "ms": 3.0},
+                 {"kernel": "adamw: adamw_cuda", "launches": 1, "ms": 1.0}]})
+    assert "| attention_grad: attention_grad_q_cuda | 2 | 3.000 | 75.0% |" in table
+    assert "add to 4.00 ms (the eager step's wall time 5.0 ms)" in table
+
+
+@pytest.mark.gpu
+def test_bench_gpu_step_times_every_launch_of_the_gpt_step():
+    from bench import gpu_step
+    result = gpu_step.main(["--preset", "cpu", "--repeats", "1"])
+    kernels = {row["kernel"].split(":")[0]: row["launches"] for row in result["rows"]}
+    assert kernels["attention"] == kernels["attention_grad"] / 2 == 4   # dQ, dK/dV a layer
+    assert sum(row["launches"] for row in result["rows"]) == result["launches"]
+    assert result["kernels_ms"] > 0
