@@ -186,7 +186,9 @@ def _kernels(dtype, cap):
                 for r in range(keys_seen(i, start, rows, causal)):
                     s = masked(dot_row(q_row, keys, r), scale_, mask, mask_strides, b, i,
                                start + r)
-                    if s > top:   # a new maximum: rescale what was summed (e^-inf = 0)
+                    # a new maximum: rescale what was summed (e^-inf = 0); a NaN score
+                    # comes in here too and makes the row NaN, as everywhere else
+                    if not s <= top:
                         correction = math.exp(top - s)
                         total *= correction
                         for c in range(cap):
