@@ -355,12 +355,8 @@ def _layers(reader, proto):
                                 "take float32 or float64")
     shape = reader.shapes[graph_input.name] = _feature_shape(reader, graph_input)
     if nodes is not None:
-        model = read_graph(reader, nodes, graph_input, graph.output[0].name, dtype,
-                           lambda chain, shape, dtype: _import_chain(reader, chain, shape,
-                                                                     dtype))
-        model.build(shape, dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
-            graph_input.type.tensor_type.elem_type)))
-        return model, shape, dtype
+        return read_graph(reader, proto, nodes, graph_input, graph.output[0].name, dtype,
+                          shape), shape, dtype
     layers, _ = _import_chain(reader, chain, shape, dtype)
     if not layers:
         raise reader.fail(None, "the graph computes nothing but its input: no layers")

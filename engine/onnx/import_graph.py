@@ -1,41 +1,130 @@
-"""Import of a graph that joins: chains of supported nodes whose values meet in a residual
-``Add`` of two computed values (``x + block(x)``), read into an ``nn.Model``.
+"""Import of a graph that is not a chain (residual joins, attention: nodes that combine two
+computed values) into a ``GraphModel``, an ``nn.Model`` that runs the graph's nodes in order.
 
-Each maximal chain (a value with one user, not the output) is read by the chain importer's
-machinery (``engine.onnx.import_``'s ``IMPORTERS``) into an ``nn.Sequential``; a step list
-says which value each chain reads and each Add joins. What is not a chain or such an Add (a
-node combining other computed values, several inputs or outputs) stays a ValueError naming
-the node."""
+The nodes that hold weights become engine layers, read by the chain importer's
+``IMPORTERS`` (``engine.onnx.importers``): ``Gemm`` with a stored weight and bias and
+``MatMul`` followed by the ``Add`` of a stored bias a ``Dense``, ``LayerNormalization``
+over the last axis a ``LayerNorm``, ``Gather`` of a stored float table an ``Embedding``,
+``Conv``, ``BatchNormalization``, the pools and ``Dropout`` their layers. Two nodes of the
+same weights and attributes share one layer (a layer the traced export wrote twice). Every
+other node runs as engine functional ops (``engine.onnx.import_ops``). A stored tensor that
+such a node reads is a trainable ``nn.Parameter`` where it is a weight (an operand of
+``MatMul`` or ``Gemm``, a table, a scale, the bias added to a product), the layer's own
+parameter where a layer holds it unchanged (an embedding table the output head reads
+transposed: tied weights stay tied), a buffer where it is another float tensor (a causal
+mask), and a host constant otherwise (shapes, indices, single numbers)."""
+import re
+
 import numpy as np
 
 from engine import nn
+from engine.autograd import no_grad
 from engine.interop import sequential
+from engine.onnx import import_ops
+from engine.onnx.importers import IMPORTERS
+from engine.tensor import tensor
+
+# the operators whose stored float operands are weights, by input position
+WEIGHT_SLOTS = {"Gemm": (0, 1, 2), "MatMul": (0, 1), "LayerNormalization": (1, 2),
+                "Gather": (0,), "Conv": (1, 2), "BatchNormalization": (1, 2)}
+# operators a weight may pass through before it is used (a transposed embedding table)
+MOVES = ("Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast")
+# layers that need the feature shape of their input (from ONNX's shape inference)
+IMAGE_LAYERS = ("Conv", "BatchNormalization", "MaxPool", "AveragePool")
 
 
+@nn.register
 class GraphModel(nn.Model):
-    """The model ``engine.onnx.load`` reads from a graph with residual joins: ``chains`` (an
-    ``nn.LayerList`` of Sequentials) and ``steps``, each ``("chain", index or None, source,
-    result)`` (None: a chain of identities) or ``("add", a, b, result)``, run in order from
-    the value ``source`` (the graph's input) to the value ``result``."""
+    """The model ``engine.onnx.load`` reads from a graph that is not a chain: ``nodes``, each
+    ``[name, operator, inputs, outputs, attributes, layer]`` (``layer``: None for a node run
+    as functional ops, else ``[index into layers, the position of its data input]``), run in
+    order from the value ``source`` (the model's input) to ``result``. ``layers`` are layer
+    descriptions (``class_name``, ``config``); ``parameters`` and ``buffers``
+    ``[value, attribute, shape, dtype]`` (held by the ``weights`` and ``constants``
+    sub-layers); ``aliases`` ``{value: [layer index, attribute]}`` (a stored value a layer
+    holds); ``constants`` ``{value: {"dtype", "shape", "values"}}`` the host constants.
+    ``batch``: the batch size a graph of fixed shapes was written for (None: any)."""
 
-    def __init__(self, chains, steps, source, result, **kwargs):
-        super().__init__(**kwargs)
-        self.chains = nn.LayerList(chains)
-        self.steps, self.source, self.result = [tuple(step) for step in steps], source, result
+    def __init__(self, nodes, source, result, layers=(), parameters=(), buffers=(),
+                 aliases=None, constants=None, batch=None, name="onnx_graph"):
+        super().__init__(name=name)
+        self.nodes = [list(node) for node in nodes]
+        self.source, self.result, self.batch = source, result, batch
+        self.layer_configs = [dict(entry) for entry in layers]
+        self.layers = nn.LayerList([nn.LAYERS[entry["class_name"]](**entry["config"])
+                                    for entry in self.layer_configs])
+        self.weights, self.constants = nn.Layer(name="weights"), nn.Layer(name="constants")
+        self.parameter_entries = [list(entry) for entry in parameters]
+        self.buffer_entries = [list(entry) for entry in buffers]
+        for _, attribute, shape, dtype in self.parameter_entries:
+            setattr(self.weights, attribute, nn.Parameter(np.zeros(shape, dtype)))
+        for _, attribute, shape, dtype in self.buffer_entries:
+            self.constants.register_buffer(attribute, tensor(np.zeros(shape, dtype)))
+        self.aliases, self.constant_entries = dict(aliases or {}), dict(constants or {})
+        self._host = {value: np.array(entry["values"], entry["dtype"]).reshape(entry["shape"])
+                      for value, entry in self.constant_entries.items()}
+        self._held = {value: (self.weights, attribute)
+                      for value, attribute, _, _ in self.parameter_entries}
+        self._held.update({value: (self.constants, attribute)
+                           for value, attribute, _, _ in self.buffer_entries})
+
+    def build(self, input_shape, device=None, initialize=True, dtype=None):
+        """``nn.Model.build``; a graph of fixed shapes is built by a call on a zero batch of
+        the size it was written for."""
+        if self.batch is None or self.built:
+            return super().build(input_shape, device, initialize, dtype)
+        if device is not None:
+            self.to(device)
+        shape = tuple(input_shape)
+        was_training = self.training
+        self.eval()
+        try:
+            with no_grad():
+                self(tensor(np.zeros((self.batch,) + shape, dtype or np.float32),
+                            device=self.device))
+        finally:
+            self.train(was_training)
+        return self.output_shape
+
+    def _value(self, values, name):
+        if name in values:
+            return values[name]
+        if name in self._host:
+            return self._host[name]
+        if name in self.aliases:
+            index, attribute = self.aliases[name]
+            return getattr(self.layers[index], attribute)
+        holder, attribute = self._held[name]
+        return getattr(holder, attribute)
 
     def forward(self, x):
         values = {self.source: x}
-        for kind, first, second, result in self.steps:
-            if kind == "add":
-                values[result] = values[first] + values[second]
-            else:
-                values[result] = values[second] if first is None else \
-                    self.chains[first](values[second])
+        for name, operator, inputs, outputs, attributes, layer in self.nodes:
+            arguments = [self._value(values, value) if value else None for value in inputs]
+            try:
+                if layer is None:
+                    results = import_ops.run(operator, arguments, attributes, len(outputs))
+                else:
+                    data = arguments[layer[1]]
+                    if isinstance(data, np.ndarray):   # an embedding of stored ids
+                        data = tensor(data, device=self.device)
+                    results = [self.layers[layer[0]](data)]
+            except (ValueError, TypeError, IndexError) as error:
+                raise type(error)(f"{self.name}: node {name!r} ({operator}): {error}") from None
+            values.update((output, result) for output, result in zip(outputs, results)
+                          if output)
         return values[self.result]
+
+    def get_config(self):
+        return {"nodes": self.nodes, "source": self.source, "result": self.result,
+                "layers": self.layer_configs, "parameters": self.parameter_entries,
+                "buffers": self.buffer_entries, "aliases": self.aliases,
+                "constants": self.constant_entries, "batch": self.batch, "name": self.name}
 
 
 def joins(reader, nodes, input_name):
-    """Whether the graph's ``nodes`` (GELU compositions folded) add two computed values."""
+    """Whether the graph's ``nodes`` (GELU compositions folded) combine two computed
+    values."""
     computed = {input_name}
     for node in nodes:
         data = [name for name in node.input if name in computed]
@@ -47,56 +136,268 @@ def joins(reader, nodes, input_name):
     return False
 
 
-def read_graph(reader, nodes, graph_input, output, dtype, import_chain):
-    """The ``GraphModel`` of ``nodes`` from ``graph_input`` (its feature shape read) to the
-    value ``output``; ``import_chain(nodes, shape, dtype)`` -> (layer descriptions, shape)."""
-    computed, users, steps, tails = {graph_input.name}, {}, [], {}
-    order = []
-    for node in nodes:
-        data = [name for name in node.input if name in computed]
-        if not data or node.op_type == "Shape":
+class _GraphReader:
+    """One graph being read into a ``GraphModel``'s constructor arguments and weights."""
+
+    def __init__(self, reader, proto, nodes, graph_input, dtype):
+        self.reader, self.proto, self.nodes, self.dtype = reader, proto, nodes, dtype
+        self.input_name = graph_input.name
+        self.producer = {output: node for node in nodes for output in node.output}
+        self.users = {}
+        for node in nodes:
+            for position, name in enumerate(node.input):
+                self.users.setdefault(name, []).append((node, position))
+        self.layers = []
+        self.owned, self.aliases = {}, {}    # stored value -> layer index; -> [index, attribute]
+        self.consumed = set()                # Add nodes a Dense took as its bias
+        self.outputs_of = {}                 # a Dense's node -> its Add's output
+        self._shapes = None
+
+    # ------------------------------------------------------------- stored values
+    def stored(self, name):
+        return name in self.reader.initializers
+
+    def float_stored(self, name):
+        return self.stored(name) and self.reader.value(name, None).dtype.kind == "f"
+
+    def behind_moves(self, name):
+        """The stored value ``name`` is (through Transpose, Reshape, ... nodes), or None."""
+        while not self.stored(name):
+            producer = self.producer.get(name)
+            if producer is None or producer.op_type not in MOVES:
+                return None
+            name = producer.input[0]
+        return name
+
+    def weights(self):
+        """The stored float values the graph uses as weights (``WEIGHT_SLOTS``, the bias
+        added to a product)."""
+        found = set()
+        for node in self.nodes:
+            for position in WEIGHT_SLOTS.get(node.op_type, ()):
+                if position < len(node.input) and node.input[position]:
+                    source = self.behind_moves(node.input[position])
+                    if source is not None and self.float_stored(source):
+                        found.add(source)
+            if node.op_type == "Add" and len(node.input) == 2:
+                producers = [self.producer.get(name) for name in node.input]
+                for name, other in zip(node.input, reversed(producers)):
+                    if other is not None and other.op_type in ("MatMul", "Gemm") \
+                            and self.float_stored(name):
+                        found.add(name)
+        return found
+
+    # ------------------------------------------------------------- layers
+    def feature_shape(self, node):
+        """The feature shape (without the batch) of ``node``'s data input, from ONNX's shape
+        inference."""
+        if self._shapes is None:
+            onnx = self.reader.onnx
+            inferred = onnx.shape_inference.infer_shapes(self.proto).graph
+            self._shapes = {}
+            for value in [*inferred.value_info, *inferred.input, *inferred.output]:
+                dims = value.type.tensor_type.shape.dim
+                if dims and all(d.HasField("dim_value") for d in dims[1:]):
+                    self._shapes[value.name] = tuple(d.dim_value for d in dims[1:])
+        shape = self._shapes.get(node.input[0])
+        if shape is None:
+            raise self.reader.fail(node, f"the shape of its input {node.input[0]!r} is not "
+                                         "known (ONNX's shape inference gives no fixed "
+                                         "feature shape); a layer is built for one")
+        return shape
+
+    def layer_of(self, node):
+        """``(layer description, the stored values it holds, {value: attribute} of those it
+        holds unchanged, the bias Add it takes or None)`` for a node that becomes a layer,
+        else None (a node run as functional ops)."""
+        operator, inputs = node.op_type, list(node.input)
+        attributes = self.reader.attributes(node)
+        if operator == "Gemm" and len(inputs) > 2 and inputs[2] and all(
+                self.float_stored(name) for name in inputs[1:3]) and not attributes.get(
+                "transA", 0):
+            weight = self.reader.value(inputs[1], node)
+            rows = weight.shape[1] if attributes.get("transB", 0) else weight.shape[0]
+            layer = IMPORTERS["Gemm"](self.reader, node, [], (rows,), self.dtype)
+            plain = not attributes.get("transB", 0) and attributes.get("alpha", 1.0) == 1.0
+            return layer, inputs[1:3], {inputs[1]: "weight"} if plain else {}, None
+        if operator == "MatMul" and self.float_stored(inputs[1]) and not self.stored(inputs[0]):
+            weight = self.reader.value(inputs[1], node)
+            bias = self.bias_after(node, weight) if weight.ndim == 2 else None
+            if bias is None:
+                return None   # no bias: a Dense would add parameters the graph has not
+            add, bias_name = bias
+            layer = IMPORTERS["MatMul"](self.reader, node, [], (weight.shape[0],), self.dtype)
+            layer["weights"]["bias"] = self.reader.value(bias_name, add)
+            return (layer, [inputs[1], bias_name], {inputs[1]: "weight", bias_name: "bias"},
+                    add)
+        if operator == "LayerNormalization" and attributes.get("axis", -1) == -1 and len(
+                inputs) > 2 and all(self.float_stored(name) for name in inputs[1:3]):
+            scale = self.reader.value(inputs[1], node)
+            layer = IMPORTERS[operator](self.reader, node, [], scale.shape[-1:], self.dtype)
+            return layer, inputs[1:3], {inputs[1]: "weight", inputs[2]: "bias"}, None
+        if operator == "Gather" and attributes.get("axis", 0) == 0 and self.float_stored(
+                inputs[0]) and self.reader.value(inputs[0], node).ndim == 2:
+            layer = IMPORTERS["Gather"](self.reader, node, [], (), self.dtype)
+            return layer, inputs[:1], {inputs[0]: "weight"}, None
+        if operator == "Dropout":
+            return IMPORTERS[operator](self.reader, node, [], (), self.dtype), [], {}, None
+        if operator in IMAGE_LAYERS:
+            layer = IMPORTERS[operator](self.reader, node, [], self.feature_shape(node),
+                                        self.dtype)
+            return layer, [name for name in inputs[1:] if name], {}, None
+        return None
+
+    def bias_after(self, node, weight):
+        """The Add (and its stored bias's name) that adds one value per column to
+        ``node``'s product, where it is the product's only user."""
+        users = self.users.get(node.output[0], [])
+        if len(users) != 1 or users[0][0].op_type != "Add" or len(users[0][0].input) != 2:
+            return None
+        add = users[0][0]
+        other = add.input[1 - users[0][1]]
+        if not self.float_stored(other):
+            return None
+        bias = self.reader.value(other, add)
+        return (add, other) if bias.shape == weight.shape[-1:] else None
+
+    def _key(self, node, found):
+        return (node.op_type, tuple(found[1]),
+                repr(sorted(self.reader.attributes(node).items())))
+
+    def read_layers(self):
+        """Pass one: ``{id(node): layer index}``. Each node that holds weights becomes a
+        layer, or shares the layer of a node of the same weights and attributes, where
+        every other node that reads its stored values reads them unchanged from the layer
+        (else it runs as functional ops)."""
+        plan, keys = {}, {}
+        for node in self.nodes:
+            found = self.layer_of(node)
+            if found is None:
+                continue
+            layer, held, unchanged, add = found
+            key = self._key(node, found)
+            if key not in keys:
+                if not self._may_hold(node, key, held, unchanged, add):
+                    continue
+                keys[key] = len(self.layers)
+                self.layers.append(layer)
+                for name in held:
+                    self.owned[name] = keys[key]
+                    if name in unchanged:
+                        self.aliases[name] = [keys[key], unchanged[name]]
+            plan[id(node)] = keys[key]
+            if add is not None:
+                self.consumed.add(id(add))
+                self.outputs_of[id(node)] = add.output[0]
+        return plan
+
+    def _may_hold(self, node, key, held, unchanged, add):
+        for name in held:
+            if name in self.owned:
+                return False
+            for user, _ in self.users.get(name, []):
+                if user is node or user is add or name in unchanged:
+                    continue
+                other = self.layer_of(user)
+                if other is None or self._key(user, other) != key:
+                    return False
+        return True
+
+
+def _attribute_values(reader, node):
+    """``node``'s attributes as JSON values (Cast's ``to`` as a NumPy dtype's name)."""
+    found = {}
+    for key, value in reader.attributes(node).items():
+        if isinstance(value, bytes):
+            value = value.decode()
+        elif isinstance(value, list):
+            value = [v.decode() if isinstance(v, bytes) else v for v in value]
+        if not isinstance(value, (int, float, str, list)):
+            raise reader.fail(node, f"attribute {key!r} ({type(value).__name__}) is not read")
+        found[key] = value
+    if node.op_type == "Cast":
+        found["to"] = np.dtype(reader.onnx.helper.tensor_dtype_to_np_dtype(found["to"])).name
+    return found
+def _attribute_name(value, taken):
+    """A Python attribute name for the stored value ``value``: its characters other than
+    letters, digits and ``_`` replaced (``blocks.0.fc.weight`` -> ``blocks_0_fc_weight``),
+    numbered where that is taken."""
+    base = re.sub(r"\W", "_", value).strip("_") or "value"
+    base = base if base[0].isalpha() else f"v_{base}"
+    name, number = base, 1
+    while name in taken or hasattr(nn.Layer, name):
+        name, number = f"{base}_{number}", number + 1
+    taken.add(name)
+    return name
+
+
+def read_graph(reader, proto, nodes, graph_input, output, dtype, input_shape):
+    """The built ``GraphModel`` of ``nodes`` (GELU compositions folded) from ``graph_input``
+    (of feature shape ``input_shape``) to the value ``output``, with the file's weights."""
+    graph = _GraphReader(reader, proto, nodes, graph_input, dtype)
+    plan = graph.read_layers()
+    weights = graph.weights()
+    computed = {name for node in nodes if node.op_type != "Constant" for name in node.output}
+    parameters, buffers, constants, state, taken = [], [], {}, {}, set()
+
+    def resolve(name, node):
+        """Where the forward finds ``name``, a value no node of the forward computes."""
+        if (not name or name == graph_input.name or name in computed or name in graph.aliases
+                or name in constants or any(name == entry[0] for entry in parameters + buffers)):
+            return
+        array = reader.value(name, node)
+        if name in weights or (array.dtype.kind == "f" and array.size > 1):
+            entries = parameters if name in weights else buffers
+            attribute = _attribute_name(name, taken)
+            entries.append([name, attribute, list(array.shape), dtype.name])
+            holder = "weights" if entries is parameters else "constants"
+            state[f"{holder}.{attribute}"] = np.asarray(array, dtype)
+        else:
+            constants[name] = {"dtype": array.dtype.name, "shape": list(array.shape),
+                               "values": array.reshape(-1).tolist()}
+
+    entries = []
+    for number, node in enumerate(nodes):
+        if node.op_type == "Constant" or id(node) in graph.consumed:
             continue
-        if len(data) > 1 and not (node.op_type == "Add" and len(data) == 2
-                                  and len(node.input) == 2):
-            raise reader.fail(node, f"combines {len(data)} computed values {data}: the "
-                                    "importer joins two values only by a residual Add")
-        order.append((node, data))
-        for name in data:
-            users[name] = users.get(name, 0) + 1
-        computed.update(name for name in node.output if name)
-    if output not in computed:
+        name = node.name or f"{node.op_type}_{number}"
+        if id(node) in plan:
+            position = 1 if node.op_type == "Gather" else 0
+            resolve(node.input[position], node)
+            entries.append([name, node.op_type, [node.input[position]],
+                            [graph.outputs_of.get(id(node), node.output[0])], {},
+                            [plan[id(node)], 0]])
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in import_ops.SUPPORTED:
+            operator = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+            raise reader.fail(node, f"operator {operator!r} is not supported; the graph "
+                                    f"importer reads {', '.join(import_ops.SUPPORTED)} (and "
+                                    f"{', '.join(sorted(IMAGE_LAYERS))} as layers)")
+        for value in node.input:
+            resolve(value, node)
+        entries.append([name, node.op_type, list(node.input), list(node.output),
+                        _attribute_values(reader, node), None])
+    if output not in {value for entry in entries for value in entry[3]}:
         raise reader.fail(None, f"the output {output!r} is not computed from the input "
                                 f"{graph_input.name!r}")
-    chains = []   # [source value, [nodes]]
-    for node, data in order:
-        if len(data) == 2:
-            steps.append(("add", data[0], data[1], node.output[0]))
-            continue
-        source = data[0]
-        chain = tails.pop(source, None)
-        if chain is None or users[source] != 1 or source == output:
-            chain = [source, []]
-            chains.append(chain)
-            steps.append(("chain", len(chains) - 1, source, None))
-        chain[1].append(node)
-        tails[node.output[0]] = chain
-    shapes, final, model_chains = {graph_input.name: reader.shapes[graph_input.name]}, [], []
-    for kind, first, second, result in steps:   # in the graph's order: sources come first
-        if kind == "add":
-            if shapes[first] != shapes[second]:
-                raise reader.fail(None, f"a residual Add of shapes {shapes[first]} and "
-                                        f"{shapes[second]}: the importer adds equal shapes")
-            shapes[result] = shapes[first]
-            final.append((kind, first, second, result))
-            continue
-        source, chain_nodes = chains[first]
-        layers, shape = import_chain(chain_nodes, shapes[source], dtype)
-        result = chain_nodes[-1].output[0]
-        shapes[result] = shape
-        if layers:
-            model_chains.append(sequential.build(
-                sequential.fuse_activations(layers), shapes[source], dtype,
-                f"chain_{len(model_chains)}", f"engine.onnx.load: {reader.path!r}"))
-        final.append(("chain", len(model_chains) - 1 if layers else None, source, result))
-    return GraphModel(model_chains, final, graph_input.name, output,
-                     name=reader.graph.name or "onnx_graph")
+    layers = []
+    for entry in graph.layers:
+        config = dict(entry["config"])
+        if entry["class_name"] in sequential.WEIGHTED and dtype != np.float32:
+            config["dtype"] = dtype.name
+        layers.append({"class_name": entry["class_name"], "config": config})
+    first = graph_input.type.tensor_type.shape.dim[0]
+    model = GraphModel(entries, graph_input.name, output, layers, parameters, buffers,
+                       graph.aliases, constants,
+                       batch=first.dim_value if first.HasField("dim_value") else None,
+                       name=reader.graph.name or "onnx_graph")
+    input_dtype = reader.onnx.helper.tensor_dtype_to_np_dtype(
+        graph_input.type.tensor_type.elem_type)
+    model.build(input_shape, dtype=input_dtype)
+    full = model.state_dict()
+    for index, entry in enumerate(graph.layers):
+        for key, array in entry["weights"].items():
+            full[f"layers.{index}.{key}"] = np.asarray(array, dtype)
+    full.update(state)
+    model.load_state_dict(full)
+    return model
