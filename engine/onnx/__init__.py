@@ -65,11 +65,12 @@ from engine.onnx import traced
 from engine.onnx.common import (ACTIVATIONS, DEFAULT_OPSET, GELU_OPSET, INPUT, MIN_OPSET,
                                 OUTPUT)
 from engine.onnx.import_ import IMPORTERS, OnnxImportError, from_onnx, load
+from engine.onnx.import_graph import GraphModel
 from engine.onnx.importers import OPERATOR_ACTIVATIONS
 from engine.onnx.sequential import EXPORTERS
 from engine.onnx.sequential import to_onnx as _sequential_onnx
 
-__all__ = ["export", "to_onnx", "load", "from_onnx", "OnnxImportError", "IMPORTERS",
+__all__ = ["export", "to_onnx", "load", "from_onnx", "OnnxImportError", "IMPORTERS", "GraphModel",
            "EXPORTERS", "ACTIVATIONS", "OPERATOR_ACTIVATIONS", "DEFAULT_OPSET", "GELU_OPSET", "MIN_OPSET", "INPUT",
            "OUTPUT"]
 

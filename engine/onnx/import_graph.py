@@ -22,7 +22,7 @@ from engine.autograd import no_grad
 from engine.interop import sequential
 from engine.onnx import import_ops
 from engine.onnx.importers import IMPORTERS
-from engine.tensor import tensor
+from engine.tensor import Tensor, tensor
 
 # the operators whose stored float operands are weights, by input position
 WEIGHT_SLOTS = {"Gemm": (0, 1, 2), "MatMul": (0, 1), "LayerNormalization": (1, 2),
@@ -37,19 +37,19 @@ IMAGE_LAYERS = ("Conv", "BatchNormalization", "MaxPool", "AveragePool")
 class GraphModel(nn.Model):
     """The model ``engine.onnx.load`` reads from a graph that is not a chain: ``nodes``, each
     ``[name, operator, inputs, outputs, attributes, layer]`` (``layer``: None for a node run
-    as functional ops, else ``[index into layers, the position of its data input]``), run in
-    order from the value ``source`` (the model's input) to ``result``. ``layers`` are layer
+    as functional ops, else the index of the layer that runs it on its one input), run in
+    order from the graph's ``inputs`` (``[name, shape, dtype]``, None for an open dimension)
+    to its ``outputs`` (value names; several give a tuple). ``layers`` are layer
     descriptions (``class_name``, ``config``); ``parameters`` and ``buffers``
     ``[value, attribute, shape, dtype]`` (held by the ``weights`` and ``constants``
     sub-layers); ``aliases`` ``{value: [layer index, attribute]}`` (a stored value a layer
-    holds); ``constants`` ``{value: {"dtype", "shape", "values"}}`` the host constants.
-    ``batch``: the batch size a graph of fixed shapes was written for (None: any)."""
+    holds); ``constants`` ``{value: {"dtype", "shape", "values"}}`` the host constants."""
 
-    def __init__(self, nodes, source, result, layers=(), parameters=(), buffers=(),
-                 aliases=None, constants=None, batch=None, name="onnx_graph"):
+    def __init__(self, nodes, inputs, outputs, layers=(), parameters=(), buffers=(),
+                 aliases=None, constants=None, name="onnx_graph"):
         super().__init__(name=name)
         self.nodes = [list(node) for node in nodes]
-        self.source, self.result, self.batch = source, result, batch
+        self.inputs, self.outputs = [list(entry) for entry in inputs], list(outputs)
         self.layer_configs = [dict(entry) for entry in layers]
         self.layers = nn.LayerList([nn.LAYERS[entry["class_name"]](**entry["config"])
                                     for entry in self.layer_configs])
@@ -68,20 +68,21 @@ class GraphModel(nn.Model):
         self._held.update({value: (self.constants, attribute)
                            for value, attribute, _, _ in self.buffer_entries})
 
-    def build(self, input_shape, device=None, initialize=True, dtype=None):
-        """``nn.Model.build``; a graph of fixed shapes is built by a call on a zero batch of
-        the size it was written for."""
-        if self.batch is None or self.built:
-            return super().build(input_shape, device, initialize, dtype)
+    def build(self, input_shape=None, device=None, initialize=True, dtype=None):
+        """Built by a call on zeros of the graph's inputs (an open dimension 1): the
+        shapes and dtypes are the graph's, so ``input_shape`` and ``dtype`` (``nn.Model``'s
+        signature, ``nn.load``'s call) are not needed."""
         if device is not None:
             self.to(device)
-        shape = tuple(input_shape)
+        if self.built:
+            return self.output_shape
+        zeros = [tensor(np.zeros([1 if size is None else size for size in shape], dtype),
+                        device=self.device) for _, shape, dtype in self.inputs]
         was_training = self.training
         self.eval()
         try:
             with no_grad():
-                self(tensor(np.zeros((self.batch,) + shape, dtype or np.float32),
-                            device=self.device))
+                self(*zeros)
         finally:
             self.train(was_training)
         return self.output_shape
@@ -97,40 +98,50 @@ class GraphModel(nn.Model):
         holder, attribute = self._held[name]
         return getattr(holder, attribute)
 
-    def forward(self, x):
-        values = {self.source: x}
-        for name, operator, inputs, outputs, attributes, layer in self.nodes:
-            arguments = [self._value(values, value) if value else None for value in inputs]
+    def forward(self, *inputs):
+        if len(inputs) != len(self.inputs):
+            raise TypeError(f"{self.name}: the graph takes {len(self.inputs)} inputs "
+                            f"{[entry[0] for entry in self.inputs]}, got {len(inputs)}")
+        values = {entry[0]: x if isinstance(x, Tensor) else self._as_input(x)
+                  for entry, x in zip(self.inputs, inputs)}
+        for name, operator, node_inputs, outputs, attributes, layer in self.nodes:
+            arguments = [self._value(values, value) if value else None for value in node_inputs]
             try:
                 if layer is None:
                     results = import_ops.run(operator, arguments, attributes, len(outputs))
                 else:
-                    data = arguments[layer[1]]
+                    data = arguments[0]
                     if isinstance(data, np.ndarray):   # an embedding of stored ids
                         data = tensor(data, device=self.device)
-                    results = [self.layers[layer[0]](data)]
+                    results = [self.layers[layer](data)]
             except (ValueError, TypeError, IndexError) as error:
                 raise type(error)(f"{self.name}: node {name!r} ({operator}): {error}") from None
             values.update((output, result) for output, result in zip(outputs, results)
                           if output)
-        return values[self.result]
+        results = tuple(self._value(values, name) for name in self.outputs)
+        return results[0] if len(results) == 1 else results
 
     def get_config(self):
-        return {"nodes": self.nodes, "source": self.source, "result": self.result,
+        return {"nodes": self.nodes, "inputs": self.inputs, "outputs": self.outputs,
                 "layers": self.layer_configs, "parameters": self.parameter_entries,
                 "buffers": self.buffer_entries, "aliases": self.aliases,
-                "constants": self.constant_entries, "batch": self.batch, "name": self.name}
+                "constants": self.constant_entries, "name": self.name}
 
 
-def joins(reader, nodes, input_name):
-    """Whether the graph's ``nodes`` (GELU compositions folded) combine two computed
-    values."""
-    computed = {input_name}
+def needs_graph(reader, nodes, inputs, chain_operators):
+    """Whether the graph's ``nodes`` (GELU compositions folded) are read as a
+    ``GraphModel``: several inputs or outputs, a node that combines two computed values, or
+    a computed node whose operator only the graph importer reads (``Transpose``, ``Where``,
+    ``Split``, ...; a chain of ``chain_operators`` stays a Sequential)."""
+    if len(inputs) != 1 or len(reader.graph.output) != 1:
+        return bool(inputs) and bool(reader.graph.output)
+    computed = {inputs[0].name}
     for node in nodes:
         data = [name for name in node.input if name in computed]
         if not data or node.op_type == "Shape":
             continue
-        if len(data) > 1:
+        if len(data) > 1 or (node.op_type not in chain_operators
+                             and node.op_type in import_ops.SUPPORTED):
             return True
         computed.update(name for name in node.output if name)
     return False
@@ -139,9 +150,8 @@ def joins(reader, nodes, input_name):
 class _GraphReader:
     """One graph being read into a ``GraphModel``'s constructor arguments and weights."""
 
-    def __init__(self, reader, proto, nodes, graph_input, dtype):
+    def __init__(self, reader, proto, nodes, dtype):
         self.reader, self.proto, self.nodes, self.dtype = reader, proto, nodes, dtype
-        self.input_name = graph_input.name
         self.producer = {output: node for node in nodes for output in node.output}
         self.users = {}
         for node in nodes:
@@ -218,8 +228,13 @@ class _GraphReader:
             weight = self.reader.value(inputs[1], node)
             rows = weight.shape[1] if attributes.get("transB", 0) else weight.shape[0]
             layer = IMPORTERS["Gemm"](self.reader, node, [], (rows,), self.dtype)
-            plain = not attributes.get("transB", 0) and attributes.get("alpha", 1.0) == 1.0
-            return layer, inputs[1:3], {inputs[1]: "weight"} if plain else {}, None
+            unchanged = {}   # what the Dense holds as the file stores it
+            if not attributes.get("transB", 0) and attributes.get("alpha", 1.0) == 1.0:
+                unchanged[inputs[1]] = "weight"
+            if attributes.get("beta", 1.0) == 1.0 and self.reader.value(
+                    inputs[2], node).shape == layer["weights"]["bias"].shape:
+                unchanged[inputs[2]] = "bias"
+            return layer, inputs[1:3], unchanged, None
         if operator == "MatMul" and self.float_stored(inputs[1]) and not self.stored(inputs[0]):
             weight = self.reader.value(inputs[1], node)
             bias = self.bias_after(node, weight) if weight.ndim == 2 else None
@@ -331,19 +346,51 @@ def _attribute_name(value, taken):
     return name
 
 
-def read_graph(reader, proto, nodes, graph_input, output, dtype, input_shape):
-    """The built ``GraphModel`` of ``nodes`` (GELU compositions folded) from ``graph_input``
-    (of feature shape ``input_shape``) to the value ``output``, with the file's weights."""
-    graph = _GraphReader(reader, proto, nodes, graph_input, dtype)
+def _graph_inputs(reader, inputs):
+    """``[name, shape (None for an open dimension), dtype]`` of each graph input, and the
+    model's float dtype: its float inputs', else its stored floats', else float32."""
+    entries, floats = [], set()
+    for value in inputs:
+        if not value.type.HasField("tensor_type"):
+            raise reader.fail(None, f"input {value.name!r} is a "
+                                    f"{value.type.WhichOneof('value')}, not a tensor")
+        dtype = np.dtype(reader.onnx.helper.tensor_dtype_to_np_dtype(
+            value.type.tensor_type.elem_type))
+        if dtype.kind == "f" and dtype not in (np.float32, np.float64) or dtype.kind not in \
+                "fiub":
+            raise reader.fail(None, f"input {value.name!r} is {dtype}; the engine's models "
+                                    "take float32 or float64 (and integer ids)")
+        if dtype.kind == "f":
+            floats.add(dtype)
+        shape = [d.dim_value if d.HasField("dim_value") else None
+                 for d in value.type.tensor_type.shape.dim]
+        entries.append([value.name, shape, dtype.name])
+    if not floats:
+        floats = {np.dtype(reader.onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                  for tensor in reader.graph.initializer} & {np.dtype(np.float32),
+                                                            np.dtype(np.float64)}
+    if len(floats) > 1:
+        raise reader.fail(None, f"the graph mixes float dtypes {sorted(map(str, floats))}; "
+                                "an engine model has one")
+    return entries, floats.pop() if floats else np.dtype(np.float32)
+
+
+def read_graph(reader, proto, nodes, inputs):
+    """The built ``GraphModel`` of ``nodes`` (GELU compositions folded) from the graph's
+    ``inputs`` to its outputs, with the file's weights."""
+    input_entries, dtype = _graph_inputs(reader, inputs)
+    graph = _GraphReader(reader, proto, nodes, dtype)
     plan = graph.read_layers()
     weights = graph.weights()
-    computed = {name for node in nodes if node.op_type != "Constant" for name in node.output}
+    fed = {entry[0] for entry in input_entries}
+    computed = fed | {name for node in nodes if node.op_type != "Constant"
+                      for name in node.output}
     parameters, buffers, constants, state, taken = [], [], {}, {}, set()
 
     def resolve(name, node):
         """Where the forward finds ``name``, a value no node of the forward computes."""
-        if (not name or name == graph_input.name or name in computed or name in graph.aliases
-                or name in constants or any(name == entry[0] for entry in parameters + buffers)):
+        if (not name or name in computed or name in graph.aliases or name in constants
+                or any(name == entry[0] for entry in parameters + buffers)):
             return
         array = reader.value(name, node)
         if name in weights or (array.dtype.kind == "f" and array.size > 1):
@@ -362,11 +409,11 @@ def read_graph(reader, proto, nodes, graph_input, output, dtype, input_shape):
             continue
         name = node.name or f"{node.op_type}_{number}"
         if id(node) in plan:
-            position = 1 if node.op_type == "Gather" else 0
-            resolve(node.input[position], node)
-            entries.append([name, node.op_type, [node.input[position]],
+            data = node.input[1 if node.op_type == "Gather" else 0]
+            resolve(data, node)
+            entries.append([name, node.op_type, [data],
                             [graph.outputs_of.get(id(node), node.output[0])], {},
-                            [plan[id(node)], 0]])
+                            plan[id(node)]])
             continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in import_ops.SUPPORTED:
             operator = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
@@ -377,23 +424,20 @@ def read_graph(reader, proto, nodes, graph_input, output, dtype, input_shape):
             resolve(value, node)
         entries.append([name, node.op_type, list(node.input), list(node.output),
                         _attribute_values(reader, node), None])
-    if output not in {value for entry in entries for value in entry[3]}:
-        raise reader.fail(None, f"the output {output!r} is not computed from the input "
-                                f"{graph_input.name!r}")
+    made = fed | {value for entry in entries for value in entry[3]}
+    outputs = [value.name for value in reader.graph.output]
+    for output in outputs:
+        if output not in made:
+            resolve(output, None)   # a constant output: the forward returns it as stored
     layers = []
     for entry in graph.layers:
         config = dict(entry["config"])
         if entry["class_name"] in sequential.WEIGHTED and dtype != np.float32:
             config["dtype"] = dtype.name
         layers.append({"class_name": entry["class_name"], "config": config})
-    first = graph_input.type.tensor_type.shape.dim[0]
-    model = GraphModel(entries, graph_input.name, output, layers, parameters, buffers,
-                       graph.aliases, constants,
-                       batch=first.dim_value if first.HasField("dim_value") else None,
-                       name=reader.graph.name or "onnx_graph")
-    input_dtype = reader.onnx.helper.tensor_dtype_to_np_dtype(
-        graph_input.type.tensor_type.elem_type)
-    model.build(input_shape, dtype=input_dtype)
+    model = GraphModel(entries, input_entries, outputs, layers, parameters, buffers,
+                       graph.aliases, constants, name=reader.graph.name or "onnx_graph")
+    model.build()
     full = model.state_dict()
     for index, entry in enumerate(graph.layers):
         for key, array in entry["weights"].items():

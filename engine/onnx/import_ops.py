@@ -202,19 +202,24 @@ def _split(inputs, attributes, outputs):
 
 
 def _gather(inputs, attributes):
-    """``Gather``: an embedding's rows of a table Tensor picked by integer ids (a Tensor, or
-    a constant), else indexing along ``axis`` by host indices (ints, or an array)."""
+    """``Gather``: an embedding's rows of a 2-D table Tensor picked by integer ids along
+    axis 0 (its deterministic backward), else ``data`` indexed along ``axis`` by the
+    indices (a number, a host array or a Tensor of ids)."""
     data, indices = inputs
     axis = attributes.get("axis", 0)
     if _host(data) and _host(indices):
         return [np.take(data, indices, axis=axis)]
-    if not _host(indices):
-        if axis != 0 or _host(data) or data.ndim != 2:
-            raise ValueError("gathers by computed indices other than an embedding's rows of "
-                             "a stored 2-D table (axis 0)")
+    if _host(data):
+        raise ValueError("gathers from a constant by computed indices; the importer gathers "
+                         "from computed values and weights")
+    if _host(indices):   # ONNX counts a negative index from the end
+        size = data.shape[axis]
+        indices = np.where(indices < 0, indices + size, indices).astype(np.int64)
+    if axis == 0 and data.ndim == 2 and (not _host(indices) or indices.ndim >= 1):
         return [sequence.embedding(indices, data)]
-    position = int(indices) if indices.ndim == 0 else indices.astype(np.int64)
-    return [_index(data, (slice(None),) * (axis % data.ndim) + (position,))]
+    if _host(indices) and indices.ndim == 0:
+        indices = int(indices)
+    return [_index(data, (slice(None),) * (axis % data.ndim) + (indices,))]
 
 
 def _concat(inputs, attributes):
@@ -316,7 +321,10 @@ def run(operator, inputs, attributes, outputs):
     """The ``outputs`` outputs of the node ``operator`` on ``inputs`` (Tensors, host arrays,
     None for an optional input left out), as a list."""
     if operator == SPLIT:
-        return _split(inputs, attributes, outputs)
-    if operator == CAST:
-        return _cast(inputs, np.dtype(attributes["to"]))
-    return OPERATIONS[operator](inputs, attributes)
+        results = _split(inputs, attributes, outputs)
+    elif operator == CAST:
+        results = _cast(inputs, np.dtype(attributes["to"]))
+    else:
+        results = OPERATIONS[operator](inputs, attributes)
+    # NumPy gives a scalar for a 0-d result (np.sqrt of a 0-d array): an array here
+    return [np.asarray(value) if isinstance(value, np.generic) else value for value in results]
