@@ -18,7 +18,6 @@ import re
 import numpy as np
 
 from engine import nn
-from engine.autograd import no_grad
 from engine.interop import sequential
 from engine.onnx import import_ops
 from engine.onnx.importers import IMPORTERS
@@ -29,6 +28,9 @@ WEIGHT_SLOTS = {"Gemm": (0, 1, 2), "MatMul": (0, 1), "LayerNormalization": (1, 2
                 "Gather": (0,), "Conv": (1, 2), "BatchNormalization": (1, 2)}
 # operators a weight may pass through before it is used (a transposed embedding table)
 MOVES = ("Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast")
+# what an engine Tensor holds: the float dtypes, ids, masks
+INPUT_DTYPES = tuple(np.dtype(name) for name in ("float32", "float64", "int64", "int32",
+                                                 "uint8", "bool"))
 # layers that need the feature shape of their input (from ONNX's shape inference)
 IMAGE_LAYERS = ("Conv", "BatchNormalization", "MaxPool", "AveragePool")
 
@@ -69,22 +71,23 @@ class GraphModel(nn.Model):
                            for value, attribute, _, _ in self.buffer_entries})
 
     def build(self, input_shape=None, device=None, initialize=True, dtype=None):
-        """Built by a call on zeros of the graph's inputs (an open dimension 1): the
-        shapes and dtypes are the graph's, so ``input_shape`` and ``dtype`` (``nn.Model``'s
-        signature, ``nn.load``'s call) are not needed."""
+        """Build each layer for the input shape its config declares (the importer read it
+        from the layer's weights or ONNX's shape inference), then pack the parameters:
+        nothing runs, so a graph whose inputs' values matter (a shape fed to a Reshape) or
+        whose shapes are fixed builds too. ``input_shape`` and ``dtype`` (``nn.Model``'s
+        signature, ``nn.load``'s call) are the graph's own."""
         if device is not None:
             self.to(device)
         if self.built:
             return self.output_shape
-        zeros = [tensor(np.zeros([1 if size is None else size for size in shape], dtype),
-                        device=self.device) for _, shape, dtype in self.inputs]
-        was_training = self.training
-        self.eval()
-        try:
-            with no_grad():
-                self(*zeros)
-        finally:
-            self.train(was_training)
+        for layer in self.layers:
+            if not layer.built:
+                layer.build(layer.input_shape, self.device)
+                layer._apply_trainable()
+        self.built = True
+        _, shape, dtype = self.inputs[0] if self.inputs else (None, [None], "float32")
+        self.input_shape, self.input_dtype = tuple(shape[1:]), np.dtype(dtype)
+        self._pack()
         return self.output_shape
 
     def _value(self, values, name):
@@ -160,6 +163,8 @@ class _GraphReader:
         self.layers = []
         self.owned, self.aliases = {}, {}    # stored value -> layer index; -> [index, attribute]
         self.consumed = set()                # Add nodes a Dense took as its bias
+        self.used = {name for node in nodes for name in node.input} | {
+            value.name for value in reader.graph.output}
         self.outputs_of = {}                 # a Dense's node -> its Add's output
         self._shapes = None
 
@@ -234,7 +239,7 @@ class _GraphReader:
             if attributes.get("beta", 1.0) == 1.0 and self.reader.value(
                     inputs[2], node).shape == layer["weights"]["bias"].shape:
                 unchanged[inputs[2]] = "bias"
-            return layer, inputs[1:3], unchanged, None
+            return layer, inputs[1:3], unchanged, None, (rows,)
         if operator == "MatMul" and self.float_stored(inputs[1]) and not self.stored(inputs[0]):
             weight = self.reader.value(inputs[1], node)
             bias = self.bias_after(node, weight) if weight.ndim == 2 else None
@@ -244,22 +249,24 @@ class _GraphReader:
             layer = IMPORTERS["MatMul"](self.reader, node, [], (weight.shape[0],), self.dtype)
             layer["weights"]["bias"] = self.reader.value(bias_name, add)
             return (layer, [inputs[1], bias_name], {inputs[1]: "weight", bias_name: "bias"},
-                    add)
+                    add, weight.shape[:1])
         if operator == "LayerNormalization" and attributes.get("axis", -1) == -1 and len(
-                inputs) > 2 and all(self.float_stored(name) for name in inputs[1:3]):
+                inputs) > 2 and all(self.float_stored(name) for name in inputs[1:3]) \
+                and not any(name in self.used for name in node.output[1:]):
             scale = self.reader.value(inputs[1], node)
             layer = IMPORTERS[operator](self.reader, node, [], scale.shape[-1:], self.dtype)
-            return layer, inputs[1:3], {inputs[1]: "weight", inputs[2]: "bias"}, None
+            return (layer, inputs[1:3], {inputs[1]: "weight", inputs[2]: "bias"}, None,
+                    scale.shape[-1:])
         if operator == "Gather" and attributes.get("axis", 0) == 0 and self.float_stored(
                 inputs[0]) and self.reader.value(inputs[0], node).ndim == 2:
             layer = IMPORTERS["Gather"](self.reader, node, [], (), self.dtype)
-            return layer, inputs[:1], {inputs[0]: "weight"}, None
+            return layer, inputs[:1], {inputs[0]: "weight"}, None, (1,)
         if operator == "Dropout":
-            return IMPORTERS[operator](self.reader, node, [], (), self.dtype), [], {}, None
+            return IMPORTERS[operator](self.reader, node, [], (), self.dtype), [], {}, None, (1,)
         if operator in IMAGE_LAYERS:
-            layer = IMPORTERS[operator](self.reader, node, [], self.feature_shape(node),
-                                        self.dtype)
-            return layer, [name for name in inputs[1:] if name], {}, None
+            shape = self.feature_shape(node)
+            layer = IMPORTERS[operator](self.reader, node, [], shape, self.dtype)
+            return layer, [name for name in inputs[1:] if name], {}, None, shape
         return None
 
     def bias_after(self, node, weight):
@@ -289,12 +296,13 @@ class _GraphReader:
             found = self.layer_of(node)
             if found is None:
                 continue
-            layer, held, unchanged, add = found
+            layer, held, unchanged, add, shape = found
             key = self._key(node, found)
             if key not in keys:
                 if not self._may_hold(node, key, held, unchanged, add):
                     continue
                 keys[key] = len(self.layers)
+                layer["config"]["input_shape"] = [int(size) for size in shape]
                 self.layers.append(layer)
                 for name in held:
                     self.owned[name] = keys[key]
@@ -356,10 +364,9 @@ def _graph_inputs(reader, inputs):
                                     f"{value.type.WhichOneof('value')}, not a tensor")
         dtype = np.dtype(reader.onnx.helper.tensor_dtype_to_np_dtype(
             value.type.tensor_type.elem_type))
-        if dtype.kind == "f" and dtype not in (np.float32, np.float64) or dtype.kind not in \
-                "fiub":
+        if dtype not in INPUT_DTYPES:
             raise reader.fail(None, f"input {value.name!r} is {dtype}; the engine's models "
-                                    "take float32 or float64 (and integer ids)")
+                                    f"take {', '.join(d.name for d in INPUT_DTYPES)}")
         if dtype.kind == "f":
             floats.add(dtype)
         shape = [d.dim_value if d.HasField("dim_value") else None
@@ -403,12 +410,16 @@ def read_graph(reader, proto, nodes, inputs):
             constants[name] = {"dtype": array.dtype.name, "shape": list(array.shape),
                                "values": array.reshape(-1).tolist()}
 
+    used = graph.used
     entries = []
     for number, node in enumerate(nodes):
         if node.op_type == "Constant" or id(node) in graph.consumed:
             continue
         name = node.name or f"{node.op_type}_{number}"
         if id(node) in plan:
+            if any(value in used for value in node.output[1:]):
+                raise reader.fail(node, f"its outputs {list(node.output[1:])} are used; the "
+                                        f"importer computes a {node.op_type}'s first output only")
             data = node.input[1 if node.op_type == "Gather" else 0]
             resolve(data, node)
             entries.append([name, node.op_type, [data],
@@ -422,6 +433,10 @@ def read_graph(reader, proto, nodes, inputs):
                                     f"{', '.join(sorted(IMAGE_LAYERS))} as layers)")
         for value in node.input:
             resolve(value, node)
+        extra = [value for value in node.output[1:] if value in used]
+        if extra and node.op_type not in (import_ops.SPLIT, import_ops.LAYER_NORM):
+            raise reader.fail(node, f"its outputs {extra} are used; the importer computes "
+                                    f"a {node.op_type}'s first output only")
         entries.append([name, node.op_type, list(node.input), list(node.output),
                         _attribute_values(reader, node), None])
     made = fed | {value for entry in entries for value in entry[3]}

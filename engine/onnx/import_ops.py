@@ -102,9 +102,8 @@ def _reshape_target(x_shape, target, allowzero):
 
 def _reshape(inputs, attributes):
     x, target = inputs
-    if not _host(target):
-        raise ValueError("the target shape is a Tensor; a Reshape reads its target on the "
-                         "host (a constant, or a shape computation)")
+    if not _host(target):   # a target fed to the graph: read on the host
+        target = target.numpy()
     shape = _reshape_target(x.shape, target.reshape(-1), attributes.get("allowzero", 0))
     return [x.reshape(shape) if _host(x) else F.reshape(x, shape)]
 
@@ -242,12 +241,19 @@ def _shape(inputs, attributes):
     return [shape[attributes.get("start", 0):attributes.get("end", len(shape))]]
 
 
-def _layer_norm(inputs, attributes):
+def _layer_norm(inputs, attributes, outputs):
+    """``LayerNormalization`` from ``axis`` on; its Mean and InvStdDev outputs too where the
+    graph uses them."""
     x, scale = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
-    axis = attributes.get("axis", -1) % x.ndim
-    return [sequence.layer_norm(x, x.shape[axis:], scale, bias,
-                                eps=attributes.get("epsilon", 1e-5))]
+    axis, eps = attributes.get("axis", -1) % x.ndim, attributes.get("epsilon", 1e-5)
+    results = [sequence.layer_norm(x, x.shape[axis:], scale, bias, eps=eps)]
+    if outputs > 1:
+        axes = tuple(range(axis, x.ndim))
+        mean = F.mean(x, axis=axes, keepdims=True)
+        variance = F.mean((x - mean) * (x - mean), axis=axes, keepdims=True)
+        results += [mean, 1.0 / F.sqrt(variance + eps)]
+    return results
 
 
 def _activation(inputs, attributes, operator):
@@ -309,12 +315,12 @@ OPERATIONS = {
     "Softmax": _softmax(F.softmax, False), "LogSoftmax": _softmax(F.log_softmax, True),
     "Where": _where, "Slice": _slice, "Gather": _gather, "Concat": _concat,
     "Shape": _shape, "Identity": _identity, "Dropout": _identity,
-    "LayerNormalization": _layer_norm,
     "ReduceSum": _reduce(F.sum, np.sum), "ReduceMean": _reduce(F.mean, np.mean),
 }
-# Split's outputs are as many as the node names; Cast's "to" is a NumPy dtype's name
-SPLIT, CAST = "Split", "Cast"
-SUPPORTED = sorted([*OPERATIONS, SPLIT, CAST, "Constant"])
+# Split's and LayerNormalization's outputs are as many as the node names; Cast's "to" is
+# a NumPy dtype's name
+SPLIT, CAST, LAYER_NORM = "Split", "Cast", "LayerNormalization"
+SUPPORTED = sorted([*OPERATIONS, SPLIT, CAST, LAYER_NORM, "Constant"])
 
 
 def run(operator, inputs, attributes, outputs):
@@ -322,6 +328,8 @@ def run(operator, inputs, attributes, outputs):
     None for an optional input left out), as a list."""
     if operator == SPLIT:
         results = _split(inputs, attributes, outputs)
+    elif operator == LAYER_NORM:
+        results = _layer_norm(inputs, attributes, outputs)
     elif operator == CAST:
         results = _cast(inputs, np.dtype(attributes["to"]))
     else:
