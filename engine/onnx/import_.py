@@ -7,7 +7,7 @@ import numpy as np
 from engine import nn
 from engine.file_safety import SizeBudget
 from engine.interop import sequential
-from engine.onnx.import_graph import needs_graph, read_graph
+from engine.onnx.import_graph_reader import needs_graph, read_graph
 from engine.onnx.common import MIN_OPSET, PROBE_BATCHES, _onnx
 from engine.onnx.importers import IMPORTERS
 

@@ -316,6 +316,8 @@ OPERATIONS = {
     "Where": _where, "Slice": _slice, "Gather": _gather, "Concat": _concat,
     "Shape": _shape, "Identity": _identity, "Dropout": _identity,
     "ReduceSum": _reduce(F.sum, np.sum), "ReduceMean": _reduce(F.mean, np.mean),
+    "ReduceMax": _reduce(F.max, np.max), "ReduceMin": _reduce(F.min, np.min),
+    "Size": lambda inputs, attributes: [np.array(math.prod(inputs[0].shape), np.int64)],
 }
 # Split's and LayerNormalization's outputs are as many as the node names; Cast's "to" is
 # a NumPy dtype's name
