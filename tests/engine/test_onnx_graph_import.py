@@ -101,6 +101,24 @@ def test_multi_head_attention_imports_and_matches(tmp_path, causal):
                                atol=1e-5)
 
 
+@pytest.mark.cuda
+def test_an_imported_attention_graph_runs_and_trains_on_cuda_as_on_the_cpu(tmp_path):
+    engine.manual_seed(12)
+    model, path = Attention(causal=True), tmp_path / "attention.onnx"
+    x = np.random.default_rng(13).standard_normal((1, 3, 4)).astype(np.float32)
+    engine_onnx.export(model, path, example=x)
+    results = []
+    for device in ("cpu", "cuda"):
+        loaded = engine_onnx.load(path).to(device)
+        y = loaded(engine.tensor(x, device=device))
+        y.sum().backward()
+        results.append((y.numpy(), [p.grad.numpy() for p in loaded.parameters()]))
+    (cpu, cpu_grads), (cuda, cuda_grads) = results
+    np.testing.assert_allclose(cuda, cpu, rtol=1e-5, atol=1e-6)
+    for on_cuda, on_cpu in zip(cuda_grads, cpu_grads):
+        np.testing.assert_allclose(on_cuda, on_cpu, rtol=1e-4, atol=1e-6)
+
+
 def _torch_attention_file(path, dynamic):
     """A torch module around ``torch.nn.MultiheadAttention`` written by torch's exporter
     (TorchScript-based, offline); the module and an input."""
