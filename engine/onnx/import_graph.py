@@ -93,8 +93,10 @@ class GraphModel(nn.Model):
                     if isinstance(data, np.ndarray):   # an embedding of stored ids
                         data = tensor(data, device=self.device)
                     results = [self.layers[layer](data)]
-            except (ValueError, TypeError, IndexError) as error:
-                raise type(error)(f"{self.name}: node {name!r} ({operator}): {error}") from None
+            except (ValueError, TypeError, IndexError) as error:   # named by its node
+                kind = next(base for base in (ValueError, TypeError, IndexError)
+                            if isinstance(error, base))
+                raise kind(f"{self.name}: node {name!r} ({operator}): {error}") from None
             values.update((output, result) for output, result in zip(outputs, results)
                           if output)
         results = tuple(self._value(values, name) for name in self.outputs)

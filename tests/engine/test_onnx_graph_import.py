@@ -221,6 +221,32 @@ def test_a_fixed_shape_torch_graph_saves_and_loads(tmp_path):
         imported(engine.tensor(x[:1]))
 
 
+class Shared(nn.Model):
+    """Two inputs through one Dense (the export writes two Gemms of the same weights)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shared, self.norm = nn.Dense(5, activation="relu"), nn.LayerNorm()
+
+    def forward(self, a, b):
+        return self.norm(self.shared(a) * self.shared(b)) - b[:, :5]
+
+
+def test_two_inputs_through_one_shared_layer_import_into_one_layer(tmp_path):
+    engine.manual_seed(14)
+    model, path = Shared(), tmp_path / "shared.onnx"
+    rng = np.random.default_rng(15)
+    a, b = (rng.standard_normal((3, 6)).astype(np.float32) for _ in range(2))
+    engine_onnx.export(model, path, example=(a, b))
+    loaded = engine_onnx.load(path).eval()
+    assert [type(layer).__name__ for layer in loaded.layers] == ["Dense", "LayerNorm"]
+    got = loaded(engine.tensor(a), engine.tensor(b)).numpy()
+    np.testing.assert_allclose(got, model.eval()(engine.tensor(a), engine.tensor(b)).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    (expected,) = _onnxruntime(path, {"input_0": a, "input_1": b})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def _graph_file(path, nodes, inputs, initializers=None):
     values = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
               for name, shape in inputs]
