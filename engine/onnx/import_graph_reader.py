@@ -217,17 +217,55 @@ class _GraphReader:
                 self.outputs_of[id(node)] = add.output[0]
         return plan
 
+    def _copies_for(self, user, node):
+        """Whether ``user`` only copies a stored value for ``node`` (torch's exporter stores
+        equal initialisers once: a BatchNorm's ones as its running variance too)."""
+        return user.op_type in MOVES and all(
+            reader is node for output in user.output for reader, _ in self.users.get(output, []))
+
     def _may_hold(self, node, key, held, unchanged, add):
         for name in held:
             if name in self.owned:
                 return False
             for user, _ in self.users.get(name, []):
-                if user is node or user is add or name in unchanged:
+                if user is node or user is add or name in unchanged or self._copies_for(
+                        user, node):
                     continue
                 other = self.layer_of(user)
                 if other is None or self._key(user, other) != key:
                     return False
         return True
+
+
+def _entries(reader, graph, plan, nodes):
+    """``[(node, GraphModel node entry)]`` in the graph's order: a layer's node reads its
+    data input only (its weights are the layer's) and gives its bias Add's output; Constant
+    nodes and the Adds a Dense took are not run."""
+    found = []
+    for number, node in enumerate(nodes):
+        if node.op_type == "Constant" or id(node) in graph.consumed:
+            continue
+        name = node.name or f"{node.op_type}_{number}"
+        if id(node) in plan:
+            data = node.input[1 if node.op_type == "Gather" else 0]
+            found.append((node, [name, node.op_type, [data],
+                                 [graph.outputs_of.get(id(node), node.output[0])], {},
+                                 plan[id(node)]]))
+        else:
+            found.append((node, [name, node.op_type, list(node.input), list(node.output),
+                                 _attribute_values(reader, node), None]))
+    return found
+
+
+def _live(entries, outputs):
+    """The ``entries`` the ``outputs`` depend on, in order: a node nothing reads is not run
+    (torch's exporter writes Identity copies of a weight that only a layer reads)."""
+    needed, kept = set(outputs), []
+    for node, entry in reversed(entries):
+        if any(value in needed for value in entry[3]):
+            kept.append((node, entry))
+            needed.update(value for value in entry[2] if value)
+    return kept[::-1]
 
 
 def _attribute_values(reader, node):
@@ -313,37 +351,23 @@ def read_graph(reader, proto, nodes, inputs):
             constants[name] = {"dtype": array.dtype.name, "shape": list(array.shape),
                                "values": array.reshape(-1).tolist()}
 
-    used = graph.used
+    outputs = [value.name for value in reader.graph.output]
     entries = []
-    for number, node in enumerate(nodes):
-        if node.op_type == "Constant" or id(node) in graph.consumed:
-            continue
-        name = node.name or f"{node.op_type}_{number}"
-        if id(node) in plan:
-            if any(value in used for value in node.output[1:]):
-                raise reader.fail(node, f"its outputs {list(node.output[1:])} are used; the "
-                                        f"importer computes a {node.op_type}'s first output only")
-            data = node.input[1 if node.op_type == "Gather" else 0]
-            resolve(data, node)
-            entries.append([name, node.op_type, [data],
-                            [graph.outputs_of.get(id(node), node.output[0])], {},
-                            plan[id(node)]])
-            continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in SUPPORTED:
+    for node, entry in _live(_entries(reader, graph, plan, nodes), outputs):
+        if entry[5] is None and (node.domain not in ("", "ai.onnx")
+                                 or node.op_type not in SUPPORTED):
             operator = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
             raise reader.fail(node, f"operator {operator!r} is not supported; the graph "
                                     f"importer reads {', '.join(SUPPORTED)} (and "
                                     f"{', '.join(sorted(IMAGE_LAYERS))} as layers)")
-        for value in node.input:
-            resolve(value, node)
-        extra = [value for value in node.output[1:] if value in used]
-        if extra and node.op_type not in (SPLIT, LAYER_NORM):
+        extra = [value for value in node.output[1:] if value in graph.used]
+        if extra and (entry[5] is not None or node.op_type not in (SPLIT, LAYER_NORM)):
             raise reader.fail(node, f"its outputs {extra} are used; the importer computes "
                                     f"a {node.op_type}'s first output only")
-        entries.append([name, node.op_type, list(node.input), list(node.output),
-                        _attribute_values(reader, node), None])
+        for value in entry[2]:
+            resolve(value, node)
+        entries.append(entry)
     made = fed | {value for entry in entries for value in entry[3]}
-    outputs = [value.name for value in reader.graph.output]
     for output in outputs:
         if output not in made:
             resolve(output, None)   # a constant output: the forward returns it as stored

@@ -176,6 +176,43 @@ def test_torch_multihead_attention_exported_by_torch_imports_and_matches(tmp_pat
     assert sum(p.size for p in loaded.parameters()) == expected_size
 
 
+def test_a_torch_residual_convnet_imports_with_its_layers(tmp_path):
+    """torch's exporter stores equal initialisers once (a fresh BatchNorm's ones and zeros
+    are its running variance and mean too, as Identity copies): the BatchNorm layer still
+    holds them."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.norm = torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+            self.conv2, self.pool = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.MaxPool2d(2)
+            self.head = torch.nn.Linear(36, 5)
+
+        def forward(self, x):
+            h = torch.relu(self.norm(self.conv1(x)))
+            return self.head(torch.flatten(self.pool(h + self.conv2(h)), 1))
+
+    torch.manual_seed(1)
+    module, path = Net().eval(), tmp_path / "convnet.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(2, 2, 6, 6),), str(path), dynamo=False,
+                          input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "n"}, "output": {0: "n"}},
+                          do_constant_folding=False)
+    loaded = engine_onnx.load(path).eval()
+    assert [type(layer).__name__ for layer in loaded.layers] == [
+        "Conv2D", "BatchNorm", "Conv2D", "MaxPool2D", "Dense"]
+    x = np.random.default_rng(16).standard_normal((3, 2, 6, 6)).astype(np.float32)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(loaded(engine.tensor(x)).numpy(), expected, rtol=1e-5,
+                               atol=1e-5)
+    assert sum(p.size for p in loaded.parameters()) == sum(
+        p.numel() for p in module.parameters())
+
+
 class Residual(nn.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
