@@ -289,6 +289,29 @@ def _reduce(function, host_function):
     return run
 
 
+def _pow(inputs, attributes):
+    x, exponent = inputs
+    if _host(x) and _host(exponent):
+        return [np.power(x, exponent)]
+    if not _host(exponent) or exponent.size != 1:
+        raise ValueError("Pow by a computed or non-scalar exponent; the engine raises to one "
+                         "number")
+    return [F.pow(x, float(exponent.reshape(())))]
+
+
+def _clip(inputs, attributes):
+    """``Clip``: bounds as inputs (opset 11 on), "" (None here) for an open side."""
+    x = inputs[0]
+    low, high = (None if len(inputs) <= k or inputs[k] is None else inputs[k]
+                 for k in (1, 2))
+    if _host(x):
+        return [np.clip(x, low, high)]
+    if any(bound is not None and not _host(bound) for bound in (low, high)):
+        raise ValueError("Clip with computed bounds; the engine clips to numbers")
+    low, high = (None if bound is None else float(bound.reshape(())) for bound in (low, high))
+    return [F.clip(x, low, high)]
+
+
 def _identity(inputs, attributes):
     return [inputs[0]]
 
@@ -309,7 +332,7 @@ OPERATIONS = {
     "Add": _binary(np.add, F.add), "Sub": _binary(np.subtract, F.sub),
     "Mul": _binary(np.multiply, F.mul), "Div": _binary(_host_div, F.div),
     "Max": _binary(np.maximum, F.maximum), "Min": _binary(np.minimum, F.minimum),
-    "Mod": _host_only(np.mod, "Mod"),
+    "Mod": _host_only(np.mod, "Mod"), "Pow": _pow, "Clip": _clip,
     "MatMul": _matmul, "Gemm": _gemm, "Transpose": _transpose, "Reshape": _reshape,
     "Flatten": _flatten, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
     "Softmax": _softmax(F.softmax, False), "LogSoftmax": _softmax(F.log_softmax, True),
