@@ -100,10 +100,20 @@ class _GraphReader:
             if node.op_type == "Add" and len(node.input) == 2:
                 producers = [self.producer.get(name) for name in node.input]
                 for name, other in zip(node.input, reversed(producers)):
-                    if other is not None and other.op_type in ("MatMul", "Gemm") \
-                            and self.float_stored(name):
+                    if self.is_bias(name, other):
                         found.add(name)
         return found
+
+    def is_bias(self, name, product):
+        """Whether the stored ``name`` added to the output of the node ``product`` is a
+        linear layer's bias: one value per column (1-D) after a product by a stored weight
+        (not the causal mask added to attention's scores)."""
+        if product is None or product.op_type not in ("MatMul", "Gemm") or len(
+                product.input) < 2 or not self.float_stored(name):
+            return False
+        weight = self.behind_moves(product.input[1])
+        return (weight is not None and self.float_stored(weight)
+                and self.reader.value(name, None).ndim <= 1)
 
     # ------------------------------------------------------------- layers
     def feature_shape(self, node):

@@ -289,6 +289,19 @@ def _reduce(function, host_function):
     return run
 
 
+def _comparison(host_op, engine_op, reflected_op):
+    """A comparison (a bool result, never differentiated); a host left operand swaps sides
+    (``2 < x`` is ``x > 2``)."""
+    def run(inputs, attributes):
+        a, b = inputs
+        if _host(a) and _host(b):
+            return [host_op(a, b)]
+        if _host(a):
+            return [reflected_op(b, _operand(a, b))]
+        return [engine_op(a, _operand(b, a) if _host(b) else b)]
+    return run
+
+
 def _pow(inputs, attributes):
     x, exponent = inputs
     if _host(x) and _host(exponent):
@@ -333,6 +346,10 @@ OPERATIONS = {
     "Mul": _binary(np.multiply, F.mul), "Div": _binary(_host_div, F.div),
     "Max": _binary(np.maximum, F.maximum), "Min": _binary(np.minimum, F.minimum),
     "Mod": _host_only(np.mod, "Mod"), "Pow": _pow, "Clip": _clip,
+    "Greater": _comparison(np.greater, F.gt, F.lt), "Less": _comparison(np.less, F.lt, F.gt),
+    "GreaterOrEqual": _comparison(np.greater_equal, F.ge, F.le),
+    "LessOrEqual": _comparison(np.less_equal, F.le, F.ge),
+    "Equal": _comparison(np.equal, F.eq, F.eq),
     "MatMul": _matmul, "Gemm": _gemm, "Transpose": _transpose, "Reshape": _reshape,
     "Flatten": _flatten, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
     "Softmax": _softmax(F.softmax, False), "LogSoftmax": _softmax(F.log_softmax, True),

@@ -116,20 +116,22 @@ def test_an_imported_attention_graph_runs_and_trains_on_cuda_as_on_the_cpu(tmp_p
 
 
 def _torch_attention_file(path, exporter):
-    """A torch module around ``torch.nn.MultiheadAttention`` written by torch's exporter:
+    """A torch module around a causal ``torch.nn.MultiheadAttention`` (its mask becomes
+    Where or an additive mask, a masked_fill Greater and Where) written by torch's exporter:
     the TorchScript one with the batch fixed ("fixed") or open ("dynamic"), or the
     torch.export-based one ("dynamo", the batch open); the module."""
     torch = pytest.importorskip("torch")
 
-    class TorchAttention(torch.nn.Module):
+    class TorchAttention(torch.nn.Module):   # causal by a bool mask; a masked_fill
         def __init__(self):
             super().__init__()
             self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
             self.head = torch.nn.Linear(8, 3)
+            self.register_buffer("mask", torch.ones(5, 5, dtype=torch.bool).triu(1))
 
         def forward(self, x):
-            y, _ = self.attention(x, x, x, need_weights=False)
-            return self.head(torch.relu(y) + x)
+            y, _ = self.attention(x, x, x, attn_mask=self.mask, need_weights=False)
+            return self.head(torch.relu(y).masked_fill(x > 1.0, 0.0) + x)
 
     torch.manual_seed(0)
     module = TorchAttention().eval()
