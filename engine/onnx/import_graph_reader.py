@@ -196,7 +196,9 @@ class _GraphReader:
         return (add, other) if bias.shape == weight.shape[-1:] else None
 
     def _key(self, node, found):
-        return (node.op_type, tuple(found[1]),
+        """What makes two nodes one layer: the operator, the stored values, the attributes
+        and the input's feature shape."""
+        return (node.op_type, tuple(found[1]), tuple(found[4]),
                 repr(sorted(self.reader.attributes(node).items())))
 
     def read_layers(self):
