@@ -6,7 +6,8 @@ The nodes that hold weights become engine layers, read by the chain importer's
 over the last axis a ``LayerNorm``, ``Gather`` of a stored float table an ``Embedding``,
 ``Conv``, ``BatchNormalization``, the pools and ``Dropout`` their layers. Two nodes of the
 same weights and attributes share one layer (a layer the traced export wrote twice). Every
-other node runs as engine functional ops (``engine.onnx.import_ops``). A stored tensor that
+other node runs as engine functional ops (``engine.onnx.import_ops``; attention's composition
+as one fused op, ``engine.onnx.import_fusion``). A stored tensor that
 such a node reads is a trainable ``nn.Parameter`` where it is a weight (an operand of
 ``MatMul`` or ``Gemm``, a table, a scale, the bias added to a product), the layer's own
 parameter where a layer holds it unchanged (an embedding table the output head reads
@@ -19,6 +20,7 @@ import numpy as np
 from engine import nn
 from engine.interop import sequential
 from engine.onnx.import_ops import LAYER_NORM, SPLIT, SUPPORTED
+from engine.onnx.import_fusion import fuse_attention
 from engine.onnx.import_graph import GraphModel
 from engine.onnx.importers import IMPORTERS
 
@@ -376,9 +378,12 @@ def read_graph(reader, proto, nodes, inputs):
         if extra and (entry[5] is not None or node.op_type not in (SPLIT, LAYER_NORM)):
             raise reader.fail(node, f"its outputs {extra} are used; the importer computes "
                                     f"a {node.op_type}'s first output only")
-        for value in entry[2]:
-            resolve(value, node)
         entries.append(entry)
+    entries = fuse_attention(entries, outputs, lambda name: None if name in computed or
+                             not name else reader.value(name, None))
+    for entry in entries:
+        for value in entry[2]:
+            resolve(value, None)
     made = fed | {value for entry in entries for value in entry[3]}
     for output in outputs:
         if output not in made:

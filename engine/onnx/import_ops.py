@@ -362,6 +362,8 @@ OPERATIONS = {
 # Split's and LayerNormalization's outputs are as many as the node names; Cast's "to" is
 # a NumPy dtype's name
 SPLIT, CAST, LAYER_NORM = "Split", "Cast", "LayerNormalization"
+# attention's composition fused at import (engine.onnx.import_fusion): not an ONNX operator
+ATTENTION = "engine.attention"
 SUPPORTED = sorted([*OPERATIONS, SPLIT, CAST, LAYER_NORM, "Constant"])
 
 
@@ -372,6 +374,10 @@ def run(operator, inputs, attributes, outputs):
         results = _split(inputs, attributes, outputs)
     elif operator == LAYER_NORM:
         results = _layer_norm(inputs, attributes, outputs)
+    elif operator == ATTENTION:
+        q, k, v, mask = inputs
+        results = [sequence.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=attributes["causal"], scale=attributes["scale"])]
     elif operator == CAST:
         results = _cast(inputs, np.dtype(attributes["to"]))
     else:
