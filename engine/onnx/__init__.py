@@ -55,7 +55,8 @@ each a ValueError naming the file and the node. A graph that is not a chain (a n
 combines two computed values: residual joins, attention's batched MatMul; several inputs or
 outputs; an operator only a graph reads: Transpose, Where, Split, Slice, Concat, ...) is read
 into a ``GraphModel`` (``engine.onnx.import_graph_reader``): layers where nodes hold weights,
-engine functional ops for the rest (``engine.onnx.import_ops``); it trains, saves and loads. What is read
+engine functional ops for the rest (``engine.onnx.import_ops``; attention's composition as
+one fused op, ``engine.onnx.import_fusion``); it trains, saves and loads. What is read
 computes ONNX's numbers: a ``Div`` by a constant only where a Normalization (and a Rescaling
 by -1 for a negative divisor) divides by it to the bit; ``auto_pad`` SAME_UPPER / SAME_LOWER
 and explicit ``pads`` from the input's size, one-sided ones only where a symmetric padding

@@ -64,6 +64,37 @@ def test_the_imported_gpt_trains_with_the_original_s_gradients(tmp_path):
                                    atol=1e-5, err_msg=name)
 
 
+class MaskedAttention(nn.Model):
+    """Attention with a float mask of its own: the export writes it as an added constant."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.q, self.k, self.v = nn.Dense(4), nn.Dense(4), nn.Dense(4)
+
+    def forward(self, x):
+        mask = np.where(np.random.default_rng(0).random((5, 5)) < 0.3, -1e4, 0.5)
+        return engine.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x),
+                                                   attn_mask=mask.astype(np.float32))
+
+
+def test_attention_s_composition_is_read_as_one_fused_op(tmp_path):
+    model, path = _gpt(), tmp_path / "gpt.onnx"
+    ids = np.random.default_rng(19).integers(0, 11, (2, 8))
+    engine_onnx.export(model, path, example=ids)
+    fused = [node for node in engine_onnx.load(path).nodes if node[1] == "engine.attention"]
+    assert len(fused) == 2 and all(node[4]["causal"] for node in fused)   # no mask kept
+    engine.manual_seed(20)
+    masked, path = MaskedAttention(), tmp_path / "masked.onnx"
+    x = np.random.default_rng(21).standard_normal((2, 5, 6)).astype(np.float32)
+    engine_onnx.export(masked, path, example=x)
+    loaded = engine_onnx.load(path)
+    (node,) = [node for node in loaded.nodes if node[1] == "engine.attention"]
+    assert not node[4]["causal"] and node[2][3]   # the mask read as the file stores it
+    (expected,) = _onnxruntime(path, {"input": x})
+    np.testing.assert_allclose(loaded(engine.tensor(x)).numpy(), expected, rtol=1e-5,
+                               atol=1e-5)
+
+
 class Attention(nn.Model):
     """A pre-norm self-attention block and a head: residual Add, LayerNorm, attention."""
 
