@@ -4,6 +4,8 @@ inputs or outputs; ``engine.onnx.import_graph_reader`` reads it). Its forward ru
 graph's nodes in order: those that hold weights through engine layers, the others as engine
 functional ops (``engine.onnx.import_ops``), so it trains, runs on CUDA as on the CPU, and
 saves and loads as any registered model (its config is the graph)."""
+import re
+
 import numpy as np
 
 from engine import nn
@@ -107,3 +109,16 @@ class GraphModel(nn.Model):
                 "layers": self.layer_configs, "parameters": self.parameter_entries,
                 "buffers": self.buffer_entries, "aliases": self.aliases,
                 "constants": self.constant_entries, "name": self.name}
+
+
+def attribute_name(value, taken):
+    """A Python attribute name for the stored value ``value``: its characters other than
+    letters, digits and ``_`` replaced (``blocks.0.fc.weight`` -> ``blocks_0_fc_weight``),
+    numbered where that is taken."""
+    base = re.sub(r"\W", "_", value).strip("_") or "value"
+    base = base if base[0].isalpha() else f"v_{base}"
+    name, number = base, 1
+    while name in taken or hasattr(nn.Layer, name):
+        name, number = f"{base}_{number}", number + 1
+    taken.add(name)
+    return name

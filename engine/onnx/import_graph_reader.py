@@ -13,15 +13,12 @@ such a node reads is a trainable ``nn.Parameter`` where it is a weight (an opera
 parameter where a layer holds it unchanged (an embedding table the output head reads
 transposed: tied weights stay tied), a buffer where it is another float tensor (a causal
 mask), and a host constant otherwise (shapes, indices, single numbers)."""
-import re
-
 import numpy as np
 
-from engine import nn
 from engine.interop import sequential
 from engine.onnx.import_ops import LAYER_NORM, SPLIT, SUPPORTED
 from engine.onnx.import_fusion import fuse_attention
-from engine.onnx.import_graph import GraphModel
+from engine.onnx.import_graph import GraphModel, attribute_name
 from engine.onnx.importers import IMPORTERS
 
 # the operators whose stored float operands are weights, by input position
@@ -296,19 +293,6 @@ def _attribute_values(reader, node):
     if node.op_type == "Cast":
         found["to"] = np.dtype(reader.onnx.helper.tensor_dtype_to_np_dtype(found["to"])).name
     return found
-def _attribute_name(value, taken):
-    """A Python attribute name for the stored value ``value``: its characters other than
-    letters, digits and ``_`` replaced (``blocks.0.fc.weight`` -> ``blocks_0_fc_weight``),
-    numbered where that is taken."""
-    base = re.sub(r"\W", "_", value).strip("_") or "value"
-    base = base if base[0].isalpha() else f"v_{base}"
-    name, number = base, 1
-    while name in taken or hasattr(nn.Layer, name):
-        name, number = f"{base}_{number}", number + 1
-    taken.add(name)
-    return name
-
-
 def _graph_inputs(reader, inputs):
     """``[name, shape (None for an open dimension), dtype]`` of each graph input, and the
     model's float dtype: its float inputs', else its stored floats', else float32."""
@@ -357,7 +341,7 @@ def read_graph(reader, proto, nodes, inputs):
         array = reader.value(name, node)
         if name in weights or (array.dtype.kind == "f" and array.size > 1):
             entries = parameters if name in weights else buffers
-            attribute = _attribute_name(name, taken)
+            attribute = attribute_name(name, taken)
             entries.append([name, attribute, list(array.shape), dtype.name])
             holder = "weights" if entries is parameters else "constants"
             state[f"{holder}.{attribute}"] = np.asarray(array, dtype)
