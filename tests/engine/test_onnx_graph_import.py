@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import engine
-from engine import nn
+from engine import nn, optim
 from engine import onnx as engine_onnx
+from engine.losses import cross_entropy
 from engine.models import build_gpt
 
 ort = pytest.importorskip("onnxruntime")
@@ -62,6 +63,30 @@ def test_the_imported_gpt_trains_with_the_original_s_gradients(tmp_path):
         assert any(imported is trained for trained in loaded.parameters()), name
         np.testing.assert_allclose(imported.grad.numpy(), parameter.grad.numpy(), rtol=1e-4,
                                    atol=1e-5, err_msg=name)
+
+
+def test_the_imported_gpt_trains_captured_as_eagerly(tmp_path):
+    ids = np.random.default_rng(22).integers(0, 11, (4, 8))
+    engine_onnx.export(_gpt(), tmp_path / "gpt.onnx", example=ids)
+    x, y = engine.tensor(ids), engine.tensor(np.roll(ids, -1, axis=1).reshape(-1))
+    runs = []
+    for capture in (False, True):
+        model = engine_onnx.load(tmp_path / "gpt.onnx")
+        opt = optim.Adam(model.parameters(), lr=1e-2)
+
+        def step(xb, yb):
+            opt.zero_grad()
+            loss = cross_entropy(model(xb).reshape(-1, 11), yb)
+            loss.backward()
+            opt.step()
+            return loss
+        run = engine.capture(step) if capture else step
+        runs.append(([run(x, y).item() for _ in range(5)], model.state_dict()))
+        assert getattr(run, "eager_reason", None) is None   # every later call replayed
+    (eager, eager_state), (captured, captured_state) = runs
+    assert captured == eager and eager[-1] < eager[0]
+    for name, value in eager_state.items():
+        np.testing.assert_array_equal(captured_state[name], value, err_msg=name)
 
 
 class MaskedAttention(nn.Model):
@@ -206,9 +231,8 @@ def test_torch_multihead_attention_exported_by_torch_imports_and_matches(tmp_pat
 
 
 def test_a_torch_residual_convnet_imports_with_its_layers(tmp_path):
-    """torch's exporter stores equal initialisers once (a fresh BatchNorm's ones and zeros
-    are its running variance and mean too, as Identity copies): the BatchNorm layer still
-    holds them."""
+    """torch stores a fresh BatchNorm's running variance and mean as Identity copies of its
+    equal weight and bias: the BatchNorm layer holds them all."""
     torch = pytest.importorskip("torch")
 
     class Net(torch.nn.Module):
@@ -287,8 +311,7 @@ def test_a_fixed_shape_torch_graph_saves_and_loads(tmp_path):
         imported(engine.tensor(x[:1]))
 
 
-class Shared(nn.Model):
-    """Two inputs through one Dense (the export writes two Gemms of the same weights)."""
+class Shared(nn.Model):   # two inputs through one Dense: two Gemms of the same weights
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -313,8 +336,7 @@ def test_two_inputs_through_one_shared_layer_import_into_one_layer(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-class Arithmetic(nn.Model):
-    """What else the traced export writes: Clip, Pow, SiLU's Mul, ReduceSum, ReduceMax."""
+class Arithmetic(nn.Model):   # the export's Clip, Pow, SiLU's Mul, ReduceSum, ReduceMax
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
