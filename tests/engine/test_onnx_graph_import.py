@@ -1,8 +1,6 @@
-"""ONNX import of graphs that are not chains (``engine.onnx.import_graph``): what the traced
-export writes for sequence models (the GPT, multi-head attention) and what torch's exporter
-writes for ``torch.nn.MultiheadAttention``, read into a ``GraphModel`` and checked against
-onnxruntime and the original model (ONNX's own node cases: test_onnx_graph_cases.py); saved
-and loaded back; refused with the node named."""
+"""ONNX import of graphs that are not chains into a ``GraphModel``: the traced export's GPT and
+attention, torch's MultiheadAttention, against onnxruntime and the originals (ONNX's node
+cases: test_onnx_graph_cases.py); trained, saved and loaded back; refused naming the node."""
 import collections
 import warnings
 
