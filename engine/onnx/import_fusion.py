@@ -1,4 +1,6 @@
-"""Attention's composition in an imported graph as one engine op: the nodes
+"""Imported graph nodes run as fewer engine ops with the composition's numbers.
+
+Attention's composition as one engine op: the nodes
 ``MatMul(q, Transpose(k)) -> Mul by a number (or Div) -> [Add a mask] -> Softmax(-1) ->
 MatMul(., v)`` (what the traced export writes for ``scaled_dot_product_attention``, and
 torch's exporters for the like) become one ``engine.attention`` node of a ``GraphModel``,
@@ -6,10 +8,18 @@ run by ``engine.scaled_dot_product_attention``: one fused kernel per direction o
 blocked loop on the CPU, no Tq x Tk score matrix kept for the backward. The numbers are the
 composition's (within float rounding); an additive mask equal to the causal one
 (``-inf`` above the diagonal of a square) becomes ``is_causal``. A chain whose intermediate
-values something else reads too stays as it is."""
+values something else reads too stays as it is.
+
+A Dense layer's activation (the node after it, or after a reshape of its output, where
+nothing else reads the product) runs in the layer's kernel, as ``engine.interop.sequential.fuse_activations`` does for a chain."""
 import numpy as np
 
+from engine.interop.sequential import FUSED
 from engine.onnx.import_ops import ATTENTION
+from engine.onnx.importers import OPERATOR_ACTIVATIONS
+
+# what may stand between a Dense and its activation: the shape changes it commutes with
+RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
 def _swaps_last_two(perm):
@@ -82,3 +92,39 @@ def fuse_attention(entries, outputs, constant_of):
                                entry[3], {"scale": scale, "causal": causal}, None]
         removed.update(id(e) for e in (weights, masked, scaling, scores, transposed) if e)
     return [replaced.get(id(entry), entry) for entry in entries if id(entry) not in removed]
+
+
+def fuse_dense_activations(entries, layers, outputs):
+    """``entries`` with each activation node that alone reads a Dense layer's output (the
+    layer run by that node only, without an activation) moved into the layer's config
+    (``layers``: the layer descriptions, changed in place)."""
+    readers, runs = {}, {}
+    for entry in entries:
+        for value in entry[2]:
+            readers.setdefault(value, []).append(entry)
+        if entry[5] is not None:
+            runs[entry[5]] = runs.get(entry[5], 0) + 1
+    removed = set()
+    for entry in entries:
+        index = entry[5]
+        if index is None or layers[index]["class_name"] != "Dense" or runs[index] != 1 \
+                or layers[index]["config"].get("activation") or entry[3][0] in outputs:
+            continue
+        last, found = entry, readers.get(entry[3][0], [])
+        if len(found) == 1 and found[0][1] in RESHAPES and found[0][5] is None \
+                and found[0][3][0] not in outputs:   # the export's Reshape back from 2-D rows
+            last, found = found[0], readers.get(found[0][3][0], [])
+        if len(found) != 1 or found[0][5] is not None or found[0][1] not in OPERATOR_ACTIVATIONS:
+            continue
+        activation, attributes = found[0], found[0][4]
+        name = OPERATOR_ACTIVATIONS[activation[1]]
+        if (name not in FUSED["Dense"] or attributes.get("alpha", 0.01) < 0
+                or attributes.get("approximate", "none") != "none"
+                or attributes.get("axis", -1) != -1):
+            continue
+        layers[index]["config"]["activation"] = name
+        if name == "leaky_relu":
+            layers[index]["config"]["alpha"] = attributes.get("alpha", 0.01)
+        last[3] = list(activation[3])   # an elementwise function commutes with a reshape
+        removed.add(id(activation))
+    return [entry for entry in entries if id(entry) not in removed]

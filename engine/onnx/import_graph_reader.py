@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.interop import sequential
 from engine.onnx.import_ops import LAYER_NORM, SPLIT, SUPPORTED
-from engine.onnx.import_fusion import fuse_attention
+from engine.onnx.import_fusion import fuse_attention, fuse_dense_activations
 from engine.onnx.import_graph import GraphModel, attribute_name
 from engine.onnx.importers import IMPORTERS
 
@@ -365,6 +365,7 @@ def read_graph(reader, proto, nodes, inputs):
         entries.append(entry)
     entries = fuse_attention(entries, outputs, lambda name: None if name in computed or
                              not name else reader.value(name, None))
+    entries = fuse_dense_activations(entries, graph.layers, outputs)
     for entry in entries:
         for value in entry[2]:
             resolve(value, None)

@@ -41,6 +41,8 @@ def test_the_gpt_imports_and_computes_what_onnxruntime_and_the_original_compute(
                                atol=1e-5)
     kinds = collections.Counter(type(layer).__name__ for layer in loaded.layers)
     assert kinds == {"Embedding": 2, "LayerNorm": 5, "Dense": 8}
+    activations = [entry["config"].get("activation") for entry in loaded.layer_configs]
+    assert activations.count("gelu") == 2   # each MLP's GELU runs in its Dense's kernel
     # the head reads the token table transposed: one parameter, as in the original
     assert loaded.aliases["tokens.weight"] == [0, "weight"]
     assert sum(p.size for p in loaded.parameters()) == sum(p.size for p in model.parameters())
@@ -267,12 +269,10 @@ def test_a_torch_residual_convnet_imports_with_its_layers(tmp_path):
 class Residual(nn.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.stem, self.block, self.head = nn.Dense(6), nn.Dense(6, activation="tanh"), \
-            nn.Dense(2)
+        self.stem, self.block, self.head = nn.Dense(6), nn.Dense(6, "tanh"), nn.Dense(2)
 
     def forward(self, x):
-        x = self.stem(x)
-        return self.head(x + self.block(x))
+        return self.head(self.stem(x) + self.block(self.stem(x)))
 
 
 @pytest.mark.parametrize("suffix", ["safetensors", "npz"])
