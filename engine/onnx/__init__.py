@@ -50,8 +50,13 @@ Import. ``load(path)`` (``nn.load`` on a ``.onnx`` path) reads such a chain back
 ``torch.onnx.export`` writes for the equivalent torch network: a ``Reshape`` whose target a
 shape computation beside the chain gives, evaluated with NumPy for two batch sizes;
 weights in an external file beside the model). Each value of the chain feeds the next node
-only: branches, joins and several inputs are refused, as are operators and attributes
-without an engine equivalent, each a ValueError naming the file and the node. What is read
+only: a branch is refused, as are operators and attributes without an engine equivalent,
+each a ValueError naming the file and the node. A graph that is not a chain (a node that
+combines two computed values: residual joins, attention's batched MatMul; several inputs or
+outputs; an operator only a graph reads: Transpose, Where, Split, Slice, Concat, ...) is read
+into a ``GraphModel`` (``engine.onnx.import_graph_reader``): layers where nodes hold weights,
+engine functional ops for the rest (``engine.onnx.import_ops``; attention's composition as
+one fused op, ``engine.onnx.import_fusion``); it trains, saves and loads. What is read
 computes ONNX's numbers: a ``Div`` by a constant only where a Normalization (and a Rescaling
 by -1 for a negative divisor) divides by it to the bit; ``auto_pad`` SAME_UPPER / SAME_LOWER
 and explicit ``pads`` from the input's size, one-sided ones only where a symmetric padding
@@ -65,11 +70,12 @@ from engine.onnx import traced
 from engine.onnx.common import (ACTIVATIONS, DEFAULT_OPSET, GELU_OPSET, INPUT, MIN_OPSET,
                                 OUTPUT)
 from engine.onnx.import_ import IMPORTERS, OnnxImportError, from_onnx, load
+from engine.onnx.import_graph import GraphModel
 from engine.onnx.importers import OPERATOR_ACTIVATIONS
 from engine.onnx.sequential import EXPORTERS
 from engine.onnx.sequential import to_onnx as _sequential_onnx
 
-__all__ = ["export", "to_onnx", "load", "from_onnx", "OnnxImportError", "IMPORTERS",
+__all__ = ["export", "to_onnx", "load", "from_onnx", "OnnxImportError", "IMPORTERS", "GraphModel",
            "EXPORTERS", "ACTIVATIONS", "OPERATOR_ACTIVATIONS", "DEFAULT_OPSET", "GELU_OPSET", "MIN_OPSET", "INPUT",
            "OUTPUT"]
 

@@ -7,7 +7,7 @@ import numpy as np
 from engine import nn
 from engine.file_safety import SizeBudget
 from engine.interop import sequential
-from engine.onnx.import_graph import joins, read_graph
+from engine.onnx.import_graph_reader import needs_graph, read_graph
 from engine.onnx.common import MIN_OPSET, PROBE_BATCHES, _onnx
 from engine.onnx.importers import IMPORTERS
 
@@ -320,7 +320,7 @@ def from_onnx(proto, path="<model>"):
     # every step reads values of the file: a failure the checks do not name (an unknown
     # element type, a missing field of a crafted file) is a damaged file too
     layers, input_shape, dtype = reader.guarded(None, _layers, reader, proto)
-    if isinstance(layers, nn.Model):   # a graph with residual joins
+    if isinstance(layers, nn.Model):   # a graph (engine.onnx.import_graph)
         return layers
     return sequential.build(sequential.fuse_activations(layers), input_shape, dtype,
                             proto.graph.name or "sequential", f"engine.onnx.load: {path!r}")
@@ -334,13 +334,9 @@ def _layers(reader, proto):
     graph = reader.graph
     inputs = [value for value in graph.input if value.name not in reader.initializers]
     nodes = _gelu_compositions_as_nodes(reader)
-    if len(inputs) == 1 and len(graph.output) == 1 and joins(
-            reader, nodes, inputs[0].name):
-        graph_input = inputs[0]
-        chain = [node for node in nodes if graph_input.name in node.input]   # what reads it
-    else:
-        graph_input, chain = _chain(reader)
-        nodes = None
+    if needs_graph(reader, nodes, inputs, IMPORTERS):
+        return read_graph(reader, proto, nodes, inputs), None, None
+    graph_input, chain = _chain(reader)
     if not graph_input.type.HasField("tensor_type"):
         raise reader.fail(None, f"input {graph_input.name!r} is a "
                                 f"{graph_input.type.WhichOneof('value')}, not a tensor")
@@ -354,13 +350,6 @@ def _layers(reader, proto):
         raise reader.fail(None, f"input {graph_input.name!r} is {dtype}; the engine's models "
                                 "take float32 or float64")
     shape = reader.shapes[graph_input.name] = _feature_shape(reader, graph_input)
-    if nodes is not None:
-        model = read_graph(reader, nodes, graph_input, graph.output[0].name, dtype,
-                           lambda chain, shape, dtype: _import_chain(reader, chain, shape,
-                                                                     dtype))
-        model.build(shape, dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
-            graph_input.type.tensor_type.elem_type)))
-        return model, shape, dtype
     layers, _ = _import_chain(reader, chain, shape, dtype)
     if not layers:
         raise reader.fail(None, "the graph computes nothing but its input: no layers")
