@@ -31,6 +31,7 @@ onnx = pytest.importorskip("onnx")
 
 import engine  # noqa: E402
 from engine import onnx as engine_onnx  # noqa: E402
+from tests.support.onnx_case_report import print_case_report  # noqa: E402
 from tests.support.oracle_check import raised_on_purpose  # noqa: E402
 
 # the onnx package's module of each operator's node cases
@@ -126,16 +127,7 @@ def test_onnx_node_cases_match_or_are_refused(operator):
 
 
 def main():
-    total = collections.Counter()
-    for operator in sorted(CASE_MODULES):
-        counts, results = run_operator(operator)
-        total.update(counts)
-        print(f"{operator:20s} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-        for name, outcome, detail in results:
-            if outcome != "matched" and (outcome != "refused" or "-v" in sys.argv):
-                print(f"    {name}: {outcome}: {detail[:240]}")
-    print(f"TOTAL {sum(total.values())} cases over {len(CASE_MODULES)} operators: " + ", ".join(
-        f"{k} {v}" for k, v in sorted(total.items())))
+    print_case_report(sorted(CASE_MODULES), run_operator)
 
 
 if __name__ == "__main__":

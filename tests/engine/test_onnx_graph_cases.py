@@ -18,6 +18,7 @@ import pytest
 import engine
 from engine import onnx as engine_onnx
 from engine.onnx import import_ops
+from tests.support.onnx_case_report import print_case_report
 from tests.support.oracle_check import raised_on_purpose
 
 onnx = pytest.importorskip("onnx")
@@ -77,10 +78,14 @@ def test_every_operator_checked_here_is_one_the_graph_importer_reads():
     assert set(CASE_MODULES) <= set(import_ops.SUPPORTED)
 
 
+def _run_operator(operator):
+    results = [(case.name, *_run_case(case)) for case in _node_cases(operator)]
+    return collections.Counter(outcome for _, outcome, _ in results), results
+
+
 @pytest.mark.parametrize("operator", sorted(CASE_MODULES))
 def test_onnx_node_cases_of_the_graph_operators_match_or_are_refused(operator):
-    results = [(case.name, *_run_case(case)) for case in _node_cases(operator)]
-    counts = collections.Counter(outcome for _, outcome, _ in results)
+    counts, results = _run_operator(operator)
     bad = [f"{name}: {outcome}: {detail}" for name, outcome, detail in results
            if outcome in ("wrong", "crashed")]
     assert not bad, f"{operator}: {dict(counts)}\n" + "\n".join(bad[:10])
@@ -88,17 +93,7 @@ def test_onnx_node_cases_of_the_graph_operators_match_or_are_refused(operator):
 
 
 def main():
-    total = collections.Counter()
-    for operator in sorted(CASE_MODULES):
-        results = [(case.name, *_run_case(case)) for case in _node_cases(operator)]
-        counts = collections.Counter(outcome for _, outcome, _ in results)
-        total.update(counts)
-        print(f"{operator:20s} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-        for name, outcome, detail in results:
-            if outcome != "matched" and (outcome != "refused" or "-v" in sys.argv):
-                print(f"    {name}: {outcome}: {detail[:240]}")
-    print(f"TOTAL over {len(CASE_MODULES)} operators: " + ", ".join(
-        f"{k} {v}" for k, v in sorted(total.items())))
+    print_case_report(sorted(CASE_MODULES), _run_operator)
 
 
 if __name__ == "__main__":
