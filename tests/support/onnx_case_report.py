@@ -17,3 +17,10 @@ def print_case_report(operators, run_operator):
                 print(f"    {name}: {outcome}: {detail[:240]}")
     print(f"TOTAL {sum(total.values())} cases over {len(operators)} operators: " + ", ".join(
         f"{k} {v}" for k, v in sorted(total.items())))
+
+
+def assert_none_wrong(operator, counts, results):
+    """No case of ``operator`` gave a wrong output or crashed (a refusal names its reason)."""
+    bad = [f"{name}: {outcome}: {detail}" for name, outcome, detail in results
+           if outcome in ("wrong", "crashed")]
+    assert not bad, f"{operator}: {dict(counts)}\n" + "\n".join(bad[:10])
