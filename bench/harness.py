@@ -173,10 +173,46 @@ def busy_neighbour():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def alternating_epochs(frameworks, epochs):
+# How a row waits for the machine to go quiet before its epoch (``settle``)
+SETTLE_LOOKS, SETTLE_LOOK_GAP_S, SETTLE_TIMEOUT_S = 3, 0.005, 1.0
+
+
+def _runnable_threads():
+    """Threads runnable on the machine now, this one included (Linux; None elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def settle(timeout_s=SETTLE_TIMEOUT_S):
+    """Wait (at most ``timeout_s``) until this thread is the only runnable one in
+    ``SETTLE_LOOKS`` looks in a row: the row that has just ended its epoch leaves threads
+    spinning before they sleep (PyTorch's OpenMP threads, the engine's split workers), and
+    the next row found them as a busy neighbour: the engine's load-following thread count
+    began 1 of 2 MLP epochs on one thread after PyTorch's (probe of bench.mlp, 5 December)."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < SETTLE_LOOKS and time.monotonic() < deadline:
+        running = _runnable_threads()
+        if running is None:
+            return
+        quiet = quiet + 1 if running <= 1 else 0
+        time.sleep(SETTLE_LOOK_GAP_S)
+
+
+def alternating_epochs(frameworks, epochs, quiet=True):
+    """Each framework's epoch in turn, ``epochs`` rounds: their seconds. ``quiet``: each
+    epoch starts on a settled machine (``settle``); False beside a busy process."""
     seconds = {name: [] for name in frameworks}
     for _ in range(epochs):   # A B A B: both see the same machine state
         for name, epoch in frameworks.items():
+            if quiet:
+                settle()
             seconds[name].append(epoch())
     return seconds
 
@@ -186,7 +222,7 @@ def beside_a_busy_neighbour(frameworks, epochs, engine_threads):
     at the end; also the engine's thread count while it ran (``engine_threads()``)."""
     neighbour = busy_neighbour()
     try:
-        return alternating_epochs(frameworks, epochs), engine_threads()
+        return alternating_epochs(frameworks, epochs, quiet=False), engine_threads()
     finally:
         neighbour.kill()
         neighbour.wait()

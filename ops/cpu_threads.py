@@ -6,8 +6,8 @@ default, the CPUs the process may use less those that other processes kept busy:
 - a large GEMM (``SPLIT_MIN_MACS`` multiply-adds or more) is cut into row blocks of its
   output (``row_blocks``, at most one per ``MIN_BLOCK_MACS`` of work), each one
   single-threaded BLAS call (with the ``@njit(nogil=True)`` loops around it), run by
-  ``run_blocks`` on the calling thread and a small pool of worker threads started at the
-  first split. No ``prange``: a parallel kernel costs 1.1-2.2 s of compile on a cold cache,
+  ``run_blocks`` on the calling thread and ``ops.cpu_pool``'s worker threads (started at the
+  first split, spinning between splits without the GIL). No ``prange``: a parallel kernel costs 1.1-2.2 s of compile on a cold cache,
   the split costs none (the blocks run the code the unsplit call runs, on row slices).
   BLAS's own pool stays at one thread (``engine.blas_threads``), since its idle threads
   spin;
@@ -34,7 +34,8 @@ import functools
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+
+from ops.cpu_pool import park_workers, run_calls
 
 # A block is worth a thread when its BLAS call takes a few times the pool's hand-off: on the
 # 2-core Zen 3 machine run_blocks of two no-op blocks took 21-35 us (load 1.9), one BLAS
@@ -298,38 +299,17 @@ def _even_blocks(size, count, align):
     return [(start, stop) for start, stop in zip(edges, edges[1:]) if stop > start]
 
 
-_pool = None
-_pool_workers = 0
-_pool_process = None   # a forked child has the pool object but none of its threads
-
-
 def run_blocks(calls):
     """Run ``calls`` (``(function, args)`` pairs, the functions ``@njit(nogil=True)`` or
-    Python code around one) at once: the first on this thread, the rest on the pool's
-    workers; returns when all are done and raises what one of them raised."""
-    global _pool, _pool_workers, _pool_process
+    Python code around one that releases the GIL) at once: the first on this thread, the
+    rest on ``ops.cpu_pool``'s spinning workers; returns when all are done and raises what
+    one of them raised."""
     if len(calls) == 1:   # a split into one block (Dense's dW over few features): no pool
         function, args = calls[0]
         function(*args)
         return
-    if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
-        with _lock:
-            if _pool_workers < len(calls) - 1 or _pool_process != os.getpid():
-                old = _pool if _pool_process == os.getpid() else None
-                _pool = ThreadPoolExecutor(max(_pool_workers, len(calls) - 1),
-                                           thread_name_prefix="engine-split")
-                _pool_workers, _pool_process = _pool._max_workers, os.getpid()
-                if old is not None:
-                    old.shutdown(wait=False)
-    futures = [_pool.submit(function, *args) for function, args in calls[1:]]
-    function, args = calls[0]
     start = time.perf_counter()
-    try:
-        function(*args)
-    finally:
-        own = time.perf_counter() - start
-        for future in futures:
-            future.result()
+    own = run_calls(calls)
     if stalls_persist(split_stalled(own, time.perf_counter() - start - own)):
         _fall_back_to_one_thread()
 
@@ -384,6 +364,8 @@ def engine_threads(kernel):
     @functools.wraps(kernel)
     def on_engine_threads(*args):
         count = threads()
+        if count > 1:
+            park_workers()
         if getattr(_numba_applied, "count", None) != count:
             _omp_threads_sleep_when_idle()
             import numba

@@ -245,12 +245,11 @@ def test_a_stalled_split_leaves_a_count_that_set_num_threads_fixed(follow_the_lo
 
 def test_a_split_into_one_block_runs_it_without_a_pool(monkeypatch):
     """A first split of a single block used to ask for a pool of 0 workers (ValueError)."""
-    from ops import cpu_threads
-    monkeypatch.setattr(cpu_threads, "_pool", None)   # as in a process that never split
-    monkeypatch.setattr(cpu_threads, "_pool_workers", 0)
+    from ops import cpu_pool, cpu_threads
+    monkeypatch.setattr(cpu_pool, "_workers", [])   # as in a process that never split
     ran = []
     cpu_threads.run_blocks([(ran.append, (1,))])
-    assert ran == [1]
+    assert ran == [1] and cpu_pool._workers == []
 
 
 @pytest.mark.parametrize("threads, macs, expected", [

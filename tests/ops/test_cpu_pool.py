@@ -1,0 +1,86 @@
+"""ops.cpu_pool: the spinning workers that run a split's blocks."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ops import cpu_pool
+from ops.cpu_pool import publish, run_calls, wait_for_change, wait_for_value
+
+
+def _until(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(1e-3)
+
+
+def test_the_flag_waits_return_at_a_change_or_after_their_spins():
+    flags = np.zeros(16, dtype=np.int64)
+    assert wait_for_change(flags, 3, 0, 100) == 0   # no change: the spins run out
+    assert not wait_for_value(flags, 3, 7, 100)
+    publish(flags, 3, 7)
+    assert flags[3] == 7
+    assert wait_for_change(flags, 3, 0, 100) == 7 and wait_for_value(flags, 3, 7, 1)
+
+
+def test_a_flag_published_by_another_thread_ends_the_wait():
+    flags = np.zeros(8, dtype=np.int64)
+    later = threading.Timer(0.02, publish, (flags, 0, 5))
+    later.start()
+    assert wait_for_change(flags, 0, 0, 1 << 40) == 5   # would spin for hours if never seen
+    later.join()
+
+
+def test_every_call_runs_once_on_its_own_thread_and_all_end_before_the_return():
+    ran = {}
+
+    def block(index):
+        time.sleep(0.01 * index)   # the last to finish is a worker's
+        ran[index] = threading.current_thread().name
+
+    run_calls([(block, (index,)) for index in range(4)])
+    assert sorted(ran) == [0, 1, 2, 3]
+    assert ran[0] == threading.current_thread().name
+    assert len(set(ran.values())) == 4
+
+
+def test_an_error_in_any_block_is_raised_after_every_block_ended_and_the_pool_still_works():
+    ended = []
+
+    def slow():
+        time.sleep(0.05)
+        ended.append(True)
+
+    def fails():
+        raise ValueError("block 1")
+
+    with pytest.raises(ValueError, match="block 1"):
+        run_calls([(slow, ()), (fails, ()), (slow, ())])
+    assert ended == [True, True]
+    with pytest.raises(KeyError):   # the calling thread's own block
+        run_calls([({}.__getitem__, ("x",)), (slow, ())])
+    ended.clear()
+    run_calls([(slow, ()), (slow, ())])
+    assert ended == [True, True]
+
+
+def test_an_idle_worker_sleeps_after_its_spin_and_the_next_block_wakes_it(monkeypatch):
+    monkeypatch.setattr(cpu_pool, "SPIN_S", 1e-3)
+    run_calls([(lambda: None, ()), (lambda: None, ())])
+    worker = cpu_pool.workers(1)[0]
+    _until(lambda: worker.sleeping)
+    ran = []
+    run_calls([(lambda: None, ()), (ran.append, (1,))])
+    assert ran == [1]
+
+
+def test_parked_workers_sleep_at_once_and_wake_for_the_next_split(monkeypatch):
+    monkeypatch.setattr(cpu_pool, "SPIN_S", 60.0)   # they would spin for a minute
+    run_calls([(lambda: None, ()), (lambda: None, ()), (lambda: None, ())])
+    cpu_pool.park_workers()
+    _until(lambda: all(worker.sleeping for worker in cpu_pool.workers(2)))
+    ran = []
+    run_calls([(lambda: None, ()), (ran.append, (1,)), (ran.append, (2,))])
+    assert sorted(ran) == [1, 2]
