@@ -121,6 +121,8 @@ def run(steps, threads, model="mlp"):
         if threading.get_ident() == here:
             spent["blas"] += time.perf_counter() - start
 
+    # a worker's block still runs as its CBLAS call (ops.cpu_pool): only this thread's is timed
+    timed_product.is_matmul = getattr(product, "is_matmul", False)
     seconds = {part: [[] for _ in runs] for part in ("run", "blas", "wait")}
     whole = []
     cpu_threads.split_stalled, gemm_cpu.blas_product = waited, timed_product

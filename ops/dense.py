@@ -120,10 +120,12 @@ def _dense_kernels(act):
         shares = thread_shares([grad_out.size * features] * (needs_x + needs_params))
         together = shares is not None   # else one after another, each whole
         shares = shares or [1, 1]
-        calls = product_calls(g, w.T, grad_x, shares[0]) if needs_x else []
+        calls = []   # dW's first block (with db) on this thread: the workers' are GEMMs alone
         if needs_params:
             (product, args), *rest = product_calls(x.T, g, grad_w, shares[-1])
             calls += [(with_bias_gradient, (product, args, g, grad_b)), *rest]
+        if needs_x:
+            calls += product_calls(g, w.T, grad_x, shares[0])
         if together:
             run_blocks(calls)
         else:

@@ -48,6 +48,9 @@ def blas_product(a, b, out):
     np.matmul(a, b, out=out)   # np.dot's BLAS call, and an ``out`` of strided rows too
 
 
+blas_product.is_matmul = True   # a split's worker runs its blocks as their CBLAS call
+
+
 def product_blocks(a, b, out, threads_at_most=None):
     """How ``out = a @ b`` splits across the engine's threads (at most ``threads_at_most``):
     ``(by_columns, blocks)``, blocks of out's columns when ``a`` is the smaller operand (each
