@@ -116,7 +116,7 @@ def publish(flags, index, value):
 
 
 @njit(cache=True, nogil=True)
-def serve_gemms(flags, description, sgemm, dgemm, seen, spins):
+def serve_gemms(flags, description, sgemm, seen, spins):
     """``wait_for_change`` for a worker's job flag that runs GEMM jobs itself (the GEMM its
     ``description`` holds, then its done flag), waiting ``spins`` again after each: the
     number of the first job it does not run (a Python call, ``STOP``), or of the last it ran,
@@ -125,7 +125,7 @@ def serve_gemms(flags, description, sgemm, dgemm, seen, spins):
         number = wait_for_change(flags, _JOB, seen, spins)
         if number == seen or number == STOP or flags[_KIND] != _GEMM:
             return number
-        cblas.run(description, sgemm, dgemm)
+        cblas.run(description, sgemm)
         publish(flags, _DONE, number)
         seen = number
 
@@ -135,10 +135,10 @@ class _Worker:
     done, on two cache lines), what it is handed (a GEMM's description, or a Python call:
     None puts it to sleep) and what that call raised."""
 
-    def __init__(self, slot, gemms):
+    def __init__(self, slot, sgemm):
         self.flags = np.zeros(2 * FLAG_STRIDE, dtype=np.int64)
         self.description = np.zeros(cblas.DESCRIPTION_SIZE, dtype=np.int64)
-        self.gemms = gemms   # cblas.available(): (sgemm, dgemm), or None
+        self.sgemm = sgemm   # cblas.available(): NumPy's cblas_sgemm, or None
         self.number = self.seen = 0   # of the last job handed over, and the last one seen
         self.call = self.error = None
         self.sleeping = False
@@ -149,11 +149,11 @@ class _Worker:
 
     def hand(self, call):
         """Give the worker ``call`` (a ``(function, args)`` pair, or None to put it to
-        sleep now). A block of ``out = a @ b`` by NumPy (a function marked ``is_matmul``,
-        args ``(a, b, out)``) goes as its CBLAS call, run without the GIL."""
+        sleep now). A float32 block of ``out = a @ b`` by NumPy (a function marked
+        ``is_matmul``, args ``(a, b, out)``) goes as its CBLAS call, run without the GIL."""
         self.error = None
-        if call is not None and self.gemms is not None and getattr(call[0], "is_matmul", False) \
-                and cblas.describe(self.description, *call[1]):
+        if call is not None and self.sgemm is not None and getattr(call[0], "is_matmul", False) \
+                and cblas.describable(*call[1]) and cblas.describe(self.description, *call[1]):
             self.flags[_KIND], self.call = _GEMM, None
         else:
             self.flags[_KIND], self.call = _PYTHON, call
@@ -186,7 +186,7 @@ class _Worker:
                 return
             self.seen = number
             if self.flags[_KIND] == _GEMM:   # one that came while it slept
-                cblas.run(self.description, *self.gemms)
+                cblas.run(self.description, self.sgemm)
                 spin = True
             else:
                 call, self.call = self.call, None
@@ -203,10 +203,10 @@ class _Worker:
         come meanwhile run in compiled code and start the spin again), then asleep."""
         deadline = time.monotonic() + SPIN_S
         while spin and time.monotonic() < deadline:
-            if self.gemms is None:
+            if self.sgemm is None:
                 number = wait_for_change(self.flags, _JOB, self.seen, SPINS_PER_CHECK)
             else:
-                number = serve_gemms(self.flags, self.description, *self.gemms, self.seen,
+                number = serve_gemms(self.flags, self.description, self.sgemm, self.seen,
                                      SPINS_PER_CHECK)
             if number == self.seen:
                 continue

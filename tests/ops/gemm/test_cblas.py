@@ -17,10 +17,10 @@ def _operands(dtype):
     return a, b
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", ["plain", "rows strided", "a transposed", "b transposed",
-                                  "out strided"])
-def test_a_described_product_has_the_bits_of_numpy_s_matmul(dtype, case):
+                                  "out strided", "read-only operands"])
+def test_a_described_product_has_the_bits_of_numpy_s_matmul(case):
+    dtype = np.float32
     a, b = _operands(dtype)
     out_rows = np.zeros((45, 40), dtype)
     if case == "rows strided":
@@ -29,12 +29,21 @@ def test_a_described_product_has_the_bits_of_numpy_s_matmul(dtype, case):
         a = np.ascontiguousarray(a.T).T
     elif case == "b transposed":
         b = np.asfortranarray(b)
+    elif case == "read-only operands":
+        a.flags.writeable = b.flags.writeable = False
     out = out_rows[:, 2:35] if case == "out strided" else np.zeros((45, 33), dtype)
     expected = np.matmul(a, b)
     description = np.zeros(cblas.DESCRIPTION_SIZE, np.int64)
     assert cblas.describe(description, a, b, out)
-    cblas.run(description, *cblas.available())
+    cblas.run(description, cblas.available())
     assert np.array_equal(out, expected)
+
+
+def test_only_float32_matrices_are_described():
+    a, b = _operands(np.float64)
+    assert not cblas.describable(a, b, np.zeros((45, 33)))
+    assert cblas.describable(a.astype(np.float32), b.astype(np.float32),
+                             np.zeros((45, 33), np.float32))
 
 
 @pytest.mark.parametrize("case", ["a row", "b column", "a @ a.T", "columns strided"])
