@@ -37,16 +37,16 @@ import time
 
 from ops.cpu_pool import park_workers, run_calls
 
-# A block is worth a thread when its BLAS call takes a few times the pool's hand-off: on the
-# 2-core Zen 3 machine run_blocks of two no-op blocks took 21-35 us (load 1.9), one BLAS
-# thread 94 us for 3.2M multiply-adds (16x784x256), 153 us for 6.4M. So a GEMM runs in at
-# most macs // MIN_BLOCK_MACS blocks (about 100 us of BLAS each, 3-5 hand-offs): the MLP's
-# 4.2M second layer runs whole, its 25.7M first layer in at most 6 blocks (dW's 784 rows on
-# 16 threads: 6 blocks, where the uncapped split made 16 of 1.6M; on the 16-core host 16
-# threads ran the MLP slower than 2, 1.269 against 1.045 s/epoch). The split measured on 2
-# threads: the first layer's Dense forward 443-478 us split against 649-740 whole; at 4.2M
-# two blocks took 124 us against 92 for one call (load 1.5).
-MIN_BLOCK_MACS = 4 << 20
+# A block is worth a thread when its BLAS call takes a few times the pool's hand-off. The
+# pool's workers run a GEMM block as its CBLAS call from compiled code (ops.cpu_pool), 2-3 us
+# after the hand-over; one BLAS thread takes 94 us for 3.2M multiply-adds (16x784x256). So a
+# GEMM runs in at most macs // MIN_BLOCK_MACS blocks (about 50 us of BLAS each): on 2 threads
+# the MLP's 4.2M second layer forward (128x256 @ 256x128) in two blocks took 61-68 us against
+# 94-103 whole (bench.cpu_step, alternating), its 25.7M first layer at most 12 blocks (on 16
+# threads, where the uncapped split made 16 of 1.6M; with the executor's 20-50 us hand-offs
+# the 16-core host ran the MLP slower on 16 threads than on 2, 1.269 against 1.045 s/epoch,
+# and the cap was 6 blocks of 4M).
+MIN_BLOCK_MACS = 2 << 20
 SPLIT_MIN_MACS = 2 * MIN_BLOCK_MACS   # the smallest GEMM that splits (in two)
 MIN_BLOCK_ROWS = 32   # a block of fewer output rows runs BLAS's edge kernels most of the time
 ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time

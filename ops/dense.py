@@ -98,15 +98,12 @@ def _dense_kernels(act):
         epilogue(out, bias, alpha)
 
     def dense_forward(x, w, bias, out, alpha):
-        by_columns, blocks = product_blocks(x, w, out)
-        if blocks is None:
+        calls = product_calls(x, w, out)
+        if len(calls) == 1:
             forward_rows(x, w, bias, out, alpha)
-        elif by_columns:   # the GEMM's column blocks, then the epilogue over whole rows
-            run_blocks(product_calls(x, w, out))
+        else:   # the GEMM's blocks (the workers run them as CBLAS calls), then the epilogue
+            run_blocks(calls)
             epilogue(out, bias, alpha)
-        else:
-            run_blocks([(forward_rows, (x[start:stop], w, bias, out[start:stop], alpha))
-                        for start, stop in blocks])
 
     def dense_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, alpha, needs_x,
                        needs_params):

@@ -254,7 +254,7 @@ def test_a_split_into_one_block_runs_it_without_a_pool(monkeypatch):
 
 @pytest.mark.parametrize("threads, macs, expected", [
     (1, [40 << 20, 40 << 20], None),   # one thread: one after another
-    (2, [2 << 20, 2 << 20], None),   # together too little for a hand-off
+    (2, [1 << 20, 1 << 20], None),   # together too little for a hand-off
     (2, [40 << 20, 40 << 20], [1, 1]),   # each whole, at once
     (4, [40 << 20, 40 << 20], [2, 2]),
     (3, [40 << 20, 40 << 20], [2, 1]),
