@@ -44,7 +44,7 @@ SPIN_S = 2e-3
 # Spins of ``wait_for_change`` per check of the clock (a spin is tens of ns: the pause hint)
 SPINS_PER_CHECK = 1 << 12
 FLAG_STRIDE = 8   # int64s apart: the job and done flags on cache lines of their own
-_JOB, _KIND, _DONE = 0, 1, FLAG_STRIDE   # a worker's flags
+_JOB, _KIND, _CLAIM, _DONE = 0, 1, 2, FLAG_STRIDE   # a worker's flags
 _PYTHON, _GEMM = 0, 1   # the kinds of job
 STOP = -1   # the job number that ends a worker
 
@@ -71,6 +71,18 @@ def _store_release(typingctx, array, index, value):
         builder.store_atomic(args[2], pointer, "release", 8)
         return context.get_dummy_value()
     return types.void(array, index, value), codegen
+
+
+@intrinsic
+def _compare_and_swap(typingctx, array, index, expected, value):
+    """``array[index] = value`` if it holds ``expected``, atomically: whether it did."""
+    def codegen(context, builder, signature, args):
+        pointer = cgutils.get_item_pointer(
+            context, builder, signature.args[0],
+            context.make_array(signature.args[0])(context, builder, args[0]), [args[1]])
+        result = builder.cmpxchg(pointer, args[2], args[3], "acq_rel", "acquire")
+        return builder.extract_value(result, 1)
+    return types.boolean(array, index, expected, value), codegen
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -116,6 +128,18 @@ def publish(flags, index, value):
 
 
 @njit(cache=True, nogil=True)
+def claim(flags, number):
+    """Take job ``number`` of a worker's ``flags`` to run it: True for the one thread (the
+    worker, or the caller taking back a block the worker has not started) that gets it."""
+    while True:
+        claimed = _load_acquire(flags, _CLAIM)
+        if claimed >= number:
+            return False
+        if _compare_and_swap(flags, _CLAIM, claimed, number):
+            return True
+
+
+@njit(cache=True, nogil=True)
 def serve_gemms(flags, description, sgemm, seen, spins):
     """``wait_for_change`` for a worker's job flag that runs GEMM jobs itself (the GEMM its
     ``description`` holds, then its done flag), waiting ``spins`` again after each: the
@@ -125,9 +149,19 @@ def serve_gemms(flags, description, sgemm, seen, spins):
         number = wait_for_change(flags, _JOB, seen, spins)
         if number == seen or number == STOP or flags[_KIND] != _GEMM:
             return number
-        cblas.run(description, sgemm)
-        publish(flags, _DONE, number)
+        if claim(flags, number):   # else the caller took it back, and runs it
+            cblas.run(description, sgemm)
+            publish(flags, _DONE, number)
         seen = number
+
+
+def _run(call):
+    """Run ``call``: what it raised (raised again on the calling thread), or None."""
+    try:
+        call[0](*call[1])
+    except BaseException as error:
+        return error
+    return None
 
 
 class _Worker:
@@ -165,15 +199,24 @@ class _Worker:
         self._publish(STOP)
 
     def _publish(self, number):
-        self.number = number
+        if number != STOP:
+            self.number = number
         publish(self.flags, _JOB, number)
         with self.wake:   # under the lock, so a worker on its way to sleep sees the number
             if self.sleeping:
                 self.wake.notify()
 
     def wait(self):
-        """Until the worker has run its call (spinning, and letting the worker have this
-        core now and then in case it waits for one); what the call raised, or None."""
+        """Until the worker's job is done, running it here if the worker has not started it
+        (a worker waiting for a core: another thread spins on it); what it raised, or None."""
+        if claim(self.flags, self.number):
+            if self.flags[_KIND] == _GEMM:
+                cblas.run(self.description, self.sgemm)
+            else:
+                call, self.call = self.call, None
+                self.error = _run(call)
+            publish(self.flags, _DONE, self.number)
+            return self.error
         while not wait_for_value(self.flags, _DONE, self.number, SPINS_PER_CHECK):
             os.sched_yield()
         return self.error
@@ -184,17 +227,15 @@ class _Worker:
             number = self._next_job(spin)
             if number == STOP:
                 return
-            self.seen = number
+            self.seen, spin = number, True
+            if not claim(self.flags, number):   # the caller took it back, and runs it
+                continue
             if self.flags[_KIND] == _GEMM:   # one that came while it slept
                 cblas.run(self.description, self.sgemm)
-                spin = True
             else:
                 call, self.call = self.call, None
                 if call is not None:
-                    try:
-                        call[0](*call[1])
-                    except BaseException as error:   # raised again on the calling thread
-                        self.error = error
+                    self.error = _run(call)
                 spin = call is not None
             publish(self.flags, _DONE, number)
 

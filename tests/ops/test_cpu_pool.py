@@ -84,3 +84,28 @@ def test_parked_workers_sleep_at_once_and_wake_for_the_next_split(monkeypatch):
     ran = []
     run_calls([(lambda: None, ()), (ran.append, (1,)), (ran.append, (2,))])
     assert sorted(ran) == [1, 2]
+
+
+def test_a_job_is_claimed_once_and_never_a_number_already_passed():
+    flags = np.zeros(2 * cpu_pool.FLAG_STRIDE, dtype=np.int64)
+    assert cpu_pool.claim(flags, 1) and not cpu_pool.claim(flags, 1)
+    assert cpu_pool.claim(flags, 3)   # a job handed over unseen (a park) is skipped
+    assert not cpu_pool.claim(flags, 2)
+
+
+def test_a_block_its_worker_has_not_started_is_run_by_the_caller():
+    """A worker waiting for a core (here: one whose thread has ended) does not hold up the
+    split: the caller takes its block back after its own."""
+    worker = cpu_pool._Worker(99, None)
+    worker.stop()
+    worker.thread.join(5)
+    ran = []
+    worker.hand((lambda: ran.append(threading.current_thread().name), ()))
+    assert worker.wait() is None
+    assert ran == [threading.current_thread().name]
+
+    def fails():
+        raise KeyError("taken back")
+
+    worker.hand((fails, ()))
+    assert isinstance(worker.wait(), KeyError)
