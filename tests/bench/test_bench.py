@@ -341,3 +341,18 @@ def test_bench_gpu_step_times_every_launch_of_the_gpt_step():
     assert kernels["attention"] == kernels["attention_grad"] / 2 == 4   # dQ, dK/dV a layer
     assert sum(row["launches"] for row in result["rows"]) == result["launches"]
     assert result["kernels_ms"] > 0
+
+
+def test_settle_waits_for_a_quiet_machine_at_most_its_timeout(monkeypatch):
+    import time
+    monkeypatch.setattr(harness, "_runnable_threads", lambda: 3)   # others keep running
+    start = time.monotonic()
+    harness.settle(timeout_s=0.05)
+    assert 0.05 <= time.monotonic() - start < 1.0
+    looks = iter([3, 1, 1, 1])   # quiet from the second look on: three quiet looks end it
+    monkeypatch.setattr(harness, "_runnable_threads", lambda: next(looks))
+    harness.settle(timeout_s=10.0)
+    monkeypatch.setattr(harness, "_runnable_threads", lambda: None)   # no /proc/stat
+    start = time.monotonic()
+    harness.settle(timeout_s=10.0)
+    assert time.monotonic() - start < 0.5

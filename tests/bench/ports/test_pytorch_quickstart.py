@@ -29,3 +29,20 @@ def test_the_port_reads_fashion_mnist_as_the_tutorial_does():
     port = quickstart_on_mnist.PORT.read_text()
     assert port.count('datasets.FashionMNIST(root="data", train=') == 2
     assert quickstart_on_mnist.source_on_mnist().count("datasets.MNIST(") == 2
+
+
+def test_beside_torch_times_the_port_s_and_the_reference_s_training_epochs(monkeypatch, capsys):
+    import pytest
+    pytest.importorskip("torch")
+    (x, y), _ = mnist.load()
+    monkeypatch.setattr(mnist, "load", lambda: ((x[:320], y[:320]), (x[:320], y[:320])))
+    for program in ("port", "torch"):   # each side as its process builds it, here
+        methods, _ = quickstart_on_mnist.training_side(program)
+        assert methods["steps"]() == 5   # 320 samples in batches of 64
+        assert methods["epoch"]() > 0
+    assert capsys.readouterr().out == ""   # the programs' prints silenced
+    quickstart_on_mnist.report_beside_torch({"port": [2.0, 1.0, 3.0], "torch": [4.0, 5.0, 3.0]},
+                                            938)
+    report = capsys.readouterr().out
+    assert "port (the engine): 2.000 s/epoch, 2.13 ms/step" in report
+    assert "port / torch: 0.50x" in report
