@@ -45,19 +45,12 @@ def _mnist_training(model_name):
 
 def _gpt_training():
     """The same for bench.gpt's CPU configuration (AdamW, its windows of Shakespeare)."""
-    from bench.harness import GPT_BETAS, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY, gpt_corpus
-    from engine import data, models, optim
+    from bench.harness import GPT_PRESETS, gpt_corpus, gpt_training
+    from engine import models
 
     config = GPT_PRESETS["cpu"]
     tokenizer, train_ids, _ = gpt_corpus()
-    model = models.build_gpt(tokenizer.vocab_size, config["block_size"], config["n_layer"],
-                             config["n_head"], config["n_embd"], config["dropout"])
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    keep = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
-                             {"params": keep, "weight_decay": 0.0}], lr=GPT_LR,
-                            betas=GPT_BETAS)
-    loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"], seed=0)
+    model, optimizer, loader = gpt_training(config, tokenizer.vocab_size, train_ids)
     return model, optimizer, loader.epoch_cursor(), config["batch_size"], models.gpt_loss
 
 

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from bench.harness import (GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY,
-                           gpt_corpus)
+                           gpt_corpus, gpt_training)
 from bench.report import emit, require_device
 
 # ------------------------------------------------------------------ the engine side
@@ -37,15 +37,7 @@ def engine_side(config, device, train_ids, val_ids, vocab, seed):
     from engine import data, models, optim
     from engine.step_capture import capture
 
-    engine.manual_seed(seed)
-    model = models.build_gpt(vocab, config["block_size"], config["n_layer"], config["n_head"],
-                             config["n_embd"], config["dropout"], device=device)
-    decay = [p for name, p in model.named_parameters() if p.ndim >= 2]
-    keep = [p for name, p in model.named_parameters() if p.ndim < 2]
-    opt = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
-                       {"params": keep, "weight_decay": 0.0}], lr=GPT_LR, betas=GPT_BETAS)
-    loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"],
-                                 seed=seed, device=device)
+    model, opt, loader = gpt_training(config, vocab, train_ids, device, seed)
     cursor = loader.epoch_cursor()
     cursor.start_epoch()
     parameters = model.parameters()

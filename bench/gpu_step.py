@@ -23,26 +23,14 @@ from bench.report import at_least, emit, require_device
 
 def _training(preset, dropout):
     """``step()``: one eager training step of bench.gpt's recipe on CUDA."""
-    import engine
-    from bench.harness import (GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY,
-                               gpt_corpus)
-    from engine import data, models, optim
+    from bench.harness import GPT_CLIP, GPT_PRESETS, gpt_corpus, gpt_training
+    from engine import models, optim
 
     config = dict(GPT_PRESETS[preset])
     if dropout is not None:
         config["dropout"] = dropout
     tokenizer, train_ids, _ = gpt_corpus()
-    engine.manual_seed(0)
-    model = models.build_gpt(tokenizer.vocab_size, config["block_size"], config["n_layer"],
-                             config["n_head"], config["n_embd"], config["dropout"],
-                             device="cuda")
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    keep = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
-                             {"params": keep, "weight_decay": 0.0}], lr=GPT_LR,
-                            betas=GPT_BETAS)
-    loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"], seed=0,
-                                 device="cuda")
+    model, optimizer, loader = gpt_training(config, tokenizer.vocab_size, train_ids, "cuda")
     cursor = loader.epoch_cursor()
     cursor.start_epoch()
     parameters = model.parameters()

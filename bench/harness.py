@@ -30,6 +30,25 @@ GPT_PRESETS = {"cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch
 GPT_LR, GPT_BETAS, GPT_WEIGHT_DECAY, GPT_CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
 
 
+def gpt_training(config, vocab, train_ids, device="cpu", seed=0):
+    """``(model, optimizer, loader)`` of the GPT recipe: ``engine.models.build_gpt`` of
+    ``config`` (one of ``GPT_PRESETS``) from ``engine.manual_seed(seed)``, AdamW with weight
+    decay on the matrices only, and the windows of ``train_ids`` in batches."""
+    import engine
+    from engine import data, models, optim
+    engine.manual_seed(seed)
+    model = models.build_gpt(vocab, config["block_size"], config["n_layer"], config["n_head"],
+                             config["n_embd"], config["dropout"], device=device)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    keep = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = optim.AdamW([{"params": decay, "weight_decay": GPT_WEIGHT_DECAY},
+                             {"params": keep, "weight_decay": 0.0}], lr=GPT_LR,
+                            betas=GPT_BETAS)
+    loader = data.SequenceLoader(train_ids, config["block_size"], config["batch_size"],
+                                 seed=seed, device=device)
+    return model, optimizer, loader
+
+
 def gpt_corpus():
     """``(tokenizer, training ids, validation ids)``: the shipped Shakespeare, 90% to train."""
     from engine import data
