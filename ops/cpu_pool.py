@@ -175,7 +175,7 @@ class _Worker:
         self.sgemm = sgemm   # cblas.available(): NumPy's cblas_sgemm, or None
         self.number = self.seen = 0   # of the last job handed over, and the last one seen
         self.call = self.error = None
-        self.sleeping = False
+        self.sleeping = self.parked = False   # parked: its last job was to go to sleep
         self.wake = threading.Condition(threading.Lock())
         self.thread = threading.Thread(target=self._loop, name=f"engine-split-{slot}",
                                        daemon=True)
@@ -185,26 +185,28 @@ class _Worker:
         """Give the worker ``call`` (a ``(function, args)`` pair, or None to put it to
         sleep now). A float32 block of ``out = a @ b`` by NumPy (a function marked
         ``is_matmul``, args ``(a, b, out)``) goes as its CBLAS call, run without the GIL."""
-        self.error = None
+        self.error, self.parked = None, call is None
         if call is not None and self.sgemm is not None and getattr(call[0], "is_matmul", False) \
                 and cblas.describable(*call[1]) and cblas.describe(self.description, *call[1]):
             self.flags[_KIND], self.call = _GEMM, None
         else:
             self.flags[_KIND], self.call = _PYTHON, call
-        self._publish(self.number + 1)
+        # a sleeping worker is not woken to be put to sleep: it finds the job when it wakes
+        self._publish(self.number + 1, wake=call is not None)
 
     def stop(self):
         self.call = None
         self.flags[_KIND] = _PYTHON
-        self._publish(STOP)
+        self._publish(STOP, wake=True)
 
-    def _publish(self, number):
+    def _publish(self, number, wake):
         if number != STOP:
             self.number = number
         publish(self.flags, _JOB, number)
-        with self.wake:   # under the lock, so a worker on its way to sleep sees the number
-            if self.sleeping:
-                self.wake.notify()
+        if wake:
+            with self.wake:   # under the lock, so a worker on its way to sleep sees the number
+                if self.sleeping:
+                    self.wake.notify()
 
     def wait(self):
         """Until the worker's job is done, running it here if the worker has not started it
@@ -304,10 +306,12 @@ def run_calls(calls):
 
 
 def park_workers():
-    """Put spinning workers to sleep now (before Numba's ``prange`` threads need the cores)."""
+    """Put spinning workers to sleep now (before Numba's ``prange`` threads need the cores).
+    Each worker handed work since it was last parked gets the job, even one that looks
+    asleep: it may be on its way out of sleep to a block the caller took back."""
     if _workers_process == os.getpid():
         for worker in _workers:
-            if not worker.sleeping:
+            if not worker.parked:
                 worker.hand(None)
 
 

@@ -33,17 +33,20 @@ def test_a_flag_published_by_another_thread_ends_the_wait():
     later.join()
 
 
-def test_every_call_runs_once_on_its_own_thread_and_all_end_before_the_return():
-    ran = {}
+def test_every_call_runs_once_and_all_end_before_the_return():
+    ran = []
 
     def block(index):
         time.sleep(0.01 * index)   # the last to finish is a worker's
-        ran[index] = threading.current_thread().name
+        ran.append((index, threading.current_thread().name))
 
     run_calls([(block, (index,)) for index in range(4)])
-    assert sorted(ran) == [0, 1, 2, 3]
-    assert ran[0] == threading.current_thread().name
-    assert len(set(ran.values())) == 4
+    assert sorted(index for index, _ in ran) == [0, 1, 2, 3]
+    names = dict(ran)
+    assert names[0] == threading.current_thread().name
+    # each on a worker of its own, or (a worker not started in time, on a busy machine)
+    # taken back by the caller
+    assert all(names[index] in (f"engine-split-{index - 1}", names[0]) for index in (1, 2, 3))
 
 
 def test_an_error_in_any_block_is_raised_after_every_block_ended_and_the_pool_still_works():
@@ -109,3 +112,25 @@ def test_a_block_its_worker_has_not_started_is_run_by_the_caller():
 
     worker.hand((fails, ()))
     assert isinstance(worker.wait(), KeyError)
+
+
+def test_a_worker_that_looks_asleep_is_still_parked(monkeypatch):
+    """A worker woken for a block the caller then took back still reads as asleep for a
+    moment; skipped by park_workers it would have spun on beside Numba's prange threads."""
+    import os
+    monkeypatch.setattr(cpu_pool, "SPIN_S", 60.0)
+    worker = cpu_pool._Worker(98, None)
+    try:
+        worker.hand((lambda: None, ()))
+        assert worker.wait() is None   # now spinning for a minute
+        worker.sleeping = True   # as when it has been notified but not yet run
+        monkeypatch.setattr(cpu_pool, "_workers", [worker])
+        monkeypatch.setattr(cpu_pool, "_workers_process", os.getpid())
+        cpu_pool.park_workers()
+        _until(lambda: worker.flags[cpu_pool._DONE] == worker.number)   # the park job ran
+        assert worker.parked
+        cpu_pool.park_workers()   # parked already: nothing handed
+        assert worker.flags[cpu_pool._JOB] == worker.number
+    finally:
+        worker.stop()
+        worker.thread.join(5)
