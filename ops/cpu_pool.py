@@ -41,7 +41,7 @@ from ops.gemm import cblas
 # between two splits (the MLP's step: 1.2 ms with four splits) stays well under it, the gap
 # between epochs or a data loader's wait does not.
 SPIN_S = 2e-3
-# Spins of ``wait_for_change`` per check of the clock (a spin is tens of ns: the pause hint)
+# Spins of the caller's wait for a worker between two yields of its core (about 100 us)
 SPINS_PER_CHECK = 1 << 12
 FLAG_STRIDE = 8   # int64s apart: the job and done flags on cache lines of their own
 _JOB, _KIND, _CLAIM, _DONE = 0, 1, 2, FLAG_STRIDE   # a worker's flags
@@ -140,19 +140,49 @@ def claim(flags, number):
 
 
 @njit(cache=True, nogil=True)
-def serve_gemms(flags, description, sgemm, seen, spins):
-    """``wait_for_change`` for a worker's job flag that runs GEMM jobs itself (the GEMM its
-    ``description`` holds, then its done flag), waiting ``spins`` again after each: the
-    number of the first job it does not run (a Python call, ``STOP``), or of the last it ran,
-    or ``seen`` if none came."""
+def wait_for_job(flags, seen, spins):
+    """Spin on a worker's job flag until a job it has not seen and nobody has done comes (a
+    block the caller took back and finished is passed over), at most ``spins`` times after
+    the last: ``(number, timed out)``."""
     while True:
         number = wait_for_change(flags, _JOB, seen, spins)
-        if number == seen or number == STOP or flags[_KIND] != _GEMM:
-            return number
+        if number == seen:
+            return seen, True
+        if number != STOP and _load_acquire(flags, _DONE) == number:
+            seen = number
+            continue
+        return number, False
+
+
+@njit(cache=True, nogil=True)
+def serve_gemms(flags, description, sgemm, seen, spins):
+    """``wait_for_job`` that runs GEMM jobs itself (the GEMM its ``description`` holds, then
+    its done flag), waiting ``spins`` again after each: the first job it does not run (a
+    Python call, ``STOP``), or the last one seen when it timed out."""
+    while True:
+        number, timed_out = wait_for_job(flags, seen, spins)
+        if timed_out or number == STOP or flags[_KIND] != _GEMM:
+            return number, timed_out
         if claim(flags, number):   # else the caller took it back, and runs it
             cblas.run(description, sgemm)
             publish(flags, _DONE, number)
         seen = number
+
+
+_spin_rate = None
+
+
+def spins_in(seconds):
+    """How many spins of ``wait_for_change`` take about ``seconds`` (measured once: the
+    pause hint takes 25 ns on the EPYC, longer on other CPUs)."""
+    global _spin_rate
+    if _spin_rate is None:
+        flags = np.zeros(1, dtype=np.int64)
+        wait_for_change(flags, 0, 0, 1)   # compiled or loaded first
+        start = time.perf_counter()
+        wait_for_change(flags, 0, 0, 1 << 15)
+        _spin_rate = (1 << 15) / max(time.perf_counter() - start, 1e-6)
+    return max(1, int(seconds * _spin_rate))
 
 
 def _run(call):
@@ -242,21 +272,21 @@ class _Worker:
             publish(self.flags, _DONE, number)
 
     def _next_job(self, spin):
-        """The next job's number: spinning up to ``SPIN_S`` (when ``spin``; GEMM jobs that
-        come meanwhile run in compiled code and start the spin again), then asleep."""
-        deadline = time.monotonic() + SPIN_S
-        while spin and time.monotonic() < deadline:
+        """The next job's number: spinning up to ``SPIN_S`` in compiled code (when ``spin``;
+        GEMM jobs that come meanwhile run there and start the spin again), then asleep. The
+        spin never comes back to Python before a job comes: it would take the GIL every
+        time, which the caller's Python holds, and in an eager step (Python between every
+        kernel) the worker then missed blocks for hundreds of us."""
+        if spin:
+            spins = spins_in(SPIN_S)
             if self.sgemm is None:
-                number = wait_for_change(self.flags, _JOB, self.seen, SPINS_PER_CHECK)
+                number, timed_out = wait_for_job(self.flags, self.seen, spins)
             else:
-                number = serve_gemms(self.flags, self.description, self.sgemm, self.seen,
-                                     SPINS_PER_CHECK)
-            if number == self.seen:
-                continue
-            if number != STOP and self.flags[_DONE] == number:   # GEMMs that ran
-                self.seen, deadline = number, time.monotonic() + SPIN_S
-                continue
-            return number
+                number, timed_out = serve_gemms(self.flags, self.description, self.sgemm,
+                                                self.seen, spins)
+            if not timed_out:
+                return number
+            self.seen = number
         with self.wake:
             self.sleeping = True
             while (number := int(self.flags[_JOB])) == self.seen:
