@@ -37,10 +37,13 @@ from numba.extending import intrinsic
 
 from ops.gemm import cblas
 
-# How long a worker without work keeps spinning before it sleeps: a training step's Python
-# between two splits (the MLP's step: 1.2 ms with four splits) stays well under it, the gap
-# between epochs or a data loader's wait does not.
-SPIN_S = 2e-3
+# How long a worker without work keeps spinning before it sleeps: longer than the Python
+# between two splits of an eager step. At 2 ms the PyTorch Quickstart's eager step (about 2
+# ms, its splits' gaps sometimes longer) found its worker asleep, the wake-up missed the
+# block, the splits stalled and the count fell to one thread: the port took 1.09-1.28x
+# torch's epoch; at 20 ms 0.72-0.89x (`bench.ports.quickstart_on_mnist --beside-torch`, 7
+# runs alternating). An idle process's worker then holds a core for 20 ms before it sleeps.
+SPIN_S = 20e-3
 # Spins of the caller's wait for a worker between two yields of its core (about 100 us)
 SPINS_PER_CHECK = 1 << 12
 FLAG_STRIDE = 8   # int64s apart: the job and done flags on cache lines of their own
