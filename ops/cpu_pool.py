@@ -245,12 +245,7 @@ class _Worker:
         """Until the worker's job is done, running it here if the worker has not started it
         (a worker waiting for a core: another thread spins on it); what it raised, or None."""
         if claim(self.flags, self.number):
-            if self.flags[_KIND] == _GEMM:
-                cblas.run(self.description, self.sgemm)
-            else:
-                call, self.call = self.call, None
-                self.error = _run(call)
-            publish(self.flags, _DONE, self.number)
+            self._run_claimed(self.number)
             return self.error
         while not wait_for_value(self.flags, _DONE, self.number, SPINS_PER_CHECK):
             os.sched_yield()
@@ -263,16 +258,22 @@ class _Worker:
             if number == STOP:
                 return
             self.seen, spin = number, True
-            if not claim(self.flags, number):   # the caller took it back, and runs it
-                continue
-            if self.flags[_KIND] == _GEMM:   # one that came while it slept
-                cblas.run(self.description, self.sgemm)
-            else:
-                call, self.call = self.call, None
-                if call is not None:
-                    self.error = _run(call)
-                spin = call is not None
-            publish(self.flags, _DONE, number)
+            if claim(self.flags, number):   # else the caller took it back, and runs it
+                spin = self._run_claimed(number)
+
+    def _run_claimed(self, number):
+        """Run job ``number``, which this thread claimed (a GEMM here only if it came while
+        the worker slept), then mark it done: False for a job that puts the worker to sleep."""
+        if self.flags[_KIND] == _GEMM:
+            cblas.run(self.description, self.sgemm)
+            work = True
+        else:
+            call, self.call = self.call, None
+            work = call is not None
+            if work:
+                self.error = _run(call)
+        publish(self.flags, _DONE, number)
+        return work
 
     def _next_job(self, spin):
         """The next job's number: spinning up to ``SPIN_S`` in compiled code (when ``spin``;

@@ -7,8 +7,9 @@ default, the CPUs the process may use less those that other processes kept busy:
   output (``row_blocks``, at most one per ``MIN_BLOCK_MACS`` of work), each one
   single-threaded BLAS call (with the ``@njit(nogil=True)`` loops around it), run by
   ``run_blocks`` on the calling thread and ``ops.cpu_pool``'s worker threads (started at the
-  first split, spinning between splits without the GIL). No ``prange``: a parallel kernel costs 1.1-2.2 s of compile on a cold cache,
-  the split costs none (the blocks run the code the unsplit call runs, on row slices).
+  first split, spinning between splits without the GIL). No ``prange``: a parallel kernel
+  costs 1.1-2.2 s of compile on a cold cache, the split costs none (the blocks run the code
+  the unsplit call runs, on row slices).
   BLAS's own pool stays at one thread (``engine.blas_threads``), since its idle threads
   spin;
 - an element kernel (an optimizer's update, ``ops.element_kernel``) over

@@ -40,7 +40,7 @@ from ops.dispatch import Out, run
 from ops.constant_code import kernels_of_code
 from ops.launch import CPU_KERNEL, Kernel
 from ops.gemm import cpu as gemm_cpu
-from ops.gemm.cpu import product_blocks, product_calls
+from ops.gemm.cpu import product_calls
 from ops.gemm.plans import gemm_plan
 from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu

@@ -32,14 +32,22 @@ TORCH_REFERENCE = pathlib.Path(__file__).with_name("pytorch_quickstart_torch.py"
 FASHION, MNIST = "datasets.FashionMNIST(", "datasets.MNIST("
 
 
+def _with_epochs(source, path, epochs):
+    """``source`` (the text of ``path``) with ``epochs = N`` for the tutorial's ``epochs = 5``
+    (unchanged for None)."""
+    if "epochs = 5\n" not in source:
+        raise ValueError(f"{path}: expected the tutorial's `epochs = 5`; the program changed, "
+                         "update this runner")
+    return source if epochs is None else source.replace("epochs = 5\n", f"epochs = {epochs}\n")
+
+
 def source_on_mnist(epochs=None):
     """The port's text with MNIST in place of Fashion-MNIST (and ``epochs`` when given)."""
     source = PORT.read_text()
-    if source.count(FASHION) != 2 or "epochs = 5\n" not in source:
-        raise ValueError(f"{PORT}: expected the tutorial's two {FASHION}...) lines and "
-                         "`epochs = 5`; the port changed, update this runner")
-    source = source.replace(FASHION, MNIST)
-    return source if epochs is None else source.replace("epochs = 5\n", f"epochs = {epochs}\n")
+    if source.count(FASHION) != 2:
+        raise ValueError(f"{PORT}: expected the tutorial's two {FASHION}...) lines; the port "
+                         "changed, update this runner")
+    return _with_epochs(source.replace(FASHION, MNIST), PORT, epochs)
 
 
 def run(epochs=None, scope=None):
@@ -56,7 +64,7 @@ def training_side(program):
     if program == "port":
         source, path = source_on_mnist(epochs=0), PORT
     else:
-        source, path = TORCH_REFERENCE.read_text().replace("epochs = 5\n", "epochs = 0\n"), \
+        source, path = _with_epochs(TORCH_REFERENCE.read_text(), TORCH_REFERENCE, 0), \
             TORCH_REFERENCE
     scope = {"__name__": "__main__"}
     with contextlib.redirect_stdout(io.StringIO()):
