@@ -76,3 +76,20 @@ def test_a_worker_runs_a_matmul_block_as_its_cblas_call_with_the_same_bits():
                         (blas_product, (a[20:21], b, vector))])
     assert worker.flags[cpu_pool._KIND] == cpu_pool._PYTHON
     assert np.array_equal(vector, np.matmul(a[20:21], b))   # gemv's bits, as NumPy's
+
+
+def test_where_numpy_s_cblas_differs_from_matmul_every_block_runs_as_a_python_call(monkeypatch):
+    monkeypatch.setattr(cblas, "_checked", None)
+    monkeypatch.setattr(cblas, "_matching", lambda sgemm: False)   # as on another BLAS
+    assert cblas.available() is None
+    worker = cpu_pool._Worker(97, cblas.available())
+    try:
+        a, b = _operands(np.float32)
+        out = np.zeros((45, 33), np.float32)
+        worker.hand((blas_product, (a, b, out)))
+        assert worker.flags[cpu_pool._KIND] == cpu_pool._PYTHON
+        assert worker.wait() is None
+        assert np.array_equal(out, np.matmul(a, b))
+    finally:
+        worker.stop()
+        worker.thread.join(5)
