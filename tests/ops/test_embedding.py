@@ -78,6 +78,31 @@ def test_repeated_ids_sum_their_rows_in_a_fixed_order(device):
         assert first.tobytes() == on_cpu.tobytes()
 
 
+def test_buckets_of_every_size_give_the_cpu_bits(device):
+    """Ids absent, once, a few times (the CUDA backward sorts those in shared memory) and
+    many times (more than it sorts: it scans the ids instead), a padding row among them,
+    and more columns than a block's tile: the float32 gradient is the CPU's, bit for bit."""
+    ids = np.array([4, 1, 4, 0, 4, 2, 2, 4, 4, 1, 4, 4, 5, 2, 4, 1, 3, 3])
+    weight = np.random.default_rng(2).standard_normal((7, 11))
+    _, grad = _grad(ids, weight, device, np.float32, padding_idx=3)
+    _, on_cpu = _grad(ids, weight, "cpu", np.float32, padding_idx=3)
+    assert grad.tobytes() == on_cpu.tobytes()
+    assert not grad[[3, 6]].any()   # the padding row, and an id that never occurs
+
+
+@pytest.mark.gpu
+def test_a_large_vocabulary_gives_the_cpu_bits():
+    """GPT-2's vocabulary at nanoGPT's batch of ids, Zipf-distributed so that a few buckets
+    outgrow the shared-memory sort: the bits of the CPU's gradient."""
+    rng = np.random.default_rng(4)
+    ids = np.minimum(rng.zipf(1.3, (64, 256)) - 1, 50303)
+    weight = rng.standard_normal((50304, 40))
+    _, grad = _grad(ids, weight, "cuda", np.float32)
+    _, on_cpu = _grad(ids, weight, "cpu", np.float32)
+    assert np.bincount(ids.ravel()).max() > 1024
+    assert grad.tobytes() == on_cpu.tobytes()
+
+
 @pytest.mark.parametrize("bad", [6, -1])
 def test_a_bad_id_names_the_op_the_value_and_num_embeddings(device, bad):
     weight = engine.tensor(np.ones((6, 2)), device=device, requires_grad=True)
