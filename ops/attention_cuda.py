@@ -1,27 +1,34 @@
 """The CUDA kernels of scaled dot-product attention (``ops.attention`` has the math and the
 CPU side), in the flash-attention manner: no T x T matrix in global memory, no atomics.
 
-- Forward, one kernel: a block owns ``QUERY_TILE`` queries of one (batch, head) slice, a
-  thread a query row (its q and its output accumulator in registers). The block walks the
-  keys a tile at a time through shared memory; each thread scores the tile's keys one by one
-  with the online softmax (a new maximum rescales the accumulator), adding each key's value
-  row. It writes the row's output and its logsumexp (float64) for the backward. With
-  ``is_causal`` the block stops at its last query's keys and a thread at its own.
-- Backward, two kernels that each recompute the scores from q, k and the saved logsumexp:
-  dQ with a thread per query row walking the key tiles (Δ_i = dO_i · O_i from its own row),
-  and dK, dV with a block owning ``kv_tile`` keys, a thread per key (its two accumulators in
-  registers, its k and v rows in shared memory), walking the query tiles through shared
-  memory (each thread of the block first writes one query's logsumexp and Δ there). A float
-  mask's gradient dS is stored by the dQ kernel, each element by its query's thread (a mask
-  excludes is_causal, so every key is visited). Each gradient element is summed by the one
-  thread that owns it, in key or query order.
+Every product is a small matrix product of two tiles in shared memory, each thread
+accumulating a micro-tile in registers: ``MICRO`` rows by ``MICRO`` columns of scores, or
+``MICRO`` rows by a slice of the head dim of an output (``product``). Per step of the
+product's depth a thread reads ``MICRO`` elements of one tile and as many of the other (16-byte
+loads where aligned) for ``MICRO`` times as many multiply-adds; a thread per query row, which
+the kernels had before, read a key element per multiply-add (the GPT step's attention took
+52.8 of its 119.4 ms on the H200, torch's SDPA 0.66 ms a layer against 8.9).
 
-Registers, not local memory: a row's arrays are indexed only inside loops over the
-compile-time head-dimension cap (8 to 128, the smallest holding the head dims; the columns
-past them are zeros), which unroll, so every index is a constant. Loops over the runtime
-head dim left them in local memory (a 640-1024 byte stack frame a thread), and the GPT's
-step took 267.5 ms on the H200 against torch's 33.8. A dot product runs in four partial sums
-(independent chains of multiply-adds), and every value is in the input's dtype: a float64
+- Forward, one kernel: a block owns ``rows`` queries of one (batch, head) slice, Qᵀ in shared
+  memory, and walks the keys a tile at a time (Kᵀ and V): the tile's scores, each row's
+  maximum over the tile (per-thread maxima folded through shared memory), the online softmax
+  (a new maximum rescales the thread's output rows and its share of each row's sum), Pᵀ into
+  shared memory, then O += P V. With ``is_causal`` the block stops at its last query's keys.
+  It writes O and each row's logsumexp (float64) for the backward.
+- Backward, two kernels that recompute P from Q, K and the saved logsumexp. dQ: a block owns
+  a tile of queries (Qᵀ, dOᵀ), walks the key tiles: S = Q Kᵀ and dP = dO Vᵀ, dS = P ∘ (dP -
+  Δ) into shared memory, then dQ += dS K (K's rows loaded over Vᵀ once dP is done). It also
+  computes each query's Δ = dO · O once, for the dK/dV kernel. dK, dV: a block owns a tile of
+  keys (Kᵀ, Vᵀ), walks the query tiles: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, P ∘ D and dS into shared
+  memory, then dV += (P ∘ D)ᵀ dO and dK += dSᵀ Q. A float mask's gradient dS is copied by
+  the dQ kernel from each tile's dS in shared memory. Each gradient element is summed by the
+  one thread that owns it, in key or query order.
+
+Tiles fit the 48 KiB of static shared memory: a float32 forward block takes 64 queries and
+32-key tiles (128 threads), a backward block 32 queries or keys against tiles of 32 (64
+threads); float64 and head dims over 64 halve them (``_tiles``). The transposed tiles' rows
+are padded by ``PAD`` elements: 16 bytes keep each row's vector loads aligned and spread a
+column's stores over 8 banks instead of one. Every value is in the input's dtype: a float64
 literal or argument in a float32 expression made it, and its exp, float64.
 """
 import functools
@@ -29,37 +36,33 @@ import math
 
 import numpy as np
 from numba import float32, float64
+from numba import uint64 as U
 
 from ops.cuda import SIMULATOR, cuda
 from ops.dropout import _keep_cuda
+from ops.memory import empty
 
 MAX_HEAD_DIM = 128
 HEAD_CAPS = (8, 16, 32, 64, MAX_HEAD_DIM)
-QUERY_TILE = 4 if SIMULATOR else 64   # threads of a forward or dQ block: one query each
-TILE_BYTES = 32 * 1024                # the K and V (or Q and dO) tiles of a block together
-KV_BYTES = 40 * 1024                  # a dK/dV block's shared memory: those tiles, its own rows
-PARTIAL_SUMS = 4
-ALIGN = None if SIMULATOR else 16   # bytes: 16-byte tiles read in vector loads
+MICRO = 4   # rows (and score columns) of a thread's micro-tile: the kernels call their
+            # per-row functions for rows 0 to 3 one by one
+PAD = 4                           # elements a transposed tile's rows are padded by
+SHARED_BYTES = 48 * 1024          # a block's static shared memory
+ALIGN = None if SIMULATOR else 16
+# the micro-products' device functions inlined into the kernels (NVVM's alwaysinline): their
+# local arrays then stay in registers, every index a constant once the loops over MICRO and
+# the widths unroll (the simulator takes no such option)
+INLINE = {} if SIMULATOR else {"forceinline": True}
 
 
-def _key_tile(dtype, cap):
-    """Rows of the forward and dQ kernels' shared K and V tiles: up to 64 where two fit
-    ``TILE_BYTES``."""
+def _tiles(dtype, cap):
+    """``(queries, keys, tile)``: a forward block's queries and key tiles, a backward block's
+    queries or keys and the tiles it walks. A float32 head of 64 fits the shared memory with
+    the largest; each doubling of the dtype or the cap halves them."""
     if SIMULATOR:
-        return 4
-    return max(8, min(64, TILE_BYTES // (2 * cap * np.dtype(dtype).itemsize)))
-
-
-def _kv_tile(dtype, cap):
-    """Keys (threads) of a dK/dV block, and rows of its Q and dO tiles: up to 32 where the
-    two tiles and the block's own k and v rows (padded to ``cap + 1`` columns, so the threads
-    reading their own rows hit different banks) fit ``KV_BYTES``."""
-    if SIMULATOR:
-        return 4
-    tile = 32
-    while tile > 8 and tile * (4 * cap + 8) * np.dtype(dtype).itemsize > KV_BYTES:
-        tile //= 2
-    return tile
+        return 8, 8, 8
+    halvings = max(1, cap * np.dtype(dtype).itemsize // 256)
+    return 64 // halvings, 32 // halvings, 32 // halvings
 
 
 def head_cap(d, dv):
@@ -71,270 +74,450 @@ def head_cap(d, dv):
                      f"the CUDA kernels' {MAX_HEAD_DIM}; split the heads further")
 
 
-def _masked_score(score, mask, mask_strides, b, i, j, causal, has_mask):
-    if has_mask:
-        score += mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]]
-    if causal and j > i:
-        return -math.inf
-    return score
-
-
-_masked_score_cuda = cuda.jit(device=True)(_masked_score)
-
-
-@cuda.jit(device=True)
-def _query_block(tq):
-    """``(b, first, i)``: the (batch, head) slice and first query of a forward or dQ block
-    (``QUERY_TILE`` queries), and its thread's query."""
-    query_tiles = (tq + QUERY_TILE - 1) // QUERY_TILE
-    b = cuda.blockIdx.x // query_tiles
-    first = (cuda.blockIdx.x - b * query_tiles) * QUERY_TILE
-    return b, first, first + cuda.threadIdx.x
-
-
 @functools.cache
 def _kernels(dtype, cap):
     """The forward, dQ and dK/dV kernels for inputs of ``dtype`` and head dims <= ``cap``."""
     kind = float32 if np.dtype(dtype) == np.float32 else float64
-    key_tile, kv_tile = _key_tile(dtype, cap), _kv_tile(dtype, cap)
+    itemsize = np.dtype(dtype).itemsize
+    rows_f, keys_f, tile = _tiles(dtype, cap)
+    across_f = keys_f // MICRO   # a forward block's threads across a score tile's keys
+    width_f = cap // across_f    # the head-dim columns of O each of them owns
+    across = tile // MICRO       # a backward block's threads across a tile's columns
+    width = cap // across
+    widest = max(MICRO, width_f, width)
     minus_infinity = -math.inf
-    # a thread's own row in shared memory: rows padded by 16 bytes so that the 16-byte loads
-    # of 8 threads (a quarter warp) reading their own rows fall in different banks (a
-    # shape must be a constant name, not an expression)
-    padded = cap + 4
-    grad_q_tile = max(8, key_tile // 2)   # beside the block's own q rows
 
-    @cuda.jit(device=True)
-    def load_tile(tile, source, row0, rows, width, b, total_rows):
-        """tile[r, c] = source[(b * total_rows + row0 + r) * width + c] for r < rows, zero
-        for c from ``width`` to ``cap``, by the block's threads together."""
-        for e in range(cuda.threadIdx.x, rows * cap, cuda.blockDim.x):
+    def forward_bytes(pad):
+        return ((cap + keys_f) * (rows_f + pad) + cap * (keys_f + pad) + keys_f * cap
+                + rows_f * across_f) * itemsize
+
+    def backward_bytes(pad):
+        return (4 * cap + 2 * tile) * (tile + pad) * itemsize + 2 * tile * itemsize
+
+    # transposed tiles' rows padded where the shared memory allows (float64 heads of 128
+    # go without, in the backward)
+    pad_f = PAD if forward_bytes(PAD) <= SHARED_BYTES else 0
+    pad = PAD if backward_bytes(PAD) <= SHARED_BYTES else 0
+    assert max(forward_bytes(pad_f), backward_bytes(pad)) <= SHARED_BYTES, (dtype, cap)
+    stride_f, keys_stride_f, stride = rows_f + pad_f, keys_f + pad_f, tile + pad
+    operand = cap * stride   # a backward operand tile: transposed, or rows of cap
+    # array sizes must be constant names, not expressions
+    queries_f_size, keys_f_size = cap * stride_f, cap * keys_stride_f
+    values_f_size, probs_f_size = keys_f * cap, keys_f * stride_f
+    partial_size, square = rows_f * across_f, tile * stride
+    micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
+
+    @cuda.jit(device=True, **INLINE)
+    def excluded(i, j, tq, tk, causal):
+        """Past the ends, or a causal key after the query: P is 0 there, whatever the lse (a
+        row whose every key a mask excludes has a NaN lse, and NaN gradients, as on the
+        CPU)."""
+        return i >= tq or j >= tk or (causal and j > i)
+
+    @cuda.jit(device=True, **INLINE)
+    def masked(dot, mask, mask_strides, b, i, j, tq, tk, causal):
+        """Query i's masked score for key j from its scaled dot product: -inf past the ends,
+        for a causal key after the query, or where the mask says so."""
+        if excluded(i, j, tq, tk, causal):
+            return kind(minus_infinity)
+        if mask.size > 0:
+            dot += mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]]
+        return dot
+
+    @cuda.jit(device=True, **INLINE)
+    def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
+                        tile_rows):
+        """tile_[c * tile_stride + r] = source[(b * total_rows + row0 + r) * width_ + c] for r
+        < rows and c < width_, zero elsewhere up to ``tile_rows`` and ``cap``, by the block's
+        threads together (consecutive threads read consecutive elements of a row)."""
+        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
             r = e // cap
             c = e - r * cap
-            tile[r, c] = source[(b * total_rows + row0 + r) * width + c] if c < width else 0
+            tile_[c * tile_stride + r] = (source[(b * total_rows + row0 + r) * width_ + c]
+                                          if r < rows and c < width_ else kind(0))
 
-    @cuda.jit(device=True)
-    def load_keys(keys, values, k, v, start, tile, d, dv, b, tk):
-        """The K and V rows from ``start`` (``tile`` of them, fewer at the end) into the
-        block's tiles, ready to read (after the barrier); returns how many."""
-        rows = min(tile, tk - start)
-        load_tile(keys, k, start, rows, d, b, tk)
-        load_tile(values, v, start, rows, dv, b, tk)
-        cuda.syncthreads()
-        return rows
+    @cuda.jit(device=True, **INLINE)
+    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows):
+        """tile_[r * cap + c], the rows as they are (zero past ``rows`` and ``width_``)."""
+        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
+            r = e // cap
+            c = e - r * cap
+            tile_[e] = (source[(b * total_rows + row0 + r) * width_ + c]
+                        if r < rows and c < width_ else kind(0))
 
-    @cuda.jit(device=True)
-    def load_row(row, source, at, width, active):
-        """row[c] = source[at * width + c] for c < width (and ``active``), zero past it."""
-        for c in range(cap):
-            row[c] = source[at * width + c] if active and c < width else 0
+    @cuda.jit(device=True, **INLINE)
+    def product(acc, a, a_stride, a0, b_, b_stride, b0, depth, columns):
+        """acc[x * columns + y] += Σ_k a[k * a_stride + a0 + x] · b_[k * b_stride + b0 + y]
+        for x < MICRO, y < columns, k < depth: a micro-tile of a product of two tiles.
+        Unsigned offsets and a while loop, as the GEMM template's (``ops.gemm.template``):
+        signed indices carry Numba's negative-index fix-ups, and a range's bookkeeping
+        stops the unrolling."""
+        left = cuda.local.array(MICRO, kind)
+        right = cuda.local.array(widest, kind)
+        a_at, b_at = U(a0), U(b0)
+        k = U(0)
+        while k < U(depth):
+            for x in range(MICRO):
+                left[x] = a[a_at + U(x)]
+            for y in range(columns):
+                right[y] = b_[b_at + U(y)]
+            for x in range(MICRO):
+                for y in range(columns):
+                    acc[x * columns + y] += left[x] * right[y]
+            a_at += U(a_stride)
+            b_at += U(b_stride)
+            k += U(1)
 
-    @cuda.jit(device=True)
-    def dot_row(row, tile, r):
-        """row · tile[r] over the cap columns."""
-        partial = cuda.local.array(PARTIAL_SUMS, kind)
-        for u in range(PARTIAL_SUMS):
-            partial[u] = 0
-        for c in range(0, cap, PARTIAL_SUMS):
-            for u in range(PARTIAL_SUMS):
-                partial[u] += row[c + u] * tile[r, c + u]
-        return (partial[0] + partial[1]) + (partial[2] + partial[3])
+    @cuda.jit(device=True, **INLINE)
+    def clear(acc, size):
+        for e in range(size):
+            acc[e] = 0
 
-    @cuda.jit(device=True)
-    def dot_tiles(tile, r, other, s):
-        """tile[r] · other[s] over the cap columns."""
-        partial = cuda.local.array(PARTIAL_SUMS, kind)
-        for u in range(PARTIAL_SUMS):
-            partial[u] = 0
-        for c in range(0, cap, PARTIAL_SUMS):
-            for u in range(PARTIAL_SUMS):
-                partial[u] += tile[r, c + u] * other[s, c + u]
-        return (partial[0] + partial[1]) + (partial[2] + partial[3])
+    @cuda.jit(device=True, **INLINE)
+    def keep_factor(b, i, j, tq, tk, seed, threshold, keep_scale_, dropout):
+        """D_ij: 0 for a dropped score, 1 / (1 - p) for a kept one (1 without dropout)."""
+        if not dropout:
+            return kind(1)
+        return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
 
-    @cuda.jit(device=True)
-    def masked(dot, scale, mask, mask_strides, b, i, j):
-        """Query i's scaled, masked score for key j from their dot product (causal keys past
-        i are never scored: each loop stops at them)."""
-        return _masked_score_cuda(dot * scale, mask, mask_strides, b, i, j, False,
-                                  mask.size > 0)
+    # A thread's micro-tile rows are handled by per-row device functions called once for each
+    # row with a constant row number (``for_rows``): inlined, every index into the thread's
+    # arrays is a constant and they stay in registers, where a loop over the rows with these
+    # bodies (an exp, the dropout hash, a mask load) was left rolled and put them in local
+    # memory (224 bytes of stack a forward thread, seen in ptxas's report).
 
-    @cuda.jit(device=True)
-    def keys_seen(i, start, rows, causal):
-        """How many of the tile's ``rows`` keys from ``start`` query i sees."""
-        return max(0, min(rows, i - start + 1)) if causal else rows
+    @cuda.jit(device=True, **INLINE)
+    def mask_row(x, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
+                 slot):
+        """Row x of the scores scaled and masked in place; its maximum into ``partial``."""
+        row_top = kind(minus_infinity)
+        for y in range(MICRO):
+            s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + x, j + y,
+                       tq, tk, causal)
+            scores[x * MICRO + y] = s
+            row_top = max(row_top, s)
+        partial[slot + x * across_f] = row_top
+
+    @cuda.jit(device=True, **INLINE)
+    def softmax_row(x, scores, acc, top, total, partial, probs_t, slot, at, b, i, j, tq, tk,
+                    seed, threshold, keep_scale_, dropout):
+        """Row x's online softmax over the tile: the row's new maximum (from every thread's
+        in ``partial``) rescales what the thread summed (e^-inf = 0; nothing yet: 1), then
+        its probabilities add to its share of the row's sum and go, dropped or scaled, to
+        ``probs_t``."""
+        new_top = top[x]
+        for u in range(across_f):
+            new_top = max(new_top, partial[slot + x * across_f + u])
+        correction = kind(1) if new_top == top[x] else math.exp(top[x] - new_top)
+        total[x] *= correction
+        for e in range(width_f):
+            acc[x * width_f + e] *= correction
+        top[x] = new_top
+        for y in range(MICRO):
+            s = scores[x * MICRO + y]
+            # a masked key adds nothing; a NaN score makes the row NaN
+            p = kind(0) if s == minus_infinity else math.exp(s - new_top)
+            total[x] += p
+            probs_t[at + y * stride_f + x] = p * keep_factor(
+                b, i + x, j + y, tq, tk, seed, threshold, keep_scale_, dropout)
+
+    @cuda.jit(device=True, **INLINE)
+    def output_row(x, acc, top, partial, out, lse, slot, b, i, tq, dv, c0, lane):
+        """Row x's output, divided by the row's sum (its threads' shares in order), and its
+        logsumexp (by the row's first thread)."""
+        if i + x < tq:
+            row_total = kind(0)
+            for u in range(across_f):
+                row_total += partial[slot + x * across_f + u]
+            inverse = kind(1) / row_total if row_total > 0 else kind(math.nan)
+            for e in range(width_f):
+                if c0 + e < dv:
+                    out[(b * tq + i + x) * dv + c0 + e] = acc[x * width_f + e] * inverse
+            if lane == 0:
+                lse[b * tq + i + x] = (top[x] + math.log(float64(row_total))
+                                       if row_total > 0 else math.nan)
 
     @cuda.jit(cache=True)
     def attention_forward_cuda(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale,
                                causal, threshold, keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
-        keys = cuda.shared.array((key_tile, cap), kind, alignment=ALIGN)
-        values = cuda.shared.array((key_tile, cap), kind, alignment=ALIGN)
-        q_row = cuda.local.array(cap, kind)
-        acc = cuda.local.array(cap, kind)
-        b, first, i = _query_block(tq)
-        active = i < tq
-        load_row(q_row, q, b * tq + i, d, active)
-        for c in range(cap):
-            acc[c] = 0
+        queries_t = cuda.shared.array(queries_f_size, kind, alignment=ALIGN)
+        keys_t = cuda.shared.array(keys_f_size, kind, alignment=ALIGN)
+        values = cuda.shared.array(values_f_size, kind, alignment=ALIGN)
+        probs_t = cuda.shared.array(probs_f_size, kind, alignment=ALIGN)
+        partial = cuda.shared.array(partial_size, kind)
+        scores = cuda.local.array(micro_square, kind)
+        acc = cuda.local.array(acc_f_size, kind)
+        top = cuda.local.array(MICRO, kind)     # each row's maximum so far
+        total = cuda.local.array(MICRO, kind)   # this thread's share of each row's sum
+        query_tiles = (tq + rows_f - 1) // rows_f
+        b = cuda.blockIdx.x // query_tiles
+        first = (cuda.blockIdx.x - b * query_tiles) * rows_f
+        t = cuda.threadIdx.x
+        ty = t // across_f
+        tx = t - ty * across_f
+        i0, j0, c0 = MICRO * ty, MICRO * tx, width_f * tx
+        slot = i0 * across_f + tx   # the thread's first row's place in ``partial``
+        load_transposed(queries_t, stride_f, q, first, min(rows_f, tq - first), d, b, tq,
+                        rows_f)
+        clear(acc, MICRO * width_f)
+        for x in range(MICRO):
+            top[x] = minus_infinity
+            total[x] = 0
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
-        top = kind(minus_infinity)
-        total = kind(0)
-        key_end = min(tk, first + QUERY_TILE) if causal else tk
-        for start in range(0, key_end, key_tile):
-            rows = load_keys(keys, values, k, v, start, key_tile, d, dv, b, tk)
-            if active:
-                for r in range(keys_seen(i, start, rows, causal)):
-                    s = masked(dot_row(q_row, keys, r), scale_, mask, mask_strides, b, i,
-                               start + r)
-                    # a new maximum: rescale what was summed (e^-inf = 0); a NaN score
-                    # comes in here too and makes the row NaN, as everywhere else
-                    if not s <= top:
-                        correction = math.exp(top - s)
-                        total *= correction
-                        for c in range(cap):
-                            acc[c] *= correction
-                        top = s
-                    if s > minus_infinity:   # a masked key adds nothing
-                        p = math.exp(s - top)
-                        total += p
-                        if dropout:
-                            element = (b * tq + i) * tk + start + r
-                            p = p * keep_scale_ if _keep_cuda(element, seed[0], threshold) else 0
-                        for c in range(cap):
-                            acc[c] += p * values[r, c]
+        key_end = min(tk, first + rows_f) if causal else tk
+        for start in range(0, key_end, keys_f):
+            rows = min(keys_f, tk - start)
+            load_transposed(keys_t, keys_stride_f, k, start, rows, d, b, tk, keys_f)
+            load_rows(values, v, start, rows, dv, b, tk, keys_f)
             cuda.syncthreads()
-        if active:
-            inverse = 1 / total if total > 0 else kind(math.nan)
-            for c in range(cap):
-                if c < dv:
-                    out[(b * tq + i) * dv + c] = acc[c] * inverse
-            lse[b * tq + i] = top + math.log(float64(total)) if total > 0 else math.nan
+            clear(scores, MICRO * MICRO)
+            product(scores, queries_t, stride_f, i0, keys_t, keys_stride_f, j0, cap, MICRO)
+            i, j = first + i0, start + j0
+            mask_row(0, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
+                     slot)
+            mask_row(1, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
+                     slot)
+            mask_row(2, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
+                     slot)
+            mask_row(3, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
+                     slot)
+            cuda.syncthreads()
+            slot0, at = i0 * across_f, j0 * stride_f + i0
+            softmax_row(0, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
+                        tk, seed, threshold, keep_scale_, dropout)
+            softmax_row(1, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
+                        tk, seed, threshold, keep_scale_, dropout)
+            softmax_row(2, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
+                        tk, seed, threshold, keep_scale_, dropout)
+            softmax_row(3, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
+                        tk, seed, threshold, keep_scale_, dropout)
+            cuda.syncthreads()
+            product(acc, probs_t, stride_f, i0, values, cap, c0, keys_f, width_f)
+            cuda.syncthreads()
+        for x in range(MICRO):   # each row's sum: the shares of its threads, in order
+            partial[slot + x * across_f] = total[x]
+        cuda.syncthreads()
+        i, slot0 = first + i0, i0 * across_f
+        output_row(0, acc, top, partial, out, lse, slot0, b, i, tq, dv, c0, tx)
+        output_row(1, acc, top, partial, out, lse, slot0, b, i, tq, dv, c0, tx)
+        output_row(2, acc, top, partial, out, lse, slot0, b, i, tq, dv, c0, tx)
+        output_row(3, acc, top, partial, out, lse, slot0, b, i, tq, dv, c0, tx)
+
+    @cuda.jit(device=True, **INLINE)
+    def store_row(x, acc, target, at, inside, c0, limit, factor):
+        """A thread's row x of a gradient (``width`` columns from ``c0``, those below
+        ``limit``) times ``factor``, from ``target[at]`` on, where the row is ``inside``."""
+        if inside:
+            for e in range(width):
+                if c0 + e < limit:
+                    target[at + e] = acc[x * width + e] * factor
+
+    @cuda.jit(device=True, **INLINE)
+    def d_score_row(x, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_, mask,
+                    mask_strides, b, i, j, tq, tk, causal, seed, threshold, keep_scale_,
+                    dropout):
+        """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) into
+        ``d_scores_t`` (transposed: a key a row)."""
+        for y in range(MICRO):
+            s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + x, j + y,
+                       tq, tk, causal)
+            p = kind(0) if excluded(i + x, j + y, tq, tk, causal) else math.exp(
+                s - row_lse[i0 + x])
+            d_p = d_probs[x * MICRO + y] * keep_factor(b, i + x, j + y, tq, tk, seed,
+                                                       threshold, keep_scale_, dropout)
+            d_scores_t[at + y * stride + x] = p * (d_p - row_delta[i0 + x])
+
+    @cuda.jit(device=True, **INLINE)
+    def kv_score_row(x, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at, i0,
+                     scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
+                     keep_scale_, dropout):
+        """Key row x of the dK/dV tile (its columns queries): P ∘ D into ``kept_probs`` and
+        dS into ``d_scores``, both a query a row."""
+        for y in range(MICRO):
+            s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + y, j + x,
+                       tq, tk, causal)
+            p = kind(0) if excluded(i + y, j + x, tq, tk, causal) else math.exp(
+                s - row_lse[i0 + y])
+            factor = keep_factor(b, i + y, j + x, tq, tk, seed, threshold, keep_scale_,
+                                 dropout)
+            kept_probs[at + y * stride + x] = p * factor
+            d_scores[at + y * stride + x] = p * (d_probs[x * MICRO + y] * factor
+                                                 - row_delta[i0 + y])
 
     @cuda.jit(cache=True)
     def attention_grad_q_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
                               grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
-                              keep_scale, dropout):
+                              keep_scale, dropout, deltas):
         bh, tq, tk, d, dv = sizes
-        keys = cuda.shared.array((grad_q_tile, cap), kind, alignment=ALIGN)
-        values = cuda.shared.array((grad_q_tile, cap), kind, alignment=ALIGN)
-        own_q = cuda.shared.array((QUERY_TILE, padded), kind, alignment=ALIGN)
-        g_row = cuda.local.array(cap, kind)
-        acc = cuda.local.array(cap, kind)
-        b, first, i = _query_block(tq)
+        queries_t = cuda.shared.array(operand, kind, alignment=ALIGN)
+        grads_t = cuda.shared.array(operand, kind, alignment=ALIGN)
+        keys_t = cuda.shared.array(operand, kind, alignment=ALIGN)
+        values_t = cuda.shared.array(operand, kind, alignment=ALIGN)   # then K's rows
+        d_scores_t = cuda.shared.array(square, kind, alignment=ALIGN)
+        row_lse = cuda.shared.array(tile, kind)
+        row_delta = cuda.shared.array(tile, kind)
+        scores = cuda.local.array(micro_square, kind)
+        d_probs = cuda.local.array(micro_square, kind)
+        acc = cuda.local.array(acc_size, kind)
+        query_tiles = (tq + tile - 1) // tile
+        b = cuda.blockIdx.x // query_tiles
+        first = (cuda.blockIdx.x - b * query_tiles) * tile
         t = cuda.threadIdx.x
-        active = i < tq
-        row = b * tq + i
-        load_tile(own_q, q, first, min(QUERY_TILE, tq - first), d, b, tq)
-        load_row(g_row, grad_out, row, dv, active)
-        delta = kind(0)
-        for c in range(cap):
-            acc[c] = 0
-            if c < dv and active:
-                delta += g_row[c] * out[row * dv + c]
+        ty = t // across
+        tx = t - ty * across
+        i0, j0, c0 = MICRO * ty, MICRO * tx, width * tx
+        rows = min(tile, tq - first)
+        load_transposed(queries_t, stride, q, first, rows, d, b, tq, tile)
+        load_transposed(grads_t, stride, grad_out, first, rows, dv, b, tq, tile)
+        for r in range(t, tile, cuda.blockDim.x):   # Δ_i = dO_i · O_i, and the saved lse
+            row = b * tq + first + r
+            delta = kind(0)
+            if r < rows:
+                for c in range(dv):
+                    delta += grad_out[row * dv + c] * out[row * dv + c]
+                deltas[row] = delta
+            row_delta[r] = delta
+            row_lse[r] = kind(lse[row]) if r < rows else kind(0)
+        clear(acc, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
-        row_lse = kind(lse[row]) if active else kind(0)
-        key_end = min(tk, first + QUERY_TILE) if causal else tk
-        for start in range(0, key_end, grad_q_tile):
-            rows = load_keys(keys, values, k, v, start, grad_q_tile, d, dv, b, tk)
-            if active:
-                for r in range(keys_seen(i, start, rows, causal)):
-                    s = masked(dot_tiles(keys, r, own_q, t), scale_, mask, mask_strides, b, i,
-                               start + r)
-                    p = math.exp(s - row_lse)
-                    d_p = dot_row(g_row, values, r)
-                    if dropout:
-                        element = row * tk + start + r
-                        d_p = d_p * keep_scale_ if _keep_cuda(element, seed[0], threshold) else 0
-                    d_s = p * (d_p - delta)
-                    if grad_mask.size > 0:   # dM = dS: this thread owns the query's row
-                        grad_mask[row * tk + start + r] = d_s
-                    for c in range(cap):
-                        acc[c] += d_s * keys[r, c]
+        key_end = min(tk, first + tile) if causal else tk
+        for start in range(0, key_end, tile):
+            keys = min(tile, tk - start)
+            load_transposed(keys_t, stride, k, start, keys, d, b, tk, tile)
+            load_transposed(values_t, stride, v, start, keys, dv, b, tk, tile)
             cuda.syncthreads()
-        if active:
-            for c in range(cap):
-                if c < d:
-                    grad_q[row * d + c] = acc[c] * scale_
+            clear(scores, MICRO * MICRO)
+            clear(d_probs, MICRO * MICRO)
+            product(scores, queries_t, stride, i0, keys_t, stride, j0, cap, MICRO)
+            product(d_probs, grads_t, stride, i0, values_t, stride, j0, cap, MICRO)
+            i, j, at = first + i0, start + j0, j0 * stride + i0
+            d_score_row(0, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
+                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
+                        keep_scale_, dropout)
+            d_score_row(1, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
+                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
+                        keep_scale_, dropout)
+            d_score_row(2, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
+                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
+                        keep_scale_, dropout)
+            d_score_row(3, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
+                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
+                        keep_scale_, dropout)
+            cuda.syncthreads()
+            if grad_mask.size > 0:   # dM = dS, the tile's elements by the block's threads
+                for e in range(t, tile * tile, cuda.blockDim.x):
+                    r = e // tile
+                    c = e - r * tile
+                    if first + r < tq and start + c < tk:
+                        grad_mask[(b * tq + first + r) * tk + start + c] = \
+                            d_scores_t[c * stride + r]
+            cuda.syncthreads()
+            load_rows(values_t, k, start, keys, d, b, tk, tile)
+            cuda.syncthreads()
+            product(acc, d_scores_t, stride, i0, values_t, cap, c0, tile, width)
+            cuda.syncthreads()
+        at = (b * tq + first + i0) * d + c0
+        store_row(0, acc, grad_q, at, first + i0 < tq, c0, d, scale_)
+        store_row(1, acc, grad_q, at + d, first + i0 + 1 < tq, c0, d, scale_)
+        store_row(2, acc, grad_q, at + 2 * d, first + i0 + 2 < tq, c0, d, scale_)
+        store_row(3, acc, grad_q, at + 3 * d, first + i0 + 3 < tq, c0, d, scale_)
 
     @cuda.jit(cache=True)
     def attention_grad_kv_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
                                grad_v, grad_mask, sizes, mask_strides, scale, causal,
-                               threshold, keep_scale, dropout):
+                               threshold, keep_scale, dropout, deltas):
         bh, tq, tk, d, dv = sizes
-        queries = cuda.shared.array((kv_tile, cap), kind, alignment=ALIGN)
-        grads = cuda.shared.array((kv_tile, cap), kind, alignment=ALIGN)
-        own_k = cuda.shared.array((kv_tile, padded), kind, alignment=ALIGN)
-        own_v = cuda.shared.array((kv_tile, padded), kind, alignment=ALIGN)
-        lses = cuda.shared.array(kv_tile, kind)
-        deltas = cuda.shared.array(kv_tile, kind)
-        acc_k = cuda.local.array(cap, kind)
-        acc_v = cuda.local.array(cap, kind)
-        key_tiles = (tk + kv_tile - 1) // kv_tile
+        keys_t = cuda.shared.array(operand, kind, alignment=ALIGN)
+        values_t = cuda.shared.array(operand, kind, alignment=ALIGN)
+        first_operand = cuda.shared.array(operand, kind, alignment=ALIGN)    # Qᵀ, then dO
+        second_operand = cuda.shared.array(operand, kind, alignment=ALIGN)   # dOᵀ, then Q
+        kept_probs = cuda.shared.array(square, kind, alignment=ALIGN)
+        d_scores = cuda.shared.array(square, kind, alignment=ALIGN)
+        row_lse = cuda.shared.array(tile, kind)
+        row_delta = cuda.shared.array(tile, kind)
+        scores = cuda.local.array(micro_square, kind)
+        d_probs = cuda.local.array(micro_square, kind)
+        acc_k = cuda.local.array(acc_size, kind)
+        acc_v = cuda.local.array(acc_size, kind)
+        key_tiles = (tk + tile - 1) // tile
         b = cuda.blockIdx.x // key_tiles
-        first = (cuda.blockIdx.x - b * key_tiles) * kv_tile
+        first = (cuda.blockIdx.x - b * key_tiles) * tile
         t = cuda.threadIdx.x
-        j = first + t
-        active = j < tk
-        rows = min(kv_tile, tk - first)
-        load_tile(own_k, k, first, rows, d, b, tk)
-        load_tile(own_v, v, first, rows, dv, b, tk)
-        for c in range(cap):
-            acc_k[c] = 0
-            acc_v[c] = 0
+        ty = t // across
+        tx = t - ty * across
+        j0, i0, c0 = MICRO * ty, MICRO * tx, width * tx   # rows: keys; columns: queries
+        keys = min(tile, tk - first)
+        load_transposed(keys_t, stride, k, first, keys, d, b, tk, tile)
+        load_transposed(values_t, stride, v, first, keys, dv, b, tk, tile)
+        clear(acc_k, MICRO * width)
+        clear(acc_v, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
         query_start = first if causal else 0   # earlier queries see none of these keys
-        for start in range(query_start, tq, kv_tile):
-            rows = min(kv_tile, tq - start)
-            load_tile(queries, q, start, rows, d, b, tq)
-            load_tile(grads, grad_out, start, rows, dv, b, tq)
-            if t < rows:
-                row = b * tq + start + t
-                lses[t] = lse[row]
-                delta = kind(0)
-                for c in range(dv):
-                    delta += grad_out[row * dv + c] * out[row * dv + c]
-                deltas[t] = delta
+        for start in range(query_start, tq, tile):
+            rows = min(tile, tq - start)
+            load_transposed(first_operand, stride, q, start, rows, d, b, tq, tile)
+            load_transposed(second_operand, stride, grad_out, start, rows, dv, b, tq, tile)
+            for r in range(t, tile, cuda.blockDim.x):
+                row = b * tq + start + r
+                row_lse[r] = kind(lse[row]) if r < rows else kind(0)
+                row_delta[r] = deltas[row] if r < rows else kind(0)
             cuda.syncthreads()
-            if active:
-                for r in range(max(0, j - start) if causal else 0, rows):   # queries i >= j
-                    i = start + r
-                    s = masked(dot_tiles(queries, r, own_k, t), scale_, mask, mask_strides,
-                               b, i, j)
-                    p = math.exp(s - lses[r])
-                    factor = kind(1)
-                    if dropout:
-                        element = (b * tq + i) * tk + j
-                        factor = keep_scale_ if _keep_cuda(element, seed[0], threshold) else 0
-                    d_p = dot_tiles(grads, r, own_v, t)
-                    kept = p * factor
-                    for c in range(cap):
-                        acc_v[c] += kept * grads[r, c]
-                    d_s = p * (d_p * factor - deltas[r])
-                    for c in range(cap):
-                        acc_k[c] += d_s * queries[r, c]
+            clear(scores, MICRO * MICRO)
+            clear(d_probs, MICRO * MICRO)
+            product(scores, keys_t, stride, j0, first_operand, stride, i0, cap, MICRO)
+            product(d_probs, values_t, stride, j0, second_operand, stride, i0, cap, MICRO)
+            j, i, at = first + j0, start + i0, i0 * stride + j0
+            kv_score_row(0, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
+                         threshold, keep_scale_, dropout)
+            kv_score_row(1, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
+                         threshold, keep_scale_, dropout)
+            kv_score_row(2, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
+                         threshold, keep_scale_, dropout)
+            kv_score_row(3, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
+                         threshold, keep_scale_, dropout)
             cuda.syncthreads()
-        if active:
-            for c in range(cap):
-                if c < d:
-                    grad_k[(b * tk + j) * d + c] = acc_k[c] * scale_
-            for c in range(cap):
-                if c < dv:
-                    grad_v[(b * tk + j) * dv + c] = acc_v[c]
+            load_rows(first_operand, grad_out, start, rows, dv, b, tq, tile)
+            load_rows(second_operand, q, start, rows, d, b, tq, tile)
+            cuda.syncthreads()
+            product(acc_v, kept_probs, stride, j0, first_operand, cap, c0, tile, width)
+            product(acc_k, d_scores, stride, j0, second_operand, cap, c0, tile, width)
+            cuda.syncthreads()
+        j = first + j0
+        at_k, at_v = (b * tk + j) * d + c0, (b * tk + j) * dv + c0
+        store_row(0, acc_k, grad_k, at_k, j < tk, c0, d, scale_)
+        store_row(1, acc_k, grad_k, at_k + d, j + 1 < tk, c0, d, scale_)
+        store_row(2, acc_k, grad_k, at_k + 2 * d, j + 2 < tk, c0, d, scale_)
+        store_row(3, acc_k, grad_k, at_k + 3 * d, j + 3 < tk, c0, d, scale_)
+        store_row(0, acc_v, grad_v, at_v, j < tk, c0, dv, kind(1))
+        store_row(1, acc_v, grad_v, at_v + dv, j + 1 < tk, c0, dv, kind(1))
+        store_row(2, acc_v, grad_v, at_v + 2 * dv, j + 2 < tk, c0, dv, kind(1))
+        store_row(3, acc_v, grad_v, at_v + 3 * dv, j + 3 < tk, c0, dv, kind(1))
 
-    return attention_forward_cuda, attention_grad_q_cuda, attention_grad_kv_cuda, kv_tile
+    return attention_forward_cuda, attention_grad_q_cuda, attention_grad_kv_cuda
 
 
 def forward_plan(args):
     q, k, v, mask, seed, out, lse, sizes = args[:8]
     bh, tq, tk, d, dv = sizes
-    forward, _, _, _ = _kernels(np.dtype(q.dtype), head_cap(d, dv))
-    return ((forward, bh * -(-tq // QUERY_TILE), QUERY_TILE, args),)
+    cap = head_cap(d, dv)
+    forward, _, _ = _kernels(np.dtype(q.dtype), cap)
+    queries, keys, _ = _tiles(q.dtype, cap)
+    return ((forward, bh * -(-tq // queries), (queries // MICRO) * (keys // MICRO), args),)
 
 
 def backward_plan(args):
-    q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v, grad_mask, sizes = \
-        args[:13]
+    """dQ first: it also writes each query's Δ, which the dK/dV kernel reads."""
+    q, sizes = args[0], args[12]
     bh, tq, tk, d, dv = sizes
-    _, grad_q_kernel, grad_kv_kernel, kv_tile = _kernels(np.dtype(q.dtype), head_cap(d, dv))
-    return ((grad_q_kernel, bh * -(-tq // QUERY_TILE), QUERY_TILE, args),
-            (grad_kv_kernel, bh * -(-tk // kv_tile), kv_tile, args))
+    cap = head_cap(d, dv)
+    _, grad_q_kernel, grad_kv_kernel = _kernels(np.dtype(q.dtype), cap)
+    tile = _tiles(q.dtype, cap)[2]
+    threads = (tile // MICRO) ** 2
+    full = (*args, empty(max(bh * tq, 1), q.dtype, "cuda"))
+    return ((grad_q_kernel, bh * -(-tq // tile), threads, full),
+            (grad_kv_kernel, bh * -(-tk // tile), threads, full))

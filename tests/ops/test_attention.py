@@ -46,6 +46,11 @@ CASES = [
     Case("attention", ((2, 2, 3, 2), (2, 2, 4, 2), (2, 2, 4, 3), (2, 1, 1, 4)),
          lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m),
          lambda q, k, v, m: np_attention(q, k, v, mask=m), grad=(True, True, True, False)),
+    # more queries and keys than a CUDA tile holds (8 in the simulator): several query
+    # blocks, key tiles, and a partial last tile of each
+    Case("attention", ((1, 11, 3), (1, 13, 3), (1, 13, 2)), _sdpa, np_attention),
+    Case("attention", ((1, 13, 2),) * 3, lambda q, k, v: _sdpa(q, k, v, is_causal=True),
+         lambda q, k, v: np_attention(q, k, v, causal=True)),
 ]
 
 
@@ -145,6 +150,40 @@ def test_the_same_bits_on_one_and_two_threads(dropout_p):
     assert np.array_equal(one, two)
     for a, b in zip(one_grads, two_grads):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head", [(np.float32, 64), (np.float32, 8), (np.float32, 40),
+                                        (np.float32, 128), (np.float64, 64),
+                                        (np.float64, 100)])
+@pytest.mark.parametrize("kind", ["causal", "float mask", "bool mask", "dropout"])
+def test_cuda_at_model_shapes_matches_the_cpu(dtype, head, kind):
+    """Many query blocks and key tiles of every CUDA tiling (float32 and float64, head dims
+    up to 128, odd lengths) against the CPU's results, masks and dropout included."""
+    rng = np.random.default_rng(6)
+    shapes = [(2, 3, 150, head), (2, 3, 133, head), (2, 3, 133, head + 3 if head < 128
+                                                      else head)]
+    if kind == "causal":
+        shapes[1] = shapes[2] = (2, 3, 150, head)
+    arrays = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    g = rng.standard_normal(shapes[0][:-1] + (shapes[2][-1],)).astype(dtype)
+    mask = {"float mask": rng.standard_normal((2, 1, 150, 133)).astype(dtype),
+            "bool mask": rng.uniform(size=(150, 133)) > 0.3}.get(kind)
+    kwargs = {"is_causal": kind == "causal", "dropout_p": 0.2 if kind == "dropout" else 0.0}
+
+    def run(device):
+        engine.manual_seed(3)
+        tensors = [engine.tensor(a, device=device, requires_grad=True) for a in arrays]
+        out = engine.scaled_dot_product_attention(
+            *tensors, attn_mask=None if mask is None else engine.tensor(mask, device=device),
+            **kwargs)
+        out.backward(engine.tensor(g, device=device))
+        return [out.numpy()] + [t.grad.numpy() for t in tensors]
+
+    tolerance = {"rtol": 2e-4, "atol": 2e-5} if dtype == np.float32 else {"rtol": 1e-10,
+                                                                          "atol": 1e-12}
+    for ours, cpu in zip(run("cuda"), run("cpu")):
+        np.testing.assert_allclose(ours, cpu, **tolerance)
 
 
 def _dropout_keep(bh, tq, tk, p, seed):
