@@ -8,7 +8,9 @@
 eagerly to warm up, then recorded once with an ``ops.launch.LaunchRecorder``. Each recorded
 launch is then replayed alone, ``--repeats`` times back to back between two CUDA events
 (after one launch untimed), so a row is GPU time plus, for a kernel shorter than its launch,
-the launch's own time. The table sums the launches of each kernel (the op's ``Kernel`` and
+the launch's own time (a launch that depends on the one before it, as Embedding's backward
+counts ids into buckets, is timed on what its own replays leave: right for time, not for
+values). The table sums the launches of each kernel (the op's ``Kernel`` and
 the ``@cuda.jit`` function it launched), largest first, with the step's eager wall time
 beside. It answers "which kernel", not "how fast is the step": ``bench.gpt`` times the
 captured step against torch's.
