@@ -147,7 +147,7 @@ def place_ids_cuda(ids, cursors, order, rows):
     i = cuda.grid(1)
     if i < ids.size and 0 <= ids[i] < rows:
         slot = cuda.atomic.add(cursors, ids[i], 1)
-        if slot < order.size:   # always, but for a launch replayed alone (bench.gpu_step)
+        if 0 <= slot < order.size:   # always, but for a launch replayed alone (bench.gpu_step)
             order[slot] = i
 
 
@@ -165,9 +165,10 @@ def sum_buckets_cuda(ids, ends, order, grad_out, grad_weight, dim, rows, padding
     row = cuda.blockIdx.x // column_tiles
     j = (cuda.blockIdx.x - row * column_tiles) * GRAD_THREADS + t
     # the bucket clamped to ``order``: a launch replayed alone (bench.gpu_step times each
-    # launch by itself) sees counts of earlier replays, never an address outside ``order``
-    first = min(ends[row - 1], order.size) if row > 0 else 0
-    size = min(ends[row], order.size) - first
+    # launch by itself) sees counts of earlier replays, even overflowed ones, never an
+    # address outside ``order``
+    first = max(0, min(ends[row - 1], order.size)) if row > 0 else 0
+    size = max(0, min(ends[row], order.size) - first)
     total = float64(0.0)
     if row == padding or size == 0:
         pass

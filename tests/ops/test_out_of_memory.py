@@ -114,7 +114,7 @@ def test_more_than_the_card_has_is_refused_and_a_small_tensor_then_works():
         engine.zeros((40_000_000_000,), device="cuda")   # 160 GB of float32: a plain alloc
     assert isinstance(failure.value, MemoryError)
     assert failure.value.requested == 160_000_000_000
-    assert 100 * 2**30 < failure.value.device_total < failure.value.requested
+    assert 0 < failure.value.device_total < failure.value.requested   # H100 80 GB, H200 141
     small = engine.zeros((1000,), device="cuda") + 1
     assert small.sum().item() == 1000
     x = engine.randn(256, 512, device="cuda")   # and a GEMM of a small batch runs
