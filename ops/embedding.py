@@ -181,10 +181,14 @@ def sum_buckets_cuda(ids, ends, order, grad_out, grad_weight, dim, rows, padding
             for u in range(size):
                 rank += held[u] < held[k]
             ascending[rank] = held[k]
+        # (positions are distinct, so the ranks fill ``ascending``; a launch replayed alone
+        # can repeat one, leaving a slot unwritten: the sum skips what is not a position)
         cuda.syncthreads()
         if j < dim:
             for k in range(size):
-                total += grad_out[ascending[k] * dim + j]
+                position = ascending[k]
+                if 0 <= position < ids.size:   # always, but for a launch replayed alone
+                    total += grad_out[position * dim + j]
     else:
         count = ids.size
         for start in range(0, count, GRAD_THREADS):

@@ -90,6 +90,27 @@ def test_buckets_of_every_size_give_the_cpu_bits(device):
     assert not grad[[3, 6]].any()   # the padding row, and an id that never occurs
 
 
+@pytest.mark.cuda
+def test_each_backward_launch_replayed_alone_stays_inside_its_arrays():
+    """bench.gpu_step times every launch of a step replayed alone, several times: the
+    counting sort's launches then see counts their own replays left (int32 sums that even
+    overflow), and must still address nothing outside their arrays (on the H100 such a
+    replay ended in CUDA_ERROR_ILLEGAL_ADDRESS)."""
+    from ops import cuda as cuda_runtime
+    from ops.launch import LaunchRecorder
+    ids = np.array([4, 1, 4, 0, 4, 2, 2, 4, 4, 1, 4, 4, 5, 2, 4, 1, 3, 3])
+    w = engine.tensor(np.ones((7, 3), np.float32), device="cuda", requires_grad=True)
+    out = engine.embedding(engine.tensor(ids, device="cuda"), w)
+    with LaunchRecorder() as recorder:
+        out.backward(engine.tensor(np.ones((18, 3), np.float32), device="cuda"))
+    launches = [r for r in recorder.runs if r.kernel.name == "embedding_grad"]
+    assert len(launches) == 5
+    for run in launches:
+        for _ in range(3):
+            cuda_runtime.launch(run.function, run.grid, run.block, run.args)
+    cuda_runtime.cuda.synchronize()
+
+
 @pytest.mark.gpu
 def test_a_large_vocabulary_gives_the_cpu_bits():
     """GPT-2's vocabulary at nanoGPT's batch of ids, Zipf-distributed so that a few buckets
