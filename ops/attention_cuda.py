@@ -1,13 +1,10 @@
 """The CUDA kernels of scaled dot-product attention (``ops.attention`` has the math and the
 CPU side), in the flash-attention manner: no T x T matrix in global memory, no atomics.
 
-Every product is a small matrix product of two tiles in shared memory, each thread
-accumulating a micro-tile in registers: ``MICRO`` rows by ``MICRO`` columns of scores, or
-``MICRO`` rows by a slice of the head dim of an output (``product``). Per step of the
-product's depth a thread reads ``MICRO`` elements of one tile and as many of the other (16-byte
-loads where aligned) for ``MICRO`` times as many multiply-adds; a thread per query row, which
-the kernels had before, read a key element per multiply-add (the GPT step's attention took
-52.8 of its 119.4 ms on the H200, torch's SDPA 0.66 ms a layer against 8.9).
+Every product is a product of two tiles in shared memory, each thread accumulating a
+micro-tile in registers (``MICRO`` rows by ``MICRO`` score columns, or by a slice of the
+head dim): per step a thread reads 4 + 4 elements for 16 multiply-adds, where a thread per
+query row read a key element per multiply-add (H200, GPT step: attention 52.8 of 119.4 ms).
 
 - Forward, one kernel: a block owns ``rows`` queries of one (batch, head) slice, Qᵀ in shared
   memory, and walks the keys a tile at a time (Kᵀ and V): the tile's scores, each row's
@@ -26,9 +23,10 @@ the kernels had before, read a key element per multiply-add (the GPT step's atte
 
 Tiles fit the 48 KiB of static shared memory: a float32 forward block takes 64 queries and
 32-key tiles (128 threads), a backward block 32 queries or keys against tiles of 32 (64
-threads); float64 and head dims over 64 halve them (``_tiles``). The transposed tiles' rows
-are padded by ``PAD`` elements: 16 bytes keep each row's vector loads aligned and spread a
-column's stores over 8 banks instead of one. Every value is in the input's dtype: a float64
+threads); float64 and head dims over 64 halve them. The transposed tiles' rows are padded by
+16 bytes: each row's vector loads stay aligned and a column's stores spread over 8 banks
+instead of one (``ops.attention_tiles``: the tiles and the functions the kernels share).
+Every value is in the input's dtype: a float64
 literal or argument in a float32 expression made it, and its exp, float64.
 """
 import functools
@@ -36,70 +34,24 @@ import math
 
 import numpy as np
 from numba import float32, float64
-from numba import uint64 as U
 
-from ops.cuda import SIMULATOR, cuda
-from ops.dropout import _keep_cuda
+from ops.attention_tiles import ALIGN, INLINE, MICRO, head_cap, strides, tile_functions, tiles
+from ops.cuda import cuda
 from ops.memory import empty
-
-MAX_HEAD_DIM = 128
-HEAD_CAPS = (8, 16, 32, 64, MAX_HEAD_DIM)
-MICRO = 4   # rows (and score columns) of a thread's micro-tile: the kernels call their
-            # per-row functions for rows 0 to 3 one by one
-PAD = 4                           # elements a transposed tile's rows are padded by
-SHARED_BYTES = 48 * 1024          # a block's static shared memory
-ALIGN = None if SIMULATOR else 16
-# the micro-products' device functions inlined into the kernels (NVVM's alwaysinline): their
-# local arrays then stay in registers, every index a constant once the loops over MICRO and
-# the widths unroll (the simulator takes no such option)
-INLINE = {} if SIMULATOR else {"forceinline": True}
-
-
-def _tiles(dtype, cap):
-    """``(queries, keys, tile)``: a forward block's queries and key tiles, a backward block's
-    queries or keys and the tiles it walks. A float32 head of 64 fits the shared memory with
-    the largest; each doubling of the dtype or the cap halves them."""
-    if SIMULATOR:
-        return 8, 8, 8
-    halvings = max(1, cap * np.dtype(dtype).itemsize // 256)
-    return 64 // halvings, 32 // halvings, 32 // halvings
-
-
-def head_cap(d, dv):
-    """The smallest head-dimension cap that holds both head dims; a ValueError past it."""
-    for cap in HEAD_CAPS:
-        if max(d, dv) <= cap:
-            return cap
-    raise ValueError(f"scaled_dot_product_attention: head dims {d} (q, k) and {dv} (v) exceed "
-                     f"the CUDA kernels' {MAX_HEAD_DIM}; split the heads further")
 
 
 @functools.cache
 def _kernels(dtype, cap):
     """The forward, dQ and dK/dV kernels for inputs of ``dtype`` and head dims <= ``cap``."""
     kind = float32 if np.dtype(dtype) == np.float32 else float64
-    itemsize = np.dtype(dtype).itemsize
-    rows_f, keys_f, tile = _tiles(dtype, cap)
+    rows_f, keys_f, tile = tiles(dtype, cap)
     across_f = keys_f // MICRO   # a forward block's threads across a score tile's keys
     width_f = cap // across_f    # the head-dim columns of O each of them owns
     across = tile // MICRO       # a backward block's threads across a tile's columns
     width = cap // across
     widest = max(MICRO, width_f, width)
     minus_infinity = -math.inf
-
-    def forward_bytes(pad):
-        return ((cap + keys_f) * (rows_f + pad) + cap * (keys_f + pad) + keys_f * cap
-                + rows_f * across_f) * itemsize
-
-    def backward_bytes(pad):
-        return (4 * cap + 2 * tile) * (tile + pad) * itemsize + 2 * tile * itemsize
-
-    # transposed tiles' rows padded where the shared memory allows (float64 heads of 128
-    # go without, in the backward)
-    pad_f = PAD if forward_bytes(PAD) <= SHARED_BYTES else 0
-    pad = PAD if backward_bytes(PAD) <= SHARED_BYTES else 0
-    assert max(forward_bytes(pad_f), backward_bytes(pad)) <= SHARED_BYTES, (dtype, cap)
-    stride_f, keys_stride_f, stride = rows_f + pad_f, keys_f + pad_f, tile + pad
+    stride_f, keys_stride_f, stride = strides(dtype, cap)
     operand = cap * stride   # a backward operand tile: transposed, or rows of cap
     # array sizes must be constant names, not expressions
     queries_f_size, keys_f_size = cap * stride_f, cap * keys_stride_f
@@ -107,88 +59,17 @@ def _kernels(dtype, cap):
     partial_size, square = rows_f * across_f, tile * stride
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
 
-    @cuda.jit(device=True, **INLINE)
-    def excluded(i, j, tq, tk, causal):
-        """Past the ends, or a causal key after the query: P is 0 there, whatever the lse (a
-        row whose every key a mask excludes has a NaN lse, and NaN gradients, as on the
-        CPU)."""
-        return i >= tq or j >= tk or (causal and j > i)
-
-    @cuda.jit(device=True, **INLINE)
-    def masked(dot, mask, mask_strides, b, i, j, tq, tk, causal):
-        """Query i's masked score for key j from its scaled dot product: -inf past the ends,
-        for a causal key after the query, or where the mask says so."""
-        if excluded(i, j, tq, tk, causal):
-            return kind(minus_infinity)
-        if mask.size > 0:
-            dot += mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]]
-        return dot
-
-    @cuda.jit(device=True, **INLINE)
-    def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
-                        tile_rows):
-        """tile_[c * tile_stride + r] = source[(b * total_rows + row0 + r) * width_ + c] for r
-        < rows and c < width_, zero elsewhere up to ``tile_rows`` and ``cap``, by the block's
-        threads together (consecutive threads read consecutive elements of a row)."""
-        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
-            r = e // cap
-            c = e - r * cap
-            tile_[c * tile_stride + r] = (source[(b * total_rows + row0 + r) * width_ + c]
-                                          if r < rows and c < width_ else kind(0))
-
-    @cuda.jit(device=True, **INLINE)
-    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows):
-        """tile_[r * cap + c], the rows as they are (zero past ``rows`` and ``width_``)."""
-        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
-            r = e // cap
-            c = e - r * cap
-            tile_[e] = (source[(b * total_rows + row0 + r) * width_ + c]
-                        if r < rows and c < width_ else kind(0))
-
-    @cuda.jit(device=True, **INLINE)
-    def product(acc, a, a_stride, a0, b_, b_stride, b0, depth, columns):
-        """acc[x * columns + y] += Σ_k a[k * a_stride + a0 + x] · b_[k * b_stride + b0 + y]
-        for x < MICRO, y < columns, k < depth: a micro-tile of a product of two tiles.
-        Unsigned offsets and a while loop, as the GEMM template's (``ops.gemm.template``):
-        signed indices carry Numba's negative-index fix-ups, and a range's bookkeeping
-        stops the unrolling."""
-        left = cuda.local.array(MICRO, kind)
-        right = cuda.local.array(widest, kind)
-        a_at, b_at = U(a0), U(b0)
-        k = U(0)
-        while k < U(depth):
-            for x in range(MICRO):
-                left[x] = a[a_at + U(x)]
-            for y in range(columns):
-                right[y] = b_[b_at + U(y)]
-            for x in range(MICRO):
-                for y in range(columns):
-                    acc[x * columns + y] += left[x] * right[y]
-            a_at += U(a_stride)
-            b_at += U(b_stride)
-            k += U(1)
-
-    @cuda.jit(device=True, **INLINE)
-    def clear(acc, size):
-        for e in range(size):
-            acc[e] = 0
-
-    @cuda.jit(device=True, **INLINE)
-    def keep_factor(b, i, j, tq, tk, seed, threshold, keep_scale_, dropout):
-        """D_ij: 0 for a dropped score, 1 / (1 - p) for a kept one (1 without dropout)."""
-        if not dropout:
-            return kind(1)
-        return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
+    excluded, masked, keep_factor, load_transposed, load_rows, product, clear = \
+        tile_functions(kind, cap, widest, minus_infinity)
 
     # A thread's micro-tile rows are handled by per-row device functions called once for each
-    # row with a constant row number (``for_rows``): inlined, every index into the thread's
-    # arrays is a constant and they stay in registers, where a loop over the rows with these
-    # bodies (an exp, the dropout hash, a mask load) was left rolled and put them in local
-    # memory (224 bytes of stack a forward thread, seen in ptxas's report).
+    # row with a constant row number: inlined, every index into the thread's arrays is a
+    # constant and they stay in registers, where a loop over the rows with these bodies (an
+    # exp, the dropout hash, a mask load) was left rolled and put them in local memory (224
+    # bytes of stack a forward thread, seen in ptxas's report).
 
     @cuda.jit(device=True, **INLINE)
-    def mask_row(x, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
-                 slot):
+    def mask_row(x, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal):
         """Row x of the scores scaled and masked in place; its maximum into ``partial``."""
         row_top = kind(minus_infinity)
         for y in range(MICRO):
@@ -200,11 +81,12 @@ def _kernels(dtype, cap):
 
     @cuda.jit(device=True, **INLINE)
     def softmax_row(x, scores, acc, top, total, partial, probs_t, slot, at, b, i, j, tq, tk,
-                    seed, threshold, keep_scale_, dropout):
+                    drop):
         """Row x's online softmax over the tile: the row's new maximum (from every thread's
         in ``partial``) rescales what the thread summed (e^-inf = 0; nothing yet: 1), then
         its probabilities add to its share of the row's sum and go, dropped or scaled, to
         ``probs_t``."""
+        seed, threshold, keep_scale_, dropout = drop
         new_top = top[x]
         for u in range(across_f):
             new_top = max(new_top, partial[slot + x * across_f + u])
@@ -265,6 +147,7 @@ def _kernels(dtype, cap):
             top[x] = minus_infinity
             total[x] = 0
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
+        drop = (seed, threshold, keep_scale_, dropout)   # the dropout's arguments
         key_end = min(tk, first + rows_f) if causal else tk
         for start in range(0, key_end, keys_f):
             rows = min(keys_f, tk - start)
@@ -274,24 +157,20 @@ def _kernels(dtype, cap):
             clear(scores, MICRO * MICRO)
             product(scores, queries_t, stride_f, i0, keys_t, keys_stride_f, j0, cap, MICRO)
             i, j = first + i0, start + j0
-            mask_row(0, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
-                     slot)
-            mask_row(1, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
-                     slot)
-            mask_row(2, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
-                     slot)
-            mask_row(3, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal,
-                     slot)
+            mask_row(0, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
+            mask_row(1, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
+            mask_row(2, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
+            mask_row(3, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
             cuda.syncthreads()
             slot0, at = i0 * across_f, j0 * stride_f + i0
             softmax_row(0, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, seed, threshold, keep_scale_, dropout)
+                        tk, drop)
             softmax_row(1, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, seed, threshold, keep_scale_, dropout)
+                        tk, drop)
             softmax_row(2, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, seed, threshold, keep_scale_, dropout)
+                        tk, drop)
             softmax_row(3, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, seed, threshold, keep_scale_, dropout)
+                        tk, drop)
             cuda.syncthreads()
             product(acc, probs_t, stride_f, i0, values, cap, c0, keys_f, width_f)
             cuda.syncthreads()
@@ -315,10 +194,10 @@ def _kernels(dtype, cap):
 
     @cuda.jit(device=True, **INLINE)
     def d_score_row(x, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_, mask,
-                    mask_strides, b, i, j, tq, tk, causal, seed, threshold, keep_scale_,
-                    dropout):
+                    mask_strides, b, i, j, tq, tk, causal, drop):
         """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) into
         ``d_scores_t`` (transposed: a key a row)."""
+        seed, threshold, keep_scale_, dropout = drop
         for y in range(MICRO):
             s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + x, j + y,
                        tq, tk, causal)
@@ -330,10 +209,10 @@ def _kernels(dtype, cap):
 
     @cuda.jit(device=True, **INLINE)
     def kv_score_row(x, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at, i0,
-                     scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
-                     keep_scale_, dropout):
+                     scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop):
         """Key row x of the dK/dV tile (its columns queries): P ∘ D into ``kept_probs`` and
         dS into ``d_scores``, both a query a row."""
+        seed, threshold, keep_scale_, dropout = drop
         for y in range(MICRO):
             s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + y, j + x,
                        tq, tk, causal)
@@ -381,6 +260,7 @@ def _kernels(dtype, cap):
             row_lse[r] = kind(lse[row]) if r < rows else kind(0)
         clear(acc, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
+        drop = (seed, threshold, keep_scale_, dropout)   # the dropout's arguments
         key_end = min(tk, first + tile) if causal else tk
         for start in range(0, key_end, tile):
             keys = min(tile, tk - start)
@@ -393,17 +273,13 @@ def _kernels(dtype, cap):
             product(d_probs, grads_t, stride, i0, values_t, stride, j0, cap, MICRO)
             i, j, at = first + i0, start + j0, j0 * stride + i0
             d_score_row(0, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
-                        keep_scale_, dropout)
+                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
             d_score_row(1, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
-                        keep_scale_, dropout)
+                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
             d_score_row(2, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
-                        keep_scale_, dropout)
+                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
             d_score_row(3, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, seed, threshold,
-                        keep_scale_, dropout)
+                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
             cuda.syncthreads()
             if grad_mask.size > 0:   # dM = dS, the tile's elements by the block's threads
                 for e in range(t, tile * tile, cuda.blockDim.x):
@@ -453,6 +329,7 @@ def _kernels(dtype, cap):
         clear(acc_k, MICRO * width)
         clear(acc_v, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
+        drop = (seed, threshold, keep_scale_, dropout)   # the dropout's arguments
         query_start = first if causal else 0   # earlier queries see none of these keys
         for start in range(query_start, tq, tile):
             rows = min(tile, tq - start)
@@ -469,17 +346,13 @@ def _kernels(dtype, cap):
             product(d_probs, values_t, stride, j0, second_operand, stride, i0, cap, MICRO)
             j, i, at = first + j0, start + i0, i0 * stride + j0
             kv_score_row(0, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
-                         threshold, keep_scale_, dropout)
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
             kv_score_row(1, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
-                         threshold, keep_scale_, dropout)
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
             kv_score_row(2, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
-                         threshold, keep_scale_, dropout)
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
             kv_score_row(3, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, seed,
-                         threshold, keep_scale_, dropout)
+                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
             cuda.syncthreads()
             load_rows(first_operand, grad_out, start, rows, dv, b, tq, tile)
             load_rows(second_operand, q, start, rows, d, b, tq, tile)
@@ -506,7 +379,7 @@ def forward_plan(args):
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
     forward, _, _ = _kernels(np.dtype(q.dtype), cap)
-    queries, keys, _ = _tiles(q.dtype, cap)
+    queries, keys, _ = tiles(q.dtype, cap)
     return ((forward, bh * -(-tq // queries), (queries // MICRO) * (keys // MICRO), args),)
 
 
@@ -516,7 +389,7 @@ def backward_plan(args):
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
     _, grad_q_kernel, grad_kv_kernel = _kernels(np.dtype(q.dtype), cap)
-    tile = _tiles(q.dtype, cap)[2]
+    tile = tiles(q.dtype, cap)[2]
     threads = (tile // MICRO) ** 2
     full = (*args, empty(max(bh * tq, 1), q.dtype, "cuda"))
     return ((grad_q_kernel, bh * -(-tq // tile), threads, full),

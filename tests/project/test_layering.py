@@ -266,3 +266,12 @@ def test_no_benchmark_imports_another():
                        for path in (REPO_ROOT / "bench").rglob("*.py")
                        for name in _imported_names(path) if name in benchmarks)
     assert importers == [], importers
+
+
+def test_no_ops_module_over_400_lines():
+    """The house's size rule (issue 43): a kernel module a newcomer reads in one sitting;
+    ``ops/matmul.py`` keeps only the op and ``gemm()``, the GEMM's rooms being ``ops/gemm/``."""
+    lengths = {str(path.relative_to(REPO_ROOT)): len(path.read_text().splitlines())
+               for path in _sources("ops")}
+    assert not {name: n for name, n in lengths.items() if n > 400}
+    assert lengths["ops/matmul.py"] < 120

@@ -1,0 +1,146 @@
+"""The tiles of the CUDA attention kernels (``ops.attention_cuda``): their sizes, and the
+device functions the kernels share, built for one dtype and head-dimension cap.
+
+- ``tiles``: how many queries and keys a block and its tiles hold, so that the tiles fit the
+  48 KiB of static shared memory;
+- ``tile_functions``: loading a tile from global memory (as it is, or transposed: a column of
+  the source a row of the tile), the micro-tile product of two tiles a thread accumulates in
+  registers, and the scores' masking and dropout factor.
+
+Every function is inlined into the kernels (NVVM's alwaysinline): a thread's local arrays
+then stay in registers, every index a constant once the loops over ``MICRO`` and the widths
+unroll (the simulator takes no such option).
+"""
+import numpy as np
+from numba import uint64 as U
+
+from ops.cuda import SIMULATOR, cuda
+from ops.dropout import _keep_cuda
+
+MAX_HEAD_DIM = 128
+HEAD_CAPS = (8, 16, 32, 64, MAX_HEAD_DIM)
+MICRO = 4   # rows (and score columns) of a thread's micro-tile: the kernels call their
+            # per-row functions for rows 0 to 3 one by one
+PAD = 4                           # elements a transposed tile's rows are padded by
+SHARED_BYTES = 48 * 1024          # a block's static shared memory
+ALIGN = None if SIMULATOR else 16
+INLINE = {} if SIMULATOR else {"forceinline": True}
+
+
+def tiles(dtype, cap):
+    """``(queries, keys, tile)``: a forward block's queries and key tiles, a backward block's
+    queries or keys and the tiles it walks. A float32 head of 64 fits the shared memory with
+    the largest; each doubling of the dtype or the cap halves them."""
+    if SIMULATOR:
+        return 8, 8, 8
+    halvings = max(1, cap * np.dtype(dtype).itemsize // 256)
+    return 64 // halvings, 32 // halvings, 32 // halvings
+
+
+def head_cap(d, dv):
+    """The smallest head-dimension cap that holds both head dims; a ValueError past it."""
+    for cap in HEAD_CAPS:
+        if max(d, dv) <= cap:
+            return cap
+    raise ValueError(f"scaled_dot_product_attention: head dims {d} (q, k) and {dv} (v) exceed "
+                     f"the CUDA kernels' {MAX_HEAD_DIM}; split the heads further")
+
+
+def strides(dtype, cap):
+    """``(forward queries', forward keys', backward)`` row lengths of the transposed tiles:
+    padded by ``PAD`` where the shared memory allows (float64 heads of 128 go without, in the
+    backward)."""
+    itemsize = np.dtype(dtype).itemsize
+    rows_f, keys_f, tile = tiles(dtype, cap)
+
+    def forward_bytes(pad):   # Qᵀ, Kᵀ, V, Pᵀ and the rows' partial maxima
+        return ((cap + keys_f) * (rows_f + pad) + cap * (keys_f + pad) + keys_f * cap
+                + rows_f * keys_f // MICRO) * itemsize
+
+    def backward_bytes(pad):   # four operand tiles, two score tiles, the rows' lse and Δ
+        return (4 * cap + 2 * tile) * (tile + pad) * itemsize + 2 * tile * itemsize
+
+    pad_f = PAD if forward_bytes(PAD) <= SHARED_BYTES else 0
+    pad = PAD if backward_bytes(PAD) <= SHARED_BYTES else 0
+    assert max(forward_bytes(pad_f), backward_bytes(pad)) <= SHARED_BYTES, (dtype, cap)
+    return rows_f + pad_f, keys_f + pad_f, tile + pad
+
+
+def tile_functions(kind, cap, widest, minus_infinity):
+    """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
+    values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
+    columns."""
+    @cuda.jit(device=True, **INLINE)
+    def excluded(i, j, tq, tk, causal):
+        """Past the ends, or a causal key after the query: P is 0 there, whatever the lse (a
+        row whose every key a mask excludes has a NaN lse, and NaN gradients, as on the
+        CPU)."""
+        return i >= tq or j >= tk or (causal and j > i)
+
+    @cuda.jit(device=True, **INLINE)
+    def masked(dot, mask, mask_strides, b, i, j, tq, tk, causal):
+        """Query i's masked score for key j from its scaled dot product: -inf past the ends,
+        for a causal key after the query, or where the mask says so."""
+        if excluded(i, j, tq, tk, causal):
+            return kind(minus_infinity)
+        if mask.size > 0:
+            dot += mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]]
+        return dot
+
+    @cuda.jit(device=True, **INLINE)
+    def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
+                        tile_rows):
+        """tile_[c * tile_stride + r] = source[(b * total_rows + row0 + r) * width_ + c] for r
+        < rows and c < width_, zero elsewhere up to ``tile_rows`` and ``cap``, by the block's
+        threads together (consecutive threads read consecutive elements of a row)."""
+        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
+            r = e // cap
+            c = e - r * cap
+            tile_[c * tile_stride + r] = (source[(b * total_rows + row0 + r) * width_ + c]
+                                          if r < rows and c < width_ else kind(0))
+
+    @cuda.jit(device=True, **INLINE)
+    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows):
+        """tile_[r * cap + c], the rows as they are (zero past ``rows`` and ``width_``)."""
+        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
+            r = e // cap
+            c = e - r * cap
+            tile_[e] = (source[(b * total_rows + row0 + r) * width_ + c]
+                        if r < rows and c < width_ else kind(0))
+
+    @cuda.jit(device=True, **INLINE)
+    def product(acc, a, a_stride, a0, b_, b_stride, b0, depth, columns):
+        """acc[x * columns + y] += Σ_k a[k * a_stride + a0 + x] · b_[k * b_stride + b0 + y]
+        for x < MICRO, y < columns, k < depth: a micro-tile of a product of two tiles.
+        Unsigned offsets and a while loop, as the GEMM template's (``ops.gemm.template``):
+        signed indices carry Numba's negative-index fix-ups, and a range's bookkeeping
+        stops the unrolling."""
+        left = cuda.local.array(MICRO, kind)
+        right = cuda.local.array(widest, kind)
+        a_at, b_at = U(a0), U(b0)
+        k = U(0)
+        while k < U(depth):
+            for x in range(MICRO):
+                left[x] = a[a_at + U(x)]
+            for y in range(columns):
+                right[y] = b_[b_at + U(y)]
+            for x in range(MICRO):
+                for y in range(columns):
+                    acc[x * columns + y] += left[x] * right[y]
+            a_at += U(a_stride)
+            b_at += U(b_stride)
+            k += U(1)
+
+    @cuda.jit(device=True, **INLINE)
+    def clear(acc, size):
+        for e in range(size):
+            acc[e] = 0
+
+    @cuda.jit(device=True, **INLINE)
+    def keep_factor(b, i, j, tq, tk, seed, threshold, keep_scale_, dropout):
+        """D_ij: 0 for a dropped score, 1 / (1 - p) for a kept one (1 without dropout)."""
+        if not dropout:
+            return kind(1)
+        return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
+
+    return excluded, masked, keep_factor, load_transposed, load_rows, product, clear
