@@ -35,7 +35,8 @@ import math
 import numpy as np
 from numba import float32, float64
 
-from ops.attention_tiles import ALIGN, INLINE, MICRO, head_cap, strides, tile_functions, tiles
+from ops.attention_tiles import (ALIGN, INLINE, MICRO, block_place, head_cap, strides,
+                                 tile_functions, tiles)
 from ops.cuda import cuda
 from ops.memory import empty
 
@@ -132,12 +133,7 @@ def _kernels(dtype, cap):
         acc = cuda.local.array(acc_f_size, kind)
         top = cuda.local.array(MICRO, kind)     # each row's maximum so far
         total = cuda.local.array(MICRO, kind)   # this thread's share of each row's sum
-        query_tiles = (tq + rows_f - 1) // rows_f
-        b = cuda.blockIdx.x // query_tiles
-        first = (cuda.blockIdx.x - b * query_tiles) * rows_f
-        t = cuda.threadIdx.x
-        ty = t // across_f
-        tx = t - ty * across_f
+        b, first, ty, tx = block_place(tq, rows_f, across_f)
         i0, j0, c0 = MICRO * ty, MICRO * tx, width_f * tx
         slot = i0 * across_f + tx   # the thread's first row's place in ``partial``
         load_transposed(queries_t, stride_f, q, first, min(rows_f, tq - first), d, b, tq,
@@ -239,12 +235,8 @@ def _kernels(dtype, cap):
         scores = cuda.local.array(micro_square, kind)
         d_probs = cuda.local.array(micro_square, kind)
         acc = cuda.local.array(acc_size, kind)
-        query_tiles = (tq + tile - 1) // tile
-        b = cuda.blockIdx.x // query_tiles
-        first = (cuda.blockIdx.x - b * query_tiles) * tile
+        b, first, ty, tx = block_place(tq, tile, across)
         t = cuda.threadIdx.x
-        ty = t // across
-        tx = t - ty * across
         i0, j0, c0 = MICRO * ty, MICRO * tx, width * tx
         rows = min(tile, tq - first)
         load_transposed(queries_t, stride, q, first, rows, d, b, tq, tile)
@@ -316,12 +308,8 @@ def _kernels(dtype, cap):
         d_probs = cuda.local.array(micro_square, kind)
         acc_k = cuda.local.array(acc_size, kind)
         acc_v = cuda.local.array(acc_size, kind)
-        key_tiles = (tk + tile - 1) // tile
-        b = cuda.blockIdx.x // key_tiles
-        first = (cuda.blockIdx.x - b * key_tiles) * tile
+        b, first, ty, tx = block_place(tk, tile, across)
         t = cuda.threadIdx.x
-        ty = t // across
-        tx = t - ty * across
         j0, i0, c0 = MICRO * ty, MICRO * tx, width * tx   # rows: keys; columns: queries
         keys = min(tile, tk - first)
         load_transposed(keys_t, stride, k, first, keys, d, b, tk, tile)

@@ -66,6 +66,17 @@ def strides(dtype, cap):
     return rows_f + pad_f, keys_f + pad_f, tile + pad
 
 
+@cuda.jit(device=True, **INLINE)
+def block_place(count, rows, across):
+    """``(b, first, ty, tx)``: the (batch, head) slice of the block and its first row of the
+    slice's ``count`` (blocks of ``rows``), and the thread's row and column in its block's
+    grid of micro-tiles (``across`` threads a row)."""
+    tiles_ = (count + rows - 1) // rows
+    b = cuda.blockIdx.x // tiles_
+    ty = cuda.threadIdx.x // across
+    return b, (cuda.blockIdx.x - b * tiles_) * rows, ty, cuda.threadIdx.x - ty * across
+
+
 def tile_functions(kind, cap, widest, minus_infinity):
     """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
