@@ -28,6 +28,7 @@ from numba import float64, int32, int64, njit
 from ops.cuda import SIMULATOR, cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
+from ops.fill import fill_cuda
 from ops.flag_buffer import flag_buffer
 from ops.input_fault import fault_message, record_fault_cpu, record_fault_cuda
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, elements
@@ -94,13 +95,6 @@ def embedding_grad_cpu(ids, grad_out, grad_weight, dim, rows, padding):
     for row in range(rows):
         for j in range(dim):
             grad_weight[row * dim + j] = 0.0 if row == padding else sums[row, j]
-
-
-@cuda.jit(cache=True)
-def zero_counts_cuda(counts):
-    r = cuda.grid(1)
-    if r < counts.size:
-        counts[r] = 0
 
 
 @cuda.jit(cache=True)
@@ -214,7 +208,7 @@ def _grad_plan(args):
     order = empty(max(ids.size, 1), np.int32, "cuda")
     per_id = -(-ids.size // THREADS_PER_BLOCK)
     column_tiles = -(-dim // GRAD_THREADS)
-    return ((zero_counts_cuda, -(-rows // THREADS_PER_BLOCK), THREADS_PER_BLOCK, (ends,)),
+    return ((fill_cuda, -(-rows // THREADS_PER_BLOCK), THREADS_PER_BLOCK, (ends, np.int32(0))),
             (count_ids_cuda, per_id, THREADS_PER_BLOCK, (ids, ends, rows)),
             (exclusive_scan_cuda, 1, SCAN_THREADS, (ends,)),
             (place_ids_cuda, per_id, THREADS_PER_BLOCK, (ids, ends, order, rows)),
