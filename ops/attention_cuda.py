@@ -61,7 +61,7 @@ def _kernels(dtype, cap):
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
 
     excluded, masked, keep_factor, load_transposed, load_rows, product, clear = \
-        tile_functions(kind, cap, widest, minus_infinity)
+        tile_functions(kind, cap, widest)
 
     # A thread's micro-tile rows are handled by per-row device functions called once for each
     # row with a constant row number: inlined, every index into the thread's arrays is a
@@ -87,7 +87,6 @@ def _kernels(dtype, cap):
         in ``partial``) rescales what the thread summed (e^-inf = 0; nothing yet: 1), then
         its probabilities add to its share of the row's sum and go, dropped or scaled, to
         ``probs_t``."""
-        seed, threshold, keep_scale_, dropout = drop
         new_top = top[x]
         for u in range(across_f):
             new_top = max(new_top, partial[slot + x * across_f + u])
@@ -101,8 +100,7 @@ def _kernels(dtype, cap):
             # a masked key adds nothing; a NaN score makes the row NaN
             p = kind(0) if s == minus_infinity else math.exp(s - new_top)
             total[x] += p
-            probs_t[at + y * stride_f + x] = p * keep_factor(
-                b, i + x, j + y, tq, tk, seed, threshold, keep_scale_, dropout)
+            probs_t[at + y * stride_f + x] = p * keep_factor(b, i + x, j + y, tq, tk, drop)
 
     @cuda.jit(device=True, **INLINE)
     def output_row(x, acc, top, partial, out, lse, slot, b, i, tq, dv, c0, lane):
@@ -193,14 +191,12 @@ def _kernels(dtype, cap):
                     mask_strides, b, i, j, tq, tk, causal, drop):
         """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) into
         ``d_scores_t`` (transposed: a key a row)."""
-        seed, threshold, keep_scale_, dropout = drop
         for y in range(MICRO):
             s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + x, j + y,
                        tq, tk, causal)
             p = kind(0) if excluded(i + x, j + y, tq, tk, causal) else math.exp(
                 s - row_lse[i0 + x])
-            d_p = d_probs[x * MICRO + y] * keep_factor(b, i + x, j + y, tq, tk, seed,
-                                                       threshold, keep_scale_, dropout)
+            d_p = d_probs[x * MICRO + y] * keep_factor(b, i + x, j + y, tq, tk, drop)
             d_scores_t[at + y * stride + x] = p * (d_p - row_delta[i0 + x])
 
     @cuda.jit(device=True, **INLINE)
@@ -208,14 +204,12 @@ def _kernels(dtype, cap):
                      scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop):
         """Key row x of the dK/dV tile (its columns queries): P ∘ D into ``kept_probs`` and
         dS into ``d_scores``, both a query a row."""
-        seed, threshold, keep_scale_, dropout = drop
         for y in range(MICRO):
             s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + y, j + x,
                        tq, tk, causal)
             p = kind(0) if excluded(i + y, j + x, tq, tk, causal) else math.exp(
                 s - row_lse[i0 + y])
-            factor = keep_factor(b, i + y, j + x, tq, tk, seed, threshold, keep_scale_,
-                                 dropout)
+            factor = keep_factor(b, i + y, j + x, tq, tk, drop)
             kept_probs[at + y * stride + x] = p * factor
             d_scores[at + y * stride + x] = p * (d_probs[x * MICRO + y] * factor
                                                  - row_delta[i0 + y])
@@ -280,8 +274,7 @@ def _kernels(dtype, cap):
                     if first + r < tq and start + c < tk:
                         grad_mask[(b * tq + first + r) * tk + start + c] = \
                             d_scores_t[c * stride + r]
-            cuda.syncthreads()
-            load_rows(values_t, k, start, keys, d, b, tk, tile)
+            load_rows(values_t, k, start, keys, d, b, tk, tile)   # dP is done with Vᵀ
             cuda.syncthreads()
             product(acc, d_scores_t, stride, i0, values_t, cap, c0, tile, width)
             cuda.syncthreads()

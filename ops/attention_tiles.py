@@ -11,6 +11,8 @@ Every function is inlined into the kernels (NVVM's alwaysinline): a thread's loc
 then stay in registers, every index a constant once the loops over ``MICRO`` and the widths
 unroll (the simulator takes no such option).
 """
+import math
+
 import numpy as np
 from numba import uint64 as U
 
@@ -77,10 +79,12 @@ def block_place(count, rows, across):
     return b, (cuda.blockIdx.x - b * tiles_) * rows, ty, cuda.threadIdx.x - ty * across
 
 
-def tile_functions(kind, cap, widest, minus_infinity):
+def tile_functions(kind, cap, widest):
     """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
     columns."""
+    minus_infinity = -math.inf
+
     @cuda.jit(device=True, **INLINE)
     def excluded(i, j, tq, tk, causal):
         """Past the ends, or a causal key after the query: P is 0 there, whatever the lse (a
@@ -148,8 +152,10 @@ def tile_functions(kind, cap, widest, minus_infinity):
             acc[e] = 0
 
     @cuda.jit(device=True, **INLINE)
-    def keep_factor(b, i, j, tq, tk, seed, threshold, keep_scale_, dropout):
-        """D_ij: 0 for a dropped score, 1 / (1 - p) for a kept one (1 without dropout)."""
+    def keep_factor(b, i, j, tq, tk, drop):
+        """D_ij: 0 for a dropped score, 1 / (1 - p) for a kept one (1 without dropout);
+        ``drop`` is ``(seed, threshold, keep_scale, dropout)``."""
+        seed, threshold, keep_scale_, dropout = drop
         if not dropout:
             return kind(1)
         return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
