@@ -208,7 +208,7 @@ def _grad_plan(args):
     order = empty(max(ids.size, 1), np.int32, "cuda")
     per_id = -(-ids.size // THREADS_PER_BLOCK)
     column_tiles = -(-dim // GRAD_THREADS)
-    return ((fill_cuda, -(-rows // THREADS_PER_BLOCK), THREADS_PER_BLOCK, (ends, np.int32(0))),
+    return ((fill_cuda, -(-rows // THREADS_PER_BLOCK), THREADS_PER_BLOCK, (ends, 0)),
             (count_ids_cuda, per_id, THREADS_PER_BLOCK, (ids, ends, rows)),
             (exclusive_scan_cuda, 1, SCAN_THREADS, (ends,)),
             (place_ids_cuda, per_id, THREADS_PER_BLOCK, (ids, ends, order, rows)),
