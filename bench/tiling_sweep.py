@@ -6,6 +6,7 @@ the choice of ``ops.gemm``'s large tilings and of the tensor-core tile rule.
     python -m bench.tiling_sweep wide-mlp       # TF32 tiling x split-K at the 784-4096-4096 MLP
     python -m bench.tiling_sweep wide-mlp --only pipelined   # those whose name holds the text
     python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
+    python -m bench.tiling_sweep gpt            # fp32 tiling x split-K at the GPT's Dense GEMMs
 
 Each candidate is forced by replacing ``ops.gemm.plans.pick_config`` for the timed calls, so the
 plan, the kernels and the launch are those of ``ops.matmul.gemm``; a sweep's winner is what
@@ -168,10 +169,82 @@ def sweep_wide_mlp(calls=20, only=None):
             print(f"  {name:32s} split {split:2d}: {seconds * 1e6:8.1f} us", flush=True)
 
 
+# the GPT's Dense products (bench.gpt's gpu preset: batch 64 x block 256 rows, 384 wide, a 4x
+# MLP), each as its three Dense GEMMs: (layer, in, out)
+GPT_ROWS = 64 * 256
+GPT_DENSE = (("qkv", 384, 1152), ("proj", 384, 384), ("fc", 384, 1536), ("fc2", 1536, 384))
+
+
+def gpt_candidates():
+    from ops.gemm import tilings
+    tiling = tilings.Tiling
+    return {"LARGE 128x128x8 8x8": tilings.LARGE, "MEDIUM 64x64x16 4x4": tilings.MEDIUM,
+            "MEDIUM_128 64x64x16 8x4": tilings.MEDIUM_128,
+            "128x64x16 8x8": tiling(128, 64, 16, 8, 8, True),
+            "128x128x16 8x8": tiling(128, 128, 16, 8, 8, True, 128)}
+
+
+def _dense_launches(mode, rows, features, outputs, rng):
+    """``(m, n, k, trans_a, trans_b, args)`` of the ``mode`` GEMM of a linear Dense layer of
+    ``features`` -> ``outputs`` over ``rows`` rows, on random operands."""
+    from ops.cuda import cuda
+    from ops.device import to_device
+    from ops.gemm.tilings import FORWARD, GRAD_A
+
+    def array(*shape):
+        return to_device(rng.standard_normal(shape).astype(np.float32), "cuda")
+    x, w, g = array(rows, features), array(features, outputs), array(rows, outputs)
+    y = array(rows, outputs)   # the layer's output, which a linear layer's prologue skips
+    if mode == FORWARD:
+        return (rows, outputs, features, False, False,
+                (x, w, array(outputs), cuda.device_array((rows, outputs), np.float32), 0.01))
+    if mode == GRAD_A:
+        return (rows, features, outputs, False, True,
+                (g, y, w, cuda.device_array((rows, features), np.float32), 0.01))
+    return (features, outputs, rows, True, False,
+            (x, g, y, cuda.device_array((features, outputs), np.float32),
+             cuda.device_array(outputs, np.float32), 0.01))
+
+
+def sweep_gpt(calls=10):
+    """Each of the GPT's Dense GEMMs (forward, dX, dW with db) under every candidate tiling
+    and split, through ``ops.gemm.plans.gemm_plan`` as Dense launches them."""
+    from ops import cuda as cuda_runtime
+    from ops.gemm import choices, plans
+    from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
+    from ops.pointwise import IDENTITY
+    timer, rng = engine_timer(), np.random.default_rng(0)
+    for layer, features, outputs in GPT_DENSE:
+        for mode, label in ((FORWARD, "forward"), (GRAD_A, "dX"), (GRAD_B, "dW, db")):
+            m, n, k, trans_a, trans_b, args = _dense_launches(mode, GPT_ROWS, features,
+                                                              outputs, rng)
+            extra = int(mode == GRAD_B)
+            rule = plans.pick_config(m, n, k, trans_a, trans_b, extra)
+            print(f"{layer} {label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])} in "
+                  f"{rule.split} slices", flush=True)
+            splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24) if k // s >= 128]
+            for name, tiling in gpt_candidates().items():
+                for split in splits:
+                    with forced(tiling, split, (m, n, k)):
+                        launches = plans.gemm_plan(mode, m, n, k, np.float32, trans_a,
+                                                   trans_b, IDENTITY, args)
+
+                    def call():
+                        for launch in launches:
+                            cuda_runtime.launch(*launch)
+                    seconds = timer.seconds_per_call(call, calls)
+                    blocks = -(-(m + extra) // tiling.BM) * -(-n // tiling.BN) * \
+                        choices.k_slices(k, split, tiling.BK)
+                    print(f"  {name:26s} split {split:2d} ({blocks:5d} blocks): "
+                          f"{seconds * 1e6:8.1f} us {2 * m * n * k / seconds / 1e12:5.1f} "
+                          f"TFLOP/s", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tiling_sweep",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("sweep", choices=["tensor-cores", "pipelined", "wide-mlp", "fp32"])
+    parser.add_argument("sweep", choices=["tensor-cores", "pipelined", "wide-mlp", "fp32",
+                                                    "gpt"])
     parser.add_argument("--only", help="wide-mlp: the candidates whose name holds this text")
     args = parser.parse_args(argv)
     from ops.device import SIMULATOR, cuda_available
@@ -183,6 +256,8 @@ def main(argv=None):
         sweep_square(pipelined_candidates(), (4096, 1024))
     elif args.sweep == "wide-mlp":
         sweep_wide_mlp(only=args.only)
+    elif args.sweep == "gpt":
+        sweep_gpt()
     else:
         sweep_square(fp32_candidates(), (4096,))
 

@@ -103,6 +103,12 @@ CASES = (
              lambda a: a.transpose(2, 0, 1)),
         Case("permute", ((2, 3, 4),), lambda a: a.transpose(0, 2), lambda a: a.swapaxes(0, 2)),
         Case("permute", ((2, 1, 3),), lambda a: a.T, lambda a: a.T),
+        # contiguous rows of 8 (a CUDA thread's run of 4 inside one row), and of 6 (runs
+        # that cross into the next row, whose offset is computed afresh)
+        Case("permute", ((2, 5, 3, 8),), lambda a: a.permute(2, 0, 1, 3),
+             lambda a: a.transpose(2, 0, 1, 3)),
+        Case("permute", ((3, 2, 6),), lambda a: a.permute(1, 0, 2),
+             lambda a: a.transpose(1, 0, 2)),
         Case("reshape", ((3, 5),), lambda a: a.view(5, 3) * 1.0, lambda a: a.reshape(5, 3)),
         Case("reshape", ((3, 1, 5),), lambda a: a.squeeze().unsqueeze(-1) * 1.0,
              lambda a: a.reshape(3, 5, 1)),

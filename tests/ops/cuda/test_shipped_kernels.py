@@ -50,38 +50,43 @@ def test_the_manifest_names_files_that_are_shipped():
 
 @needs_real_numba_cuda
 def test_the_key_changes_with_anything_the_code_is_made_from(monkeypatch):
-    """The key of ops.loss.cross_entropy_cuda follows its source, a constant it reads, the
-    device function it calls (and that one's own callees), the argument types and its compile
-    options; the same code gives the same key again."""
+    """The key of a kernel follows its source, a constant it reads, the device function it
+    calls (and that one's own callees), the argument types and its compile options; the same
+    code gives the same key again. ops.loss's cross-entropy kernels: the rows' losses (calling
+    ``_row_loss_cuda``) and their mean (reading ``REDUCE_THREADS``, calling the block
+    reduction)."""
     from numba import types
 
     from ops import block_reduce, loss
     from ops.cuda import fingerprints
-    kernel = loss.cross_entropy_cuda
-    argtypes = (types.float32[::1], types.int64[::1], types.float32[::1], types.float32[::1],
-                types.int64[::1])
+    rows_kernel, mean_kernel = loss.cross_entropy_rows_cuda, loss.mean_of_rows_cuda
+    rows_types = (types.float32[::1], types.int64[::1], types.float32[::1], types.float64[::1],
+                  types.int64[::1])
+    mean_types = (types.float64[::1], types.float32[::1])
 
-    def key():
+    def keys():
         fingerprints._fingerprints.clear()   # what a fresh process computes
-        return cuda_runtime.artifact_key(kernel, argtypes)
+        return (cuda_runtime.artifact_key(rows_kernel, rows_types),
+                cuda_runtime.artifact_key(mean_kernel, mean_types))
 
-    original = key()
-    assert key() == original
+    original = keys()
+    assert keys() == original
     monkeypatch.setattr(loss, "REDUCE_THREADS", loss.REDUCE_THREADS * 2)
-    assert key() != original
+    assert keys()[1] != original[1]
     monkeypatch.undo()
-    assert key() == original
+    assert keys() == original
     monkeypatch.setattr(loss, "_row_loss_cuda", loss._cross_entropy_grad_cuda)
-    assert key() != original
+    assert keys()[0] != original[0]
     monkeypatch.undo()
     monkeypatch.setattr(block_reduce, "SUM", block_reduce.SUM + 100)   # a callee's constant
-    assert key() != original
+    assert keys()[1] != original[1]
     monkeypatch.undo()
-    assert cuda_runtime.artifact_key(kernel, argtypes[:-1] + (types.int32[::1],)) != original
-    monkeypatch.setitem(kernel.targetoptions, "fastmath", True)
-    assert key() != original
+    assert cuda_runtime.artifact_key(mean_kernel, (types.float64[::1], types.float64[::1])) \
+        != original[1]
+    monkeypatch.setitem(mean_kernel.targetoptions, "fastmath", True)
+    assert keys()[1] != original[1]
     monkeypatch.undo()
-    assert key() == original
+    assert keys() == original
 
 
 @needs_real_numba_cuda
