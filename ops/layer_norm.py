@@ -178,12 +178,26 @@ def _partial_sums(c, j, x, mean, rstd, grad_out, partials, rows, n):
 
 
 def _fold(j, partials, grad_weight, grad_bias, which):
-    """Column ``j``'s gradients: its chunks' partials summed in chunk order."""
+    """Column ``j``'s gradients: its chunks' partials summed in chunk order, loaded four
+    chunks at a time before they are added (the same sums in the same order): on the GPU a
+    thread a column waited on each load in turn (the GPT's 13 folds of 512 chunks took 1.18
+    ms of its H200 step)."""
+    chunks = partials.shape[1]
     total_xhat = 0.0
     total = 0.0
-    for c in range(partials.shape[1]):
+    c = 0
+    while c + 4 <= chunks:
+        x0, x1 = partials[0, c, j], partials[0, c + 1, j]
+        x2, x3 = partials[0, c + 2, j], partials[0, c + 3, j]
+        g0, g1 = partials[1, c, j], partials[1, c + 1, j]
+        g2, g3 = partials[1, c + 2, j], partials[1, c + 3, j]
+        total_xhat = (((total_xhat + x0) + x1) + x2) + x3
+        total = (((total + g0) + g1) + g2) + g3
+        c += 4
+    while c < chunks:
         total_xhat += partials[0, c, j]
         total += partials[1, c, j]
+        c += 1
     if which & HAS_WEIGHT:
         grad_weight[j] = total_xhat
     if which & HAS_BIAS:

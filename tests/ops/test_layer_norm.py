@@ -71,11 +71,17 @@ def test_rows_far_from_zero_keep_their_precision(device):
 
 
 def test_parameter_gradients_repeat_bit_for_bit(device):
-    """37 rows: two chunks of partial sums, added in order: the same bits every run; dbias
-    (of g alone) the same bits on the CPU and CUDA too (dweight reads each device's row
+    """165 rows: six chunks of partial sums (four folded together, then two alone), added in
+    order: the same bits every run; dbias (of g alone) the same bits on the CPU and CUDA
+    too, and as NumPy's float64 sums chunk by chunk (dweight reads each device's row
     statistics, whose sums run in each device's own fixed order)."""
+    from ops.layer_norm import PARAM_CHUNK
     rng = np.random.default_rng(2)
-    x, g = rng.standard_normal((37, 6)), rng.standard_normal((37, 6))
+    x, g = rng.standard_normal((165, 6)), rng.standard_normal((165, 6))
+    g32 = g.astype(np.float32).astype(np.float64)
+    chunk_sums = [sum(g32[r] for r in range(c, min(c + PARAM_CHUNK, 165)))
+                  for c in range(0, 165, PARAM_CHUNK)]
+    expected_dbias = sum(chunk_sums[1:], chunk_sums[0]).astype(np.float32)
     results = []
     for where in (device, device, "cpu"):
         layer = nn.LayerNorm()
@@ -85,6 +91,7 @@ def test_parameter_gradients_repeat_bit_for_bit(device):
         results.append((layer.weight.grad.numpy(), layer.bias.grad.numpy()))
     assert results[0][0].tobytes() == results[1][0].tobytes()
     assert results[0][1].tobytes() == results[1][1].tobytes() == results[2][1].tobytes()
+    assert results[0][1].tobytes() == expected_dbias.tobytes()
     np.testing.assert_allclose(results[0][0], results[2][0], rtol=1e-5, atol=1e-5)
 
 
