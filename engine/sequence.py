@@ -15,7 +15,7 @@ import numpy as np
 from engine import functional as F
 from engine.autograd import Value, apply
 from engine.random import generator
-from ops.attention import AttentionOp
+from ops.attention import AttentionOp, PackedAttentionOp
 from ops.dropout import SEED_LIMIT, new_seed_state, next_mask_seed, seed_array
 from ops.embedding import EmbeddingOp
 from ops.fill import fill
@@ -274,6 +274,22 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                 F.reshape(v, (bh, tk, dv)), mask, seed, scale=scale, causal=bool(is_causal),
                 mask_strides=strides, dropout_p=float(dropout_p))
     return F.reshape(out, lead + (tq, dv))
+
+
+def packed_attention(qkv, dropout_p=0.0, is_causal=False, *, seed_state=None):
+    """``scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], ...)`` without a mask, for
+    ``qkv`` (3, ..., T, d) holding the three (multi-head attention's projection permuted
+    once): one op whose gradient is one array, where indexing out the three would give each
+    a zero-filled gradient of the whole, summed by the tape. Returns (..., T, d)."""
+    if qkv.ndim < 3 or qkv.shape[0] != 3:
+        raise ValueError(f"packed_attention: expects qkv of shape (3, ..., T, d), got "
+                         f"{tuple(qkv.shape)}")
+    lead, (t, d) = tuple(qkv.shape[1:-2]), qkv.shape[-2:]
+    bh = int(np.prod(lead)) if lead else 1
+    seed = _attention_seed(qkv.device, dropout_p, seed_state)
+    out = apply(PackedAttentionOp, F.reshape(qkv, (3, bh, t, d)), seed, scale=1.0 / np.sqrt(d),
+                causal=bool(is_causal), mask_strides=(0, 0, 0), dropout_p=float(dropout_p))
+    return F.reshape(out, lead + (t, d))
 
 
 def _attention_mask(name, q, attn_mask, lead, tq, tk):

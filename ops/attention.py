@@ -332,3 +332,47 @@ class AttentionOp(Op):
                      if stride == 0)
         summed = reduce(SUM, full, axes, keepdims=True) if axes else full
         return (*grads, summed.reshape(mask.shape), None)
+
+
+def _thirds(array):
+    """q, k and v: the three flat (contiguous) slices of a (3, ...) array, as views."""
+    whole = flat(array)
+    n = whole.size // 3
+    return whole[:n], whole[n:2 * n], whole[2 * n:]
+
+
+@register
+class PackedAttentionOp(AttentionOp):
+    """``AttentionOp`` without a mask over one array ``qkv`` (3, bh, T, d) holding q, k and
+    v, as multi-head attention's projection gives them permuted once: the kernels read its
+    three slices, and its gradient is one array the backward's kernels write the three
+    gradients into. The slices taken by indexing ops instead each had a zero-filled gradient
+    of the whole array, which the tape then summed (the GPT's H200 step: 18 fills, 12 adds
+    and 18 copies). Inputs ``(qkv, seed)``; params as AttentionOp's."""
+    name = "packed_attention"
+    kernels = (ATTENTION, ATTENTION_GRAD)
+    integer_inputs = (1,)
+
+    def check(self, qkv, seed):
+        if qkv.ndim != 4 or qkv.shape[0] != 3:
+            raise ValueError(f"packed attention: expects qkv (3, bh, T, d), got "
+                             f"{tuple(qkv.shape)}")
+        _, bh, t, d = qkv.shape
+        self.sizes = (bh, t, t, d, d)
+
+    def forward(self, qkv, seed):
+        nothing = empty((0,), qkv.dtype, device_of(qkv))
+        return super().forward(*_thirds(qkv), nothing, seed)
+
+    def onnx(self, graph, inputs):
+        thirds = [graph.node("Gather", [inputs[0], graph.constant(np.int64(n), "qkv.index")],
+                             axis=0) for n in range(3)]
+        return super().onnx(graph, thirds)
+
+    def backward(self, grad_out, grad_dst):
+        q, k, v, mask, seed, out = self.saved
+        bh, t, _, d, _ = self.sizes
+        grad = empty((3, bh, t, d), q.dtype, device_of(q))
+        run(ATTENTION_GRAD, q, k, v, mask, seed, self.lse, flat(out), flat(grad_out),
+            *_thirds(grad), empty((0,), q.dtype, device_of(q)), self.sizes, *self._scalars())
+        return grad, None

@@ -209,11 +209,9 @@ class MultiHeadAttention(Layer):
         n, t, heads = x.shape[0], x.shape[1], self.num_heads
         qkv = self._project(F.reshape(x, (n * t, width)), self.in_weight, self.in_bias)
         qkv = F.permute(F.reshape(qkv, (n, t, 3, heads, width // heads)), 2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
         p = self.dropout if self.training else 0.0
-        out = S.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
-                                             seed_state=(self.seed.data,
-                                                         self.masks_drawn.data))
+        out = S.packed_attention(qkv, dropout_p=p, is_causal=self.causal,
+                                 seed_state=(self.seed.data, self.masks_drawn.data))
         out = F.reshape(F.permute(out, 0, 2, 1, 3), (n * t, width))
         return F.reshape(self._project(out, self.out_weight, self.out_bias), (n, t, width))
 

@@ -7,6 +7,7 @@ import pytest
 import engine
 from engine.autograd import apply
 from ops import cpu_threads
+from engine.sequence import packed_attention
 from ops.attention import AttentionOp
 from ops.dropout import dropout, seed_array
 from tests.support.op_check import Case, check_op
@@ -51,6 +52,12 @@ CASES = [
     Case("attention", ((1, 11, 3), (1, 13, 3), (1, 13, 2)), _sdpa, np_attention),
     Case("attention", ((1, 13, 2),) * 3, lambda q, k, v: _sdpa(q, k, v, is_causal=True),
          lambda q, k, v: np_attention(q, k, v, causal=True)),
+    # q, k and v in one array (multi-head attention's): one gradient for the three
+    Case("packed_attention", ((3, 2, 5, 3),),
+         lambda qkv: packed_attention(qkv, is_causal=True),
+         lambda qkv: np_attention(qkv[0], qkv[1], qkv[2], causal=True)),
+    Case("packed_attention", ((3, 1, 2, 11, 2),), packed_attention,
+         lambda qkv: np_attention(qkv[0], qkv[1], qkv[2])),
 ]
 
 
@@ -243,3 +250,27 @@ def test_a_fully_masked_row_is_nan_as_in_torch():
     mask = np.array([[True, True], [False, False]])
     out = _sdpa(q, q, q, attn_mask=mask).numpy()
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
+
+
+def test_packed_attention_gives_the_bits_of_attention_over_the_slices(device):
+    """One (3, ...) array against its three slices through scaled_dot_product_attention,
+    with dropout from the same seed state: the same output and gradients, bit for bit."""
+    from ops.dropout import new_seed_state
+    qkv = np.random.default_rng(4).standard_normal((3, 2, 3, 7, 4)).astype(np.float32)
+    g = np.random.default_rng(5).standard_normal((2, 3, 7, 4)).astype(np.float32)
+    results = []
+    for packed in (True, False):
+        x = engine.tensor(qkv, device=device, requires_grad=True)
+        state = new_seed_state(9, device)
+        out = (packed_attention(x, 0.3, True, seed_state=state) if packed else
+               _sdpa(x[0], x[1], x[2], dropout_p=0.3, is_causal=True, seed_state=state))
+        out.backward(engine.tensor(g, device=device))
+        results.append((out.numpy(), x.grad.numpy()))
+    assert results[0][0].tobytes() == results[1][0].tobytes()
+    assert results[0][1].tobytes() == results[1][1].tobytes()
+
+
+def test_packed_attention_refuses_other_shapes():
+    with pytest.raises(ValueError, match=r"packed_attention: expects qkv of shape \(3, \.\.\., "
+                                         r"T, d\), got \(2, 4, 5\)"):
+        packed_attention(engine.tensor(np.zeros((2, 4, 5))))
