@@ -9,8 +9,9 @@ import numpy as np
 
 from ops import matmul_precision
 from ops.gemm.tilings import (COMPACT, COMPACT_128, COMPACT_K32, CONV_FORWARD, CONV_GRAD_INPUT,
-                              CONV_GRAD_WEIGHT, LARGE, MEDIUM, MEDIUM_MIN_BLOCKS,
-                              MMA_MIN_CAPABILITY, MMA_TILINGS, SIMULATED, SMALL, TALL, WIDE)
+                              CONV_GRAD_WEIGHT, LARGE, LARGE_K16, MEDIUM, MEDIUM_128,
+                              MEDIUM_MIN_BLOCKS, MMA_MIN_CAPABILITY, MMA_TILINGS, SIMULATED,
+                              SMALL, TALL, TALL_128, WIDE)
 
 
 def _multiprocessors():
@@ -113,6 +114,21 @@ GEMM_CHOICES = {
     (256, 128, 128, True, False): GemmConfig(COMPACT_K32, 1),   # dW2 = xᵀ·G: 6.0 us GPU, cuBLAS 5.2 (H200 sweep)
     (128, 128, 10, False, True): GemmConfig(COMPACT, 1),   # dX3 = G·W3ᵀ: 2.7 us GPU, cuBLAS 8.8 (H200 sweep)
     (128, 10, 128, True, False): GemmConfig(SMALL, 1),   # dW3 = xᵀ·G: 4.3 us GPU, cuBLAS 5.1 (H200 sweep)
+    # The GPT's Dense products (bench.gpt's gpu preset: 16384 rows, 384 wide, a 4x MLP), from
+    # `python -m bench.tiling_sweep gpt` on an H100 (132 multiprocessors) on 2026-12-05, GPU
+    # time beside the rule's then: forward x·W, dX = G·Wᵀ, dW = xᵀ·G with db
+    (16384, 1152, 384, False, False): GemmConfig(LARGE_K16, 1),   # qkv fwd: 425.5 us, LARGE 471.5
+    (16384, 384, 1152, False, True): GemmConfig(LARGE_K16, 1),   # qkv dX: 424.6 us, LARGE 450.8
+    (384, 1152, 16384, True, False): GemmConfig(MEDIUM_128, 24),   # qkv dW: 500.1 us, MEDIUM x3 591.9
+    (16384, 384, 384, False, False): GemmConfig(MEDIUM_128, 1),   # proj fwd: 159.3 us, LARGE 202.3
+    (16384, 384, 384, False, True): GemmConfig(LARGE_K16, 1),   # proj dX: 157.3 us, LARGE 166.1
+    (384, 384, 16384, True, False): GemmConfig(MEDIUM_128, 24),   # proj dW: 177.4 us, MEDIUM x6 214.2 (the rule's SMALL untimed)
+    (16384, 1536, 384, False, False): GemmConfig(LARGE_K16, 1),   # fc fwd: 553.8 us, LARGE 580.1
+    (16384, 384, 1536, False, True): GemmConfig(LARGE_K16, 1),   # fc dX: 557.6 us, LARGE 594.2
+    (384, 1536, 16384, True, False): GemmConfig(MEDIUM_128, 24),   # fc dW: 658.6 us, MEDIUM 1215.0
+    (16384, 384, 1536, False, False): GemmConfig(LARGE_K16, 1),   # fc2 fwd: 552.5 us, LARGE 577.7
+    (16384, 1536, 384, False, True): GemmConfig(TALL_128, 1),   # fc2 dX: 570.6 us, LARGE 599.7
+    (1536, 384, 16384, True, False): GemmConfig(MEDIUM_128, 24),   # fc2 dW: 583.6 us, MEDIUM 1214.0
 }
 
 # The rule for shapes the table does not list, a guess until the sweep has measured it: split
@@ -136,6 +152,26 @@ def split_count(tiles, k, tiling):
     return max(1, min(k // SPLIT_MIN_K, slices))
 
 
+# A long product: K many times the output's sides (a weight gradient over a large batch, the
+# GPT's dW of K = 16384). Its output tiles are few and each would walk all of K, so it splits
+# K however many tiles it has, into slices of at least LONG_SLICE_K, until every multiprocessor
+# has about LONG_BLOCKS_PER_SM blocks, in MEDIUM_128's tiles: the GPT's four dW took 1.2-1.8x
+# less time so than under the size rule (MEDIUM, at most 3 slices), 24 slices of 177-3600
+# blocks within 1% of 12 (the gpt sweep above). A guess elsewhere until swept.
+LONG_K_RATIO = 8
+LONG_SLICE_K = 512
+LONG_BLOCKS_PER_SM = 24
+
+
+def long_config(rows, n, k):
+    """The long-product choice for an (rows, n) output with inner size k, or None."""
+    if _simulator() or k < LONG_K_RATIO * max(rows, n):
+        return None
+    tiles = -(-rows // MEDIUM_128.BM) * -(-n // MEDIUM_128.BN)
+    slices = -(-LONG_BLOCKS_PER_SM * _multiprocessors() // tiles)
+    return GemmConfig(MEDIUM_128, max(1, min(k // LONG_SLICE_K, slices)))
+
+
 def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, pipelined=None):
     """The tiling and split count for op(A) (m, k) @ op(B) (k, n): the table's measured choice,
     else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row). ``mma``: a
@@ -151,6 +187,9 @@ def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, pipelined=Non
             raise ValueError(f"matmul: GEMM_CHOICES[{key}] asks for split {choice.split}; a "
                              f"split is at least 1")
         return choice
+    long = None if mma else long_config(m + extra_rows, n, k)
+    if long is not None:
+        return long
     tiling = (pick_mma_tiling(m + extra_rows, n, mma, k) if mma else
               pick_tiling(m + extra_rows, n))
     if pipelined and mma and tiling == MMA_TILINGS[mma].large:

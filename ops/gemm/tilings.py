@@ -38,6 +38,12 @@ WIDE = Tiling(32, 64, 32, 2, 4, True)    # 32x64 for 256 threads
 TALL = Tiling(64, 32, 32, 4, 2, True)    # 64x32 for 256 threads
 MEDIUM_K32 = Tiling(64, 64, 32, 4, 4, True)
 MEDIUM_128 = Tiling(64, 64, 16, 8, 4, True)   # 128 threads, 8x4 per thread
+# The GPT's Dense products (`python -m bench.tiling_sweep gpt`, an H100, GPU us): LARGE's tile
+# with K steps of 16 ran the 16384-row forwards and dX in 424.6-557.6 us against LARGE's
+# 450.8-599.7; MEDIUM_128 in 24 K slices ran their dW (K = 16384) in 177.4-658.6 us, 1.2-1.8x
+# faster than MEDIUM (the rule's), 1.07-1.1x than LARGE_K16 in as many slices.
+LARGE_K16 = Tiling(128, 128, 16, 8, 8, True, 128)
+TALL_128 = Tiling(128, 64, 16, 8, 8, True)    # 128 threads, 8x8 per thread
 
 # Tensor-core tilings (``mma``: "tf32" or "bf16", ops.cuda.ptx), for float32 products
 # under engine.set_float32_matmul_precision("high"/"medium"): each warp computes an (8·TM) x

@@ -54,6 +54,26 @@ def test_the_dry_device_gives_the_pickers_each_targets_multiprocessors():
             assert choices._multiprocessors() == multiprocessors
 
 
+def test_a_long_product_splits_k_into_medium_128_tiles():
+    """K many times the output's sides (a weight gradient over a large batch): MEDIUM_128
+    tiles, K split until the multiprocessors have LONG_BLOCKS_PER_SM blocks each, slices of
+    at least LONG_SLICE_K; the GPT's measured shapes keep their table entries, and a square
+    product is not long."""
+    import ops.matmul  # noqa: F401
+    from ops.cuda.dry_device import DryDevice
+    from ops.gemm import choices, tilings
+    with DryDevice(132).installed():
+        unlisted = choices.pick_config(384, 1152, 32768, True, False, extra_rows=1)
+        assert unlisted == choices.GemmConfig(tilings.MEDIUM_128, -(-24 * 132 // (7 * 18)))
+        assert choices.pick_config(384, 1152, 16384, True, False, extra_rows=1) == \
+            choices.GEMM_CHOICES[(384, 1152, 16384, True, False)]
+        short = choices.pick_config(64, 64, 2048, True, False, extra_rows=1)   # 4 slices of 512
+        assert short == choices.GemmConfig(tilings.MEDIUM_128, 4)
+        assert choices.pick_config(4096, 4096, 4096, False, False).tiling == tilings.LARGE
+        assert choices.pick_config(384, 1152, 3000, True, False, extra_rows=1).tiling != \
+            tilings.MEDIUM_128
+
+
 def _lines(path):
     return len(path.read_text().splitlines())
 
