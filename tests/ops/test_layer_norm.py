@@ -71,10 +71,10 @@ def test_rows_far_from_zero_keep_their_precision(device):
 
 
 def test_parameter_gradients_repeat_bit_for_bit(device):
-    """165 rows: six chunks of partial sums (four folded together, then two alone), added in
-    order: the same bits every run; dbias (of g alone) the same bits on the CPU and CUDA
-    too, and as NumPy's float64 sums chunk by chunk (dweight reads each device's row
-    statistics, whose sums run in each device's own fixed order)."""
+    """165 rows: six chunks of partial sums, folded in ops.layer_norm's lanes: the same bits
+    every run; dbias (of g alone) the same bits on the CPU and CUDA too, and NumPy's float64
+    sums chunk by chunk (exact, of float32 values, whatever the order; dweight reads each
+    device's row statistics, whose sums run in each device's own fixed order)."""
     from ops.layer_norm import PARAM_CHUNK
     rng = np.random.default_rng(2)
     x, g = rng.standard_normal((165, 6)), rng.standard_normal((165, 6))
@@ -129,3 +129,33 @@ def test_captured_step_equals_eager(device):
         results.append((losses, [np.array(v).tobytes() for v in model.state_dict().values()]))
     assert results[0] == results[1]
     assert step.replayed >= 3
+
+
+def test_the_parameter_gradients_fold_in_lanes_on_both_devices(device):
+    """17 chunks, lane 0 folding the first and the last: +1e20 in the first and -1e20 in
+    the last cancel there, where added in chunk order they would swallow the chunks between:
+    dbias is the lanes' order, modelled here, on the CPU and CUDA alike."""
+    from ops.layer_norm import FOLD_LANES, PARAM_CHUNK
+    rng = np.random.default_rng(5)
+    rows = 17 * PARAM_CHUNK
+    x = rng.standard_normal((rows, 2))
+    g = rng.standard_normal((rows, 2))
+    g[0], g[16 * PARAM_CHUNK] = 1e20, -1e20
+    g = g.astype(np.float32).astype(np.float64)
+    chunks = [sum(g[r] for r in range(c, c + PARAM_CHUNK)) for c in range(0, rows, PARAM_CHUNK)]
+    lanes = [np.zeros(2) for _ in range(FOLD_LANES)]
+    for c, partial in enumerate(chunks):
+        lanes[c % FOLD_LANES] = lanes[c % FOLD_LANES] + partial
+    width = FOLD_LANES // 2
+    while width:
+        for lane in range(width):
+            lanes[lane] = lanes[lane] + lanes[lane + width]
+        width //= 2
+    sequential = sum(chunks[1:], chunks[0])
+    assert lanes[0].astype(np.float32).tobytes() != sequential.astype(np.float32).tobytes()
+    for where in ("cpu", device):
+        layer = nn.LayerNorm()
+        layer.build((2,), where)
+        layer(engine.tensor(x, dtype=np.float32, device=where)).backward(
+            engine.tensor(g, dtype=np.float32, device=where))
+        assert layer.bias.grad.numpy().tobytes() == lanes[0].astype(np.float32).tobytes()

@@ -73,7 +73,8 @@ CASES = (
        Case("log_softmax", ((2, 3, 4),), lambda x: x.log_softmax(axis=0),
             lambda x: _np_log_softmax(x, axis=0)),
        Case("log_softmax", ((7,),), engine.log_softmax, _np_log_softmax)]
-    + [_labels_case(6, 4), _labels_case(1, 1), _labels_case(5, 3, np.uint8)]
+    + [_labels_case(6, 4), _labels_case(1, 1), _labels_case(5, 3, np.uint8),
+       _labels_case(37, 5)]   # over ops.loss.ONE_BLOCK_LOGITS in the simulator
     + [Case("binary_cross_entropy", ((5, 3), (5, 3)), losses.binary_cross_entropy, _bce_ref,
             make_inputs=_bce_inputs),
        Case("binary_cross_entropy", ((7,), (7,)), losses.binary_cross_entropy, _bce_ref,
@@ -603,3 +604,21 @@ def test_split_k_dense_in_a_captured_step_equals_eager(device, monkeypatch):
     assert values == eager_losses
     for name in eager_weights:
         np.testing.assert_array_equal(weights[name], eager_weights[name], err_msg=name)
+
+
+@pytest.mark.cuda
+def test_cross_entropy_rows_across_the_gpu_give_the_one_blocks_bits(monkeypatch):
+    """Over ONE_BLOCK_LOGITS a thread a row computes the losses and one block sums them in
+    the order the one-block kernel does: the same loss and probabilities, bit for bit."""
+    from ops import loss as loss_module
+    rng = np.random.default_rng(3)
+    logits = rng.uniform(-3, 3, (37, 5)).astype(np.float32)
+    labels = rng.integers(0, 5, 37)
+    results = []
+    for limit in (0, logits.size):
+        monkeypatch.setattr(loss_module, "ONE_BLOCK_LOGITS", limit)
+        x = engine.tensor(logits, device="cuda", requires_grad=True)
+        out = losses.cross_entropy(x, labels)
+        out.backward()
+        results.append((out.numpy().tobytes(), x.grad.numpy().tobytes()))
+    assert results[0] == results[1]
