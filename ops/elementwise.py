@@ -59,9 +59,32 @@ def _binary_kernel(code):
             for i in range(out.size):
                 out[i] = _binary_value_cpu(code, a[i], b[i])
             return
-        for i in range(out.size):
-            offset_a, offset_b = broadcast_offsets_cpu(i, meta)
-            out[i] = _binary_value_cpu(code, a[offset_a], b[offset_b])
+        # a row of the last (coalesced) dim at a time: its offsets once, then row slices
+        # indexed from 0 (loops LLVM vectorises) or one operand's value along the row; the
+        # GPT's position embedding added to the batch, (12, 64, 128) + (64, 128), took 864 us
+        # with the offsets of every element, 145 with a stride added per element, 27 so (the
+        # same-shape add: 23)
+        ndim = meta[0]
+        row, stride_a, stride_b = meta[ndim], meta[2 * ndim], meta[3 * ndim]
+        for start in range(0, out.size, row):
+            offset_a, offset_b = broadcast_offsets_cpu(start, meta)
+            target = out[start:start + row]
+            if stride_a == 1 and stride_b == 1:
+                x, y = a[offset_a:offset_a + row], b[offset_b:offset_b + row]
+                for j in range(row):
+                    target[j] = _binary_value_cpu(code, x[j], y[j])
+            elif stride_a == 1 and stride_b == 0:
+                x, y0 = a[offset_a:offset_a + row], b[offset_b]
+                for j in range(row):
+                    target[j] = _binary_value_cpu(code, x[j], y0)
+            elif stride_a == 0 and stride_b == 1:
+                x0, y = a[offset_a], b[offset_b:offset_b + row]
+                for j in range(row):
+                    target[j] = _binary_value_cpu(code, x0, y[j])
+            else:   # both operands broadcast along the row
+                for j in range(row):
+                    target[j] = _binary_value_cpu(code, a[offset_a + j * stride_a],
+                                                  b[offset_b + j * stride_b])
 
     @cuda.jit(cache=True)
     def binary_cuda(a, b, out, meta):

@@ -116,3 +116,16 @@ def test_log_softmax_and_cross_entropy_stay_normalised_at_huge_tied_logits(devic
     loss.backward()
     np.testing.assert_allclose(logits.grad.numpy(), [[-0.25, 0.25, 0], [0, -0.25, 0.25]],
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes", [((2, 3, 4), (3, 4)), ((2, 3, 4), (2, 3, 1)),
+                                    ((2, 3, 1), (2, 3, 4)), ((3, 1), (1, 1)), ((4, 1, 5), (3, 1)),
+                                    ((1,), (2, 3))])
+def test_broadcast_arithmetic_matches_numpy_along_every_row_layout(shapes, device):
+    """The CPU walks a row of the last dim at a time: both operands along it, one of them,
+    the other, or neither (each a loop of its own); CUDA an element a thread."""
+    rng = np.random.default_rng(6)
+    x, y = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    a, b = (engine.tensor(v, device=device) for v in (x, y))
+    for ours, theirs in ((a + b, x + y), (a - b, x - y), (a * b, x * y), (b / a, y / x)):
+        np.testing.assert_array_equal(ours.numpy(), theirs)
