@@ -315,15 +315,21 @@ class AttentionOp(Op):
             scores = graph.node("Add", [scores, graph.constant(mask, "attention.mask")])
         return graph.node("MatMul", [graph.node("Softmax", [scores], axis=-1), v])
 
-    def backward(self, grad_out, grad_dst):
+    def _run_grad(self, grad_out, grad_q, grad_k, grad_v, grad_mask):
+        """The backward kernels into the given gradients (arrays or ``Out`` placeholders)."""
         q, k, v, mask, seed, out = self.saved
+        return run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
+                   flat(out), flat(grad_out), grad_q, grad_k, grad_v, grad_mask, self.sizes,
+                   *self._scalars())
+
+    def backward(self, grad_out, grad_dst):
+        q, k, v, mask = self.saved[:4]
         bh, tq, tk, _, _ = self.sizes
         mask_grad = self.needs_input_grad[3] and mask.size > 0
         grad_mask = (Out((bh, tq, tk), q.dtype) if mask_grad else
                      empty((0,), q.dtype, device_of(q)))
-        grads = run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
-                    flat(out), flat(grad_out), Out(q.shape, q.dtype), Out(k.shape, k.dtype),
-                    Out(v.shape, v.dtype), grad_mask, self.sizes, *self._scalars())
+        grads = self._run_grad(grad_out, Out(q.shape, q.dtype), Out(k.shape, k.dtype),
+                               Out(v.shape, v.dtype), grad_mask)
         if not mask_grad:
             return (*grads, None, None)
         *grads, full = grads
@@ -370,9 +376,8 @@ class PackedAttentionOp(AttentionOp):
         return super().onnx(graph, thirds)
 
     def backward(self, grad_out, grad_dst):
-        q, k, v, mask, seed, out = self.saved
+        q = self.saved[0]
         bh, t, _, d, _ = self.sizes
         grad = empty((3, bh, t, d), q.dtype, device_of(q))
-        run(ATTENTION_GRAD, q, k, v, mask, seed, self.lse, flat(out), flat(grad_out),
-            *_thirds(grad), empty((0,), q.dtype, device_of(q)), self.sizes, *self._scalars())
+        self._run_grad(grad_out, *_thirds(grad), empty((0,), q.dtype, device_of(q)))
         return grad, None

@@ -83,10 +83,14 @@ class Kernel:
         size = self.grid(*args)
         if isinstance(size, tuple):
             return (self.cuda, size[0], size[1], args)
-        threads = THREADS_PER_BLOCK
-        if SIMULATOR:   # the simulator runs one OS thread per CUDA thread: start no idle ones
-            threads = max(1, min(threads, size))
+        threads = threads_for(size)
         return (self.cuda, (size + threads - 1) // threads, threads, args)
+
+
+def threads_for(count, threads=THREADS_PER_BLOCK):
+    """The threads of a 1-D block over ``count`` elements: ``threads``, or in the simulator,
+    which runs one OS thread per CUDA thread, no more than ``count`` (no idle ones)."""
+    return max(1, min(threads, count)) if SIMULATOR else threads
 
 
 def device_of_args(args):

@@ -188,8 +188,9 @@ FOLD_COLUMNS = 2 if SIMULATOR else 32   # columns of a CUDA block (the simulator
 
 
 @njit(inline="always")
-def _fold_cpu(j, partials, grad_weight, grad_bias, which):
-    lanes = np.zeros((2, FOLD_LANES))
+def _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes):
+    """Column j's fold, in ``lanes`` (2, FOLD_LANES), a scratch its caller makes once."""
+    lanes[:] = 0.0
     for c in range(partials.shape[1]):
         lanes[0, c % FOLD_LANES] += partials[0, c, j]
         lanes[1, c % FOLD_LANES] += partials[1, c, j]
@@ -224,8 +225,9 @@ def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, partials, grad_weight, g
             for j in range(n):
                 total[j] += float(g[j])
                 total_xhat[j] += float(g[j]) * (row[j] - row_mean) * row_rstd
+    lanes = np.empty((2, FOLD_LANES))
     for j in range(n):
-        _fold_cpu(j, partials, grad_weight, grad_bias, which)
+        _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes)
 
 
 @cuda.jit(cache=True)

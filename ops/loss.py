@@ -26,12 +26,12 @@ import numpy as np
 from numba import njit
 
 from ops.block_reduce import REDUCE_THREADS, SUM, block_reduce_cuda
-from ops.cuda import SIMULATOR, cuda
+from ops.cuda import cuda
 from ops.device import device_of, to_device
 from ops.dispatch import Out, run
 from ops.flag_buffer import flag_buffer
 from ops.input_fault import fault_message
-from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, blocks_of, elements
+from ops.launch import CPU_KERNEL, Kernel, blocks_of, elements, threads_for
 from ops.layout import flat
 from ops.memory import empty
 from ops.registry import Op, register
@@ -129,7 +129,7 @@ def _cross_entropy_plan(args):
         return [(cross_entropy_cuda, 1, REDUCE_THREADS, args)]
     rows = labels.size
     row_losses = empty((rows,), np.float64, "cuda")
-    threads = max(1, min(THREADS_PER_BLOCK, rows)) if SIMULATOR else THREADS_PER_BLOCK
+    threads = threads_for(rows)
     return [(cross_entropy_rows_cuda, -(-rows // threads), threads,
              (logits, labels, probs, row_losses, bad_label)),
             (mean_of_rows_cuda, 1, REDUCE_THREADS, (row_losses, loss))]

@@ -28,9 +28,9 @@ from numba import njit, prange
 from ops.conv import pair, pool_output_sizes
 from ops.conv_cpu import valid_range
 from ops.cpu_threads import engine_threads
-from ops.cuda import SIMULATOR, cuda
+from ops.cuda import cuda
 from ops.dispatch import Out, run
-from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel
+from ops.launch import CPU_KERNEL, Kernel, threads_for
 from ops.layout import flat
 from ops.registry import Op, register
 
@@ -321,7 +321,7 @@ def _elementwise_plan(which, elements_of, drop):
     def plan(args):
         kernel = _cuda_kernels(tuple(args[drop][1:]))[which]
         count = args[elements_of].size
-        threads = max(1, min(THREADS_PER_BLOCK, count)) if SIMULATOR else THREADS_PER_BLOCK
+        threads = threads_for(count)
         return [(kernel, -(-count // threads), threads,
                  tuple(args[:drop]) + tuple(args[drop + 1:]))]
     return plan

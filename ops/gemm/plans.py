@@ -5,7 +5,7 @@ the partial products and the kernel that sums them in a fixed order."""
 import numpy as np
 
 from ops.constant_code import kernels_of_code
-from ops.cuda import SIMULATOR, cuda, device_reshape
+from ops.cuda import cuda, device_reshape
 from ops.gemm.choices import k_slices, mma_format, pick_config, pick_conv_config, pick_tiling
 from ops.gemm import gpu_facts  # noqa: F401  (loaded before a dry device: see gpu_facts)
 from ops.gemm.conv_operands import conv_gemm_shape
@@ -13,6 +13,7 @@ from ops.gemm.mma import pipelined_tiling
 from ops.gemm.template import gemm_kernels
 from ops.gemm.tilings import (COMPACT, CONV_GRAD_WEIGHT, FORWARD, GRAD_A, GRAD_B, MEDIUM, PLAIN,
                               STATIC_SHARED_BYTES, shared_bytes, threads_of)
+from ops.launch import threads_for
 from ops.layout import flat
 from ops.memory import empty
 from ops.pointwise import IDENTITY, value_cuda
@@ -129,8 +130,7 @@ def gemm_plan(mode, m, n, k, dtype, trans_a, trans_b, act, args):
     sum_kernel = (_split_sum_kernel(mode, act) if mode == FORWARD else
                   _split_sum_kernel(GRAD_B if mode == GRAD_B else PLAIN, IDENTITY))
     elements = rows * n
-    # the simulator runs one OS thread per CUDA thread: start no idle ones
-    sum_threads = max(1, min(SUM_THREADS, elements)) if SIMULATOR else SUM_THREADS
+    sum_threads = threads_for(elements, SUM_THREADS)
     return [(partial_kernel, blocks + (slices,), threads, partial_args),
             (sum_kernel, -(-elements // sum_threads), sum_threads, sum_args)]
 
@@ -170,7 +170,7 @@ def conv_gemm_plan(mode, geometry, batch, dtype, act, args):
     partial_kernel = gemm_kernels(dtype, tiling, False, trans_b, mode, act, True, geometry)
     weights = grad_w.size // geometry.O
     elements = geometry.O * n
-    sum_threads = max(1, min(SUM_THREADS, elements)) if SIMULATOR else SUM_THREADS
+    sum_threads = threads_for(elements, SUM_THREADS)
     return [(partial_kernel, blocks, threads, (grad_out, y, x, flat(partials), alpha)),
             (conv2d_grad_weight_sum_cuda, -(-elements // sum_threads), sum_threads,
              (partials, device_reshape(grad_w, (geometry.O, weights)), grad_b))]
