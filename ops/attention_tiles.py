@@ -79,10 +79,11 @@ def block_place(count, rows, across):
     return b, (cuda.blockIdx.x - b * tiles_) * rows, ty, cuda.threadIdx.x - ty * across
 
 
-def tile_functions(kind, cap, widest):
+def tile_functions(kind, cap, widest, vector):
     """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
-    columns."""
+    columns; ``vector``: the loads take 16 bytes at a time where they can
+    (``vector_loads``)."""
     minus_infinity = -math.inf
 
     @cuda.jit(device=True, **INLINE)
@@ -102,26 +103,37 @@ def tile_functions(kind, cap, widest):
             dot += mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]]
         return dot
 
+    # The loads below run a constant count of steps (the block's ``threads`` and the tile's
+    # rows are constants once inlined) and read unconditionally (an element past the ends
+    # reads the source's first element and stores 0): the loop unrolls into independent
+    # loads issued back to back. Behind a per-element branch each load waited for the one
+    # before, and the kernels spent most of their time waiting on global memory.
     @cuda.jit(device=True, **INLINE)
     def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
-                        tile_rows):
+                        tile_rows, threads):
         """tile_[c * tile_stride + r] = source[(b * total_rows + row0 + r) * width_ + c] for r
         < rows and c < width_, zero elsewhere up to ``tile_rows`` and ``cap``, by the block's
-        threads together (consecutive threads read consecutive elements of a row)."""
-        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
-            r = e // cap
-            c = e - r * cap
-            tile_[c * tile_stride + r] = (source[(b * total_rows + row0 + r) * width_ + c]
-                                          if r < rows and c < width_ else kind(0))
+        ``threads`` together (consecutive threads read consecutive elements of a row)."""
+        base = U(b * total_rows + row0) * U(width_)
+        for step in range(tile_rows * cap // threads):
+            e = U(cuda.threadIdx.x) + U(step * threads)
+            r = e // U(cap)
+            c = e - r * U(cap)
+            inside = (r < U(rows)) & (c < U(width_))
+            value = source[base + r * U(width_) + c if inside else U(0)]
+            tile_[c * U(tile_stride) + r] = value if inside else kind(0)
 
     @cuda.jit(device=True, **INLINE)
-    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows):
+    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads):
         """tile_[r * cap + c], the rows as they are (zero past ``rows`` and ``width_``)."""
-        for e in range(cuda.threadIdx.x, tile_rows * cap, cuda.blockDim.x):
-            r = e // cap
-            c = e - r * cap
-            tile_[e] = (source[(b * total_rows + row0 + r) * width_ + c]
-                        if r < rows and c < width_ else kind(0))
+        base = U(b * total_rows + row0) * U(width_)
+        for step in range(tile_rows * cap // threads):
+            e = U(cuda.threadIdx.x) + U(step * threads)
+            r = e // U(cap)
+            c = e - r * U(cap)
+            inside = (r < U(rows)) & (c < U(width_))
+            value = source[base + r * U(width_) + c if inside else U(0)]
+            tile_[e] = value if inside else kind(0)
 
     @cuda.jit(device=True, **INLINE)
     def product(acc, a, a_stride, a0, b_, b_stride, b0, depth, columns):
@@ -160,4 +172,72 @@ def tile_functions(kind, cap, widest):
             return kind(1)
         return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
 
+    if vector:
+        load_transposed, load_rows = vector_loads(kind, cap, load_transposed, load_rows)
     return excluded, masked, keep_factor, load_transposed, load_rows, product, clear
+
+
+def vectors_fit(dtype, cap, tile_rows, threads):
+    """Whether float32 tiles of ``tile_rows`` x ``cap`` split into whole 16-byte vectors
+    among ``threads`` (every tile of the kernels: their caps from 16 on) on a GPU."""
+    return (not SIMULATOR and np.dtype(dtype) == np.float32
+            and all(rows * cap % (4 * threads) == 0 for rows in tile_rows))
+
+
+def vector_loads(kind, cap, scalar_transposed, scalar_rows):
+    """``load_transposed`` and ``load_rows`` (``tile_functions``) that read a float32 source
+    16 bytes at a time when its rows are whole 16-byte vectors (16-byte aligned, a width of
+    a multiple of 4), and as ``scalar_transposed`` and ``scalar_rows`` otherwise: a quarter
+    of the loads and of their index arithmetic, which took more instructions than the
+    loads."""
+    from ops.cuda import ptx   # numba-cuda's extension API: GPU kernels only
+    load_float4, address_of = ptx.load_float4, ptx.address_of
+
+    @cuda.jit(device=True, **INLINE)
+    def whole_vectors(source, width_):
+        return address_of(source) % U(16) == U(0) and U(width_) % U(4) == U(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
+                        tile_rows, threads):
+        if not whole_vectors(source, width_):
+            scalar_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
+                              tile_rows, threads)
+            return
+        base = U(b * total_rows + row0) * U(width_)
+        zero = kind(0)
+        for step in range(tile_rows * cap // (4 * threads)):
+            e = U(cuda.threadIdx.x) + U(step * threads)
+            # two threads a row's 32 bytes (a sector), consecutive pairs on consecutive rows:
+            # 4 padded tile rows span 16 banks mod 32, so a warp's 16 rows by 2 column
+            # groups store into 32 different banks
+            r = (e // U(2)) % U(tile_rows)
+            c = (e % U(2) + U(2) * (e // U(2 * tile_rows))) * U(4)
+            inside = (r < U(rows)) & (c < U(width_))
+            x0, x1, x2, x3 = load_float4(source, base + r * U(width_) + c if inside else U(0))
+            at = c * U(tile_stride) + r
+            tile_[at] = x0 if inside else zero
+            tile_[at + U(tile_stride)] = x1 if inside else zero
+            tile_[at + U(2 * tile_stride)] = x2 if inside else zero
+            tile_[at + U(3 * tile_stride)] = x3 if inside else zero
+
+    @cuda.jit(device=True, **INLINE)
+    def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads):
+        if not whole_vectors(source, width_):
+            scalar_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads)
+            return
+        base = U(b * total_rows + row0) * U(width_)
+        zero = kind(0)
+        for step in range(tile_rows * cap // (4 * threads)):
+            e = U(cuda.threadIdx.x) + U(step * threads)
+            r = e // U(cap // 4)
+            c = (e % U(cap // 4)) * U(4)
+            inside = (r < U(rows)) & (c < U(width_))
+            x0, x1, x2, x3 = load_float4(source, base + r * U(width_) + c if inside else U(0))
+            at = r * U(cap) + c
+            tile_[at] = x0 if inside else zero
+            tile_[at + U(1)] = x1 if inside else zero
+            tile_[at + U(2)] = x2 if inside else zero
+            tile_[at + U(3)] = x3 if inside else zero
+
+    return load_transposed, load_rows
