@@ -21,6 +21,7 @@ from ops.cuda import cuda
 from ops.dispatch import Meta, Out, run
 from ops.element_kernel import split_over_threads
 from ops.gelu_cpu import gelu_cpu, gelu_grad_cpu
+from ops.gelu_cuda import gelu_cuda, gelu_grad_cuda
 from ops.launch import Kernel, elements
 from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
                         broadcast_shape, flat)
@@ -146,8 +147,9 @@ def _unary_kernels(code, name):
         if i < grad_in.size:
             grad_in[i] = grad_out[i] * derivative_cuda(code, x[i], y[i], p)
 
-    if code == GELU:   # erf and exp by vectorisable float32 code (ops.gelu_cpu)
-        unary_cpu, unary_grad_cpu = gelu_cpu, gelu_grad_cpu
+    if code == GELU:   # float32 in float32: vectorisable code (ops.gelu_cpu), libdevice's
+        unary_cpu, unary_grad_cpu = gelu_cpu, gelu_grad_cpu   # erff and expf (ops.gelu_cuda)
+        unary_cuda, unary_grad_cuda = gelu_cuda, gelu_grad_cuda
     # large inputs in blocks on the engine's threads (the GPT's GELU: 393k elements)
     return (Kernel(name, split_over_threads(unary_cpu, 2), unary_cuda, elements(1)),
             Kernel(f"{name}_grad", split_over_threads(unary_grad_cpu, 4), unary_grad_cuda,

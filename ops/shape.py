@@ -6,6 +6,7 @@ joined like floats. Bool arrays reach its kernels as their uint8 bytes (the same
 the kernels never see a bool array, and the outputs are allocated as uint8 (poison mode
 fills them with 255) and seen as bool again on the way out.
 """
+import functools
 import math
 
 import numpy as np
@@ -13,10 +14,10 @@ from numba import njit
 from numba import uint64 as U
 
 from ops.cast import BOOL, as_bytes, same_memory_as
-from ops.cuda import cuda
+from ops.cuda import SIMULATOR, cuda
 from ops.device import device_of
 from ops.dispatch import Meta, Out, run
-from ops.launch import Kernel, elements
+from ops.launch import Kernel, elements, threads_for
 from ops.layout import coalesce, contiguous_strides, flat
 from ops.registry import Op, register
 
@@ -193,12 +194,9 @@ def _permute_offset(index, meta, ndim):
     return offset
 
 
-@cuda.jit(cache=True)
-def permute_cuda(x, out, meta):
-    first = U(cuda.grid(1)) * U(PERMUTE_RUN)
-    size = U(out.size)
-    if first >= size:
-        return
+@cuda.jit(device=True)
+def _permute_run(x, out, meta, first, size):
+    """Output elements ``first`` .. ``first + PERMUTE_RUN - 1`` (those below ``size``)."""
     ndim = U(meta[0])
     if ndim == U(0):   # a scalar
         out[0] = x[0]
@@ -219,12 +217,52 @@ def permute_cuda(x, out, meta):
             out[i] = x[offset]
 
 
-def _permute_threads(x, out, meta):
-    return -(-out.size // PERMUTE_RUN)
+@cuda.jit(cache=True)
+def permute_cuda(x, out, meta):
+    first = U(cuda.grid(1)) * U(PERMUTE_RUN)
+    if first < U(out.size):
+        _permute_run(x, out, meta, first, U(out.size))
+
+
+@functools.cache
+def _permute_vectors_cuda():
+    """``permute_cuda`` for float32 that copies a thread's 4 elements as one 16-byte load and
+    store where they lie in one input row of stride 1, 16-byte aligned at both ends (the
+    GPT's head permutes keep the head dim innermost), built on first use (``ops.cuda.ptx``
+    is GPU code): a quarter of the loads and stores, and one offset computed a thread."""
+    from ops.cuda import ptx
+    load_float4, store_float4, address_of = ptx.load_float4, ptx.store_float4, ptx.address_of
+
+    @cuda.jit(cache=True)
+    def permute_vectors_cuda(x, out, meta):
+        first = U(cuda.grid(1)) * U(PERMUTE_RUN)
+        size = U(out.size)
+        if first >= size:
+            return
+        ndim = U(meta[0])
+        if (ndim > U(0) and first + U(4) <= size and U(meta[ndim + ndim]) == U(1)
+                and U(meta[ndim]) % U(4) == U(0) and address_of(x) % U(16) == U(0)
+                and address_of(out) % U(16) == U(0)):
+            offset = _permute_offset(first, meta, ndim)
+            if offset % U(4) == U(0):
+                x0, x1, x2, x3 = load_float4(x, offset)
+                store_float4(out, first, x0, x1, x2, x3)
+                return
+        _permute_run(x, out, meta, first, size)
+    return permute_vectors_cuda
+
+
+def _permute_plan(args):
+    x, out, _ = args
+    kernel = (_permute_vectors_cuda() if not SIMULATOR and x.dtype == np.float32
+              and PERMUTE_RUN == 4 else permute_cuda)
+    count = -(-out.size // PERMUTE_RUN)
+    threads = threads_for(count)
+    return ((kernel, -(-count // threads), threads, args),)
 
 
 permute_cpu.__wrapped__ = _permute_elements   # the compiled kernel behind the CPU side
-PERMUTE = Kernel("permute", permute_cpu, permute_cuda, _permute_threads)
+PERMUTE = Kernel("permute", permute_cpu, cuda_plan=_permute_plan)
 
 
 def permute(x, axes):

@@ -101,10 +101,8 @@ load_float4 = _load_floats(4)   # a GEMM's 16-byte global fetches
 load_float2 = _load_floats(2)   # a bf16 fragment register's pair of k from a shared tile
 
 
-@intrinsic
-def store_float2(typingctx, array, offset, low, high):
-    """``array``'s flat elements offset, offset + 1 (a C-contiguous float32 array) = ``low``,
-    ``high`` in one 8-byte store: the address must be a multiple of 8 (``address_of``)."""
+def _store_floats(array, count):
+    """The typing check and code generation of a ``count``-float store into ``array``."""
     if not (isinstance(array, types.Array) and array.dtype == types.float32
             and array.layout == "C"):
         return None
@@ -112,16 +110,32 @@ def store_float2(typingctx, array, offset, low, high):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         index = context.cast(builder, args[1], signature.args[1], types.uint64)
-        vector_type = ir.VectorType(ir.FloatType(), 2)
+        vector_type = ir.VectorType(ir.FloatType(), count)
         vector = ir.Constant(vector_type, ir.Undefined)
         for lane, (value, value_type) in enumerate(zip(args[2:], signature.args[2:])):
             vector = builder.insert_element(
                 vector, context.cast(builder, value, value_type, types.float32),
                 ir.Constant(ir.IntType(32), lane))
         builder.store(vector, builder.bitcast(builder.gep(data, [index]),
-                                              vector_type.as_pointer()), align=8)
+                                              vector_type.as_pointer()), align=4 * count)
         return context.get_dummy_value()
-    return types.void(array, offset, low, high), codegen
+    return codegen
+
+
+@intrinsic
+def store_float2(typingctx, array, offset, low, high):
+    """``array``'s flat elements offset, offset + 1 (a C-contiguous float32 array) = ``low``,
+    ``high`` in one 8-byte store: the address must be a multiple of 8 (``address_of``)."""
+    codegen = _store_floats(array, 2)
+    return None if codegen is None else (types.void(array, offset, low, high), codegen)
+
+
+@intrinsic
+def store_float4(typingctx, array, offset, x0, x1, x2, x3):
+    """``array``'s flat elements offset .. offset + 3 (a C-contiguous float32 array) = ``x0``
+    .. ``x3`` in one 16-byte store: the address must be a multiple of 16 (``address_of``)."""
+    codegen = _store_floats(array, 4)
+    return None if codegen is None else (types.void(array, offset, x0, x1, x2, x3), codegen)
 
 
 @intrinsic

@@ -169,3 +169,23 @@ def test_bad_arguments_name_the_op_and_the_values():
     with pytest.raises(ValueError, match="multinomial: row 0 of the probabilities has 1 "
                                          "positive weights for 2 draws"):
         engine.multinomial(engine.tensor([1.0, 0.0, 0.0]), 2)
+
+
+@pytest.mark.gpu
+def test_float32_permute_on_the_gpu_copies_vectors_or_elements():
+    """The CUDA permute's 16-byte copies (float32, the innermost axis kept, rows of a multiple
+    of 4, both arrays aligned) and its element path (rows of 6 or 7, an input one element
+    past its allocation's alignment) give NumPy's copy."""
+    from ops.device import to_device, to_host
+    from ops.shape import permute
+    rng = np.random.default_rng(0)
+    for shape, axes in (((2, 3, 5, 8), (0, 2, 1, 3)), ((2, 3, 5, 6), (0, 2, 1, 3)),
+                        ((4, 5, 8), (2, 0, 1)), ((3, 2, 7, 4), (1, 0, 2, 3)),
+                        ((3, 5, 7), (0, 2, 1))):
+        x = rng.standard_normal(shape).astype(np.float32)
+        out = engine.tensor(x, device="cuda").permute(*axes)
+        np.testing.assert_array_equal(out.numpy(), x.transpose(axes))
+    values = rng.standard_normal(1 + 2 * 3 * 5 * 8).astype(np.float32)
+    shifted = to_device(values)[1:].reshape(2, 3, 5, 8)
+    np.testing.assert_array_equal(to_host(permute(shifted, (0, 2, 1, 3))),
+                                  values[1:].reshape(2, 3, 5, 8).transpose(0, 2, 1, 3))
