@@ -1,14 +1,14 @@
 """Tensor-core instructions for CUDA kernels: one warp's TF32 and bf16 products (``mma.sync``),
-the 16-byte global loads that feed a GEMM's shared tiles, the asynchronous copies
-(``cp.async``) that fill them without passing through registers, and the 8-byte stores of
-the products' fragment pairs.
+the 16-byte global loads that feed a GEMM's and attention's shared tiles, the asynchronous
+copies (``cp.async``) that fill them without passing through registers, the 8-byte stores of
+the products' fragment pairs and the 16-byte stores of the float32 permute's copies.
 
 numba-cuda has no tensor-core API. These are user intrinsics that emit inline PTX through
 llvmlite's ``InlineAsm``, the extension route numba-cuda itself takes for its cache-hint loads
 (``numba.cuda.cache_hints``); a ``cache=True`` kernel that calls them reloads from Numba's disk
 cache like any other. They run on sm_80 and newer (the H200 is sm_90), not in the simulator.
-Importing this module imports numba.cuda (its extension API), so only the tensor-core kernel
-builders import it, on first use.
+Importing this module imports numba.cuda (its extension API), so only the kernel builders
+that need it import it, on first use.
 
 Fragments, per the PTX ISA ("Matrix fragments for mma.m16n8k8" and "...m16n8k16"): a warp's
 lane is ``4·group + index`` (group = lane // 4 in 0..7, index = lane % 4 in 0..3); every lane
