@@ -186,6 +186,6 @@ def test_float32_permute_on_the_gpu_copies_vectors_or_elements():
         out = engine.tensor(x, device="cuda").permute(*axes)
         np.testing.assert_array_equal(out.numpy(), x.transpose(axes))
     values = rng.standard_normal(1 + 2 * 3 * 5 * 8).astype(np.float32)
-    shifted = to_device(values)[1:].reshape(2, 3, 5, 8)
+    shifted = to_device(values, "cuda")[1:].reshape(2, 3, 5, 8)
     np.testing.assert_array_equal(to_host(permute(shifted, (0, 2, 1, 3))),
                                   values[1:].reshape(2, 3, 5, 8).transpose(0, 2, 1, 3))
