@@ -109,6 +109,17 @@ def tile_functions(kind, cap, widest, vector):
     # loads issued back to back. Behind a per-element branch each load waited for the one
     # before, and the kernels spent most of their time waiting on global memory.
     @cuda.jit(device=True, **INLINE)
+    def tile_element(source, base, e, rows, width_):
+        """``(r, c, value)``: element e of a tile of rows ``cap`` long read from ``source``
+        from ``base`` on, rows ``width_`` long: its row, its column and its value (0 at r >=
+        rows or c >= width_, where the source's first element is read instead)."""
+        r = e // U(cap)
+        c = e - r * U(cap)
+        inside = (r < U(rows)) & (c < U(width_))
+        value = source[base + r * U(width_) + c if inside else U(0)]
+        return r, c, value if inside else kind(0)
+
+    @cuda.jit(device=True, **INLINE)
     def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
                         tile_rows, threads):
         """tile_[c * tile_stride + r] = source[(b * total_rows + row0 + r) * width_ + c] for r
@@ -117,11 +128,8 @@ def tile_functions(kind, cap, widest, vector):
         base = U(b * total_rows + row0) * U(width_)
         for step in range(tile_rows * cap // threads):
             e = U(cuda.threadIdx.x) + U(step * threads)
-            r = e // U(cap)
-            c = e - r * U(cap)
-            inside = (r < U(rows)) & (c < U(width_))
-            value = source[base + r * U(width_) + c if inside else U(0)]
-            tile_[c * U(tile_stride) + r] = value if inside else kind(0)
+            r, c, value = tile_element(source, base, e, rows, width_)
+            tile_[c * U(tile_stride) + r] = value
 
     @cuda.jit(device=True, **INLINE)
     def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads):
@@ -129,11 +137,7 @@ def tile_functions(kind, cap, widest, vector):
         base = U(b * total_rows + row0) * U(width_)
         for step in range(tile_rows * cap // threads):
             e = U(cuda.threadIdx.x) + U(step * threads)
-            r = e // U(cap)
-            c = e - r * U(cap)
-            inside = (r < U(rows)) & (c < U(width_))
-            value = source[base + r * U(width_) + c if inside else U(0)]
-            tile_[e] = value if inside else kind(0)
+            tile_[e] = tile_element(source, base, e, rows, width_)[2]
 
     @cuda.jit(device=True, **INLINE)
     def product(acc, a, a_stride, a0, b_, b_stride, b0, depth, columns):
