@@ -13,21 +13,24 @@ batch 12); ``--preset gpu`` its shakespeare-char one (6, 6, 384, block 256, batc
 dropout 0.2). Both frameworks draw their batches from the engine's ``SequenceLoader`` (the
 same windows in the same order) and start from their own nanoGPT initialisation. After a
 warm-up of ``--warmup`` steps each, timed blocks of ``--block`` steps alternate engine,
-torch (eager), engine, torch, ...; ms/iteration is the median over blocks. The validation
+torch (eager), engine, torch, ...; ms/iteration is the median over blocks. On the CPU each
+framework runs in a process of its own (``bench.framework_process``: one framework's idle
+threads are not the other's neighbours) and each block starts on a settled machine
+(``bench.harness.settle``), as the training benchmarks do. The validation
 loss is the mean over ``--eval-batches`` fixed validation batches, after the same steps.
 The engine's step is ``engine.capture``'d (its ``fit``'s step); torch's is eager, and with
 ``--compile`` also ``torch.compile``'d (when torch.compile works on the machine).
 """
 import argparse
-import functools
 import math
 import statistics
 import time
 
 import numpy as np
 
+from bench.framework_process import open_side
 from bench.harness import (GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY,
-                           gpt_corpus, gpt_training)
+                           gpt_corpus, gpt_training, settle)
 from bench.report import emit, require_device
 
 # ------------------------------------------------------------------ the engine side
@@ -162,38 +165,71 @@ def torch_side(config, device, train_ids, val_ids, vocab, seed, compiled):
 
 # ------------------------------------------------------------------ the run
 
-def measure(device, preset, steps, warmup, block, eval_every, eval_batches, compiled, seed=0):
+def side_methods(framework, preset, device, seed, precision, threads):
+    """``bench.framework_process``'s build of one side, ``framework`` "engine", "torch" or
+    "torch.compile": ``block(count)`` runs ``count`` steps and returns ms a step (timed
+    where they run), ``run`` and ``validate`` as the sides define them."""
+    if framework == "engine":
+        import engine as framework_module
+    else:
+        import torch as framework_module
+    if precision != "highest":
+        framework_module.set_float32_matmul_precision(precision)
+    if threads:
+        framework_module.set_num_threads(threads)
     config = GPT_PRESETS[preset]
     tok, train_ids, val_ids = gpt_corpus()
-    sides = {"engine": engine_side(config, device, train_ids, val_ids, tok.vocab_size, seed)[:2],
-             "torch": torch_side(config, device, train_ids, val_ids, tok.vocab_size, seed, False)}
-    if compiled:
-        sides["torch.compile"] = torch_side(config, device, train_ids, val_ids, tok.vocab_size,
-                                            seed, True)
+    if framework == "engine":
+        run, validate = engine_side(config, device, train_ids, val_ids, tok.vocab_size,
+                                    seed)[:2]
+    else:
+        run, validate = torch_side(config, device, train_ids, val_ids, tok.vocab_size, seed,
+                                   framework == "torch.compile")
+
+    def block(count):
+        start = time.perf_counter()
+        run(count)
+        return (time.perf_counter() - start) / count * 1000
+
+    return {"run": run, "block": block, "validate": validate}, None
+
+
+def measure(device, preset, steps, warmup, block, eval_every, eval_batches, compiled, seed=0,
+            precision="highest", threads=None):
+    config = GPT_PRESETS[preset]
+    names = ["engine", "torch"] + (["torch.compile"] if compiled else [])
+    separate = device == "cpu"
+    sides = {name: open_side(separate, name, side_methods, name, preset, device, seed,
+                             precision, threads) for name in names}
     times = {name: [] for name in sides}
     losses = {name: [] for name in sides}
     done = {name: 0 for name in sides}
-    for name, (run, _) in sides.items():
-        run(warmup)
-        done[name] = warmup
-    while min(done.values()) < steps:
-        for name, (run, validate) in sides.items():
-            count = min(block, steps - done[name])
-            start = time.perf_counter()
-            run(count)
-            times[name].append((time.perf_counter() - start) / count * 1000)
-            done[name] += count
-            crossed = done[name] // eval_every > (done[name] - count) // eval_every \
-                if eval_every else False
-            if eval_every and (crossed or done[name] == steps):
-                losses[name].append((done[name], validate(eval_batches)))
+    try:
+        for name, side in sides.items():
+            side.call("run", warmup)
+            done[name] = warmup
+        while min(done.values()) < steps:
+            for name, side in sides.items():
+                count = min(block, steps - done[name])
+                if separate:
+                    settle()
+                times[name].append(side.call("block", count))
+                done[name] += count
+                crossed = done[name] // eval_every > (done[name] - count) // eval_every \
+                    if eval_every else False
+                if eval_every and (crossed or done[name] == steps):
+                    losses[name].append((done[name], side.call("validate", eval_batches)))
+    finally:
+        for side in sides.values():
+            side.close()
     tokens = config["batch_size"] * config["block_size"]
     rows = {name: {"ms_per_iter": statistics.median(times[name]),
                    "tokens_per_s": tokens / statistics.median(times[name]) * 1000,
                    "val_loss": losses[name]} for name in sides}
     for name in rows:
         rows[name]["ratio_to_torch"] = rows[name]["ms_per_iter"] / rows["torch"]["ms_per_iter"]
-    return {"device": device, "preset": preset, "steps": steps, "rows": rows}
+    return {"device": device, "preset": preset, "steps": steps, "rows": rows,
+            "separate_processes": separate}
 
 
 def format_table(result):
@@ -226,18 +262,9 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
-    if args.precision != "highest":
-        import engine
-        import torch
-        engine.set_float32_matmul_precision(args.precision)
-        torch.set_float32_matmul_precision(args.precision)
-    if args.threads:
-        import engine
-        import torch
-        engine.set_num_threads(args.threads)
-        torch.set_num_threads(args.threads)
     result = measure(args.device, args.preset, args.steps, args.warmup, args.block,
-                     args.eval_every, args.eval_batches, args.compile)
+                     args.eval_every, args.eval_batches, args.compile,
+                     precision=args.precision, threads=args.threads)
     emit(result, format_table(result), args.json)
 
 

@@ -359,3 +359,21 @@ def test_settle_waits_for_a_quiet_machine_at_most_its_timeout(monkeypatch):
     start = time.monotonic()
     harness.settle(timeout_s=10.0)
     assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.torch
+def test_bench_gpt_on_the_cpu_runs_each_framework_in_a_process_of_its_own():
+    """Two steps of each side, one a block, the validation loss after them: both rows,
+    from processes of their own."""
+    import math
+
+    from bench import gpt
+    result = gpt.measure("cpu", "cpu", steps=2, warmup=1, block=1, eval_every=2,
+                         eval_batches=1, compiled=False)
+    assert result["separate_processes"]
+    assert set(result["rows"]) == {"engine", "torch"}
+    for row in result["rows"].values():
+        assert row["ms_per_iter"] > 0
+        [(step, loss)] = row["val_loss"]
+        assert step == 2 and math.isfinite(loss) and 3.0 < loss < 5.0   # ln(65) = 4.17
+    assert "| engine |" in gpt.format_table(result)
