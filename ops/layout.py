@@ -65,13 +65,13 @@ def device_meta(values):
 
 def broadcast_shape(a_shape, b_shape, op_name):
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
-    if a_shape == b_shape:   # the common case without NumPy's general rule: 2.1 us a call,
+    if a_shape == b_shape:   # the common case without NumPy's general rule: 1.6 us a call,
         return a_shape       # made twice an eager binary op (its check and its forward)
     try:
         return np.broadcast_shapes(a_shape, b_shape)
     except ValueError:
         raise ValueError(
-            f"{op_name}: shapes {tuple(a_shape)} and {tuple(b_shape)} cannot be broadcast together"
+            f"{op_name}: shapes {a_shape} and {b_shape} cannot be broadcast together"
         ) from None
 
 

@@ -231,6 +231,7 @@ def _permute_vectors_cuda():
     GPT's head permutes keep the head dim innermost), built on first use (``ops.cuda.ptx``
     is GPU code): a quarter of the loads and stores, and one offset computed a thread."""
     from ops.cuda import ptx
+    assert PERMUTE_RUN == 4, "a thread's run is one 16-byte vector of float32"
     load_float4, store_float4, address_of = ptx.load_float4, ptx.store_float4, ptx.address_of
 
     @cuda.jit(cache=True)
@@ -255,7 +256,7 @@ def _permute_vectors_cuda():
 def _permute_plan(args):
     x, out, _ = args
     kernel = (_permute_vectors_cuda() if not SIMULATOR and x.dtype == np.float32
-              and PERMUTE_RUN == 4 else permute_cuda)
+              else permute_cuda)
     count = -(-out.size // PERMUTE_RUN)
     threads = threads_for(count)
     return ((kernel, -(-count // threads), threads, args),)
