@@ -17,9 +17,10 @@ cost, once). ``park_workers`` puts them to sleep at once: before a ``prange`` ke
 OpenMP threads would otherwise share their cores with spinning workers.
 
 A block of NumPy's ``matmul`` (``ops.gemm.cpu.blas_product``) is handed over as its CBLAS
-call (``ops.gemm.cblas``), which the worker runs without leaving compiled code: a Python call
-must take the GIL from the calling thread first, which started the worker's block 20-22 us
-after the hand-over on this VM, the CBLAS call 2-3 us.
+call (``ops.gemm.cblas``), and a block of an ``@njit`` kernel as a record of its native call
+(``ops.compiled_call``: the element kernels, Adam's, GELU's, ...), which the worker runs without
+leaving compiled code: a Python call must take the GIL from the calling thread first, which
+started the worker's block 20-22 us after the hand-over on this VM, a compiled call 2-3 us.
 
 Nothing here reads the load: ``ops.cpu_threads`` decides how many blocks a call splits into.
 """
@@ -35,6 +36,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ops import compiled_call
 from ops.gemm import cblas
 
 # How long a worker without work keeps spinning before it sleeps: longer than the Python
@@ -48,7 +50,8 @@ SPIN_S = 20e-3
 SPINS_PER_CHECK = 1 << 12
 FLAG_STRIDE = 8   # int64s apart: the job and done flags on cache lines of their own
 _JOB, _KIND, _CLAIM, _DONE = 0, 1, 2, FLAG_STRIDE   # a worker's flags
-_PYTHON, _GEMM = 0, 1   # the kinds of job
+_PYTHON, _GEMM, _COMPILED = 0, 1, 2   # the kinds of job: a Python call, a CBLAS call, a
+# compiled call (the record's address in the description's first field)
 STOP = -1   # the job number that ends a worker
 
 
@@ -158,18 +161,27 @@ def wait_for_job(flags, seen, spins):
 
 
 @njit(cache=True, nogil=True)
-def serve_gemms(flags, description, sgemm, seen, spins):
-    """``wait_for_job`` that runs GEMM jobs itself (the GEMM its ``description`` holds, then
-    its done flag), waiting ``spins`` again after each: the first job it does not run (a
-    Python call, ``STOP``), or the last one seen when it timed out."""
+def serve_compiled(flags, description, sgemm, seen, spins):
+    """``wait_for_job`` that runs GEMM and compiled jobs itself (the call its ``description``
+    holds, then its done flag), waiting ``spins`` again after each: the first job it does not
+    run (a Python call, ``STOP``), or the last one seen when it timed out."""
     while True:
         number, timed_out = wait_for_job(flags, seen, spins)
-        if timed_out or number == STOP or flags[_KIND] != _GEMM:
+        if timed_out or number == STOP or flags[_KIND] == _PYTHON:
             return number, timed_out
         if claim(flags, number):   # else the caller took it back, and runs it
-            cblas.run(description, sgemm)
+            run_described(flags[_KIND], description, sgemm)
             publish(flags, _DONE, number)
         seen = number
+
+
+@njit(cache=True, nogil=True)
+def run_described(kind, description, sgemm):
+    """A GEMM job's CBLAS call, or a compiled job's record."""
+    if kind == _GEMM:
+        cblas.run(description, sgemm)
+    else:
+        compiled_call.run(description[0])
 
 
 _spin_rate = None
@@ -199,15 +211,16 @@ def _run(call):
 
 class _Worker:
     """One thread, its flags (the job's number and kind, and the number of the last job
-    done, on two cache lines), what it is handed (a GEMM's description, or a Python call:
-    None puts it to sleep) and what that call raised."""
+    done, on two cache lines), what it is handed (a GEMM's description, a compiled call's
+    record, or a Python call: None puts it to sleep) and what that call raised."""
 
     def __init__(self, slot, sgemm):
         self.flags = np.zeros(2 * FLAG_STRIDE, dtype=np.int64)
         self.description = np.zeros(cblas.DESCRIPTION_SIZE, dtype=np.int64)
         self.sgemm = sgemm   # cblas.available(): NumPy's cblas_sgemm, or None
         self.number = self.seen = 0   # of the last job handed over, and the last one seen
-        self.call = self.error = None
+        self.call = self.error = self.record = None
+        self.kernel_name = ""
         self.sleeping = self.parked = False   # parked: its last job was to go to sleep
         self.wake = threading.Condition(threading.Lock())
         self.thread = threading.Thread(target=self._loop, name=f"engine-split-{slot}",
@@ -217,13 +230,20 @@ class _Worker:
     def hand(self, call):
         """Give the worker ``call`` (a ``(function, args)`` pair, or None to put it to
         sleep now). A float32 block of ``out = a @ b`` by NumPy (a function marked
-        ``is_matmul``, args ``(a, b, out)``) goes as its CBLAS call, run without the GIL."""
-        self.error, self.parked = None, call is None
-        if call is not None and self.sgemm is not None and getattr(call[0], "is_matmul", False) \
-                and cblas.describable(*call[1]) and cblas.describe(self.description, *call[1]):
-            self.flags[_KIND], self.call = _GEMM, None
-        else:
-            self.flags[_KIND], self.call = _PYTHON, call
+        ``is_matmul``, args ``(a, b, out)``) goes as its CBLAS call, a call of an ``@njit``
+        kernel as its record (``ops.compiled_call``): both run without the GIL. (Without
+        NumPy's CBLAS the worker's loop is the plain one: every block a Python call.)"""
+        self.error, self.parked, self.record = None, call is None, None
+        self.flags[_KIND], self.call = _PYTHON, call
+        if call is not None and self.sgemm is not None:
+            function, args = call
+            if getattr(function, "is_matmul", False):
+                if cblas.describable(*args) and cblas.describe(self.description, *args):
+                    self.flags[_KIND], self.call = _GEMM, None
+            elif (record := compiled_call.record(function, args)) is not None:
+                self.description[0], self.record = record.ctypes.data, record
+                self.kernel_name = getattr(function, "__name__", "a kernel")
+                self.flags[_KIND], self.call = _COMPILED, None
         # a sleeping worker is not woken to be put to sleep: it finds the job when it wakes
         self._publish(self.number + 1, wake=call is not None)
 
@@ -246,9 +266,14 @@ class _Worker:
         (a worker waiting for a core: another thread spins on it); what it raised, or None."""
         if claim(self.flags, self.number):
             self._run_claimed(self.number)
-            return self.error
-        while not wait_for_value(self.flags, _DONE, self.number, SPINS_PER_CHECK):
-            os.sched_yield()
+        else:
+            while not wait_for_value(self.flags, _DONE, self.number, SPINS_PER_CHECK):
+                os.sched_yield()
+        if self.record is not None and compiled_call.failed(self.record):
+            self.error = RuntimeError(
+                f"{self.kernel_name}: a block a split's worker ran raised; "
+                f"engine.set_num_threads(1) runs every block on this thread, which shows the "
+                f"error")
         return self.error
 
     def _loop(self):
@@ -264,8 +289,8 @@ class _Worker:
     def _run_claimed(self, number):
         """Run job ``number``, which this thread claimed (a GEMM here only if it came while
         the worker slept), then mark it done: False for a job that puts the worker to sleep."""
-        if self.flags[_KIND] == _GEMM:
-            cblas.run(self.description, self.sgemm)
+        if self.flags[_KIND] != _PYTHON:
+            run_described(self.flags[_KIND], self.description, self.sgemm)
             work = True
         else:
             call, self.call = self.call, None
@@ -277,17 +302,17 @@ class _Worker:
 
     def _next_job(self, spin):
         """The next job's number: spinning up to ``SPIN_S`` in compiled code (when ``spin``;
-        GEMM jobs that come meanwhile run there and start the spin again), then asleep. The
-        spin never comes back to Python before a job comes: it would take the GIL every
-        time, which the caller's Python holds, and in an eager step (Python between every
-        kernel) the worker then missed blocks for hundreds of us."""
+        GEMM and compiled jobs that come meanwhile run there and start the spin again), then
+        asleep. The spin never comes back to Python before a job comes: it would take the GIL
+        every time, which the caller's Python holds, and in an eager step (Python between
+        every kernel) the worker then missed blocks for hundreds of us."""
         if spin:
             spins = spins_in(SPIN_S)
             if self.sgemm is None:
                 number, timed_out = wait_for_job(self.flags, self.seen, spins)
             else:
-                number, timed_out = serve_gemms(self.flags, self.description, self.sgemm,
-                                                self.seen, spins)
+                number, timed_out = serve_compiled(self.flags, self.description, self.sgemm,
+                                                   self.seen, spins)
             if not timed_out:
                 return number
             self.seen = number

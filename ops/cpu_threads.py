@@ -59,15 +59,15 @@ ROW_ALIGN = 16   # OpenBLAS's Haswell sgemm works on 16 output rows at a time
 MIN_BLOCK_ELEMENTS = 64 << 10
 SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
 # ... and a block must also take this long by the kernel's own measured pace (``split_over_
-# threads`` times its whole calls): plain SGD runs 0.17 ns an element, 5x faster than Adam, so
-# 64k-element blocks were 11 us of work against the 20-50 us hand-off. Measured alternating
-# on the loaded 2-core machine (load 4.7), 2 threads: plain SGD over 235k took 82 us split
-# against 39 whole, 669k 143 against 97; SGD with momentum 106 against 59. Adam's 219 us
-# whole over 235k (two blocks of about 110 us) still splits, as measured above. At load 3.8-7
-# even that lost (forced 2 threads, alternating): Adam 235k 177 us split against 127 whole,
-# 669k 423 against 374; the load-following thread count, not this floor, answers a busy
-# neighbour, and a quiet machine is needed to tune the floor lower.
-MIN_BLOCK_SECONDS = 100e-6
+# threads`` times its whole calls). A worker starts a kernel's block 2-3 us after the hand-over
+# (``ops.compiled_call``: a Python call took 20-22 us to get the GIL), so short blocks pay.
+# Measured on the 2-core EPYC (load 0.5, 2 threads, ``opt.step()`` medians, alternating the
+# floor 100 / 30 / 10 us): Adam over 235k 107 / 81 / 80 us (one thread 106), SGD over 669k
+# 74 / 62 / 62 (one thread 74), SGD with momentum over 669k 122 / 85 / 85; plain SGD over
+# 235k, blocks of about 10 us, lost when split: 35 / 35 / 40. LayerNorm's forward over the
+# GPT's 768 rows of 128 (44 us whole) in two blocks: 46 -> 37 us; its dweight/dbias partials
+# (23 us) lost: 32 -> 33 (``ops.layer_norm_cpu``).
+MIN_BLOCK_SECONDS = 20e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
@@ -288,6 +288,14 @@ def element_blocks(size, seconds_per_element=None):
     if seconds_per_element is not None:
         count = min(count, int(size * seconds_per_element / MIN_BLOCK_SECONDS))
     return _even_blocks(size, count, ELEMENT_ALIGN)
+
+
+def work_blocks(size, seconds, align=1):
+    """The ``(start, stop)`` blocks of ``range(size)`` a kernel of about ``seconds`` on one
+    thread runs in: one per thread, as many as give each ``MIN_BLOCK_SECONDS`` of work, inner
+    edges on multiples of ``align``; None for one plain call."""
+    return _even_blocks(size, min(threads(), int(seconds / MIN_BLOCK_SECONDS),
+                                  -(-size // align)), align)
 
 
 def _even_blocks(size, count, align):

@@ -16,67 +16,27 @@ Backward, from ``g = grad_out`` and ``x̂ = (x - mean) · rstd``:
   ``PARAM_CHUNK`` rows (a thread per chunk and column), then a fold of each column's chunks
   in ``FOLD_LANES`` lanes and a pairwise sum of the lanes: no atomics, and the same order on
   both devices (float64 sums).
+
+The CPU kernels are ``ops.layer_norm_cpu``'s.
 """
 import math
 
 import numpy as np
-from numba import float64, njit
+from numba import float64
 
 from ops.block_reduce import REDUCE_THREADS, SUM, group_reduce_cuda
 from ops.cuda import SIMULATOR, cuda
 from ops.dispatch import Out, run
-from ops.launch import CPU_KERNEL, Kernel
+from ops.launch import Kernel
+from ops.layer_norm_cpu import (FOLD_LANES, HAS_BIAS, HAS_WEIGHT, PARAM_CHUNK,
+                                layer_norm_grad_split_cpu, layer_norm_params_grad_cpu,
+                                layer_norm_split_cpu)
 from ops.layout import flat
 from ops.registry import Op, register
 from ops.softmax import row_group
 from ops.twin import twin
 
-HAS_WEIGHT, HAS_BIAS = 1, 2
 STATS_DTYPE = np.float64
-
-
-# The CPU's row loops: "reassoc" lets LLVM keep a float64 sum in vector lanes (a fixed order
-# of this code, the same bits every run), and the per-element arithmetic stays in x's dtype
-# after the float64 subtraction of the mean: 768x128 float32, one core, forward 106 -> 44
-# us, dx 101 -> 41 (eight hand-written partial sums, float64 throughout, had taken 77 -> 67)
-_ROW_LOOPS = dict(CPU_KERNEL, nogil=True, error_model="numpy", fastmath={"reassoc"})
-
-
-@njit(inline="always", error_model="numpy")
-def _affine_cpu(weight, bias, x, n, affine):
-    """The scale and offset in x's dtype (ones and zeros for those absent): the row loops
-    then carry no branch (a branch per element kept them scalar: 4 ns an element)."""
-    scale = np.ones(n, x.dtype)
-    offset = np.zeros(n, x.dtype)
-    if affine & HAS_WEIGHT:
-        scale[:] = weight[:n]
-    if affine & HAS_BIAS:
-        offset[:] = bias[:n]
-    return scale, offset
-
-
-@njit(**_ROW_LOOPS)
-def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
-    scale, offset = _affine_cpu(weight, bias, x, n, affine)
-    for r in range(rows):
-        row = x[r * n:(r + 1) * n]
-        shift = float(row[0])
-        s1 = 0.0
-        s2 = 0.0
-        for k in range(n):
-            d = float(row[k]) - shift
-            s1 += d
-            s2 += d * d
-        m1 = s1 / n
-        row_mean = shift + m1
-        row_rstd = 1.0 / math.sqrt(max(s2 / n - m1 * m1, 0.0) + eps)
-        mean[r] = row_mean
-        rstd[r] = row_rstd
-        rstd_t = x.dtype.type(row_rstd)
-        target = out[r * n:(r + 1) * n]
-        for k in range(n):
-            centred = x.dtype.type(float(row[k]) - row_mean)
-            target[k] = centred * rstd_t * scale[k] + offset[k]
 
 
 @cuda.jit(cache=True)
@@ -111,30 +71,6 @@ def layer_norm_cuda(x, weight, bias, out, mean, rstd, rows, n, eps, affine, grou
             out[base + k] = value
 
 
-@njit(**_ROW_LOOPS)
-def layer_norm_grad_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine):
-    scale, _ = _affine_cpu(weight, weight, x, n, affine & HAS_WEIGHT)
-    scaled = np.empty(n, x.dtype)
-    xhat = np.empty(n, x.dtype)
-    for r in range(rows):
-        row = x[r * n:(r + 1) * n]
-        g = grad_out[r * n:(r + 1) * n]
-        row_mean, rstd_t = mean[r], x.dtype.type(rstd[r])
-        # Σ g·w and Σ g·w·x̂, in float64
-        total = 0.0
-        total_xhat = 0.0
-        for k in range(n):
-            scaled[k] = g[k] * scale[k]
-            xhat[k] = x.dtype.type(float(row[k]) - row_mean) * rstd_t
-            total += float(scaled[k])
-            total_xhat += float(scaled[k]) * float(xhat[k])
-        total_t = x.dtype.type(total / n)
-        total_xhat_t = x.dtype.type(total_xhat / n)
-        target = grad_x[r * n:(r + 1) * n]
-        for k in range(n):
-            target[k] = rstd_t * (scaled[k] - total_t - xhat[k] * total_xhat_t)
-
-
 @cuda.jit(cache=True)
 def layer_norm_grad_cuda(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine, group):
     t = cuda.threadIdx.x
@@ -162,9 +98,6 @@ def layer_norm_grad_cuda(x, weight, mean, rstd, grad_out, grad_x, rows, n, affin
         grad_x[base + k] = row_rstd * (gw - total - xhat * total_xhat)
 
 
-PARAM_CHUNK = 32   # rows summed into one partial of dweight/dbias (both devices alike)
-
-
 def _partial_sums(c, j, x, mean, rstd, grad_out, partials, rows, n):
     """Chunk ``c``'s rows of column ``j``, in order, into ``partials[0|1, c, j]`` (Σ g·x̂ and
     Σ g, float64)."""
@@ -178,56 +111,10 @@ def _partial_sums(c, j, x, mean, rstd, grad_out, partials, rows, n):
     partials[1, c, j] = total
 
 
-# The fold adds column j's chunk partials in FOLD_LANES lanes, lane l taking chunks l,
-# l + FOLD_LANES, ... in order, then the lanes pairwise (l += l + width, width halving from
-# FOLD_LANES / 2): the same order on both devices. On CUDA a lane is a thread, warps along
-# the columns: a thread a column adding every chunk in turn waited on each load (the GPT's 13
-# folds of 512 chunks: 1.18 ms of its H200 step, 0.59 with four loads in flight on an H100).
-FOLD_LANES = 16
 FOLD_COLUMNS = 2 if SIMULATOR else 32   # columns of a CUDA block (the simulator: few threads)
 
 
-@njit(inline="always")
-def _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes):
-    """Column j's fold, in ``lanes`` (2, FOLD_LANES), a scratch its caller makes once."""
-    lanes[:] = 0.0
-    for c in range(partials.shape[1]):
-        lanes[0, c % FOLD_LANES] += partials[0, c, j]
-        lanes[1, c % FOLD_LANES] += partials[1, c, j]
-    width = FOLD_LANES // 2
-    while width > 0:
-        for lane in range(width):
-            lanes[0, lane] += lanes[0, lane + width]
-            lanes[1, lane] += lanes[1, lane + width]
-        width //= 2
-    if which & HAS_WEIGHT:
-        grad_weight[j] = lanes[0, 0]
-    if which & HAS_BIAS:
-        grad_bias[j] = lanes[1, 0]
-
-
-_partial_sums_cuda = twin(_partial_sums)[1]   # the CPU walks rows, not columns: below
-
-
-@njit(**CPU_KERNEL, error_model="numpy")
-def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, partials, grad_weight, grad_bias,
-                               rows, n, which):
-    """``_partial_sums``'s sums row by row with the columns innermost (contiguous, so the
-    loop vectorises: 152 -> 32 us for 768x128, one core), each partial still adding its rows
-    in order from zero: the same bits as a column at a time, and as CUDA."""
-    for c in range(partials.shape[1]):
-        total_xhat, total = partials[0, c], partials[1, c]
-        total_xhat[:] = 0.0
-        total[:] = 0.0
-        for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
-            row_mean, row_rstd = mean[r], rstd[r]
-            row, g = x[r * n:(r + 1) * n], grad_out[r * n:(r + 1) * n]
-            for j in range(n):
-                total[j] += float(g[j])
-                total_xhat[j] += float(g[j]) * (row[j] - row_mean) * row_rstd
-    lanes = np.empty((2, FOLD_LANES))
-    for j in range(n):
-        _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes)
+_partial_sums_cuda = twin(_partial_sums)[1]   # the CPU walks rows, not columns
 
 
 @cuda.jit(cache=True)
@@ -287,8 +174,8 @@ def _row_plan(kernel):
     return plan
 
 
-LAYER_NORM = Kernel("layer_norm", layer_norm_cpu, cuda_plan=_row_plan(layer_norm_cuda))
-LAYER_NORM_GRAD = Kernel("layer_norm_grad", layer_norm_grad_cpu,
+LAYER_NORM = Kernel("layer_norm", layer_norm_split_cpu, cuda_plan=_row_plan(layer_norm_cuda))
+LAYER_NORM_GRAD = Kernel("layer_norm_grad", layer_norm_grad_split_cpu,
                          cuda_plan=_row_plan(layer_norm_grad_cuda))
 LAYER_NORM_PARAMS_GRAD = Kernel("layer_norm_params_grad", layer_norm_params_grad_cpu,
                                 cuda_plan=_params_plan)

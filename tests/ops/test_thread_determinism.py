@@ -262,3 +262,23 @@ def test_a_large_unary_op_and_its_gradient_are_the_same_bits_on_1_and_2_threads(
         y.backward(engine.tensor(np.ones_like(x)))
         results.append([y.numpy().copy(), t.grad.numpy().copy()])
     assert_same_bits(results)
+
+
+def test_layer_norm_and_its_gradients_are_the_same_bits_on_1_and_2_threads():
+    """LayerNorm over 2000 odd rows of 96 (not whole chunks of rows) runs each CPU kernel in
+    blocks of rows on 2 threads (ops.layer_norm_cpu)."""
+    from ops.layer_norm_cpu import PARTIALS_SECONDS_PER_ELEMENT, _row_blocks
+    rng = np.random.default_rng(1)
+    rows, n = 2001, 96
+    x, g = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
+    weight, bias = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    results = []
+    for threads in THREAD_COUNTS:
+        engine.set_num_threads(threads)
+        assert len(_row_blocks(rows, n) or [()]) == threads
+        assert len(_row_blocks(rows, n, PARTIALS_SECONDS_PER_ELEMENT) or [()]) == threads
+        tensors = [engine.tensor(a, requires_grad=True) for a in (x, weight, bias)]
+        y = engine.layer_norm(tensors[0], (n,), tensors[1], tensors[2])
+        y.backward(engine.tensor(g))
+        results.append([y.numpy().copy()] + [t.grad.numpy().copy() for t in tensors])
+    assert_same_bits(results)

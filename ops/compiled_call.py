@@ -1,0 +1,222 @@
+"""A block of an ``@njit`` kernel handed to a split's worker as a call it makes from compiled
+code, without the GIL: the element kernels' blocks (Adam, SGD, GELU, ...) start 2-3 us after the
+hand-over instead of 20-22.
+
+A worker that runs a Python call must take the GIL from the calling thread first, and on the
+2-core EPYC VM (idle CPUs halt at once) the wake-up of a thread waiting for the GIL costs about
+20 us (``ops.gemm.cblas`` measured it, and does this for NumPy's GEMM blocks). A dispatcher's
+compiled overload is a native function, though, and its address is known
+(``fndesc.llvm_func_name`` in its code library, loaded from Numba's cache or just compiled). So
+a block ``kernel(*args)`` is handed over as a **record**, an int64 array:
+
+    [trampoline address, the kernel's native address, status, the arguments' fields ...]
+
+each array argument as its data pointer, shape and strides, each scalar as its bits. The
+**trampoline** is a ``cfunc`` made once per argument-type signature (not per kernel: the
+kernel's address comes in the record), about 30 ms to compile and never cached on disk, so
+it can never call a stale kernel: it rebuilds the arrays from the record and calls the
+native function with Numba's calling convention; the worker's compiled loop calls the
+trampoline (``run``). The kernel's status (non-zero if it raised) lands in the record, and
+the calling thread raises for it.
+
+A call is described only where it is exactly the call Python would make: a dispatcher that
+already has an overload for these argument types (the calling thread's own block compiled it),
+which returns nothing, with arrays and int, float or bool scalars as arguments. Anything else
+(``None``, tuples, a first call that still compiles) runs as a Python call.
+"""
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, literal_unroll, njit, types
+from numba.core import cgutils
+from numba.core.dispatcher import Dispatcher
+from numba.extending import intrinsic, overload
+
+TRAMPOLINE, KERNEL, STATUS = range(3)   # a record's fixed fields
+FIRST_ARGUMENT = 3
+_I64 = ir.IntType(64)
+
+
+def _argument_kind(value):
+    """What decides ``value``'s Numba type, cheaply (``typeof`` takes 6 us an array)."""
+    if isinstance(value, np.ndarray):
+        flags = value.flags
+        return (value.dtype, value.ndim, flags.c_contiguous, flags.f_contiguous,
+                flags.writeable, flags.aligned)
+    return type(value)
+
+
+_plans = {}   # (kernel, argument kinds) -> (trampoline address, native address, size), or ()
+
+
+def record(function, args):
+    """The record of ``function(*args)`` for a worker's ``run``, or None where the call must
+    run from Python (see the module's notes)."""
+    if not isinstance(function, Dispatcher):
+        return None
+    key = (function, *map(_argument_kind, args))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(function, args)
+        if plan is None:
+            return None   # asked again next time: the call may compile its overload
+        _plans[key] = plan
+    if not plan:
+        return None
+    trampoline, native, size = plan
+    fields = np.empty(size, np.int64)
+    fields[TRAMPOLINE], fields[KERNEL], fields[STATUS] = trampoline, native, 0
+    _pack(fields, *args)
+    return fields
+
+
+def failed(fields):
+    """Whether the kernel a record described raised (its status)."""
+    return fields[STATUS] != 0
+
+
+def _plan(function, args):
+    try:
+        argument_types = tuple(function.typeof_pyval(value) for value in args)
+    except (ValueError, TypeError):
+        return None
+    overload_ = function.overloads.get(argument_types)
+    if overload_ is None:
+        return None
+    if overload_.signature.return_type != types.none \
+            or not all(isinstance(t, (types.Array, types.Integer, types.Float, types.Boolean))
+                       for t in argument_types):
+        return ()   # never describable
+    native = overload_.library.get_pointer_to_function(overload_.fndesc.llvm_func_name)
+    if not native:
+        return ()
+    size = FIRST_ARGUMENT + sum(1 + 2 * t.ndim if isinstance(t, types.Array) else 1
+                                for t in argument_types)
+    return _trampoline(argument_types), native, size
+
+
+_trampolines = {}
+
+
+def _trampoline(argument_types):
+    """The address of the ``cfunc`` that calls a kernel of ``argument_types`` from a record."""
+    if argument_types not in _trampolines:
+        invoke = _invoker(argument_types)
+
+        @cfunc(types.void(types.CPointer(types.int64)))
+        def trampoline(fields):
+            invoke(fields)
+
+        _trampolines[argument_types] = trampoline   # kept: its address is its code's
+    return _trampolines[argument_types].address
+
+
+def _invoker(argument_types):
+    """An intrinsic calling the record's kernel (``argument_types``, returning nothing) with
+    the arguments rebuilt from its fields, and storing the call's status."""
+    @intrinsic
+    def invoke(typingctx, fields):
+        def codegen(context, builder, signature, llvm_args):
+            # imported here, as Numba does at its first compile: at import it would register
+            # overloads the numpy in use may lack (ops.cuda.runtime's notes on row_stack)
+            from numba.np.arrayobj import populate_array
+            (pointer,) = llvm_args
+
+            def field(k):
+                return builder.gep(pointer, [ir.Constant(_I64, k)])
+
+            values, k = [], FIRST_ARGUMENT
+            for t in argument_types:
+                if isinstance(t, types.Array):
+                    array = context.make_array(t)(context, builder)
+                    data = builder.inttoptr(builder.load(field(k)),
+                                            context.get_data_type(t.dtype).as_pointer())
+                    shape = [builder.load(field(k + 1 + d)) for d in range(t.ndim)]
+                    strides = [builder.load(field(k + 1 + t.ndim + d)) for d in range(t.ndim)]
+                    populate_array(array, data=data, shape=shape, strides=strides,
+                                   itemsize=context.get_constant(types.intp, t.dtype.bitwidth // 8),
+                                   meminfo=cgutils.get_null_value(array.meminfo.type))
+                    values.append(array._getvalue())
+                    k += 1 + 2 * t.ndim
+                    continue
+                value_type = context.get_value_type(t)
+                if isinstance(t, types.Float):   # its bits, at the field's start (little end)
+                    values.append(builder.load(builder.bitcast(field(k), value_type.as_pointer())))
+                elif isinstance(t, types.Boolean):
+                    values.append(builder.icmp_unsigned("!=", builder.load(field(k)),
+                                                        ir.Constant(_I64, 0)))
+                else:
+                    values.append(builder.trunc(builder.load(field(k)), value_type)
+                                  if value_type.width < 64 else builder.load(field(k)))
+                k += 1
+            call_conv = context.call_conv
+            function_type = call_conv.get_function_type(types.none, argument_types)
+            kernel = builder.inttoptr(builder.load(field(KERNEL)), function_type.as_pointer())
+            result = cgutils.alloca_once(builder, call_conv.get_return_type(types.none).pointee)
+            builder.store(cgutils.get_null_value(result.type.pointee), result)
+            exception = cgutils.alloca_once(builder, function_type.args[1].pointee)
+            packed = call_conv._get_arg_packer(argument_types).as_arguments(builder, values)
+            status = builder.call(kernel, [result, exception, *packed])
+            builder.store(builder.sext(status, _I64), field(STATUS))
+            return context.get_dummy_value()
+        return types.void(fields), codegen
+    return invoke
+
+
+@intrinsic
+def _call_record(typingctx, address):
+    """Call the trampoline of the record at ``address`` with the record."""
+    def codegen(context, builder, signature, llvm_args):
+        pointer = builder.inttoptr(llvm_args[0], _I64.as_pointer())
+        trampoline_type = ir.FunctionType(ir.VoidType(), [_I64.as_pointer()])
+        trampoline = builder.inttoptr(builder.load(pointer), trampoline_type.as_pointer())
+        builder.call(trampoline, [pointer])
+        return context.get_dummy_value()
+    return types.void(address), codegen
+
+
+@njit(cache=True, nogil=True)
+def run(address):
+    """Run the call the record at ``address`` describes (from compiled code or Python)."""
+    _call_record(address)
+
+
+@intrinsic
+def _bits(typingctx, value):
+    """A float's bits in an int64 (a float32's in its low half), an int or bool as int64."""
+    def codegen(context, builder, signature, llvm_args):
+        (x,) = llvm_args
+        if isinstance(value, types.Float):
+            x = builder.bitcast(x, ir.IntType(value.bitwidth))
+        if x.type.width == 64:
+            return x
+        signed = isinstance(value, types.Integer) and value.signed
+        return builder.sext(x, _I64) if signed else builder.zext(x, _I64)
+    return types.int64(value), codegen
+
+
+def _put(fields, k, value):
+    """Write ``value``'s fields from ``fields[k]``: the next free index."""
+
+
+@overload(_put, inline="always")
+def _put_overload(fields, k, value):
+    if isinstance(value, types.Array):
+        def put_array(fields, k, value):
+            fields[k] = value.ctypes.data
+            for d in range(value.ndim):
+                fields[k + 1 + d] = value.shape[d]
+                fields[k + 1 + value.ndim + d] = value.strides[d]
+            return k + 1 + 2 * value.ndim
+        return put_array
+
+    def put_scalar(fields, k, value):
+        fields[k] = _bits(value)
+        return k + 1
+    return put_scalar
+
+
+@njit(cache=True, nogil=True)
+def _pack(fields, *args):
+    k = FIRST_ARGUMENT
+    for value in literal_unroll(args):
+        k = _put(fields, k, value)
