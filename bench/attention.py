@@ -12,7 +12,8 @@ the character vocabulary of 65): causal attention (N, H, T, hd) fwd+bwd, LayerNo
 384. A call is the forward, then the backward from a fixed gradient g (``out.backward(g)``;
 the parameters' gradients accumulate, as in training without zero_grad). In
 one process, engine and torch alternate round by round (a round: enough calls for about
-``ROUND_SECONDS``, mean time per call); the table gives each side's median over the rounds
+``ROUND_SECONDS``, mean time per call; on the CPU each round starts once the other side's
+threads sleep, ``bench.harness.settle``); the table gives each side's median over the rounds
 and the ratio engine / torch. On CUDA the times are GPU times from CUDA events
 (``bench.gpu_time``); the ratio target here is 1.5 on the CPU.
 """
@@ -22,9 +23,15 @@ import time
 
 import numpy as np
 
+from bench.harness import settle
 from bench.report import emit, require_device
 
 ROUND_SECONDS = 0.2
+# Calls that warm a side up and then size its round: one call after the first had taken 20-60
+# ms (the first split's compiled call, a worker waking), so the engine's LayerNorm rounds were
+# 3 calls long and timed the first calls after torch's round alone (500-700 us a call against
+# 190 in long rounds, on the 2-core EPYC)
+SIZING_CALLS = 5
 CPU_SHAPES = {"batch": 12, "heads": 4, "block": 64, "head": 32, "vocab": 65}
 GPU_SHAPES = {"batch": 64, "heads": 6, "block": 256, "head": 64, "vocab": 50304}
 
@@ -99,16 +106,16 @@ def run(device="cpu", rounds=15):
     for name in sides["engine"]:
         repeats = {}
         for side, calls in sides.items():   # warm up (compiles), then size a round
-            calls[name]()
-            start = time.perf_counter()
-            calls[name]()
-            repeats[side] = max(1, int(ROUND_SECONDS / (time.perf_counter() - start)))
+            for _ in range(SIZING_CALLS):
+                calls[name]()
+            repeats[side] = max(1, int(ROUND_SECONDS / _wall_timer(calls[name], SIZING_CALLS)))
         times = {side: [] for side in sides}
         for _ in range(rounds):
             for side, calls in sides.items():
                 if device == "cuda":
                     times[side].append(timers[side](calls[name]))
                 else:
+                    settle()   # the other side's threads asleep: no neighbour spinning
                     times[side].append(_wall_timer(calls[name], repeats[side]))
         medians = {side: statistics.median(values) for side, values in times.items()}
         rows.append({"op": name, "engine_us": medians["engine"] * 1e6,
