@@ -7,11 +7,15 @@ For each size (float32 parameters: 235,146 are the reference MLP's 784-256-128-1
 784-512-512-10 one), thread count and optimizer, the engine's ``opt.step()`` over its
 parameters in one ``FlatBuffer`` (the flat path: one update kernel, as a model's) and
 ``torch.optim``'s over one tensor of the same size, with the same hyper-parameters and the
-same gradient, are timed step by step, alternating engine and torch in this one process, so
-a busy neighbour slows both alike. The table gives each side's median microseconds a step
-and their ratio (engine over torch: below 1 the engine is faster). ``engine.set_num_threads``
-and ``torch.set_num_threads`` both get the thread count. An optimizer the engine lacks (an
-older checkout) is left out of the table.
+same gradient, are timed step by step. Each framework runs in a process of its own
+(``bench.framework_process``), as a user runs one, and the two alternate blocks of
+``BLOCK_STEPS`` steps, each block once the other's threads sleep (``bench.harness.settle``),
+so a busy neighbour slows both alike. (In one process, alternating step by step, PyTorch's
+OpenMP threads still spun after its step while the engine's split worker ran: the engine's
+SGD over 669k parameters at 2 threads took 132 us against 62-74 alone.) The table gives each
+side's median microseconds a step and their ratio (engine over torch: below 1 the engine is
+faster). ``engine.set_num_threads`` and ``torch.set_num_threads`` both get the thread count.
+An optimizer the engine lacks (an older checkout) is left out of the table.
 """
 import argparse
 import statistics
@@ -19,6 +23,8 @@ import time
 
 import numpy as np
 
+from bench.framework_process import open_side
+from bench.harness import settle
 from bench.report import emit
 
 # name -> (engine class name, keyword arguments shared by the engine and torch)
@@ -34,6 +40,9 @@ OPTIMIZERS = {
     "Adamax": ("Adamax", dict(lr=2e-3)),
 }
 SIZES = (235146, 669706)
+# steps a side runs before the other's turn: the first 2-3 after the settled pause take 2-6x
+# longer on the 2-core EPYC (caches and clocks cold), on either side and thread count
+BLOCK_STEPS = 50
 
 
 def _engine_step(class_name, options, values, gradient):
@@ -62,32 +71,64 @@ def _torch_step(class_name, options, values, gradient):
     return getattr(torch.optim, class_name)([param], **options).step
 
 
-def measure(size, threads, steps, names):
+def side_methods(framework):
+    """``bench.framework_process``'s build of one side (``"engine"`` or ``"torch"``):
+    ``steps(size, threads, name, count)`` runs ``count`` steps of optimizer ``name`` over
+    ``size`` parameters on ``threads`` threads and returns each step's seconds (None where the
+    engine lacks it); an optimizer is made, and warmed up, at its first block."""
+    if framework == "engine":
+        import engine as module
+        make = _engine_step
+    else:
+        import torch as module
+        make = _torch_step
+    made = {}
+
+    def steps(size, threads, name, count):
+        module.set_num_threads(threads)
+        if (size, name) not in made:
+            rng = np.random.default_rng(0)
+            values = rng.standard_normal(size).astype(np.float32)
+            gradient = (rng.standard_normal(size) * 1e-2).astype(np.float32)
+            made[size, name] = step = make(*OPTIMIZERS[name], values, gradient)
+            for _ in range(5 if step else 0):   # compile (or load the cache), make the state
+                step()
+        step = made[size, name]
+        if step is None:
+            return None
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    return {"steps": steps}, None
+
+
+def _alternating(sides, size, threads, name, steps):
+    """Each side's seconds a step, ``steps`` of them in alternating blocks; None where the
+    engine lacks the optimizer."""
+    times = {label: [] for label in sides}
+    while len(times["engine"]) < steps:
+        for label, side in sides.items():
+            settle()
+            block = side.call("steps", size, threads, name,
+                              min(BLOCK_STEPS, steps - len(times[label])))
+            if block is None:
+                return None
+            times[label] += block
+    return times
+
+
+def measure(sides, size, threads, steps, names):
     """{optimizer name: (engine median us, torch median us)} at ``size`` and ``threads``."""
-    import engine
-    import torch
-    engine.set_num_threads(threads)
-    torch.set_num_threads(threads)
-    rng = np.random.default_rng(0)
-    values = rng.standard_normal(size).astype(np.float32)
-    gradient = (rng.standard_normal(size) * 1e-2).astype(np.float32)
     result = {}
     for name in names:
-        class_name, options = OPTIMIZERS[name]
-        ours = _engine_step(class_name, options, values, gradient)
-        if ours is None:
-            continue
-        theirs = _torch_step(class_name, options, values, gradient)
-        for _ in range(5):   # compile (or load the cache), make the state, warm the caches
-            ours()
-            theirs()
-        times = ([], [])
-        for _ in range(steps):
-            for step, out in ((ours, times[0]), (theirs, times[1])):
-                start = time.perf_counter()
-                step()
-                out.append(time.perf_counter() - start)
-        result[name] = tuple(statistics.median(t) * 1e6 for t in times)
+        times = _alternating(sides, size, threads, name, steps)
+        if times is not None:
+            result[name] = tuple(statistics.median(times[label]) * 1e6
+                                 for label in ("engine", "torch"))
     return result
 
 
@@ -101,12 +142,17 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
-    for threads in args.threads:
-        for size in args.sizes:
-            for name, (ours, theirs) in measure(size, threads, args.steps,
-                                                args.optimizers).items():
-                rows.append(dict(optimizer=name, parameters=size, threads=threads,
-                                 engine_us=ours, torch_us=theirs, ratio=ours / theirs))
+    sides = {label: open_side(True, label, side_methods, label) for label in ("engine", "torch")}
+    try:
+        for threads in args.threads:
+            for size in args.sizes:
+                for name, (ours, theirs) in measure(sides, size, threads, args.steps,
+                                                    args.optimizers).items():
+                    rows.append(dict(optimizer=name, parameters=size, threads=threads,
+                                     engine_us=ours, torch_us=theirs, ratio=ours / theirs))
+    finally:
+        for side in sides.values():
+            side.close()
     table = ["| optimizer | parameters | threads | engine, us | torch, us | engine / torch |",
              "|---|---:|---:|---:|---:|---:|"]
     table += [f"| {r['optimizer']} | {r['parameters']:,} | {r['threads']} | "

@@ -60,14 +60,15 @@ MIN_BLOCK_ELEMENTS = 64 << 10
 SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
 # ... and a block must also take this long by the kernel's own measured pace (``split_over_
 # threads`` times its whole calls). A worker starts a kernel's block 2-3 us after the hand-over
-# (``ops.compiled_call``: a Python call took 20-22 us to get the GIL), so short blocks pay.
-# Measured on the 2-core EPYC (load 0.5, 2 threads, ``opt.step()`` medians, alternating the
-# floor 100 / 30 / 10 us): Adam over 235k 107 / 81 / 80 us (one thread 106), SGD over 669k
-# 74 / 62 / 62 (one thread 74), SGD with momentum over 669k 122 / 85 / 85; plain SGD over
-# 235k, blocks of about 10 us, lost when split: 35 / 35 / 40. LayerNorm's forward over the
-# GPT's 768 rows of 128 (44 us whole) in two blocks: 46 -> 37 us; its dweight/dbias partials
-# (23 us) lost: 32 -> 33 (``ops.layer_norm_cpu``).
-MIN_BLOCK_SECONDS = 20e-6
+# (``ops.compiled_call``: a Python call took 20-22 us to get the GIL), so shorter blocks pay
+# than before (100 us). Measured on the 2-core EPYC (load 0.5, 2 threads, ``opt.step()``
+# medians, alternating the floor 100 / 30 / 10 us): Adam over 235k 107 / 81 / 80 us (one
+# thread 106), SGD over 669k 74 / 62 / 62 (one thread 74); plain SGD over 235k, blocks of
+# about 10 us, lost when split: 35 / 35 / 40. But blocks under 50 us gained nothing in a
+# model's step, whose arrays the caller's core had just written (LayerNorm's 768x128 forward
+# in two blocks of 22 us: 46 -> 37 us alone, no change in the GPT's step), and SGD's over 669k
+# (blocks of about 35 us) ran 62-134 us on 2 threads from run to run against 77 on one.
+MIN_BLOCK_SECONDS = 50e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
