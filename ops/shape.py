@@ -130,21 +130,47 @@ class Transpose(Movement):
 
 def permute_cpu(x, out, meta):
     """Rows the input holds contiguously (the last output axis of stride 1, as the GPT's
-    heads of 32): NumPy's copy of the strided view, a block copy per row; others: the
-    compiled element loop. Over the GPT's 295k-element head permute: 71 us against the
-    loop's 252, whose row loop of unknown length LLVM cannot vectorise without a check per
-    row (a loop with the sizes constant took 90)."""
+    heads of 32): ``_permute_rows``; others: the compiled element loop."""
     ndim = meta[0]
     if ndim and meta[2 * ndim] == 1 and meta[ndim] >= CONTIGUOUS_ROW_MIN:
-        shape, strides = meta[1:1 + ndim], meta[1 + ndim:1 + 2 * ndim]
-        view = np.lib.stride_tricks.as_strided(x, shape, strides * x.itemsize,
-                                               writeable=False)
-        np.copyto(out.reshape(shape), view)
+        _permute_rows(x, out, meta)
     else:
         _permute_elements(x, out, meta)
 
 
 CONTIGUOUS_ROW_MIN = 8   # the rows a block copy pays for (shorter: the loop)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _permute_rows(x, out, meta):
+    """Each output row a copy between two 1-D slices (an index into a slice needs no sign
+    test, so the copy vectorises); the rows of the next-to-last axis a stride apart, the
+    axes before walked as an odometer. The GPT's attention permutes (one thread, float32):
+    (12, 64, 3, 4, 32) -> (3, 12, 4, 64, 32) 41.6 us against 86.7 for NumPy's copy of the
+    strided view (and 252 for the element loop, whose row of unknown stride LLVM cannot
+    vectorise); (12, 4, 64, 32) -> (12, 64, 4, 32) 12.7 against 29.2."""
+    ndim = meta[0]
+    row = meta[ndim]
+    rows, step = (meta[ndim - 1], meta[2 * ndim - 1]) if ndim > 1 else (1, 0)
+    outer = out.size // (row * rows) if out.size else 0
+    index = np.zeros(max(ndim - 2, 1), np.int64)
+    offset = 0
+    at = 0
+    for _ in range(outer):
+        start = offset
+        for _ in range(rows):
+            source, target = x[start:start + row], out[at:at + row]
+            for c in range(row):
+                target[c] = source[c]
+            at += row
+            start += step
+        for k in range(ndim - 3, -1, -1):   # the next block's offset
+            index[k] += 1
+            offset += meta[1 + ndim + k]
+            if index[k] < meta[1 + k]:
+                break
+            offset -= meta[1 + ndim + k] * meta[1 + k]
+            index[k] = 0
 
 
 @njit(cache=True, error_model="numpy")

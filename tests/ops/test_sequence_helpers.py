@@ -171,6 +171,18 @@ def test_bad_arguments_name_the_op_and_the_values():
         engine.multinomial(engine.tensor([1.0, 0.0, 0.0]), 2)
 
 
+def test_every_cpu_permute_of_odd_shapes_is_numpy_s_transpose():
+    """Every permutation of odd shapes up to 6-D, rows of 9 and 8 kept whole (ops.shape's
+    row copies) or not (its element loop), a zero-size axis among them."""
+    import itertools
+    rng = np.random.default_rng(3)
+    for shape in ((3, 5, 9), (2, 3, 4, 1, 9), (2, 1, 3, 2, 2, 8), (4, 0, 9)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        for axes in itertools.permutations(range(len(shape))):
+            np.testing.assert_array_equal(engine.tensor(x).permute(*axes).numpy(),
+                                          x.transpose(axes))
+
+
 @pytest.mark.gpu
 def test_float32_permute_on_the_gpu_copies_vectors_or_elements():
     """The CUDA permute's 16-byte copies (float32, the innermost axis kept, rows of a multiple
