@@ -274,3 +274,23 @@ def test_packed_attention_refuses_other_shapes():
     with pytest.raises(ValueError, match=r"packed_attention: expects qkv of shape \(3, \.\.\., "
                                          r"T, d\), got \(2, 4, 5\)"):
         packed_attention(engine.tensor(np.zeros((2, 4, 5))))
+
+
+def test_the_cpu_backward_in_chunks_of_slices_gives_the_same_bits(monkeypatch):
+    """ops.attention_cpu takes a block's slices in chunks (GRAD_CHUNK_BYTES): a chunk of one
+    slice gives the bits of all at once, with dropout and a float mask's gradient."""
+    from ops import attention_cpu
+    from ops.dropout import new_seed_state
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 3, 9, 4)).astype(np.float32) for _ in range(3))
+    mask = rng.standard_normal((3, 9, 9)).astype(np.float32)
+    g = rng.standard_normal((2, 3, 9, 4)).astype(np.float32)
+    results = []
+    for chunk_bytes in (attention_cpu.GRAD_CHUNK_BYTES, 1):
+        monkeypatch.setattr(attention_cpu, "GRAD_CHUNK_BYTES", chunk_bytes)
+        tensors = [engine.tensor(a, requires_grad=True) for a in (q, k, v, mask)]
+        out = _sdpa(*tensors[:3], attn_mask=tensors[3], dropout_p=0.25,
+                    seed_state=new_seed_state(3, "cpu"))
+        out.backward(engine.tensor(g))
+        results.append([t.grad.numpy().tobytes() for t in tensors])
+    assert results[0] == results[1]
