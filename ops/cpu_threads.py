@@ -64,10 +64,11 @@ SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
 # than before (100 us). Measured on the 2-core EPYC (load 0.5, 2 threads, ``opt.step()``
 # medians, alternating the floor 100 / 30 / 10 us): Adam over 235k 107 / 81 / 80 us (one
 # thread 106), SGD over 669k 74 / 62 / 62 (one thread 74); plain SGD over 235k, blocks of
-# about 10 us, lost when split: 35 / 35 / 40. But blocks under 50 us gained nothing in a
-# model's step, whose arrays the caller's core had just written (LayerNorm's 768x128 forward
-# in two blocks of 22 us: 46 -> 37 us alone, no change in the GPT's step), and SGD's over 669k
-# (blocks of about 35 us) ran 62-134 us on 2 threads from run to run against 77 on one.
+# about 10 us, lost when split: 35 / 35 / 40. But blocks under 50 us lost in a model's step,
+# whose arrays the caller's core had just written (LayerNorm's 768x128 forward in two blocks
+# of 22 us: 46 -> 37 us alone, but the GPT's step's 9 forwards 553 us split against 437-479
+# whole), and SGD's over 669k (blocks of about 35 us) ran 62-134 us on 2 threads from run to
+# run against 77 on one.
 MIN_BLOCK_SECONDS = 50e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
