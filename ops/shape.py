@@ -164,13 +164,7 @@ def _permute_rows(x, out, meta):
                 target[c] = source[c]
             at += row
             start += step
-        for k in range(ndim - 3, -1, -1):   # the next block's offset
-            index[k] += 1
-            offset += meta[1 + ndim + k]
-            if index[k] < meta[1 + k]:
-                break
-            offset -= meta[1 + ndim + k] * meta[1 + k]
-            index[k] = 0
+        offset = _next_offset(index, meta, ndim - 2, offset)
 
 
 @njit(cache=True, error_model="numpy")
@@ -190,13 +184,22 @@ def _permute_elements(x, out, meta):
     for start in range(0, out.size, row):
         for j in range(row):
             out[start + j] = x[offset + j * row_stride]
-        for k in range(ndim - 2, -1, -1):   # the next row's offset
-            index[k] += 1
-            offset += meta[1 + ndim + k]
-            if index[k] < meta[1 + k]:
-                break
-            offset -= meta[1 + ndim + k] * meta[1 + k]
-            index[k] = 0
+        offset = _next_offset(index, meta, ndim - 1, offset)
+
+
+@njit(inline="always")
+def _next_offset(index, meta, axes, offset):
+    """The odometer ``index`` over the first ``axes`` output axes advanced by one: the input
+    offset of its next position (meta's shape and input strides)."""
+    ndim = meta[0]
+    for k in range(axes - 1, -1, -1):
+        index[k] += 1
+        offset += meta[1 + ndim + k]
+        if index[k] < meta[1 + k]:
+            return offset
+        offset -= meta[1 + ndim + k] * meta[1 + k]
+        index[k] = 0
+    return offset
 
 
 # Output elements a CUDA thread copies: the first one's input offset takes a division a dim,
