@@ -32,6 +32,7 @@ from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic, overload
 
 TRAMPOLINE, KERNEL, STATUS = range(3)   # a record's fixed fields
+_NUMBERS = (types.Integer, types.Float, types.Boolean)   # scalars, and arrays' elements
 FIRST_ARGUMENT = 3
 _I64 = ir.IntType(64)
 
@@ -83,7 +84,7 @@ def _plan(function, args):
     if overload_ is None:
         return None
     if overload_.signature.return_type != types.none \
-            or not all(isinstance(t, (types.Array, types.Integer, types.Float, types.Boolean))
+            or not all(isinstance(t.dtype if isinstance(t, types.Array) else t, _NUMBERS)
                        for t in argument_types):
         return ()   # never describable
     native = overload_.library.get_pointer_to_function(overload_.fndesc.llvm_func_name)
@@ -128,12 +129,13 @@ def _invoker(argument_types):
             for t in argument_types:
                 if isinstance(t, types.Array):
                     array = context.make_array(t)(context, builder)
-                    data = builder.inttoptr(builder.load(field(k)),
-                                            context.get_data_type(t.dtype).as_pointer())
+                    element = context.get_data_type(t.dtype)
+                    data = builder.inttoptr(builder.load(field(k)), element.as_pointer())
                     shape = [builder.load(field(k + 1 + d)) for d in range(t.ndim)]
                     strides = [builder.load(field(k + 1 + t.ndim + d)) for d in range(t.ndim)]
                     populate_array(array, data=data, shape=shape, strides=strides,
-                                   itemsize=context.get_constant(types.intp, t.dtype.bitwidth // 8),
+                                   itemsize=context.get_constant(
+                                       types.intp, context.get_abi_sizeof(element)),
                                    meminfo=cgutils.get_null_value(array.meminfo.type))
                     values.append(array._getvalue())
                     k += 1 + 2 * t.ndim

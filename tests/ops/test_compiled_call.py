@@ -17,6 +17,12 @@ def _scaled_add(x, y, table, scale, shift, negate, small):
 
 
 @njit(nogil=True)
+def _count_true(flags, out):
+    for i in range(flags.size):
+        out[0] += flags[i]
+
+
+@njit(nogil=True)
 def _returns(x):
     return x.sum()
 
@@ -86,3 +92,22 @@ def test_a_kernel_that_raised_in_a_worker_raises_on_the_calling_thread():
     with pytest.raises(RuntimeError, match="_raises: a block a split's worker ran raised"):
         run_calls([(_raises, (x[:0],)), (_raises, (x,))])
     run_calls([(_raises, (x[:0],)), (_raises, (x[:0],))])   # the pool still works
+
+
+def test_a_boolean_array_and_a_record_array():
+    """Element types: a boolean array is described (its 1-byte elements), a structured one
+    runs from Python."""
+    flags = np.array([True, False, True, True])
+    out = np.zeros(1, np.int64)
+    _count_true(flags[1:], out)
+    fields = compiled_call.record(_count_true, (flags[1:], out))
+    compiled_call.run(fields.ctypes.data)
+    assert out[0] == 4
+    structured = np.zeros(3, dtype=[("a", np.float32), ("b", np.int16)])
+
+    @njit(nogil=True)
+    def touch(rows):
+        rows[0].a = 1.0
+
+    touch(structured)
+    assert compiled_call.record(touch, (structured,)) is None
