@@ -23,7 +23,7 @@ from numba.extending import overload
 
 from ops.cpu_threads import numpy_blas_on_one_thread, run_blocks, slice_blocks
 from ops.dropout import _keep_cpu
-from ops.gelu_cpu import exp_nonpositive_float32
+from ops.gelu_cpu import exp_nonpositive_float32, select
 from ops.launch import CPU_KERNEL
 
 CPU_TILE = 64   # query rows a CPU pass scores at once
@@ -38,7 +38,7 @@ def exp_nonpositive(a):
 def _exp_nonpositive(a):
     if a == types.float32:   # vectorisable (ops.gelu_cpu); -inf is clamped (NaN stays NaN)
         floor = np.float32(SCORE_FLOOR)
-        return lambda a: exp_nonpositive_float32(floor if a < floor else a)
+        return lambda a: exp_nonpositive_float32(select(a < floor, floor, a))
     return lambda a: math.exp(a)
 
 

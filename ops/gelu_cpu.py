@@ -19,7 +19,7 @@ thread count and in any block of a split (``ops.element_kernel.split_over_thread
 
 import numpy as np
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from ops.pointwise import GELU, derivative_cpu, value_cpu
 
@@ -52,6 +52,16 @@ def erf_float32(x):
     return p / q
 
 
+@intrinsic
+def select(typingctx, condition, if_true, if_false):
+    """``if_true if condition else if_false`` as one LLVM select, no branch: an inlined
+    function's conditional expression left a phi that Numba's SSA check warned about
+    (NumbaIRAssumptionWarning, "variable ... is not in scope") at every first compile."""
+    def codegen(context, builder, signature, args):
+        return builder.select(args[0], args[1], args[2])
+    return if_true(condition, if_true, if_false), codegen
+
+
 @njit(inline="always")
 def exp_nonpositive_float32(a):
     """e^a for float32 a <= 0, vectorisable; 0 below -87 (a float32 denormal or less)."""
@@ -61,7 +71,7 @@ def exp_nonpositive_float32(a):
     p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
     e = p * r * r + r + ONE
     scale = np.int32((np.int32(n) + 127) << 23).view(np.float32)   # 2ⁿ, n in [-126, 0]
-    return e * scale if a >= EXP_FLOOR else a - a
+    return select(a >= EXP_FLOOR, e * scale, a - a)
 
 
 def gelu_value(x):

@@ -105,3 +105,23 @@ def test_the_float32_loops_vectorise(kernel, arrays):
     x = np.ones(64, np.float32)
     fresh(*[x.copy() for _ in range(arrays)], np.float32(0))
     assert "vector.body" in fresh.inspect_llvm(fresh.signatures[0])
+
+
+def test_a_first_compile_of_gelu_and_attention_prints_no_numba_ir_warning(tmp_path):
+    """From an empty Numba cache, the float32 GELU and CPU attention compile without Numba's
+    NumbaIRAssumptionWarning (an inlined conditional expression used to leave a phi that its
+    SSA check reported at every first compile)."""
+    import os
+    import subprocess
+    import sys
+    from tests.support.paths import REPO_ROOT
+    code = ("import numpy as np, engine\n"
+            "q = engine.tensor(np.ones((1, 2, 5, 4), np.float32), requires_grad=True)\n"
+            "engine.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()\n"
+            "x = engine.tensor(np.ones(7, np.float32), requires_grad=True)\n"
+            "engine.gelu(x).sum().backward()\n")
+    environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "NumbaIRAssumptionWarning" not in result.stderr
