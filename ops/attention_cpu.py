@@ -201,9 +201,11 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
                        grad_mask, sizes, mask_strides, scale, causal, threshold, keep_scale,
                        dropout):
     numpy_blas_on_one_thread()
-    _in_slice_blocks(_attention_grad_slices, sizes, q, k, v, mask, seed, lse, grad_out, grad_q,
-                     grad_k, grad_v, grad_mask, sizes, mask_strides, q.dtype.type(scale), causal,
-                     threshold, keep_scale, dropout)
+    _, tq, tk, _, _ = sizes
+    chunk = max(1, GRAD_CHUNK_BYTES // (min(tq, CPU_TILE) * tk * q.itemsize))   # slices
+    _in_slice_blocks(_attention_grad_slices, sizes, chunk, q, k, v, mask, seed, lse, grad_out,
+                     grad_q, grad_k, grad_v, grad_mask, sizes, mask_strides, q.dtype.type(scale),
+                     causal, threshold, keep_scale, dropout)
 
 
 # The bytes of one temporary (a tile's scores, or their gradients: slices x tile x keys) a
@@ -214,12 +216,10 @@ def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, 
 GRAD_CHUNK_BYTES = 512 << 10
 
 
-def _attention_grad_slices(first, last, *args):
-    q, sizes = args[0], args[11]
-    bh, tq, tk, d, dv = sizes
-    step = max(1, GRAD_CHUNK_BYTES // (min(tq, CPU_TILE) * tk * q.itemsize))
-    for start in range(first, last, step):
-        _attention_grad_chunk(start, min(last, start + step), *args)
+def _attention_grad_slices(first, last, chunk, *args):
+    """Slices ``first`` to ``last`` in chunks of ``chunk`` (``GRAD_CHUNK_BYTES``)."""
+    for start in range(first, last, chunk):
+        _attention_grad_chunk(start, min(last, start + chunk), *args)
 
 
 def _attention_grad_chunk(first, last, q, k, v, mask, seed, lse, grad_out, grad_q, grad_k,

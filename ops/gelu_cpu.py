@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ops.pointwise import GELU, derivative_cpu, value_cpu
+from ops.pointwise import GELU, INV_SQRT_TWO_PI, SQRT_HALF, derivative_cpu, value_cpu
 
 _ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
                   -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
@@ -38,8 +38,8 @@ LN2_HIGH, LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)   # Cody
 EXP_FLOOR = np.float32(-87.0)   # e^-87 is float32's smallest normal's order: below, 2ⁿ underflows
 ERF_CLAMP = np.float32(4.0)
 HALF, ONE = np.float32(0.5), np.float32(1.0)
-INV_SQRT_TWO = np.float32(0.7071067811865476)
-INV_SQRT_TWO_PI = np.float32(0.3989422804014327)
+SQRT_HALF_32 = np.float32(SQRT_HALF)   # the float64 constants in float32
+INV_SQRT_TWO_PI_32 = np.float32(INV_SQRT_TWO_PI)
 
 
 @njit(inline="always")
@@ -56,7 +56,11 @@ def erf_float32(x):
 def select(typingctx, condition, if_true, if_false):
     """``if_true if condition else if_false`` as one LLVM select, no branch: an inlined
     function's conditional expression left a phi that Numba's SSA check warned about
-    (NumbaIRAssumptionWarning, "variable ... is not in scope") at every first compile."""
+    (NumbaIRAssumptionWarning, "variable ... is not in scope") at every first compile. The
+    two values must have one type (no conversion is made), the condition be a boolean."""
+    if condition != types.boolean or if_true != if_false:
+        return None
+
     def codegen(context, builder, signature, args):
         return builder.select(args[0], args[1], args[2])
     return if_true(condition, if_true, if_false), codegen
@@ -85,15 +89,15 @@ def gelu_derivative(x):
 @overload(gelu_value, inline="always")
 def _gelu_value(x):
     if x == types.float32:
-        return lambda x: HALF * x * (ONE + erf_float32(x * INV_SQRT_TWO))
+        return lambda x: HALF * x * (ONE + erf_float32(x * SQRT_HALF_32))
     return lambda x: value_cpu(GELU, x, x - x)
 
 
 @overload(gelu_derivative, inline="always")
 def _gelu_derivative(x):
     if x == types.float32:
-        return lambda x: (HALF * (ONE + erf_float32(x * INV_SQRT_TWO))
-                          + x * INV_SQRT_TWO_PI * exp_nonpositive_float32(-HALF * x * x))
+        return lambda x: (HALF * (ONE + erf_float32(x * SQRT_HALF_32))
+                          + x * INV_SQRT_TWO_PI_32 * exp_nonpositive_float32(-HALF * x * x))
     return lambda x: derivative_cpu(GELU, x, x, x - x)
 
 

@@ -125,3 +125,18 @@ def test_a_first_compile_of_gelu_and_attention_prints_no_numba_ir_warning(tmp_pa
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "NumbaIRAssumptionWarning" not in result.stderr
+
+
+def test_select_takes_one_type_and_a_boolean_condition():
+    from numba.core.errors import TypingError
+    from ops.gelu_cpu import select
+
+    @njit
+    def pick(c, a, b):
+        return select(c, a, b)
+
+    assert pick(True, np.float32(1), np.float32(2)) == 1 and pick(False, 1.5, 2.5) == 2.5
+    with pytest.raises(TypingError):
+        pick(True, np.float32(1), 2.0)   # float32 and float64: no silent conversion
+    with pytest.raises(TypingError):
+        pick(1, 1.0, 2.0)   # an int condition
