@@ -140,3 +140,25 @@ def test_select_takes_one_type_and_a_boolean_condition():
         pick(True, np.float32(1), 2.0)   # float32 and float64: no silent conversion
     with pytest.raises(TypingError):
         pick(1, 1.0, 2.0)   # an int condition
+
+
+def test_running_max_is_the_maximum_and_takes_one_float_type():
+    from numba.core.errors import TypingError
+    from ops.gelu_cpu import running_max
+
+    @njit
+    def row_max(row, keys):
+        top = row.dtype.type(-np.inf)
+        for j in range(keys):
+            top = running_max(top, row[j])
+        return top
+
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        row = rng.standard_normal(67).astype(dtype)
+        row[[5, 40]] = -np.inf
+        for keys in (0, 1, 7, 8, 9, 33, 67):   # around the vector widths, and none
+            expected = row[:keys].max() if keys else -np.inf
+            assert row_max(row, keys) == expected
+    with pytest.raises(TypingError):
+        row_max(np.arange(4), 4)   # integers: not a float maximum
