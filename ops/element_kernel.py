@@ -151,26 +151,76 @@ def split_over_threads(cpu, array_count):
     cheaper an element than Adam's): the kernel runs whole, timed, until ``TIMED_CALLS``
     whole calls after its first (which compiles) give its fastest seconds per element, and
     from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace."""
-    pace = []   # seconds per element of each timed whole call over a split-sized array
+    pace = _Pace(cpu)
 
     def split(*args):
         first = args[0]
-        if getattr(first, "ndim", 0) != 1 or first.size < SPLIT_MIN_ELEMENTS:
+        if getattr(first, "ndim", 0) != 1:
             return cpu(*args)
-        known = min(pace[1:]) if len(pace) > TIMED_CALLS else None
-        blocks = element_blocks(first.size, known) if known is not None else None
+        blocks = pace.blocks(first.size)
         if blocks is None:
-            if known is not None:
-                return cpu(*args)
-            start = time.perf_counter()
-            result = cpu(*args)
-            pace.append((time.perf_counter() - start) / first.size)
-            return result
+            return pace.whole(first.size, args)
         per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
                        and args[k].ndim == 1 and args[k].size == first.size]
         run_blocks([(cpu, tuple(arg[start:stop] if k in per_element else arg
                                 for k, arg in enumerate(args)))
                     for start, stop in blocks])
+    return _named_after(split, cpu)
+
+
+def split_runs_over_threads(cpu, array_count=None):
+    """``cpu``, a loop over the elements in the rows ``[start, stop)`` of its last argument
+    (``runs``, an (R, 2) int64 array), in blocks of those elements across the engine's
+    threads as ``split_over_threads``: each block the same kernel on the whole arrays with
+    the runs cut to its own elements (``array_count``: the signature of
+    ``split_over_threads``, unused: no array is sliced)."""
+    pace = _Pace(cpu)
+
+    def split(*args):
+        runs = args[-1]
+        lengths = runs[:, 1] - runs[:, 0]
+        blocks = pace.blocks(int(lengths.sum()))
+        if blocks is None:
+            return pace.whole(int(lengths.sum()), args)
+        run_blocks([(cpu, args[:-1] + (_runs_between(runs, lengths, start, stop),))
+                    for start, stop in blocks])
+    return _named_after(split, cpu)
+
+
+def _runs_between(runs, lengths, start, stop):
+    """The rows of ``runs`` cut to the elements ``start`` to ``stop`` of their concatenation."""
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    kept = (ends > start) & (begins < stop)
+    cut = runs[kept].copy()
+    cut[:, 0] += np.maximum(start - begins[kept], 0)
+    cut[:, 1] -= np.maximum(ends[kept] - stop, 0)
+    return cut
+
+
+class _Pace:
+    """A split kernel's seconds per element, from its timed whole calls (``split_over_threads``)."""
+
+    def __init__(self, cpu):
+        self.cpu, self.seconds = cpu, []
+
+    def blocks(self, size):
+        """The blocks of ``size`` elements, or None for a whole call."""
+        if size < SPLIT_MIN_ELEMENTS or len(self.seconds) <= TIMED_CALLS:
+            return None
+        return element_blocks(size, min(self.seconds[1:]))
+
+    def whole(self, size, args):
+        """One call over every element, timed while the pace is still unknown."""
+        if size < SPLIT_MIN_ELEMENTS or len(self.seconds) > TIMED_CALLS:
+            return self.cpu(*args)
+        start = time.perf_counter()
+        result = self.cpu(*args)
+        self.seconds.append((time.perf_counter() - start) / size)
+        return result
+
+
+def _named_after(split, cpu):
     split.__wrapped__ = cpu   # the @njit kernel, for whoever inspects the compiled side
     split.__name__ = split.__qualname__ = cpu.__name__
     return split
@@ -187,4 +237,18 @@ def strided_blocks(position):
         blocks = min(-(-size // THREADS_PER_BLOCK),
                      SCALAR_BLOCKS_PER_SM * cuda_runtime.multiprocessor_count())
         return (blocks, THREADS_PER_BLOCK)
+    return grid
+
+
+def run_blocks_grid():
+    """The grid rule of a kernel over runs of its elements (its last argument, an (R, 2) int64
+    array: ``split_runs_over_threads``): a row of blocks per run, ``SCALAR_BLOCKS_PER_SM``
+    blocks a multiprocessor shared among the rows (the simulator, one OS thread per CUDA
+    thread: one block of a few threads per run). A run's blocks stride over its elements."""
+    def grid(*args):
+        count = args[-1].shape[0]
+        if SIMULATOR:
+            return ((1, count), 4)
+        blocks = SCALAR_BLOCKS_PER_SM * cuda_runtime.multiprocessor_count()
+        return ((max(1, blocks // count), count), THREADS_PER_BLOCK)
     return grid

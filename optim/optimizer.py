@@ -12,6 +12,10 @@ How a group is updated (``step``):
   ``flat.data``, ``flat.grad`` and the group's flat state buffers (same size, device and
   dtype). Each parameter's ``state[p]`` buffers are views into those flat buffers, so both
   paths read and write the same state.
+- **slots path**: when a group holds some of one FlatBuffer's parameters (AdamW's decay and
+  no-decay groups), with the same conditions, the rule runs as ONE kernel over the group's
+  slots of ``flat.data`` and ``flat.grad`` (``optim.flat_slots.FlatSlots``: runs of the
+  buffer) and the buffer's flat state buffers, which the groups share.
 - **per-parameter path**, otherwise: one kernel per parameter that has a gradient
   (parameters whose ``grad`` is None are skipped, as in torch), each with step counts of its
   own from then on. This covers plain tensors with ``requires_grad=True``, groups that mix
@@ -45,6 +49,7 @@ from ops.layout import flat
 from ops.memory import empty
 from ops.step_counter import (BUFFER_UPDATES, T, HostMirror, advance_steps, new_step_counts,
                               store_values)
+from optim.flat_slots import FlatSlots, shared_flat_buffer
 from optim.rule import RuleKernels
 
 
@@ -87,13 +92,15 @@ class Optimizer:
         self.param_groups = []
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
-        self._flat_state = weakref.WeakKeyDictionary()   # FlatBuffer -> {state name: flat array}
+        # FlatBuffer -> {state name: (its flat array, ids of the parameters whose state views it)}
+        self._flat_state = weakref.WeakKeyDictionary()
         # the update unit (a FlatBuffer, or the parameter itself) whose step counts hold a
         # parameter's steps, and each unit's counts (ops.step_counter.new_step_counts)
         self._unit_of = {}
         # a plain dict: weak keys would compare Tensors by their elementwise ==
         self._counts = {}
         self._hypers = {}   # (group index, device) -> HostMirror of _hyper_values(group)
+        self._slots = {}    # group index -> its FlatSlots, while it holds part of a FlatBuffer
         self._layout = 0    # bumped whenever state arrays are made or replaced (capture_key)
         if isinstance(params, Tensor):
             raise TypeError(f"{self._name}: params must be an iterable of tensors or of dicts, "
@@ -187,9 +194,10 @@ class Optimizer:
         source = self._hyper_source(group)
         return tuple(source[name] for name in self.hyper)
 
-    def update_kernel(self, group):
-        """The ``ops.launch.Kernel`` of the rule for the buffers ``group`` keeps now."""
-        return self.kernels.kernel(self._state_names(group))
+    def update_kernel(self, group, runs=False):
+        """The ``ops.launch.Kernel`` of the rule for the buffers ``group`` keeps now (over
+        runs of a FlatBuffer's elements with ``runs``)."""
+        return self.kernels.kernel(self._state_names(group), runs)
 
     # ----------------------------------------------------------- stepping
     def zero_grad(self):
@@ -221,13 +229,15 @@ class Optimizer:
     def _step_group(self, index, group):
         params = group["params"]
         names = self._state_names(group)
-        buffer = whole_flat_buffer(params)
-        if (buffer is not None and buffer.grads_valid() and all(p.requires_grad for p in params)
-                and all(self._unit_of.get(p, buffer) is buffer for p in params)):
+        unit = self._flat_unit(index, params)
+        if (unit is not None and unit.grads_valid() and all(p.requires_grad for p in params)
+                and all(self._unit_of.get(p, unit) is unit for p in params)):
             with unrecorded():   # state set-up runs once: a replay must not repeat it
-                storage = self._flat_storage(group, buffer)
+                storage = self._flat_storage(group, unit)
             if storage is not None:
-                self._update(index, group, buffer, buffer.data, buffer.grad, storage)
+                buffer = getattr(unit, "buffer", unit)
+                runs = unit.runs(buffer.device) if isinstance(unit, FlatSlots) else None
+                self._update(index, group, unit, buffer.data, buffer.grad, storage, runs)
                 return
         for p in params:
             grad = p.grad
@@ -241,16 +251,32 @@ class Optimizer:
             self._update(index, group, p, flat(p.data), flat(grad.data),
                          [flat(state[name]) for name in names])
 
-    def _update(self, index, group, unit, param, grad, buffers):
-        """Advance ``unit``'s step counts and run the rule's kernel on the 1-D arrays."""
+    def _flat_unit(self, index, params):
+        """The flat update unit of group ``index`` holding ``params``: their FlatBuffer when
+        they are all of it, the group's ``FlatSlots`` when they are some of one, else None."""
+        buffer = whole_flat_buffer(params)
+        if buffer is not None:
+            return buffer
+        buffer = shared_flat_buffer(params)
+        if buffer is None:
+            return None
+        slots = self._slots.get(index)
+        if slots is None or not slots.holds(buffer, params):
+            slots = self._slots[index] = FlatSlots(buffer, params)
+        return slots
+
+    def _update(self, index, group, unit, param, grad, buffers, runs=None):
+        """Advance ``unit``'s step counts and run the rule's kernel on the 1-D arrays (on
+        their elements in ``runs`` when given)."""
         device = device_of(param)
         counts = self._counts[unit]
         hyper = self._hyper(index, group, device)
         advance_steps(counts, fault_words(device))
         named = dict(zip(self._state_names(group), buffers))
         kept = [named[name] for name in self.buffers if name in named]   # declared order
-        self.update_kernel(group)(param, grad, *kept, counts, hyper,
-                                  float(np.finfo(param.dtype).tiny))
+        extra = () if runs is None else (runs,)
+        self.update_kernel(group, runs is not None)(
+            param, grad, *kept, counts, hyper, float(np.finfo(param.dtype).tiny), *extra)
         mark_written(getattr(unit, "params", (unit,)))
 
     def _hyper(self, index, group, device):
@@ -297,42 +323,49 @@ class Optimizer:
         return bad
 
     # ----------------------------------------------------------- state
-    def _flat_storage(self, group, buffer):
-        """The group's flat state buffers (like ``buffer`` in size, device and dtype, in
-        ``_state_names`` order), with ``buffer``'s step counts; made zeroed once. Made again,
-        with the parameters' state moved in, when the model was moved to another device, or
-        when the rule names a buffer it did not before (then new: its update count restarts).
-        None when only some parameters hold a buffer the rule now names: the per-parameter
-        path then keeps each one's history."""
+    def _flat_storage(self, group, unit):
+        """The group's flat state buffers (like the unit's FlatBuffer in size, device and
+        dtype, in ``_state_names`` order; the groups of one buffer share them, each its own
+        slots), with ``unit``'s step counts; made zeroed once. Made again, with the
+        parameters' state moved in, when the model was moved to another device, or when the
+        rule names a buffer it did not before (then new: its update count restarts). None
+        when only some of the unit's parameters hold a buffer the rule now names: the
+        per-parameter path then keeps each one's history."""
         names = self._state_names(group)
+        buffer = getattr(unit, "buffer", unit)
         device = buffer.device
-        storage = self._flat_state.setdefault(buffer, {})
-        counts = self._counts.get(buffer)
+        storage = self._flat_state.setdefault(buffer, {})   # name -> (array, ids bound to it)
+        counts = self._counts.get(unit)
         if counts is None or device_of(counts) != device:   # new, or the model moved since
-            counts = self._counts[buffer] = (new_step_counts(device) if counts is None
-                                             else to_device(counts, device))
+            counts = self._counts[unit] = (new_step_counts(device) if counts is None
+                                           else to_device(counts, device))
             self._layout += 1
         for name in names:
-            array = storage.get(name)
-            if array is not None and device_of(array) == device:
+            array, bound = storage.get(name, (None, None))
+            if array is None or device_of(array) != device:
+                array, bound = fill(empty(buffer.size, buffer.dtype, device), 0), set()
+                storage[name] = (array, bound)
+                self._layout += 1
+            unbound = [p for p in unit.params if id(p) not in bound]
+            if not unbound:
                 continue
-            holders = [p for p in buffer.params
+            holders = [p for p in unbound
                        if p in self.state and dict.__contains__(self.state[p], name)]
-            if holders and len(holders) != len(buffer.params):
+            if holders and len(holders) != len(unbound):
                 return None
-            array = storage[name] = fill(empty(buffer.size, buffer.dtype, device), 0)
-            self._layout += 1
-            for p, offset in zip(buffer.params, buffer.offsets):
+            for p in unbound:
+                offset = buffer.offsets[p._slot]
                 view = array[offset:offset + p.size].reshape(p.shape)
-                state = self._state_of(p, buffer)
+                state = self._state_of(p, unit)
                 if dict.__contains__(state, name):
                     copy_into(view, dict.__getitem__(state, name))
                 state[name] = view
+                bound.add(id(p))
             if not holders:
                 store_values(counts[BUFFER_UPDATES:BUFFER_UPDATES + 1], (0,))
-        for p in buffer.params:
-            self._state_of(p, buffer)
-        return tuple(storage[name] for name in names)
+        for p in unit.params:
+            self._state_of(p, unit)
+        return tuple(storage[name][0] for name in names)
 
     def _own_state(self, group, p):
         """``state[p]`` with the rule's buffers on ``p``'s device and step counts of its own
@@ -443,16 +476,16 @@ class Optimizer:
         self._flat_state = weakref.WeakKeyDictionary()
         self._layout += 1
         with unrecorded():
-            for group, rows in zip(self.param_groups, entries):
-                buffer = whole_flat_buffer(group["params"])
+            for index, (group, rows) in enumerate(zip(self.param_groups, entries)):
+                unit = self._flat_unit(index, group["params"])
                 names = self._state_names(group)
                 # one unit when every parameter was saved at one step with the same buffers
-                together = (buffer is not None and len(rows) == len(group["params"])
+                together = (unit is not None and len(rows) == len(group["params"])
                             and len({int(entry["step"]) for _, entry in rows}) == 1
                             and len({tuple(name in entry for name in names)
                                      for _, entry in rows}) == 1)
                 for p, entry in rows:
-                    self._load_param_state(group, p, entry, buffer if together else p)
+                    self._load_param_state(group, p, entry, unit if together else p)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def _check_saved(self, group, p, saved):

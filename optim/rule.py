@@ -36,7 +36,8 @@ import numpy as np
 from numba import float64, njit
 
 from ops.cuda import cuda
-from ops.element_kernel import split_over_threads, strided_blocks
+from ops.element_kernel import (run_blocks_grid, split_over_threads,
+                                split_runs_over_threads, strided_blocks)
 from ops.launch import CPU_KERNEL, Kernel
 from ops.step_counter import BUFFER_UPDATES, SKIPPED, T
 from ops.subnormals import flush_begin, flush_end
@@ -63,9 +64,8 @@ def {kernel}_cpu({arguments}):
 {scalars}
     dtype = param.dtype.type
 {casts}
-    for i in range(param.size):
-        {results} = rule({rule_arguments})
-{stores}
+{loop}
+{body}
     {flush_end}
 """
 _CUDA_SOURCE = """
@@ -79,13 +79,25 @@ def {kernel}_cuda({arguments}):
         return
     dtype = param.dtype.type
 {shared_casts}
-    for i in range(cuda.grid(1), param.size, cuda.gridsize(1)):
-        {results} = rule({rule_arguments})
-{stores}
+{loop}
+{body}
 """
+# The element loops, and the indent of their body: over every element of the arrays, or
+# (``runs``) over the elements of each [start, stop) row of ``runs``, which on CUDA takes a
+# row of blocks (blockIdx.y). An unsigned index on the CPU: a signed one read from ``runs``
+# may be negative for all Numba knows, and its wraparound test on every access kept the loop
+# scalar
+_LOOPS = {("cpu", False): (["for i in range(param.size):"], 8),
+          ("cpu", True): (["for run in range(runs.shape[0]):",
+                           "    for i in range(np.uint64(runs[run, 0]), np.uint64(runs[run, 1])):"],
+                          12),
+          ("cuda", False): (["for i in range(cuda.grid(1), param.size, cuda.gridsize(1)):"], 8),
+          ("cuda", True): (["run = cuda.blockIdx.y",
+                            "for i in range(runs[run, 0] + cuda.grid(1), runs[run, 1],",
+                            "               cuda.gridDim.x * cuda.blockDim.x):"], 8)}
 # the generated kernels' own names, which no declared value may take
 _RESERVED = {"i", "s", "dtype", "zero", "mode", "counts", "hyper", "rule", "cuda", "np",
-             "float64", "flush_begin", "flush_end"}
+             "float64", "flush_begin", "flush_end", "run", "runs"}
 _CPU_FLAGS = dict(CPU_KERNEL, nogil=True, error_model="numpy")
 
 
@@ -126,44 +138,54 @@ class RuleKernels:
         self._rule_cpu, self._rule_cuda = twin(rule)
         self._derived = [twin(function) for function in self.derived]
 
-    def arguments(self, kept):
-        """The kernel's arguments for the buffers ``kept`` (a subset of ``buffers``)."""
+    def arguments(self, kept, runs=False):
+        """The kernel's arguments for the buffers ``kept`` (a subset of ``buffers``), and
+        ``runs`` last for a kernel over runs of the arrays' elements."""
         return ("param", "grad") + tuple(b for b in self.buffers if b in kept) + (
-            "counts", "hyper", "tiny")
+            "counts", "hyper", "tiny") + (("runs",) if runs else ())
 
-    def kernel(self, kept):
-        """The ``ops.launch.Kernel`` for a group keeping the buffers ``kept``."""
+    def kernel(self, kept, runs=False):
+        """The ``ops.launch.Kernel`` for a group keeping the buffers ``kept``: over every
+        element of its arrays, or with ``runs`` over the elements in the rows ``[start,
+        stop)`` of an (R, 2) int64 array, its last argument (a group holding some of a
+        FlatBuffer's parameters: one launch over their slots of the whole buffer)."""
         kept = tuple(b for b in self.buffers if b in kept)
-        if kept not in self._kernels:
-            self._kernels[kept] = self._make(kept)
-        return self._kernels[kept]
+        if (kept, runs) not in self._kernels:
+            self._kernels[(kept, runs)] = self._make(kept, runs)
+        return self._kernels[(kept, runs)]
 
-    def _make(self, kept):
-        arguments = self.arguments(kept)
+    def _make(self, kept, runs):
+        arguments = self.arguments(kept, runs)
         results = ", ".join(["new_param"] + [f"new_{b}" for b in self.buffers])
         reads = {"param": "param[i]", "grad": "grad[i]",
                  **{b: (f"{b}[i]" if b in kept else "zero") for b in self.buffers},
                  **{s: f"c_{s}" for s in self.scalars}}
         stores = [f"{b}[i] = new_{b}" for b in kept] + ["param[i] = new_param"]
-        fields = dict(
-            arguments=", ".join(arguments), skipped=SKIPPED, results=results,
-            rule_arguments=", ".join(reads[p] for p in _parameters(self.rule)),
-            stores="\n".join(" " * 8 + line for line in stores), count=max(1, len(self.scalars)))
+        body = [f"{results} = rule({', '.join(reads[p] for p in _parameters(self.rule))})"]
+        body += stores
+        fields = dict(arguments=", ".join(arguments), skipped=SKIPPED,
+                      count=max(1, len(self.scalars)))
+        sources = {}
+        for side in ("cpu", "cuda"):
+            loop, depth = _LOOPS[(side, runs)]
+            fields[f"{side}_loop"], fields[f"{side}_body"] = _indent(loop, 4), _indent(body, depth)
         scalar_lines = self._scalar_lines()
         casts = [f"zero = dtype(0)"] + [f"c_{s} = dtype({s})" for s in self.scalars]
         cpu_source = _CPU_SOURCE.format(
-            kernel=self.name, **fields,
+            kernel=self.name, **fields, loop=fields["cpu_loop"], body=fields["cpu_body"],
             flush_begin="flush_begin()" if self.flush_subnormals else "0",
             flush_end="flush_end(mode)" if self.flush_subnormals else "",
             scalars=_indent(scalar_lines, 4), casts=_indent(casts, 4))
         cuda_source = _CUDA_SOURCE.format(
-            kernel=self.name, **fields, shared_scalars=_indent(scalar_lines, 8),
+            kernel=self.name, **fields, loop=fields["cuda_loop"], body=fields["cuda_body"],
+            shared_scalars=_indent(scalar_lines, 8),
             shared_stores=_indent([f"s[{k}] = {s}" for k, s in enumerate(self.scalars)], 8),
             shared_casts=_indent(["zero = dtype(0)"] + [f"c_{s} = dtype(s[{k}])" for k, s
                                                          in enumerate(self.scalars)], 4))
         digest = hashlib.sha1((cpu_source + cuda_source + repr(sorted(_CPU_FLAGS.items())))
                               .encode()).hexdigest()[:12]
         variant = "_".join(("",) + kept) if kept != self.buffers else ""
+        variant += "_runs" if runs else ""
         cpu = _compiled(self.rule, cpu_source, f"{self.name}_cpu",
                         f"{self.name}{variant}_cpu_{digest}",
                         {"rule": self._rule_cpu, "flush_begin": flush_begin,
@@ -175,8 +197,9 @@ class RuleKernels:
                         {"rule": self._rule_cuda, "cuda": cuda,
                          **{f.__name__ + "_of": pair[1]
                             for f, pair in zip(self.derived, self._derived)}})
-        return Kernel(self.name, split_over_threads(njit(**_CPU_FLAGS)(cpu), 2 + len(kept)),
-                      cuda.jit(cache=True)(gpu), strided_blocks(0))
+        split = split_runs_over_threads if runs else split_over_threads
+        return Kernel(self.name, split(njit(**_CPU_FLAGS)(cpu), 2 + len(kept)),
+                      cuda.jit(cache=True)(gpu), run_blocks_grid() if runs else strided_blocks(0))
 
     def _scalar_lines(self):
         """Source lines computing every scalar in float64: the step's, the hyper-parameters

@@ -649,6 +649,129 @@ def test_schedulers_against_torch():
             theirs.step()
 
 
+# ------------------------------------------------------------------ groups in one FlatBuffer
+
+def _split_groups(params, kwargs):
+    """AdamW's recipe: a group of the first and last parameters with the case's settings and
+    one of the middle one with its own learning rate and no weight decay (two groups whose
+    slots interleave in one FlatBuffer)."""
+    return [{"params": [params[0], params[2]]},
+            {"params": [params[1]], "weight_decay": 0.0, "lr": kwargs["lr"] * 0.5}]
+
+
+@pytest.mark.parametrize("case", RULE_CASES[1::2], ids=case_id)
+def test_groups_in_one_flat_buffer_equal_the_per_tensor_path_bitwise(case, device):
+    kind, kwargs = case
+    steps = grad_steps(dtype=np.float32)
+
+    def make(ps):
+        return OPTIMIZERS[kind](_split_groups(ps, kwargs), **kwargs)
+
+    flat = make_params(device, np.float32)
+    slots = run(make, flat, steps)
+    loose = run(make, make_params(device, np.float32, flat=False), steps)
+    for a, b in zip(slots, loose):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_groups_in_one_flat_buffer_are_one_update_each():
+    from optim.flat_slots import FlatSlots
+    params = make_params("cpu", np.float32)
+    opt = optim.AdamW(_split_groups(params, {"lr": 0.01}), lr=0.01)
+    for grads in grad_steps(2, np.float32):   # the second step: no set-up
+        set_grads(params, grads)
+        with LaunchRecorder() as recorder:
+            opt.step()
+    assert [run.kernel.name for run in recorder.runs] == ["advance_steps", "adam"] * 2
+    units = [opt._unit_of[p] for p in params]
+    assert all(isinstance(unit, FlatSlots) for unit in units)
+    assert units[0] is units[2] is not units[1]
+    assert units[0].runs("cpu").tolist() == [[0, 15], [22, 28]]   # shapes (3, 5), (7,), (2, 1, 3)
+    assert opt.state[params[0]]["step"] == opt.state[params[1]]["step"] == 2
+
+
+@pytest.mark.cuda
+def test_groups_in_one_flat_buffer_are_one_update_launch_each_on_cuda(launches):
+    params = make_params("cuda", np.float32)
+    opt = optim.AdamW(_split_groups(params, {"lr": 0.01}), lr=0.01)
+    for grads in grad_steps(2, np.float32):
+        set_grads(params, grads)
+        launches.clear()
+        opt.step()
+        assert launches.cuda_kernel_names() == ["advance_steps_cuda", "adam_cuda"] * 2
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_groups_in_one_flat_buffer_resume_bitwise(kind):
+    kwargs = {"lr": 0.05, "weight_decay": 0.01}
+    if kind == "sgd":
+        kwargs.update(momentum=0.9)
+    steps = grad_steps(5, np.float32)
+
+    def train(params, opt, part):
+        for grads in part:
+            set_grads(params, grads)
+            opt.step()
+
+    params = make_params("cpu", np.float32)
+    train(params, OPTIMIZERS[kind](_split_groups(params, kwargs), **kwargs), steps)
+    uninterrupted = [p.numpy().copy() for p in params]
+
+    params = make_params("cpu", np.float32)
+    opt = OPTIMIZERS[kind](_split_groups(params, kwargs), **kwargs)
+    train(params, opt, steps[:2])
+    values, saved = [p.numpy().copy() for p in params], opt.state_dict()
+    resumed = make_params("cpu", np.float32, seed=9)
+    for p, value in zip(resumed, values):
+        p.data[...] = value
+    opt = OPTIMIZERS[kind](_split_groups(resumed, kwargs), **kwargs)
+    opt.load_state_dict(saved)
+    train(resumed, opt, steps[2:])
+    assert isinstance(opt._unit_of[resumed[0]], optim.flat_slots.FlatSlots)
+    for a, p in zip(uninterrupted, resumed):
+        np.testing.assert_array_equal(p.numpy(), a)
+
+
+def test_a_group_s_update_over_runs_has_the_same_bits_on_any_thread_count(monkeypatch):
+    """On the CPU an update over many elements splits across the engine's threads: each
+    block the same kernel on the whole arrays with its own cut of the group's runs."""
+    from ops import cpu_threads, element_kernel
+    monkeypatch.setattr(cpu_threads, "MIN_BLOCK_SECONDS", 1e-12)   # every block is worth it
+    splits = []
+    run_blocks = element_kernel.run_blocks
+    monkeypatch.setattr(element_kernel, "run_blocks",
+                        lambda blocks: (splits.append(len(blocks)), run_blocks(blocks)))
+    shapes = [(300, 400), (999,), (400, 300), (7,)]
+    results = []
+    previous = engine.get_num_threads()
+    try:
+        for threads in (1, 2):
+            engine.set_num_threads(threads)
+            params = [Parameter(np.full(shape, k, np.float32)) for k, shape in enumerate(shapes)]
+            FlatBuffer(params)
+            opt = optim.AdamW([{"params": params[::2]},
+                               {"params": params[1::2], "weight_decay": 0.0}], lr=0.01)
+            grads = np.random.default_rng(5)
+            for _ in range(element_kernel.TIMED_CALLS + 3):   # past the timed whole calls
+                set_grads(params, [grads.standard_normal(s).astype(np.float32) for s in shapes])
+                opt.step()
+            results.append([p.numpy().copy() for p in params])
+    finally:
+        engine.set_num_threads(previous)
+    assert 2 in splits
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_runs_are_cut_at_the_blocks_edges():
+    from ops.element_kernel import _runs_between
+    runs = np.array([[0, 15], [22, 28], [40, 50]], np.int64)
+    lengths = runs[:, 1] - runs[:, 0]
+    assert _runs_between(runs, lengths, 0, 31).tolist() == [[0, 15], [22, 28], [40, 50]]
+    assert _runs_between(runs, lengths, 10, 18).tolist() == [[10, 15], [22, 25]]
+    assert _runs_between(runs, lengths, 21, 31).tolist() == [[40, 50]]
+
+
 # ------------------------------------------------------------------ moved and re-packed parameters
 
 def test_state_follows_a_repacked_flat_buffer():

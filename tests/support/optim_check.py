@@ -148,19 +148,21 @@ def check_cpu_equals_cuda(make, dtype):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol)
 
 
-def generated_cpu_kernel(cls, kept, dtype=np.float32):
-    """The optimized LLVM IR of ``cls``'s CPU kernel for the buffers ``kept`` (compiled here,
-    uncached: Numba shows no code of a kernel its cache loaded), and its array count."""
+def generated_cpu_kernel(cls, kept, dtype=np.float32, runs=False):
+    """The optimized LLVM IR of ``cls``'s CPU kernel for the buffers ``kept`` (over runs of
+    the arrays with ``runs``; compiled here, uncached: Numba shows no code of a kernel its
+    cache loaded), and its array count."""
     from numba import njit
     from optim.rule import _CPU_FLAGS
-    kernel = cls.kernels.kernel(kept).cpu.__wrapped__
+    kernel = cls.kernels.kernel(kept, runs).cpu.__wrapped__
     fresh = njit(**dict(_CPU_FLAGS, cache=False))(kernel.py_func)
     a = np.ones(64, dtype)
     arrays = (a, a.copy(), *(a.copy() for _ in kept), np.array([1, 1, 0], np.int64),
               np.zeros(len(cls.hyper)))
-    fresh(*arrays, float(np.finfo(dtype).tiny))
+    last = (np.array([[0, 30], [40, 64]], np.int64),) if runs else ()
+    fresh(*arrays, float(np.finfo(dtype).tiny), *last)
     [ir] = fresh.inspect_llvm().values()
-    return ir, len(arrays)
+    return ir, len(arrays) + len(last)
 
 
 def check_generated_the_fast_way(cls, kept):
@@ -168,10 +170,11 @@ def check_generated_the_fast_way(cls, kept):
     vectorised (LLVM's ``vector.body``), and the kernel increfs each array at most once (at
     its start), not per element: an element function that took the arrays left 2 NRT_incref
     and 2 NRT_decref calls per element in the loop, which then did not vectorise."""
-    ir, arrays = generated_cpu_kernel(cls, kept)
-    increfs = ir.count("call void @NRT_incref")
-    assert increfs <= arrays, f"{cls.__name__} {kept}: {increfs} NRT_incref calls"
-    assert "vector.body" in ir, f"{cls.__name__} {kept}: the loop did not vectorise"
+    for runs in (False, True):   # over all the elements, and over runs of them
+        ir, arrays = generated_cpu_kernel(cls, kept, runs=runs)
+        increfs = ir.count("call void @NRT_incref")
+        assert increfs <= arrays, f"{cls.__name__} {kept} {runs=}: {increfs} NRT_incref calls"
+        assert "vector.body" in ir, f"{cls.__name__} {kept} {runs=}: the loop did not vectorise"
 
 
 def check_checkpoint_round_trip(make, path):
