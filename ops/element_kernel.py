@@ -168,20 +168,20 @@ def split_over_threads(cpu, array_count):
     return _named_after(split, cpu)
 
 
-def split_runs_over_threads(cpu, array_count=None):
+def split_runs_over_threads(cpu):
     """``cpu``, a loop over the elements in the rows ``[start, stop)`` of its last argument
     (``runs``, an (R, 2) int64 array), in blocks of those elements across the engine's
     threads as ``split_over_threads``: each block the same kernel on the whole arrays with
-    the runs cut to its own elements (``array_count``: the signature of
-    ``split_over_threads``, unused: no array is sliced)."""
+    the runs cut to its own elements."""
     pace = _Pace(cpu)
 
     def split(*args):
         runs = args[-1]
         lengths = runs[:, 1] - runs[:, 0]
-        blocks = pace.blocks(int(lengths.sum()))
+        size = int(lengths.sum())
+        blocks = pace.blocks(size)
         if blocks is None:
-            return pace.whole(int(lengths.sum()), args)
+            return pace.whole(size, args)
         run_blocks([(cpu, args[:-1] + (_runs_between(runs, lengths, start, stop),))
                     for start, stop in blocks])
     return _named_after(split, cpu)

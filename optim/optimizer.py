@@ -541,10 +541,8 @@ def mark_written(params):
 
 def whole_flat_buffer(params):
     """The FlatBuffer whose parameters are exactly ``params`` (any order), else None."""
-    buffer = getattr(params[0], "flat", None) if params else None
+    buffer = shared_flat_buffer(params)
     if buffer is None or len(buffer.params) != len(params):
-        return None
-    if any(getattr(p, "flat", None) is not buffer for p in params):
         return None
     return buffer   # same length, all in it, no duplicates (add_param_group): the same set
 

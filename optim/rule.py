@@ -165,19 +165,20 @@ class RuleKernels:
         body += stores
         fields = dict(arguments=", ".join(arguments), skipped=SKIPPED,
                       count=max(1, len(self.scalars)))
-        sources = {}
-        for side in ("cpu", "cuda"):
+
+        def loop_and_body(side):
             loop, depth = _LOOPS[(side, runs)]
-            fields[f"{side}_loop"], fields[f"{side}_body"] = _indent(loop, 4), _indent(body, depth)
+            return dict(loop=_indent(loop, 4), body=_indent(body, depth))
+
         scalar_lines = self._scalar_lines()
         casts = [f"zero = dtype(0)"] + [f"c_{s} = dtype({s})" for s in self.scalars]
         cpu_source = _CPU_SOURCE.format(
-            kernel=self.name, **fields, loop=fields["cpu_loop"], body=fields["cpu_body"],
+            kernel=self.name, **fields, **loop_and_body("cpu"),
             flush_begin="flush_begin()" if self.flush_subnormals else "0",
             flush_end="flush_end(mode)" if self.flush_subnormals else "",
             scalars=_indent(scalar_lines, 4), casts=_indent(casts, 4))
         cuda_source = _CUDA_SOURCE.format(
-            kernel=self.name, **fields, loop=fields["cuda_loop"], body=fields["cuda_body"],
+            kernel=self.name, **fields, **loop_and_body("cuda"),
             shared_scalars=_indent(scalar_lines, 8),
             shared_stores=_indent([f"s[{k}] = {s}" for k, s in enumerate(self.scalars)], 8),
             shared_casts=_indent(["zero = dtype(0)"] + [f"c_{s} = dtype(s[{k}])" for k, s
@@ -197,9 +198,12 @@ class RuleKernels:
                         {"rule": self._rule_cuda, "cuda": cuda,
                          **{f.__name__ + "_of": pair[1]
                             for f, pair in zip(self.derived, self._derived)}})
-        split = split_runs_over_threads if runs else split_over_threads
-        return Kernel(self.name, split(njit(**_CPU_FLAGS)(cpu), 2 + len(kept)),
-                      cuda.jit(cache=True)(gpu), run_blocks_grid() if runs else strided_blocks(0))
+        compiled = njit(**_CPU_FLAGS)(cpu)
+        if runs:
+            return Kernel(self.name, split_runs_over_threads(compiled), cuda.jit(cache=True)(gpu),
+                          run_blocks_grid())
+        return Kernel(self.name, split_over_threads(compiled, 2 + len(kept)),
+                      cuda.jit(cache=True)(gpu), strided_blocks(0))
 
     def _scalar_lines(self):
         """Source lines computing every scalar in float64: the step's, the hyper-parameters
