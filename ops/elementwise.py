@@ -57,6 +57,14 @@ def _binary_kernel(code):
     @njit(cache=True, error_model="numpy")
     def binary_cpu(a, b, out, meta):
         if meta[0] == 0:   # same shape: no index arithmetic
+            if out.ctypes.data == a.ctypes.data:
+                # in place (a gradient accumulated into its slot): out read through its
+                # own name, or LLVM's overlap test of out against a fails at run time and
+                # the loop takes its scalar version (98k float32 on one core of the Xeon:
+                # 72-75 us against 25 for the vector loop)
+                for i in range(out.size):
+                    out[i] = _binary_value_cpu(code, out[i], b[i])
+                return
             for i in range(out.size):
                 out[i] = _binary_value_cpu(code, a[i], b[i])
             return

@@ -129,3 +129,19 @@ def test_broadcast_arithmetic_matches_numpy_along_every_row_layout(shapes, devic
     a, b = (engine.tensor(v, device=device) for v in (x, y))
     for ours, theirs in ((a + b, x + y), (a - b, x - y), (a * b, x * y), (b / a, y / x)):
         np.testing.assert_array_equal(ours.numpy(), theirs)
+
+
+def test_same_shape_arithmetic_in_place_matches_numpy(device):
+    """``binary(code, a, b, out=a)`` (a gradient accumulated into its slot) takes a loop of
+    its own on the CPU (out read through its own name, which LLVM vectorises); every code, a
+    length no vector width divides."""
+    from ops.elementwise import ADD, BINARY_NAMES, binary
+    from ops.device import to_device
+    rng = np.random.default_rng(7)
+    x, y = (rng.standard_normal(37).astype(np.float32) + 2 for _ in range(2))
+    expected = {ADD: x + y, 1: x - y, 2: x * y, 3: x / y}
+    for code in BINARY_NAMES:
+        a, b = to_device(x, device), to_device(y, device)
+        assert binary(code, a, b, out=a) is a
+        np.testing.assert_array_equal(engine.tensor(a).numpy(), expected[code])
+        np.testing.assert_array_equal(engine.tensor(b).numpy(), y)
