@@ -146,39 +146,40 @@ GATHER = Kernel("index_gather", gather_cpu, gather_cuda, elements(2))
 ADD, SET = 0, 1
 
 
-def _scatter_row_with(mode):
-    def make(r_offsets, b_offsets):
-        def scatter_row(r, source, indices, x, meta):
-            """R combination ``r`` of ``x[plan] += source`` (``mode`` ADD) or ``= source``,
-            its advanced elements in order."""
-            x_r, source_r = r_offsets(r, meta)
-            for b in range(indices.shape[1]):
-                x_b, source_b = b_offsets(b, indices, meta)
-                if mode == ADD:
-                    x[x_r + x_b] += source[source_r + source_b]
-                else:
-                    x[x_r + x_b] = source[source_r + source_b]
-        return scatter_row
-    return make
+def _scatter_row_with(r_offsets, b_offsets):
+    def scatter_row(mode, r, source, indices, x, meta):
+        """R combination ``r`` of ``x[plan] += source`` (``mode`` ADD) or ``= source``, its
+        advanced elements in order."""
+        x_r, source_r = r_offsets(r, meta)
+        for b in range(indices.shape[1]):
+            x_b, source_b = b_offsets(b, indices, meta)
+            if mode == ADD:
+                x[x_r + x_b] += source[source_r + source_b]
+            else:
+                x[x_r + x_b] = source[source_r + source_b]
+    return scatter_row
+
+
+# module functions the kernels call by name: a kernel closing over a compiled function would
+# be compiled again in every process (Numba's cache keys a closure by its values' pickle)
+_scatter_row_cpu, _scatter_row_cuda = twin(_scatter_row_with, (_r_offsets_cpu, _r_offsets_cuda),
+                                           (_b_offsets_cpu, _b_offsets_cuda))
 
 
 def _scatter_kernel(mode, name):
-    """The twin kernels of ``x[plan] += source`` (``mode`` ADD) or ``x[plan] = source``: one
-    thread per R combination, walking the advanced elements in order."""
-    scatter_row_cpu, scatter_row_cuda = twin(_scatter_row_with(mode),
-                                             (_r_offsets_cpu, _r_offsets_cuda),
-                                             (_b_offsets_cpu, _b_offsets_cuda))
-
+    """The twin kernels of ``x[plan] += source`` (``mode`` ADD, a constant of each) or
+    ``x[plan] = source``: one thread per R combination, walking the advanced elements in
+    order."""
     @njit(cache=True, error_model="numpy")
     def scatter_cpu(source, indices, x, meta, rows):
         for r in range(rows):
-            scatter_row_cpu(r, source, indices, x, meta)
+            _scatter_row_cpu(mode, r, source, indices, x, meta)
 
     @cuda.jit(cache=True)
     def scatter_cuda(source, indices, x, meta, rows):
         r = cuda.grid(1)
         if r < rows:
-            scatter_row_cuda(r, source, indices, x, meta)
+            _scatter_row_cuda(mode, r, source, indices, x, meta)
 
     return Kernel(name, scatter_cpu, scatter_cuda, lambda *args: args[4])
 

@@ -187,6 +187,39 @@ def max_pool_grad_cpu(argmax, grad_out, grad_in, meta):
             target[argmax[o]] += grad_out[o]
 
 
+@njit(inline="always")
+def _avg_halving_plane(image, windows, h, w, oh_n, ow_n, scale, adjoint):
+    """One plane of the halving average: each window the sum of its 4 elements in
+    row-major order, then scaled; or its adjoint (``adjoint``, the caller's constant): each
+    element in a window gets ``(0 + its window's gradient) · scale`` (windows do not
+    overlap: one add each), the row and column no window holds (an odd size) 0. The general
+    loop's sums in its order, so the same bits. A module function, not one of the loop's
+    closure: Numba's cache keys a closure by its variables' pickle, which for a compiled
+    function differs in every process, so both kernels compiled again in every process
+    (4.2 s of the CNN's first step with a warm cache)."""
+    zero = scale - scale
+    for oh in range(oh_n):
+        row = windows[oh * ow_n:(oh + 1) * ow_n]
+        top = 2 * oh * w
+        for ow in range(ow_n):
+            at = top + 2 * ow
+            if adjoint:
+                value = (zero + row[ow]) * scale
+                image[at] = image[at + 1] = image[at + w] = image[at + w + 1] = value
+            else:
+                total = zero + image[at]
+                total += image[at + 1]
+                total += image[at + w]
+                total += image[at + w + 1]
+                row[ow] = total * scale
+        if adjoint:
+            for iw in range(2 * ow_n, w):   # the column no window holds
+                image[top + iw] = image[top + w + iw] = zero
+    if adjoint:
+        for i in range(2 * oh_n * w, h * w):   # the row no window holds
+            image[i] = zero
+
+
 def _avg_pool_loop(adjoint):
     """The CPU average pool (``adjoint=False``): ``avg_pool_cpu(x, out, meta, scale)``, each
     output the sum of its window in row-major order, then scaled; or its adjoint (``True``):
@@ -204,7 +237,7 @@ def _avg_pool_loop(adjoint):
             image = (target if adjoint else source)[plane * h * w:(plane + 1) * h * w]
             if halving:
                 _avg_halving_plane(image, (source if adjoint else target)[
-                    plane * oh_n * ow_n:(plane + 1) * oh_n * ow_n], h, w, oh_n, ow_n, scale)
+                    plane * oh_n * ow_n:(plane + 1) * oh_n * ow_n], h, w, oh_n, ow_n, scale, adjoint)
                 continue
             if adjoint:
                 for i in range(h * w):
@@ -231,35 +264,6 @@ def _avg_pool_loop(adjoint):
             if adjoint:
                 for i in range(h * w):
                     image[i] *= scale
-
-    @njit(inline="always")
-    def _avg_halving_plane(image, windows, h, w, oh_n, ow_n, scale):
-        """One plane of the halving average: each window the sum of its 4 elements in
-        row-major order, then scaled; or its adjoint: each element in a window gets
-        ``(0 + its window's gradient) · scale`` (windows do not overlap: one add each),
-        the row and column no window holds (an odd size) 0. The general loop's sums in its
-        order, so the same bits."""
-        zero = scale - scale
-        for oh in range(oh_n):
-            row = windows[oh * ow_n:(oh + 1) * ow_n]
-            top = 2 * oh * w
-            for ow in range(ow_n):
-                at = top + 2 * ow
-                if adjoint:
-                    value = (zero + row[ow]) * scale
-                    image[at] = image[at + 1] = image[at + w] = image[at + w + 1] = value
-                else:
-                    total = zero + image[at]
-                    total += image[at + 1]
-                    total += image[at + w]
-                    total += image[at + w + 1]
-                    row[ow] = total * scale
-            if adjoint:
-                for iw in range(2 * ow_n, w):   # the column no window holds
-                    image[top + iw] = image[top + w + iw] = zero
-        if adjoint:
-            for i in range(2 * oh_n * w, h * w):   # the row no window holds
-                image[i] = zero
 
     avg_pool_loop.__name__ = avg_pool_loop.__qualname__ = ("avg_pool_grad_cpu" if adjoint
                                                            else "avg_pool_cpu")
