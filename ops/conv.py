@@ -39,7 +39,6 @@ gathered per input element, dw per weight element) ran the 32->64 conv at 28.8x 
 import numpy as np
 
 from ops.conv_cpu import conv2d_backward_cpu, conv2d_forward_cpu
-from ops.cpu_threads import engine_threads
 from ops.dispatch import Out, run
 from ops.gemm.conv_operands import ConvGeometry
 from ops.gemm.plans import conv_gemm_plan
@@ -170,9 +169,9 @@ def _backward_plan(args):
     return launches
 
 
-CONV2D_FORWARD = Kernel("conv2d_forward", engine_threads(conv2d_forward_cpu),
+CONV2D_FORWARD = Kernel("conv2d_forward", conv2d_forward_cpu,
                         cuda_plan=_forward_plan)
-CONV2D_BACKWARD = Kernel("conv2d_backward", engine_threads(conv2d_backward_cpu),
+CONV2D_BACKWARD = Kernel("conv2d_backward", conv2d_backward_cpu,
                          cuda_plan=_backward_plan)
 
 

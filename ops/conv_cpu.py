@@ -7,9 +7,10 @@ loops. The im2col path:
 CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLAS GEMM
 (``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
 activates in place. The backward computes G once per sample, then ``dx`` as
-``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ``. Samples run in parallel
-(``prange``); the backward splits the batch into ``BACKWARD_TASKS`` fixed slices, each
-summing its own partial dw and db, added in slice order: the same sums on any thread count.
+``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ``. The forward runs in blocks of
+samples on the engine's threads (``ops.cpu_threads.run_blocks``); the backward splits the
+batch into ``BACKWARD_TASKS`` fixed slices, each summing its own partial dw and db, runs
+blocks of slices, and adds the partials in slice order: the same sums on any thread count.
 Measured on the 2-core CPU, the kernels alone, float32, batch 128, best of 25 rounds (thread
 CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 - forward 8.7 ms serial: the GEMM 6.7 ms (137 GFLOP/s, OpenBLAS), im2col 1.5, bias and
@@ -22,19 +23,22 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
 - im2col copies a row as one shifted run when stride is 1 and OW = W ("same"): 6.4 -> 1.5
   ms; the bias/activation and act' loops are compiled per activation code (relu over 3.2M
   float32: 2.5 ms with the code a runtime value, 0.43 ms);
-- ``prange`` on two idle cores: forward 8.7 -> 4.4 ms, backward 18.1 -> 9.0 (1->32: 1.34
-  -> 0.73 and 3.34 -> 1.77); 1-5 us more at tiny shapes. Beside other busy processes the
-  two threads wait on each other (1->32 forward + backward, mean: 5.3 ms serial, 18.6 ms
-  on two threads); ``numba.set_num_threads(1)`` gives back the serial time (5.4 ms).
+- two threads on two idle cores (Numba's ``prange`` then, the same blocks): forward 8.7 ->
+  4.4 ms, backward 18.1 -> 9.0 (1->32: 1.34 -> 0.73 and 3.34 -> 1.77). The engine's own
+  threads instead of ``prange``: the same step time (the CNN's replayed step on the 2-core
+  Xeon, 2 threads: 45.0 and 44.1 ms against 49.7 and 41.7, alternating) and half the
+  compile time: the CNN's first step from an empty cache compiled the two conv kernels in
+  32.1 s, now 16.1 (each further activation 19-20 -> 7-8 s, float64 33 -> 18).
 """
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ops.conv_direct_cpu import (TILE_COLUMNS, aligned_empty, blocked_weights, copy_rows,
                                  flipped_weights, forward_sums, grad_input_sums, grad_weight_sample,
                                  gradient_extents, input_extents, padded_size, position_offsets,
                                  round_up, sums_size, sums_stride, tap_offsets,
                                  weight_partial_size)
+from ops.cpu_threads import run_blocks, slice_blocks
 from ops.launch import CPU_KERNEL
 from ops.constant_code import kernels_of_code
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
@@ -199,10 +203,11 @@ RULE, DIRECT, IM2COL = 0, 1, 2
 
 
 def _forward_kernel(path, act, name):
-    """The forward of the fused activation ``act`` (a constant of the kernel; its argument
-    ``code`` is the op's, unread), its path per shape chosen by ``path`` (``RULE``:
-    ``direct_forward_pays``, or ``DIRECT`` or ``IM2COL`` forced)."""
-    def conv2d_forward(x, w, bias, out, meta, code, alpha):
+    """The forward of samples ``first`` to ``last`` (a block of the batch) with the fused
+    activation ``act`` (a constant of the kernel; its argument ``code`` is the op's, unread),
+    its path per shape chosen by ``path`` (``RULE``: ``direct_forward_pays``, or ``DIRECT``
+    or ``IM2COL`` forced)."""
+    def conv2d_forward(x, w, bias, out, meta, code, alpha, first, last):
         geometry = _geometry_cpu(meta)
         nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
         has_bias = meta[HAS_BIAS_AT]
@@ -214,9 +219,9 @@ def _forward_kernel(path, act, name):
             offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
             weights = blocked_weights(w, o_out, k)
             stride = sums_stride(oh_n, columns)
-            for n in prange(nb):
-                padded = aligned_empty(padded_size(c_in, rows, columns), x.dtype)
-                sums = aligned_empty(sums_size(o_out, oh_n, columns), x.dtype)
+            padded = aligned_empty(padded_size(c_in, rows, columns), x.dtype)
+            sums = aligned_empty(sums_size(o_out, oh_n, columns), x.dtype)
+            for n in range(first, last):
                 forward_sums(x, n, geometry, weights, offsets, padded, sums)
                 copy_rows(sums, stride, columns, out, n * o_out * positions, o_out, oh_n, ow_n)
                 for o in range(o_out):
@@ -224,8 +229,8 @@ def _forward_kernel(path, act, name):
                     plane = out[at:at + positions]
                     _activate(plane, plane, bias[o] if has_bias else alpha - alpha, act, alpha)
         else:
-            for n in prange(nb):
-                cols = np.empty((k, positions), x.dtype)
+            cols = np.empty((k, positions), x.dtype)
+            for n in range(first, last):
                 for g in range(groups):
                     _im2col(x, n, g, geometry, cols)
                     at = (n * o_out + g * og) * positions
@@ -237,7 +242,7 @@ def _forward_kernel(path, act, name):
                                   bias[o] if has_bias else alpha - alpha, act, alpha)
 
     conv2d_forward.__name__ = conv2d_forward.__qualname__ = name
-    return njit(**CPU_KERNEL, parallel=True)(conv2d_forward)
+    return njit(**CPU_KERNEL, nogil=True)(conv2d_forward)
 
 
 @njit(inline="always")
@@ -257,30 +262,71 @@ def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, need
             b_partial[o] = total
 
 
+@njit(inline="always")
+def _direct_gradients(geometry, path, needs_x, needs_w):
+    """Whether dw and dx take the direct loops: by the rule (``RULE``), or forced."""
+    direct_w = needs_w and (direct_grad_weight_pays(geometry) if path == RULE
+                            else path == DIRECT and direct_forward_pays(geometry))
+    direct_x = needs_x and (direct_grad_input_pays(geometry) if path == RULE
+                            else path == DIRECT and direct_backward_fits(geometry))
+    return direct_w, direct_x
+
+
+@njit(**CPU_KERNEL)
+def backward_partials(x, w, meta, path, needs_x, needs_w, needs_b):
+    """The zeroed partial dw and db of each of the backward's tasks (a fixed split of the
+    batch, added in task order by ``summed_partials``: the same sums on any thread count);
+    the direct partials are (K rounded up, O rounded up), the GEMM's (O, K)."""
+    geometry = _geometry_cpu(meta)
+    nb, c_in, o_out, kh, kw, groups = (geometry[0], geometry[1], geometry[4], geometry[7],
+                                       geometry[8], geometry[15])
+    k = c_in // groups * kh * kw
+    direct_w, _ = _direct_gradients(geometry, path, needs_x, needs_w)
+    tasks = min(nb, BACKWARD_TASKS)
+    w_size = (weight_partial_size(k, o_out) if direct_w else w.size) if needs_w else 0
+    w_partials = aligned_empty(tasks * w_size, x.dtype)
+    w_partials[:] = 0
+    return (w_partials.reshape((tasks, w_size)),
+            np.zeros((tasks, o_out if needs_b else 0), x.dtype))
+
+
+@njit(**CPU_KERNEL)
+def summed_partials(w_partials, b_partials, grad_w, grad_b, meta, path, needs_x, needs_w):
+    """dw and db: the tasks' partials added in task order."""
+    geometry = _geometry_cpu(meta)
+    c_in, o_out, kh, kw, groups = geometry[1], geometry[4], geometry[7], geometry[8], geometry[15]
+    k = c_in // groups * kh * kw
+    direct_w, _ = _direct_gradients(geometry, path, needs_x, needs_w)
+    tasks = w_partials.shape[0]
+    o_columns = round_up(o_out, TILE_COLUMNS)
+    zero = w_partials.dtype.type(0)
+    for index in range(grad_w.size if needs_w else 0):
+        at = (index % k) * o_columns + index // k if direct_w else index
+        total = zero
+        for task in range(tasks):
+            total += w_partials[task, at]
+        grad_w[index] = total
+    for o in range(b_partials.shape[1]):
+        total = zero
+        for task in range(tasks):
+            total += b_partials[task, o]
+        grad_b[o] = total
+
+
 def _backward_kernel(path, act, name):
-    """The backward, the path of each gradient per shape chosen by ``path`` (``RULE``:
-    ``direct_grad_weight_pays``, ``direct_grad_input_pays``; see ``_forward_kernel``). The
-    gradients the flags ask for; the buffer of one not asked for is a placeholder that is
-    never written."""
-    def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, code, alpha,
-                        needs_x, needs_w, needs_b):
+    """The backward tasks ``first_task`` to ``last_task`` (``backward_partials``' fixed
+    slices of the batch), the path of each gradient per shape chosen by ``path`` (see
+    ``_forward_kernel``): dx where asked, each task's partial dw and db into its row of
+    ``w_partials`` and ``b_partials``."""
+    def conv2d_backward(x, w, y, grad_out, grad_x, w_partials, b_partials, meta, code, alpha,
+                        needs_x, needs_w, needs_b, first_task, last_task):
         geometry = _geometry_cpu(meta)
         nb, c_in, h, w_in, o_out, oh_n, ow_n, kh, kw, sh, sw, pt, pl, dh, dw, groups = geometry
         positions = oh_n * ow_n
         cg, og = c_in // groups, o_out // groups
         k = cg * kh * kw
-        tasks = min(nb, BACKWARD_TASKS)
-        direct_w = needs_w and (direct_grad_weight_pays(geometry) if path == RULE
-                                else path == DIRECT and direct_forward_pays(geometry))
-        direct_x = needs_x and (direct_grad_input_pays(geometry) if path == RULE
-                                else path == DIRECT and direct_backward_fits(geometry))
-        # one partial dw and db per task (a fixed split of the batch), added in task order
-        # below: the same sums on any number of threads
-        w_size = (weight_partial_size(k, o_out) if direct_w else w.size) if needs_w else 0
-        w_partials = aligned_empty(tasks * w_size, x.dtype)
-        w_partials[:] = 0
-        w_partials = w_partials.reshape((tasks, w_size))
-        b_partials = np.zeros((tasks, o_out if needs_b else 0), x.dtype)
+        tasks = w_partials.shape[0]
+        direct_w, direct_x = _direct_gradients(geometry, path, needs_x, needs_w)
         rows, columns = input_extents(geometry)
         offsets = tap_offsets(c_in, kh, kw, dh, dw, rows, columns)
         positions_at = position_offsets(geometry, columns)
@@ -289,17 +335,17 @@ def _backward_kernel(path, act, name):
         flipped = flipped_weights(w, o_out, c_in, kh, kw) if direct_x else w[:0]
         stride = sums_stride(h, g_columns)
         im2col_k = k if (needs_w and not direct_w) or (needs_x and not direct_x) else 0
-        for task in prange(tasks):
-            gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
-            cols = np.empty((im2col_k, positions), x.dtype)
-            product = np.empty((og, k if needs_w and not direct_w else 0), x.dtype)
-            padded = aligned_empty(padded_size(c_in, rows, columns) if direct_w else 0, x.dtype)
-            blocked_g = aligned_empty(positions * round_up(o_out, TILE_COLUMNS) if direct_w
-                                      else 0, x.dtype)
-            blocked_g[:] = 0
-            g_padded = aligned_empty(padded_size(o_out, g_rows, g_columns) if direct_x else 0,
-                                     x.dtype)
-            sums = aligned_empty(sums_size(c_in, h, g_columns) if direct_x else 0, x.dtype)
+        gradient = np.empty((o_out, positions), x.dtype)   # G: BLAS needs it in memory
+        cols = np.empty((im2col_k, positions), x.dtype)
+        product = np.empty((og, k if needs_w and not direct_w else 0), x.dtype)
+        padded = aligned_empty(padded_size(c_in, rows, columns) if direct_w else 0, x.dtype)
+        blocked_g = aligned_empty(positions * round_up(o_out, TILE_COLUMNS) if direct_w
+                                  else 0, x.dtype)
+        blocked_g[:] = 0   # its columns past O stay 0
+        g_padded = aligned_empty(padded_size(o_out, g_rows, g_columns) if direct_x else 0,
+                                 x.dtype)
+        sums = aligned_empty(sums_size(c_in, h, g_columns) if direct_x else 0, x.dtype)
+        for task in range(first_task, last_task):
             for n in range(task * nb // tasks, (task + 1) * nb // tasks):
                 _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partials[task],
                                  needs_b, act, alpha)
@@ -324,22 +370,9 @@ def _backward_kernel(path, act, name):
                         np.dot(w[g * og * k:(g + 1) * og * k].reshape((og, k)).T,
                                gradient[g * og:(g + 1) * og], cols)
                         _col2im_add(grad_x, n, g, geometry, cols)
-        # the direct partials are (K rounded up, O rounded up), the GEMM's (O, K)
-        o_columns = round_up(o_out, TILE_COLUMNS)
-        for index in range(w.size if needs_w else 0):
-            at = (index % k) * o_columns + index // k if direct_w else index
-            total = alpha - alpha
-            for task in range(tasks):
-                total += w_partials[task, at]
-            grad_w[index] = total
-        for o in range(b_partials.shape[1]):
-            total = alpha - alpha
-            for task in range(tasks):
-                total += b_partials[task, o]
-            grad_b[o] = total
 
     conv2d_backward.__name__ = conv2d_backward.__qualname__ = name
-    return njit(**CPU_KERNEL, parallel=True)(conv2d_backward)
+    return njit(**CPU_KERNEL, nogil=True)(conv2d_backward)
 
 
 PATH_NAMES = {RULE: "", DIRECT: "_direct", IM2COL: "_im2col"}
@@ -360,16 +393,42 @@ def conv2d_cpu_kernels(act, path=RULE):
             _backward_kernel(path, act, "conv2d_backward_cpu" + suffix))
 
 
+def _macs(meta):
+    """A convolution's multiply-adds (one gradient's as many)."""
+    nb, c_in, _, _, o_out, oh_n, ow_n, kh, kw = meta[:9]
+    return nb * o_out * oh_n * ow_n * (c_in // meta[15]) * kh * kw
+
+
+def _in_blocks(kernel, count, macs, *args):
+    """``kernel(*args, first, last)`` over ``range(count)`` (samples, or the backward's
+    tasks): in blocks on the engine's threads where the work pays for the hand-off
+    (``ops.cpu_threads.slice_blocks``), else one call. A sample, and a task's partials,
+    are the same bits in any block."""
+    blocks = slice_blocks(count, macs)
+    if blocks is None:
+        kernel(*args, 0, count)
+    else:
+        run_blocks([(kernel, (*args, first, last)) for first, last in blocks])
+
+
 def conv2d_cpu_functions(path=RULE):
     """``(forward, backward)``: the CPU functions the op runs, each picking the kernels of its
-    activation code on ``path`` (the benchmarks and tests force ``DIRECT`` or ``IM2COL``)."""
+    activation code on ``path`` (the benchmarks and tests force ``DIRECT`` or ``IM2COL``) and
+    running them in blocks on the engine's threads (Numba's ``prange`` did that before, and
+    doubled the kernels' compile time: see the module's notes)."""
     def conv2d_forward(x, w, bias, out, meta, act, alpha):
-        conv2d_cpu_kernels(act, path)[0](x, w, bias, out, meta, act, alpha)
+        meta = np.asarray(meta, np.int64)
+        _in_blocks(conv2d_cpu_kernels(act, path)[0], int(meta[0]), _macs(meta), x, w, bias,
+                   out, meta, act, alpha)
 
     def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x,
                         needs_w, needs_b):
-        conv2d_cpu_kernels(act, path)[1](x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act,
-                                         alpha, needs_x, needs_w, needs_b)
+        meta = np.asarray(meta, np.int64)
+        w_partials, b_partials = backward_partials(x, w, meta, path, needs_x, needs_w, needs_b)
+        _in_blocks(conv2d_cpu_kernels(act, path)[1], w_partials.shape[0],
+                   _macs(meta) * (int(needs_x) + int(needs_w)), x, w, y, grad_out, grad_x,
+                   w_partials, b_partials, meta, act, alpha, needs_x, needs_w, needs_b)
+        summed_partials(w_partials, b_partials, grad_w, grad_b, meta, path, needs_x, needs_w)
     conv2d_forward.__name__ = "conv2d_forward_cpu" + PATH_NAMES[path]
     conv2d_backward.__name__ = "conv2d_backward_cpu" + PATH_NAMES[path]
     return conv2d_forward, conv2d_backward

@@ -135,20 +135,26 @@ def test_conv2d_backward_is_bit_reproducible(device):
         np.testing.assert_array_equal(first, second)
 
 
-def test_conv2d_cpu_gradients_do_not_depend_on_the_thread_count():
-    import numba
-
-    import engine
+@pytest.mark.parametrize("shapes", [
+    ((9, 16, 10, 12), (32, 16, 3, 3), (32,)),   # 144 taps: the direct loops
+    ((9, 3, 25, 32), (32, 3, 3, 2), (32,))])  # 18 taps: im2col and BLAS
+def test_conv2d_cpu_is_the_same_bits_in_blocks_on_1_and_2_threads(shapes):
+    """The forward's samples and the backward's 8 batch slices run in blocks on the engine's
+    threads (9 samples: slices of 1 and 2); each sample and each slice's partials are the
+    same bits in any block, and the slices' partials add in order."""
     from ops import cpu_threads
+    from ops.conv_cpu import _macs
     results = []
     try:
-        for threads in (1, numba.config.NUMBA_NUM_THREADS):
-            engine.set_num_threads(threads)   # the prange loops run on the engine's count
-            x, w, b = _conv_inputs("cpu", ((9, 4, 7, 9), (6, 4, 3, 2), (6,)),
-                                   dtype=np.float32)   # 9 samples over 8 batch slices
-            apply(Conv2DOp, x, w, b, padding=1).sum().backward()
-            assert numba.get_num_threads() == threads
-            results.append([t.grad.numpy() for t in (x, w, b)])
+        for threads in (1, 2):
+            engine.set_num_threads(threads)
+            x, w, b = _conv_inputs("cpu", shapes, dtype=np.float32)
+            y = apply(Conv2DOp, x, w, b, padding=1)
+            meta = np.asarray(y._node.op.meta)
+            assert len(cpu_threads.slice_blocks(9, _macs(meta)) or [()]) == threads
+            assert len(cpu_threads.slice_blocks(8, 2 * _macs(meta)) or [()]) == threads
+            (y * y).sum().backward()
+            results.append([t.numpy() for t in (y, x.grad, w.grad, b.grad)])
     finally:
         cpu_threads.set_threads(None)
     for first, second in zip(*results):
