@@ -190,12 +190,10 @@ def _cpu_path_kernels(path):
     """``(forward, backward)`` CPU functions of ops.conv's kernels forced onto ``path`` (one
     of ``CPU_PATHS``), or its own for "rule"."""
     from ops import conv_cpu
-    from ops.cpu_threads import engine_threads
     if path == "rule":
-        return (engine_threads(conv_cpu.conv2d_forward_cpu),
-                engine_threads(conv_cpu.conv2d_backward_cpu))
+        return conv_cpu.conv2d_forward_cpu, conv_cpu.conv2d_backward_cpu
     forced = conv_cpu.DIRECT if path == "direct" else conv_cpu.IM2COL
-    return tuple(engine_threads(function) for function in conv_cpu.conv2d_cpu_functions(forced))
+    return conv_cpu.conv2d_cpu_functions(forced)
 
 
 def _on_cpu_path(kernels, call):

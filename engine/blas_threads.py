@@ -1,9 +1,10 @@
 """How many threads the engine's CPU kernels run on: one setting for the engine's GEMM
-split, Numba's ``prange`` loops and BLAS.
+split, its other kernels' blocks and BLAS.
 
 The count lives in ``ops.cpu_threads``: a large CPU GEMM is split into row blocks across that
 many threads, each block one single-threaded BLAS call, and the convolution, pooling and
-BatchNorm ``prange`` loops run on as many of Numba's threads. BLAS itself (``np.dot`` inside
+BatchNorm kernels run blocks of their samples, planes or channels on the same threads
+(Numba's own thread pool is never started). BLAS itself (``np.dot`` inside
 ``@njit`` calls SciPy's OpenBLAS) stays on one thread: its idle threads spin while they wait
 for work, so on a machine doing anything else they fight the other processes (on the
 project's 2-core machine, beside one busy process, ``python -m bench.mlp --device cpu`` took
@@ -51,8 +52,8 @@ def _set_blas_threads(n):
 
 def set_num_threads(n):
     """Run the engine's CPU kernels on ``n`` threads from now on: large GEMMs split into
-    ``n`` row blocks, ``prange`` loops on ``n`` of Numba's threads (at most its pool,
-    ``numba.config.NUMBA_NUM_THREADS``), every BLAS library of the process on one thread.
+    ``n`` row blocks, the other kernels' blocks on as many threads, every BLAS library of
+    the process on one thread.
 
     ``n`` is a positive integer; more threads than cores is allowed. Anything else is a
     ValueError. The count no longer follows the machine's load."""

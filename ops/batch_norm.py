@@ -26,10 +26,9 @@ import math
 import numpy as np
 from numba import njit
 
-from ops.batch_norm_cpu import batch_norm_backward_cpu, batch_norm_cpu
+from ops.batch_norm_cpu import batch_norm_backward_blocks_cpu, batch_norm_blocks_cpu
 from ops.batch_norm_cuda import batch_norm_backward_plan, batch_norm_plan
 from ops.block_reduce import SUM
-from ops.cpu_threads import engine_threads
 from ops.cuda import cuda
 from ops.dispatch import Out, run
 from ops.elementwise import BINARY, MUL, SUB, binary
@@ -38,8 +37,8 @@ from ops.layout import flat
 from ops.reduce import REDUCE, reduce
 from ops.registry import Op, register
 
-BATCH_NORM = Kernel("batch_norm", engine_threads(batch_norm_cpu), cuda_plan=batch_norm_plan)
-BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", engine_threads(batch_norm_backward_cpu),
+BATCH_NORM = Kernel("batch_norm", batch_norm_blocks_cpu, cuda_plan=batch_norm_plan)
+BATCH_NORM_BACKWARD = Kernel("batch_norm_backward", batch_norm_backward_blocks_cpu,
                              cuda_plan=batch_norm_backward_plan)
 
 

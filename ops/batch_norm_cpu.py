@@ -1,22 +1,26 @@
 """The CPU kernels of BatchNorm (``ops.batch_norm``): one kernel forward (statistics,
 running-statistics update and normalisation) and one backward (both sums and dx), each a
-parallel loop over channels, or over the rows of a (N, C) input.
+loop over a block of channels run on the engine's threads (``ops.cpu_threads.in_blocks``),
+or over the rows of a (N, C) input in one call.
 
 Measured on the 2-core CPU (128x64x14x14 float32): the two-pass statistics take 1.58 ms
 against 1.24 for one pass of sums and sums of squares, kept for the cancellation the latter
 suffers at large means (the CUDA kernels' one pass is shifted by a value of the channel
-instead); ``prange`` over channels took the forward from 1.9 to 1.0 ms and the backward from
-1.8 to 0.94 (torch: 2.0 and 1.0 on one thread), and the sums in vector lanes (``_SUMS``)
-take them to 0.53 and 0.47. A (N, C) input walks its rows, channels inner,
+instead); two threads over the channels (``prange`` then) took the forward from 1.9 to 1.0
+ms and the backward from 1.8 to 0.94 (torch: 2.0 and 1.0 on one thread), and the sums in
+vector lanes (``_SUMS``) take them to 0.53 and 0.47. A (N, C) input walks its rows, channels inner,
 instead of one strided channel at a time: 128x128 forward 83 -> 15 us, backward 88 -> 17 us
 (torch on one thread: 14 and 27 us).
 """
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from ops.cpu_threads import in_blocks
 from ops.launch import CPU_KERNEL
+
+_CHANNEL_LOOPS = dict(CPU_KERNEL, nogil=True)   # a block of channels a call
 
 # meta: a tuple of ints (N, C, S, training, has_weight, has_bias); the backward's adds
 # (needs_x, needs_w, needs_b): the buffer of a gradient not asked for is a placeholder never
@@ -134,9 +138,9 @@ def _channel_gradient_sums(x, grad_out, c, nb, channels, inner, mean):
     return sum_dy, sum_dy_centred
 
 
-@njit(**CPU_KERNEL, parallel=True)
+@njit(**_CHANNEL_LOOPS)
 def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, saved_invstd,
-                   meta, momentum, eps):
+                   meta, momentum, eps, first_channel, last_channel):
     nb, channels, inner, training, has_weight, has_bias = (meta[0], meta[1], meta[2],
                                                            meta[3], meta[4], meta[5])
     if inner == 1:   # (N, C): a channel's values are strided, so walk the rows instead
@@ -144,7 +148,7 @@ def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, sa
                          saved_invstd, meta, momentum, eps)
         return
     count = nb * inner
-    for c in prange(channels):
+    for c in range(first_channel, last_channel):
         if training:
             mean = _channel_sum(x, c, nb, channels, inner, 0.0, False) / count
             var = _channel_sum(x, c, nb, channels, inner, mean, True) / count
@@ -165,9 +169,9 @@ def batch_norm_cpu(x, running_mean, running_var, weight, bias, y, saved_mean, sa
                 destination[s] = (source[s] - typed_mean) * typed_scale + typed_shift
 
 
-@njit(**CPU_KERNEL, parallel=True)
+@njit(**_CHANNEL_LOOPS)
 def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_x, grad_w,
-                            grad_b, meta):
+                            grad_b, meta, first_channel, last_channel):
     nb, channels, inner, training, has_weight = meta[0], meta[1], meta[2], meta[3], meta[4]
     needs_x, needs_w, needs_b = meta[6], meta[7], meta[8]
     if inner == 1:
@@ -175,7 +179,7 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
                                   grad_w, grad_b, meta)
         return
     count = nb * inner
-    for c in prange(channels):
+    for c in range(first_channel, last_channel):
         mean, invstd = saved_mean[c], saved_invstd[c]
         sum_dy, sum_dy_xhat = _channel_gradient_sums(x, grad_out, c, nb, channels, inner,
                                                      mean)
@@ -200,3 +204,15 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
                 xhat = (source[s] - typed_mean) * typed_invstd
                 destination[s] = scale * (gradient[s] - mean_dy - xhat * mean_dy_xhat)
 
+
+
+def _channels(seconds_per_element):
+    """``in_blocks``' rule: blocks of the channels (meta, argument 8: (N, C, S, ...)), by one
+    thread's time an element; a (N, C) input (S = 1) walks its rows in one call."""
+    return (lambda args: int(args[8][1]) if args[8][2] > 1 else 1,
+            lambda args: args[0].size * seconds_per_element)
+
+
+# one thread's time an element (128x64x14x14 float32, the 2-core EPYC: the notes above)
+batch_norm_blocks_cpu = in_blocks(batch_norm_cpu, *_channels(0.66e-9))
+batch_norm_backward_blocks_cpu = in_blocks(batch_norm_backward_cpu, *_channels(0.6e-9))

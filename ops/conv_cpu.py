@@ -8,7 +8,7 @@ CPU: per sample and group, im2col into a (Cg·KH·KW, OH·OW) buffer and one BLA
 (``np.dot`` inside ``@njit``) straight into the output, then one pass adds the bias and
 activates in place. The backward computes G once per sample, then ``dx`` as
 ``col2im(w_gᵀ @ G_g)`` and ``dw`` as ``Σ_n G_g @ colsᵀ``. The forward runs in blocks of
-samples on the engine's threads (``ops.cpu_threads.run_blocks``); the backward splits the
+samples on the engine's threads (``ops.cpu_threads.run_over``); the backward splits the
 batch into ``BACKWARD_TASKS`` fixed slices, each summing its own partial dw and db, runs
 blocks of slices, and adds the partials in slice order: the same sums on any thread count.
 Measured on the 2-core CPU, the kernels alone, float32, batch 128, best of 25 rounds (thread
@@ -38,7 +38,7 @@ from ops.conv_direct_cpu import (TILE_COLUMNS, aligned_empty, blocked_weights, c
                                  gradient_extents, input_extents, padded_size, position_offsets,
                                  round_up, sums_size, sums_stride, tap_offsets,
                                  weight_partial_size)
-from ops.cpu_threads import run_blocks, slice_blocks
+from ops.cpu_threads import run_over, slice_blocks
 from ops.launch import CPU_KERNEL
 from ops.constant_code import kernels_of_code
 from ops.pointwise import ACTIVATIONS, IDENTITY, derivative_cpu, value_cpu
@@ -399,18 +399,6 @@ def _macs(meta):
     return nb * o_out * oh_n * ow_n * (c_in // meta[15]) * kh * kw
 
 
-def _in_blocks(kernel, count, macs, *args):
-    """``kernel(*args, first, last)`` over ``range(count)`` (samples, or the backward's
-    tasks): in blocks on the engine's threads where the work pays for the hand-off
-    (``ops.cpu_threads.slice_blocks``), else one call. A sample, and a task's partials,
-    are the same bits in any block."""
-    blocks = slice_blocks(count, macs)
-    if blocks is None:
-        kernel(*args, 0, count)
-    else:
-        run_blocks([(kernel, (*args, first, last)) for first, last in blocks])
-
-
 def conv2d_cpu_functions(path=RULE):
     """``(forward, backward)``: the CPU functions the op runs, each picking the kernels of its
     activation code on ``path`` (the benchmarks and tests force ``DIRECT`` or ``IM2COL``) and
@@ -418,16 +406,19 @@ def conv2d_cpu_functions(path=RULE):
     doubled the kernels' compile time: see the module's notes)."""
     def conv2d_forward(x, w, bias, out, meta, act, alpha):
         meta = np.asarray(meta, np.int64)
-        _in_blocks(conv2d_cpu_kernels(act, path)[0], int(meta[0]), _macs(meta), x, w, bias,
-                   out, meta, act, alpha)
+        samples = int(meta[0])
+        run_over(conv2d_cpu_kernels(act, path)[0], samples, slice_blocks(samples, _macs(meta)),
+                 x, w, bias, out, meta, act, alpha)
 
     def conv2d_backward(x, w, y, grad_out, grad_x, grad_w, grad_b, meta, act, alpha, needs_x,
                         needs_w, needs_b):
         meta = np.asarray(meta, np.int64)
         w_partials, b_partials = backward_partials(x, w, meta, path, needs_x, needs_w, needs_b)
-        _in_blocks(conv2d_cpu_kernels(act, path)[1], w_partials.shape[0],
-                   _macs(meta) * (int(needs_x) + int(needs_w)), x, w, y, grad_out, grad_x,
-                   w_partials, b_partials, meta, act, alpha, needs_x, needs_w, needs_b)
+        tasks = w_partials.shape[0]   # a task's partials: the same bits in any block
+        run_over(conv2d_cpu_kernels(act, path)[1], tasks,
+                 slice_blocks(tasks, _macs(meta) * (int(needs_x) + int(needs_w))), x, w, y,
+                 grad_out, grad_x, w_partials, b_partials, meta, act, alpha, needs_x, needs_w,
+                 needs_b)
         summed_partials(w_partials, b_partials, grad_w, grad_b, meta, path, needs_x, needs_w)
     conv2d_forward.__name__ = "conv2d_forward_cpu" + PATH_NAMES[path]
     conv2d_backward.__name__ = "conv2d_backward_cpu" + PATH_NAMES[path]

@@ -13,8 +13,7 @@ blocks 544 us through the executor, 321 spinning, 502 whole on one thread.
 
 A worker spins for at most ``SPIN_S`` without work, then sleeps on its condition (so an idle
 process holds no core), and the next block wakes it through the condition (the executor's
-cost, once). ``park_workers`` puts them to sleep at once: before a ``prange`` kernel, whose
-OpenMP threads would otherwise share their cores with spinning workers.
+cost, once).
 
 A block of NumPy's ``matmul`` (``ops.gemm.cpu.blas_product``) is handed over as its CBLAS
 call (``ops.gemm.cblas``), and a block of an ``@njit`` kernel as a record of its native call
@@ -212,7 +211,7 @@ def _run(call):
 class _Worker:
     """One thread, its flags (the job's number and kind, and the number of the last job
     done, on two cache lines), what it is handed (a GEMM's description, a compiled call's
-    record, or a Python call: None puts it to sleep) and what that call raised."""
+    record, or a Python call) and what that call raised."""
 
     def __init__(self, slot, sgemm):
         self.flags = np.zeros(2 * FLAG_STRIDE, dtype=np.int64)
@@ -221,21 +220,20 @@ class _Worker:
         self.number = self.seen = 0   # of the last job handed over, and the last one seen
         self.call = self.error = self.record = None
         self.kernel_name = ""
-        self.sleeping = self.parked = False   # parked: its last job was to go to sleep
+        self.sleeping = False
         self.wake = threading.Condition(threading.Lock())
         self.thread = threading.Thread(target=self._loop, name=f"engine-split-{slot}",
                                        daemon=True)
         self.thread.start()
 
     def hand(self, call):
-        """Give the worker ``call`` (a ``(function, args)`` pair, or None to put it to
-        sleep now). A float32 block of ``out = a @ b`` by NumPy (a function marked
+        """Give the worker ``call`` (a ``(function, args)`` pair). A float32 block of ``out = a @ b`` by NumPy (a function marked
         ``is_matmul``, args ``(a, b, out)``) goes as its CBLAS call, a call of an ``@njit``
         kernel as its record (``ops.compiled_call``): both run without the GIL. (Without
         NumPy's CBLAS the worker's loop is the plain one: every block a Python call.)"""
-        self.error, self.parked, self.record = None, call is None, None
+        self.error, self.record = None, None
         self.flags[_KIND], self.call = _PYTHON, call
-        if call is not None and self.sgemm is not None:
+        if self.sgemm is not None:
             function, args = call
             if getattr(function, "is_matmul", False):
                 if cblas.describable(*args) and cblas.describe(self.description, *args):
@@ -244,22 +242,20 @@ class _Worker:
                 self.description[0], self.record = record.ctypes.data, record
                 self.kernel_name = getattr(function, "__name__", "a kernel")
                 self.flags[_KIND], self.call = _COMPILED, None
-        # a sleeping worker is not woken to be put to sleep: it finds the job when it wakes
-        self._publish(self.number + 1, wake=call is not None)
+        self._publish(self.number + 1)
 
     def stop(self):
         self.call = None
         self.flags[_KIND] = _PYTHON
-        self._publish(STOP, wake=True)
+        self._publish(STOP)
 
-    def _publish(self, number, wake):
+    def _publish(self, number):
         if number != STOP:
             self.number = number
         publish(self.flags, _JOB, number)
-        if wake:
-            with self.wake:   # under the lock, so a worker on its way to sleep sees the number
-                if self.sleeping:
-                    self.wake.notify()
+        with self.wake:   # under the lock, so a worker on its way to sleep sees the number
+            if self.sleeping:
+                self.wake.notify()
 
     def wait(self):
         """Until the worker's job is done, running it here if the worker has not started it
@@ -277,45 +273,39 @@ class _Worker:
         return self.error
 
     def _loop(self):
-        spin = True
         while True:
-            number = self._next_job(spin)
+            number = self._next_job()
             if number == STOP:
                 return
-            self.seen, spin = number, True
+            self.seen = number
             if claim(self.flags, number):   # else the caller took it back, and runs it
-                spin = self._run_claimed(number)
+                self._run_claimed(number)
 
     def _run_claimed(self, number):
         """Run job ``number``, which this thread claimed (a GEMM here only if it came while
-        the worker slept), then mark it done: False for a job that puts the worker to sleep."""
+        the worker slept), then mark it done."""
         if self.flags[_KIND] != _PYTHON:
             run_described(self.flags[_KIND], self.description, self.sgemm)
-            work = True
         else:
             call, self.call = self.call, None
-            work = call is not None
-            if work:
-                self.error = _run(call)
+            self.error = _run(call)
         publish(self.flags, _DONE, number)
-        return work
 
-    def _next_job(self, spin):
-        """The next job's number: spinning up to ``SPIN_S`` in compiled code (when ``spin``;
-        GEMM and compiled jobs that come meanwhile run there and start the spin again), then
+    def _next_job(self):
+        """The next job's number: spinning up to ``SPIN_S`` in compiled code (GEMM and
+        compiled jobs that come meanwhile run there and start the spin again), then
         asleep. The spin never comes back to Python before a job comes: it would take the GIL
         every time, which the caller's Python holds, and in an eager step (Python between
         every kernel) the worker then missed blocks for hundreds of us."""
-        if spin:
-            spins = spins_in(SPIN_S)
-            if self.sgemm is None:
-                number, timed_out = wait_for_job(self.flags, self.seen, spins)
-            else:
-                number, timed_out = serve_compiled(self.flags, self.description, self.sgemm,
-                                                   self.seen, spins)
-            if not timed_out:
-                return number
-            self.seen = number
+        spins = spins_in(SPIN_S)
+        if self.sgemm is None:
+            number, timed_out = wait_for_job(self.flags, self.seen, spins)
+        else:
+            number, timed_out = serve_compiled(self.flags, self.description, self.sgemm,
+                                               self.seen, spins)
+        if not timed_out:
+            return number
+        self.seen = number
         with self.wake:
             self.sleeping = True
             while (number := int(self.flags[_JOB])) == self.seen:
@@ -362,16 +352,6 @@ def run_calls(calls):
     if error is not None:
         raise error
     return own
-
-
-def park_workers():
-    """Put spinning workers to sleep now (before Numba's ``prange`` threads need the cores).
-    Each worker handed work since it was last parked gets the job, even one that looks
-    asleep: it may be on its way out of sleep to a block the caller took back."""
-    if _workers_process == os.getpid():
-        for worker in _workers:
-            if not worker.parked:
-                worker.hand(None)
 
 
 def _stop_workers():

@@ -15,8 +15,9 @@ default, the CPUs the process may use less those that other processes kept busy:
 - an element kernel (an optimizer's update, ``ops.element_kernel``) over
   ``SPLIT_MIN_ELEMENTS`` elements or more runs in blocks of its elements the same way
   (``element_blocks``);
-- the ``prange`` loops of the convolutions, pooling and BatchNorm run on as many of Numba's
-  threads (``engine_threads``), so a busy neighbour caps them too.
+- the convolutions, pooling and BatchNorm run their samples, planes or channels in blocks
+  the same way (``in_blocks``; ``prange`` loops doubled their compile time: the CNN's first
+  step from an empty cache compiled its conv kernels in 32.1 s, 16.1 without).
 
 Following the load reads no clock in a thread of its own: at most once every
 ``LOAD_INTERVAL_S`` (about an epoch of the reference MLP), the first kernel that asks reads
@@ -36,7 +37,9 @@ import os
 import threading
 import time
 
-from ops.cpu_pool import park_workers, run_calls
+import numpy as np
+
+from ops.cpu_pool import run_calls
 
 # A block is worth a thread when its BLAS call takes a few times the pool's hand-off. The
 # pool's workers run a GEMM block as its CBLAS call from compiled code (ops.cpu_pool), 2-3 us
@@ -354,33 +357,26 @@ def _fall_back_to_one_thread():
             _count, _next_reading = 1, time.monotonic() + LOAD_INTERVAL_S
 
 
-# ------------------------------------------------------------------ Numba's prange loops
+# ------------------------------------------------------------------ kernels over blocks
 
-_numba_applied = threading.local()   # Numba's count is per calling thread
-
-
-def _omp_threads_sleep_when_idle():
-    """Before Numba's OpenMP pool starts (libgomp reads the variable as it loads): its idle
-    threads sleep instead of spinning, unless the user chose OMP_WAIT_POLICY. A spinning
-    thread kept the second core after each prange loop, so the split worker of the CNN's
-    Dense ran late: 2 of 3 splits stalled in runs, the default fell to one thread for 11-24
-    of 50 steps (54-75 ms a step on the 2-core machine); passive, none did in 6 epochs of 50
-    (48.5-56.1 ms). With 2 threads fixed, passive cost 0.4 s of a 4.7-5.2 s epoch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def run_over(kernel, count, blocks, *args):
+    """``kernel(*args, first, last)`` (a ``nogil`` ``@njit`` kernel over ``range(count)``:
+    samples, planes, channels) once per block of ``blocks`` on the engine's threads, or once
+    over the whole range for None."""
+    if blocks is None:
+        kernel(*args, 0, count)
+    else:
+        run_blocks([(kernel, (*args, first, last)) for first, last in blocks])
 
 
-def engine_threads(kernel):
-    """``kernel`` (a ``prange`` ``@njit`` kernel) run on ``threads()`` of Numba's threads:
-    the pool starts at the first call of such a kernel, not at ``import engine``."""
+def in_blocks(kernel, count_of, seconds_of):
+    """The CPU function that runs ``kernel`` (see ``run_over``) over ``range(count_of(args))``
+    in blocks each worth ``MIN_BLOCK_SECONDS`` by ``seconds_of(args)`` (one thread's time
+    for the whole range). A tuple argument (an op's meta) goes to the kernel as an int64
+    array, so a worker's block is a compiled call (``ops.compiled_call``)."""
     @functools.wraps(kernel)
     def on_engine_threads(*args):
-        count = threads()
-        if count > 1:
-            park_workers()
-        if getattr(_numba_applied, "count", None) != count:
-            _omp_threads_sleep_when_idle()
-            import numba
-            numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
-            _numba_applied.count = count
-        return kernel(*args)
+        args = tuple(np.asarray(a, np.int64) if type(a) is tuple else a for a in args)
+        count = count_of(args)
+        run_over(kernel, count, work_blocks(count, seconds_of(args)), *args)
     return on_engine_threads

@@ -1,5 +1,5 @@
 """The adjoint pairs written as one loop each (``ops.conv_cpu._patch_loop``: im2col and
-col2im-add; ``ops.pool._avg_pool_loop``: the average pool and its gradient) compute what the
+col2im-add; ``ops.pool_cpu._avg_pool_loop``: the average pool and its gradient) compute what the
 two loops they replaced computed, bit for bit: against references written as those loops'
 arithmetic in its order, element by element in float32, and against each other (an adjoint
 pair satisfies ``<im2col(x), c> = <x, col2im(c)>``). On CUDA the average pool gathers in the
@@ -11,7 +11,8 @@ import pytest
 import engine
 from engine.autograd import apply
 from ops.conv_cpu import _col2im_add, _im2col
-from ops.pool import AvgPool2DOp, avg_pool_cpu, avg_pool_grad_cpu
+from ops.pool import AvgPool2DOp
+from ops.pool_cpu import avg_pool_blocks_cpu, avg_pool_grad_blocks_cpu
 
 # (N, C, H, W, O, KH, KW, SH, SW, PT, PB, PL, PR, DH, DW, GROUPS)
 CONV_GEOMETRIES = {
@@ -104,7 +105,7 @@ def test_avg_pool_and_its_gradient_are_the_loops_they_replaced(geometry):
                     yield (plane * oh_n + oh) * ow_n + ow, inside
 
     out = np.full(grad_out.size, np.nan, np.float32)
-    avg_pool_cpu(x, out, meta, scale)
+    avg_pool_blocks_cpu(x, out, meta, scale)
     want = np.empty_like(out)
     for at, inside in windows():   # the window's sum in row-major order, then the scale
         total = np.float32(0)
@@ -114,7 +115,7 @@ def test_avg_pool_and_its_gradient_are_the_loops_they_replaced(geometry):
     assert out.tobytes() == want.tobytes()
 
     grad_x = np.full(x.size, np.nan, np.float32)
-    avg_pool_grad_cpu(grad_out, grad_x, meta, scale)
+    avg_pool_grad_blocks_cpu(grad_out, grad_x, meta, scale)
     want = np.zeros_like(x)
     for at, inside in windows():   # each input adds its windows in row-major window order
         for index in inside:

@@ -350,7 +350,7 @@ def test_max_pool_propagates_nan(device):
 
 
 def test_the_halving_pools_own_cpu_loop_gives_the_general_loop_s_bits():
-    """2x2 at stride 2 (ops.pool._halving) runs a loop of its own on the CPU: the general
+    """2x2 at stride 2 (ops.pool_cpu._halving) runs a loop of its own on the CPU: the general
     loop's results bit for bit, written out in float32 in its order (ties to the first
     maximum, NaN to the last, sums from 0 in row-major order, then the scale), the odd
     row and column no window holds dropped (forward) or given 0 (backward)."""

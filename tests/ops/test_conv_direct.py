@@ -18,7 +18,6 @@ from ops.conv import Conv2DOp
 from ops.conv_cpu import (DIRECT, DIRECT_MIN_TAPS, IM2COL, conv2d_cpu_functions,
                           direct_backward_fits, direct_forward_pays)
 from ops.pointwise import RELU
-from ops.cpu_threads import engine_threads
 from tests.support.op_check import Case, check_op
 from tests.support.references import np_conv2d
 
@@ -52,9 +51,7 @@ def direct_kernels():
     """ops.conv's CPU kernels forced onto the direct loops while a test runs."""
     from ops import conv
     saved = conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu
-    forward, backward = conv2d_cpu_functions(DIRECT)
-    conv.CONV2D_FORWARD.cpu = engine_threads(forward)
-    conv.CONV2D_BACKWARD.cpu = engine_threads(backward)
+    conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu = conv2d_cpu_functions(DIRECT)
     yield
     conv.CONV2D_FORWARD.cpu, conv.CONV2D_BACKWARD.cpu = saved
 

@@ -79,20 +79,10 @@ def test_an_idle_worker_sleeps_after_its_spin_and_the_next_block_wakes_it(monkey
     assert ran == [1]
 
 
-def test_parked_workers_sleep_at_once_and_wake_for_the_next_split(monkeypatch):
-    monkeypatch.setattr(cpu_pool, "SPIN_S", 60.0)   # they would spin for a minute
-    run_calls([(lambda: None, ()), (lambda: None, ()), (lambda: None, ())])
-    cpu_pool.park_workers()
-    _until(lambda: all(worker.sleeping for worker in cpu_pool.workers(2)))
-    ran = []
-    run_calls([(lambda: None, ()), (ran.append, (1,)), (ran.append, (2,))])
-    assert sorted(ran) == [1, 2]
-
-
 def test_a_job_is_claimed_once_and_never_a_number_already_passed():
     flags = np.zeros(2 * cpu_pool.FLAG_STRIDE, dtype=np.int64)
     assert cpu_pool.claim(flags, 1) and not cpu_pool.claim(flags, 1)
-    assert cpu_pool.claim(flags, 3)   # a job handed over unseen (a park) is skipped
+    assert cpu_pool.claim(flags, 3)   # a job handed over unseen is skipped
     assert not cpu_pool.claim(flags, 2)
 
 
@@ -114,23 +104,3 @@ def test_a_block_its_worker_has_not_started_is_run_by_the_caller():
     assert isinstance(worker.wait(), KeyError)
 
 
-def test_a_worker_that_looks_asleep_is_still_parked(monkeypatch):
-    """A worker woken for a block the caller then took back still reads as asleep for a
-    moment; skipped by park_workers it would have spun on beside Numba's prange threads."""
-    import os
-    monkeypatch.setattr(cpu_pool, "SPIN_S", 60.0)
-    worker = cpu_pool._Worker(98, None)
-    try:
-        worker.hand((lambda: None, ()))
-        assert worker.wait() is None   # now spinning for a minute
-        worker.sleeping = True   # as when it has been notified but not yet run
-        monkeypatch.setattr(cpu_pool, "_workers", [worker])
-        monkeypatch.setattr(cpu_pool, "_workers_process", os.getpid())
-        cpu_pool.park_workers()
-        _until(lambda: worker.flags[cpu_pool._DONE] == worker.number)   # the park job ran
-        assert worker.parked
-        cpu_pool.park_workers()   # parked already: nothing handed
-        assert worker.flags[cpu_pool._JOB] == worker.number
-    finally:
-        worker.stop()
-        worker.thread.join(5)

@@ -282,3 +282,29 @@ def test_layer_norm_and_its_gradients_are_the_same_bits_on_1_and_2_threads():
         y.backward(engine.tensor(g))
         results.append([y.numpy().copy()] + [t.grad.numpy().copy() for t in tensors])
     assert_same_bits(results)
+
+
+def test_pools_and_batch_norm_are_the_same_bits_in_blocks_on_1_and_2_threads(monkeypatch):
+    """The pools' planes and BatchNorm's channels run in blocks on 2 threads
+    (ops.cpu_threads.in_blocks): each of the six kernels splits, and every result and
+    gradient is the same bits as on one thread."""
+    splits = []
+    run_blocks = cpu_threads.run_blocks
+    monkeypatch.setattr(cpu_threads, "run_blocks",
+                        lambda calls: (splits.append(calls[0][0].__name__), run_blocks(calls)))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((8, 16, 64, 63)).astype(np.float32)
+    results = []
+    for threads in THREAD_COUNTS:
+        splits.clear()
+        engine.set_num_threads(threads)
+        t = engine.tensor(x, requires_grad=True)
+        weight, bias = (engine.tensor(np.full(16, v, np.float32), requires_grad=True)
+                        for v in (1.5, 0.25))
+        y = engine.batch_norm(t, engine.zeros(16), engine.ones(16), weight, bias,
+                              training=True)
+        y = engine.max_pool2d(y, 3, 2, 1) + engine.avg_pool2d(y, 3, 2, 1)
+        (y * y).sum().backward()
+        results.append([y.numpy().copy()] + [a.grad.numpy().copy() for a in (t, weight, bias)])
+        assert len(splits) == (6 if threads == 2 else 0), splits
+    assert_same_bits(results)

@@ -1,0 +1,190 @@
+"""The CPU kernels of MaxPool2D and AvgPool2D (``ops.pool`` has the ops, their semantics and
+the CUDA kernels): each walks a block of planes and their rows with no index division per
+element, and runs in blocks of planes on the engine's threads (``ops.cpu_threads.in_blocks``):
+a plane's results are the same bits in any block.
+"""
+import numpy as np
+from numba import njit
+
+from ops.conv_cpu import valid_range
+from ops.cpu_threads import in_blocks
+from ops.launch import CPU_KERNEL
+
+_PLANE_LOOPS = dict(CPU_KERNEL, error_model="numpy", nogil=True)   # a block of planes a call
+
+
+@njit(inline="always")
+def _geometry_cpu(meta):
+    return (meta[0], meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], meta[7], meta[8],
+            meta[9], meta[10])
+
+
+@njit(inline="always")
+def _halving(kh, kw, sh, sw, ph, pw):
+    """The 2x2 window at stride 2 without padding (both pools of engine.models' CNN): the CPU
+    kernels run it as its own loop, with no window bounds, in the general loop's order, so
+    the results are the same bits. Measured on the 2-core machine, the CNN's step replayed
+    (bench.cpu_step --model cnn, 2 threads): max forward over 128x32x28x28 6.5 ms in the
+    general loop; avg forward and backward over 128x64x14x14 2.3 and 2.2 ms."""
+    return kh == 2 and kw == 2 and sh == 2 and sw == 2 and ph == 0 and pw == 0
+
+
+@njit(inline="always")
+def _take_larger(top, top_at, value, value_at):
+    """The running maximum after ``value``: it wins when larger, or NaN (a select, not a
+    branch: see the module docstring)."""
+    better = (value > top) | (value != value)
+    return (value if better else top), (value_at if better else top_at)
+
+
+@njit(inline="always")
+def _max_halving_row(source, first, w, best, best_at):
+    """One output row of the halving max, its windows' top-left elements at ``first + 2·ow``
+    of the plane ``source``."""
+    for ow in range(best.size):
+        at = first + 2 * ow
+        top, top_at = _take_larger(source[at], at, source[at], at)
+        top, top_at = _take_larger(top, top_at, source[at + 1], at + 1)
+        top, top_at = _take_larger(top, top_at, source[at + w], at + w)
+        top, top_at = _take_larger(top, top_at, source[at + w + 1], at + w + 1)
+        best[ow], best_at[ow] = top, top_at
+
+
+@njit(**_PLANE_LOOPS)
+def max_pool_cpu(x, out, argmax, meta, first_plane, last_plane):
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+    halving = _halving(kh, kw, sh, sw, ph, pw)
+    for plane in range(first_plane, last_plane):
+        source = x[plane * h * w:(plane + 1) * h * w]
+        for oh in range(oh_n):
+            at = (plane * oh_n + oh) * ow_n
+            best, best_at = out[at:at + ow_n], argmax[at:at + ow_n]
+            if halving:
+                _max_halving_row(source, 2 * oh * w, w, best, best_at)
+                continue
+            h0 = oh * sh - ph
+            for ow in range(ow_n):
+                w0 = ow * sw - pw
+                top_at = max(h0, 0) * w + max(w0, 0)
+                top = source[top_at]
+                for ih in range(max(h0, 0), min(h0 + kh, h)):
+                    for iw in range(max(w0, 0), min(w0 + kw, w)):
+                        top, top_at = _take_larger(top, top_at, source[ih * w + iw],
+                                                   ih * w + iw)
+                best[ow], best_at[ow] = top, top_at
+
+
+@njit(**_PLANE_LOOPS)
+def max_pool_grad_cpu(argmax, grad_out, grad_in, meta, first_plane, last_plane):
+    """Scatters each window's gradient to its argmax, windows in row-major order: each input
+    element sums its windows in the order of the CUDA gather."""
+    planes, h, w, oh_n, ow_n = meta[0], meta[1], meta[2], meta[3], meta[4]
+    zero = grad_in.dtype.type(0)
+    for plane in range(first_plane, last_plane):
+        target = grad_in[plane * h * w:(plane + 1) * h * w]
+        for i in range(h * w):
+            target[i] = zero
+        first = plane * oh_n * ow_n
+        for o in range(first, first + oh_n * ow_n):
+            target[argmax[o]] += grad_out[o]
+
+
+@njit(inline="always")
+def _avg_halving_plane(image, windows, h, w, oh_n, ow_n, scale, adjoint):
+    """One plane of the halving average: each window the sum of its 4 elements in
+    row-major order, then scaled; or its adjoint (``adjoint``, the caller's constant): each
+    element in a window gets ``(0 + its window's gradient) · scale`` (windows do not
+    overlap: one add each), the row and column no window holds (an odd size) 0. The general
+    loop's sums in its order, so the same bits. Not in the loop's closure: a closure over a
+    compiled function is compiled again in every process (tests/ops/test_numba_cache.py)."""
+    zero = scale - scale
+    for oh in range(oh_n):
+        row = windows[oh * ow_n:(oh + 1) * ow_n]
+        top = 2 * oh * w
+        for ow in range(ow_n):
+            at = top + 2 * ow
+            if adjoint:
+                value = (zero + row[ow]) * scale
+                image[at] = image[at + 1] = image[at + w] = image[at + w + 1] = value
+            else:
+                total = zero + image[at]
+                total += image[at + 1]
+                total += image[at + w]
+                total += image[at + w + 1]
+                row[ow] = total * scale
+        if adjoint:
+            for iw in range(2 * ow_n, w):   # the column no window holds
+                image[top + iw] = image[top + w + iw] = zero
+    if adjoint:
+        for i in range(2 * oh_n * w, h * w):   # the row no window holds
+            image[i] = zero
+
+
+def _avg_pool_loop(adjoint):
+    """The CPU average pool (``adjoint=False``): ``avg_pool_cpu(x, out, meta, scale)``, each
+    output the sum of its window in row-major order, then scaled; or its adjoint (``True``):
+    ``avg_pool_grad_cpu(grad_out, grad_in, meta, scale)``, each plane zeroed, every window's
+    gradient scattered over it, then scaled, so every input element adds its windows in
+    row-major window order (j descending is ow ascending), as the CUDA gather does. One loop
+    written once; the direction is a constant of the closure, so each compiled kernel holds
+    only its own branches (Numba prunes ``if`` on a frozen closure value)."""
+
+    def avg_pool_loop(source, target, meta, scale, first_plane, last_plane):
+        planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
+        zero = scale - scale
+        halving = _halving(kh, kw, sh, sw, ph, pw)
+        for plane in range(first_plane, last_plane):
+            image = (target if adjoint else source)[plane * h * w:(plane + 1) * h * w]
+            if halving:
+                windows = (source if adjoint else target)[
+                    plane * oh_n * ow_n:(plane + 1) * oh_n * ow_n]
+                _avg_halving_plane(image, windows, h, w, oh_n, ow_n, scale, adjoint)
+                continue
+            if adjoint:
+                for i in range(h * w):
+                    image[i] = zero
+            for oh in range(oh_n):
+                at = (plane * oh_n + oh) * ow_n
+                windows = (source if adjoint else target)[at:at + ow_n]
+                if not adjoint:
+                    for ow in range(ow_n):
+                        windows[ow] = zero
+                h0 = oh * sh - ph
+                for ih in range(max(h0, 0), min(h0 + kh, h)):
+                    for tap in range(kw):
+                        j = kw - 1 - tap if adjoint else tap
+                        ow_lo, ow_hi = valid_range(ow_n, sw, j - pw, w)
+                        for ow in range(ow_lo, ow_hi):
+                            if adjoint:
+                                image[ih * w + ow * sw - pw + j] += windows[ow]
+                            else:
+                                windows[ow] += image[ih * w + ow * sw - pw + j]
+                if not adjoint:
+                    for ow in range(ow_n):
+                        windows[ow] *= scale
+            if adjoint:
+                for i in range(h * w):
+                    image[i] *= scale
+
+    avg_pool_loop.__name__ = avg_pool_loop.__qualname__ = ("avg_pool_grad_cpu" if adjoint
+                                                           else "avg_pool_cpu")
+    return njit(**_PLANE_LOOPS)(avg_pool_loop)
+
+
+avg_pool_cpu = _avg_pool_loop(adjoint=False)
+avg_pool_grad_cpu = _avg_pool_loop(adjoint=True)
+
+
+def _planes(meta_at, input_at, seconds_per_element):
+    """``in_blocks``' rule for a pool kernel: blocks of the planes (meta's first value), by
+    one thread's time an element of its input ``input_at``."""
+    return (lambda args: int(args[meta_at][0]),
+            lambda args: args[input_at].size * seconds_per_element)
+
+
+# The CPU side of each pool kernel, by one thread's time an input element (128x32x28x28
+# float32, kernel 2, the 2-core EPYC: ops.pool's notes)
+max_pool_blocks_cpu = in_blocks(max_pool_cpu, *_planes(3, 0, 1.7e-9))
+max_pool_grad_blocks_cpu = in_blocks(max_pool_grad_cpu, *_planes(3, 2, 0.3e-9))
+avg_pool_blocks_cpu = in_blocks(avg_pool_cpu, *_planes(2, 0, 0.9e-9))
+avg_pool_grad_blocks_cpu = in_blocks(avg_pool_grad_cpu, *_planes(2, 1, 1.0e-9))
