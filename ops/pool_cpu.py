@@ -6,7 +6,7 @@ a plane's results are the same bits in any block.
 import numpy as np
 from numba import njit
 
-from ops.conv_cpu import valid_range
+from ops.im2col_cpu import valid_range
 from ops.cpu_threads import in_blocks
 from ops.launch import CPU_KERNEL
 

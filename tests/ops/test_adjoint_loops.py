@@ -1,4 +1,4 @@
-"""The adjoint pairs written as one loop each (``ops.conv_cpu._patch_loop``: im2col and
+"""The adjoint pairs written as one loop each (``ops.im2col_cpu._patch_loop``: im2col and
 col2im-add; ``ops.pool_cpu._avg_pool_loop``: the average pool and its gradient) compute what the
 two loops they replaced computed, bit for bit: against references written as those loops'
 arithmetic in its order, element by element in float32, and against each other (an adjoint
@@ -10,7 +10,7 @@ import pytest
 
 import engine
 from engine.autograd import apply
-from ops.conv_cpu import _col2im_add, _im2col
+from ops.im2col_cpu import col2im_add, im2col
 from ops.pool import AvgPool2DOp
 from ops.pool_cpu import avg_pool_blocks_cpu, avg_pool_grad_blocks_cpu
 
@@ -58,14 +58,14 @@ def test_im2col_and_col2im_add_are_the_loops_they_replaced(case):
     first = (sample * c_in + group * cg) * h * w   # the group's first plane of the sample
 
     cols = np.full_like(grad_cols, np.nan)   # every element written
-    _im2col(x, sample, group, geometry, cols)
+    im2col(x, sample, group, geometry, cols)
     want = np.empty_like(cols)
     for row, column, c, at in _taps(geometry):
         want[row, column] = 0 if at is None else x[first + c * h * w + at]
     np.testing.assert_array_equal(cols, want)
 
     grad_x = np.full(x.size, np.float32(0.25))
-    _col2im_add(grad_x, sample, group, geometry, grad_cols.copy())   # cols is its scratch
+    col2im_add(grad_x, sample, group, geometry, grad_cols.copy())   # cols is its scratch
     want = np.full(x.size, np.float32(0.25))
     for row, column, c, at in _taps(geometry):
         if at is not None:   # one float32 addition at a time, in the loops' order
@@ -75,8 +75,8 @@ def test_im2col_and_col2im_add_are_the_loops_they_replaced(case):
     # the pair is adjoint: <im2col(x), g> = <x, col2im(g)> (float64, up to rounding)
     x64, g64 = x.astype(np.float64), grad_cols.astype(np.float64)
     cols64, back = np.empty_like(g64), np.zeros_like(x64)
-    _im2col(x64, sample, group, geometry, cols64)
-    _col2im_add(back, sample, group, geometry, g64.copy())
+    im2col(x64, sample, group, geometry, cols64)
+    col2im_add(back, sample, group, geometry, g64.copy())
     np.testing.assert_allclose(np.vdot(cols64, g64), np.vdot(x64, back), rtol=1e-12)
 
 
