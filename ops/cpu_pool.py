@@ -331,27 +331,53 @@ def workers(count):
     return _workers[:count]
 
 
+# Held by the thread whose split the workers run. A worker holds one job at a time, so a
+# second thread's split (backwards on several Python threads at once) handed over meanwhile
+# replaced the first's job: one block ran twice or not at all, and a test of four threads'
+# backwards into one FlatBuffer saw wrong sums in CI. That thread runs its blocks itself.
+_splitting = threading.Lock()
+
+
 def run_calls(calls):
     """Run ``calls`` (``(function, args)`` pairs) at once, the first on this thread, the
-    others on workers; returns the seconds the first took, once all are done, and raises
-    the first error any of them raised."""
-    helpers = workers(len(calls) - 1)
-    for worker, call in zip(helpers, calls[1:]):
-        worker.hand(call)
-    function, args = calls[0]
-    start = time.perf_counter()
-    error = None
+    others on workers (or all on this thread while another thread's split holds them);
+    returns the seconds the first took, once all are done, and raises the first error any
+    of them raised."""
+    if not _splitting.acquire(blocking=False):
+        return _run_here(calls)
     try:
-        function(*args)
-    except BaseException as raised:
-        error = raised
-    own = time.perf_counter() - start
-    for worker in helpers:   # all done before returning: they write into the caller's arrays
-        raised = worker.wait()
-        error = error or raised
+        helpers = workers(len(calls) - 1)
+        for worker, call in zip(helpers, calls[1:]):
+            worker.hand(call)
+        own, error = _timed(calls[0])
+        for worker in helpers:   # all done before returning: they write into the caller's arrays
+            raised = worker.wait()
+            error = error or raised
+    finally:
+        _splitting.release()
     if error is not None:
         raise error
     return own
+
+
+def _timed(call):
+    """Run ``call`` here: its seconds, and what it raised (or None)."""
+    function, args = call
+    start = time.perf_counter()
+    try:
+        function(*args)
+    except BaseException as raised:
+        return time.perf_counter() - start, raised
+    return time.perf_counter() - start, None
+
+
+def _run_here(calls):
+    """``run_calls`` on this thread alone: every call in turn, then the first error."""
+    results = [_timed(call) for call in calls]
+    error = next((raised for _, raised in results if raised is not None), None)
+    if error is not None:
+        raise error
+    return sum(seconds for seconds, _ in results)
 
 
 def _stop_workers():

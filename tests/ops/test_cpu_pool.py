@@ -1,4 +1,5 @@
 """ops.cpu_pool: the spinning workers that run a split's blocks."""
+import collections
 import threading
 import time
 
@@ -104,3 +105,26 @@ def test_a_block_its_worker_has_not_started_is_run_by_the_caller():
     assert isinstance(worker.wait(), KeyError)
 
 
+
+
+def test_splits_from_several_threads_at_once_run_every_block_once():
+    """A worker holds one job at a time: while one thread's split holds the workers, another
+    thread's split runs its blocks itself (backwards on several Python threads: a block
+    handed over meanwhile replaced the first thread's, which then ran twice or not at all)."""
+    counts = collections.Counter()
+    lock = threading.Lock()
+
+    def block(key):
+        with lock:
+            counts[key] += 1
+
+    def splits(thread):
+        for split in range(300):
+            run_calls([(block, ((thread, split, 0),)), (block, ((thread, split, 1),))])
+
+    threads = [threading.Thread(target=splits, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(counts) == 4 * 300 * 2 and set(counts.values()) == {1}
