@@ -28,7 +28,7 @@ CPU time for the serial figures), 32->64 3x3 "same" on 14x14 unless said:
   threads instead of ``prange``: the same step time (the CNN's replayed step on the 2-core
   Xeon, 2 threads: 45.0 and 44.1 ms against 49.7 and 41.7, alternating) and half the
   compile time: the CNN's first step from an empty cache compiled the two conv kernels in
-  32.1 s, now 16.1 (each further activation 19-20 -> 7-8 s, float64 33 -> 18).
+  32.1-33.3 s, now 13.2-16.1 (each further activation 19 -> 7.4-7.7 s, float64 33 -> 18).
 """
 import numpy as np
 from numba import njit

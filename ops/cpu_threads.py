@@ -17,7 +17,7 @@ default, the CPUs the process may use less those that other processes kept busy:
   (``element_blocks``);
 - the convolutions, pooling and BatchNorm run their samples, planes or channels in blocks
   the same way (``in_blocks``; ``prange`` loops doubled their compile time: the CNN's first
-  step from an empty cache compiled its conv kernels in 32.1 s, 16.1 without).
+  step from an empty cache compiled its conv kernels in 32.1-33.3 s, 13.2-16.1 without).
 
 Following the load reads no clock in a thread of its own: at most once every
 ``LOAD_INTERVAL_S`` (about an epoch of the reference MLP), the first kernel that asks reads
