@@ -8,9 +8,9 @@ against 1.24 for one pass of sums and sums of squares, kept for the cancellation
 suffers at large means (the CUDA kernels' one pass is shifted by a value of the channel
 instead); two threads over the channels (``prange`` then) took the forward from 1.9 to 1.0
 ms and the backward from 1.8 to 0.94 (torch: 2.0 and 1.0 on one thread), and the sums in
-vector lanes (``_SUMS``) take them to 0.53 and 0.47. A (N, C) input walks its rows, channels inner,
-instead of one strided channel at a time: 128x128 forward 83 -> 15 us, backward 88 -> 17 us
-(torch on one thread: 14 and 27 us).
+vector lanes (``_SUMS``) take them to 0.53 and 0.47. A (N, C) input walks its rows,
+channels inner, instead of one strided channel at a time: 128x128 forward 83 -> 15 us,
+backward 88 -> 17 us (torch on one thread: 14 and 27 us).
 """
 import math
 
@@ -203,7 +203,6 @@ def batch_norm_backward_cpu(x, weight, saved_mean, saved_invstd, grad_out, grad_
             for s in range(inner):
                 xhat = (source[s] - typed_mean) * typed_invstd
                 destination[s] = scale * (gradient[s] - mean_dy - xhat * mean_dy_xhat)
-
 
 
 def _channels(seconds_per_element):
