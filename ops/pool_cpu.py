@@ -3,7 +3,6 @@ the CUDA kernels): each walks a block of planes and their rows with no index div
 element, and runs in blocks of planes on the engine's threads (``ops.cpu_threads.in_blocks``):
 a plane's results are the same bits in any block.
 """
-import numpy as np
 from numba import njit
 
 from ops.im2col_cpu import valid_range
@@ -78,7 +77,7 @@ def max_pool_cpu(x, out, argmax, meta, first_plane, last_plane):
 def max_pool_grad_cpu(argmax, grad_out, grad_in, meta, first_plane, last_plane):
     """Scatters each window's gradient to its argmax, windows in row-major order: each input
     element sums its windows in the order of the CUDA gather."""
-    planes, h, w, oh_n, ow_n = meta[0], meta[1], meta[2], meta[3], meta[4]
+    h, w, oh_n, ow_n = meta[1], meta[2], meta[3], meta[4]
     zero = grad_in.dtype.type(0)
     for plane in range(first_plane, last_plane):
         target = grad_in[plane * h * w:(plane + 1) * h * w]
