@@ -42,7 +42,6 @@ releases the GIL (``nogil``) for that.
 """
 import hashlib
 import inspect
-import time
 
 import numpy as np
 from numba import float64, njit
@@ -50,6 +49,7 @@ from numba import float64, njit
 from ops import cuda as cuda_runtime
 from ops.cpu_threads import SPLIT_MIN_ELEMENTS, element_blocks, run_blocks
 from ops.cuda import SIMULATOR, cuda
+from ops.kernel_pace import Pace
 from ops.launch import CPU_KERNEL, THREADS_PER_BLOCK, Kernel, elements
 from ops.subnormals import flush_begin, flush_end
 from ops.twin import twin
@@ -78,7 +78,6 @@ _CUDA_SCALARS = """s = cuda.shared.array({count}, float64)
     if cuda.threadIdx.x == 0:
         scalars_cuda({scalar_arguments}, s)
     cuda.syncthreads()"""
-TIMED_CALLS = 3   # whole calls timed, after the first, before a kernel may split
 SCALAR_BLOCKS_PER_SM = 8   # 8 x 256 threads: a multiprocessor's 2048, where registers allow
 # Numba's cache keys a kernel on its signature and source, not its compile flags: the CPU
 # kernel's name carries them too, so one compiled without nogil is never reloaded for it.
@@ -151,13 +150,13 @@ def split_over_threads(cpu, array_count):
     cheaper an element than Adam's): the kernel runs whole, timed, until ``TIMED_CALLS``
     whole calls after its first (which compiles) give its fastest seconds per element, and
     from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace."""
-    pace = _Pace(cpu)
+    pace = Pace(cpu, SPLIT_MIN_ELEMENTS)
 
     def split(*args):
         first = args[0]
         if getattr(first, "ndim", 0) != 1:
             return cpu(*args)
-        blocks = pace.blocks(first.size)
+        blocks = _blocks(first.size, pace)
         if blocks is None:
             return pace.whole(first.size, args)
         per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
@@ -173,13 +172,13 @@ def split_runs_over_threads(cpu):
     (``runs``, an (R, 2) int64 array), in blocks of those elements across the engine's
     threads as ``split_over_threads``: each block the same kernel on the whole arrays with
     the runs cut to its own elements."""
-    pace = _Pace(cpu)
+    pace = Pace(cpu, SPLIT_MIN_ELEMENTS)
 
     def split(*args):
         runs = args[-1]
         lengths = runs[:, 1] - runs[:, 0]
         size = int(lengths.sum())
-        blocks = pace.blocks(size)
+        blocks = _blocks(size, pace)
         if blocks is None:
             return pace.whole(size, args)
         run_blocks([(cpu, args[:-1] + (_runs_between(runs, lengths, start, stop),))
@@ -198,26 +197,10 @@ def _runs_between(runs, lengths, start, stop):
     return cut
 
 
-class _Pace:
-    """A split kernel's seconds per element, from its timed whole calls (``split_over_threads``)."""
-
-    def __init__(self, cpu):
-        self.cpu, self.seconds = cpu, []
-
-    def blocks(self, size):
-        """The blocks of ``size`` elements, or None for a whole call."""
-        if size < SPLIT_MIN_ELEMENTS or len(self.seconds) <= TIMED_CALLS:
-            return None
-        return element_blocks(size, min(self.seconds[1:]))
-
-    def whole(self, size, args):
-        """One call over every element, timed while the pace is still unknown."""
-        if size < SPLIT_MIN_ELEMENTS or len(self.seconds) > TIMED_CALLS:
-            return self.cpu(*args)
-        start = time.perf_counter()
-        result = self.cpu(*args)
-        self.seconds.append((time.perf_counter() - start) / size)
-        return result
+def _blocks(size, pace):
+    """The blocks of a call over ``size`` elements at the kernel's ``pace`` (None: whole)."""
+    seconds = pace.per_unit(size)
+    return None if seconds is None else element_blocks(size, seconds)
 
 
 def _named_after(split, cpu):

@@ -29,8 +29,7 @@ from ops.cuda import SIMULATOR, cuda
 from ops.dispatch import Out, run
 from ops.launch import Kernel
 from ops.layer_norm_cpu import (FOLD_LANES, HAS_BIAS, HAS_WEIGHT, PARAM_CHUNK,
-                                layer_norm_grad_split_cpu, layer_norm_params_grad_cpu,
-                                layer_norm_split_cpu)
+                                layer_norm_backward_cpu, layer_norm_split_cpu)
 from ops.layout import flat
 from ops.registry import Op, register
 from ops.softmax import row_group
@@ -154,31 +153,40 @@ def layer_norm_fold_cuda(x, mean, rstd, grad_out, partials, grad_weight, grad_bi
             grad_bias[j] = lanes[1, 0, column]
 
 
-def _params_plan(args):
-    """dweight/dbias in two launches: the chunks' partials (chunks x n threads: 512 x 384
-    for 16384 rows of 384, where a thread per column walking every row kept 384 threads
-    busy), then FOLD_LANES threads a column folding them (``_fold_cpu``'s order)."""
-    partials, n = args[4], args[8]
-    threads = 256
-    return ((layer_norm_partial_sums_cuda, -(-partials.shape[1] * n // threads), threads,
-             args),
-            (layer_norm_fold_cuda, -(-n // FOLD_COLUMNS), (FOLD_COLUMNS, FOLD_LANES), args))
+def _row_launch(kernel, args, rows, n):
+    """``kernel`` over ``rows`` rows of ``n``, a group of a block's threads a row."""
+    group = row_group(n, 1)
+    return (kernel, -(-rows // (REDUCE_THREADS // group)), REDUCE_THREADS, (*args, group))
 
 
-def _row_plan(kernel):
-    def plan(args):
-        rows, n = args[6], args[7]
-        group = row_group(n, 1)
-        return ((kernel, -(-rows // (REDUCE_THREADS // group)), REDUCE_THREADS,
-                 (*args, group)),)
-    return plan
+def _forward_plan(args):
+    return (_row_launch(layer_norm_cuda, args, args[6], args[7]),)
 
 
-LAYER_NORM = Kernel("layer_norm", layer_norm_split_cpu, cuda_plan=_row_plan(layer_norm_cuda))
-LAYER_NORM_GRAD = Kernel("layer_norm_grad", layer_norm_grad_split_cpu,
-                         cuda_plan=_row_plan(layer_norm_grad_cuda))
-LAYER_NORM_PARAMS_GRAD = Kernel("layer_norm_params_grad", layer_norm_params_grad_cpu,
-                                cuda_plan=_params_plan)
+def _backward_plan(args):
+    """dx where asked (a group of threads a row); dweight/dbias where asked, in two
+    launches: the chunks' partials (chunks x n threads: 512 x 384 for 16384 rows of 384,
+    where a thread per column walking every row kept 384 threads busy), then FOLD_LANES
+    threads a column folding them (``fold_cpu``'s order)."""
+    (x, weight, mean, rstd, grad_out, grad_x, partials, grad_weight, grad_bias, rows, n,
+     affine, which) = args
+    launches = []
+    if grad_x.size:
+        launches.append(_row_launch(layer_norm_grad_cuda, (x, weight, mean, rstd, grad_out,
+                                                           grad_x, rows, n, affine), rows, n))
+    if which:
+        params = (x, mean, rstd, grad_out, partials, grad_weight, grad_bias, rows, n, which)
+        threads = 256
+        launches += [(layer_norm_partial_sums_cuda, -(-partials.shape[1] * n // threads),
+                      threads, params),
+                     (layer_norm_fold_cuda, -(-n // FOLD_COLUMNS), (FOLD_COLUMNS, FOLD_LANES),
+                      params)]
+    return launches
+
+
+LAYER_NORM = Kernel("layer_norm", layer_norm_split_cpu, cuda_plan=_forward_plan)
+LAYER_NORM_BACKWARD = Kernel("layer_norm_backward", layer_norm_backward_cpu,
+                             cuda_plan=_backward_plan)
 
 
 @register
@@ -187,7 +195,7 @@ class LayerNormOp(Op):
     the place of one that is absent; params ``normalized_shape`` (a tuple: x's trailing
     dims), ``eps`` and ``affine`` (``HAS_WEIGHT | HAS_BIAS`` of those given)."""
     name = "layer_norm"
-    kernels = (LAYER_NORM, LAYER_NORM_GRAD, LAYER_NORM_PARAMS_GRAD)
+    kernels = (LAYER_NORM, LAYER_NORM_BACKWARD)
 
     def check(self, x, weight, bias):
         shape = tuple(self.params["normalized_shape"])
@@ -231,19 +239,14 @@ class LayerNormOp(Op):
         needs_x, needs_w, needs_b = self.needs_input_grad
         affine = self.params["affine"]
         x, rows, n = self.x, self.rows if self.n else 0, self.n
-        grad_x = grad_w = grad_b = None
-        if needs_x:
-            grad_x = run(LAYER_NORM_GRAD, flat(x), flat(self.weight), self.mean, self.rstd,
-                         flat(grad_out), Out(x.shape, x.dtype), rows, n, affine)
         which = (HAS_WEIGHT if needs_w and affine & HAS_WEIGHT else 0) | \
             (HAS_BIAS if needs_b and affine & HAS_BIAS else 0)
-        if which:
-            shape = tuple(self.params["normalized_shape"])
-            slots = [Out(shape, x.dtype) if which & flag else Out((0,), x.dtype)
-                     for flag in (HAS_WEIGHT, HAS_BIAS)]
-            chunks = -(-rows // PARAM_CHUNK)
-            run(LAYER_NORM_PARAMS_GRAD, flat(x), self.mean, self.rstd, flat(grad_out),
-                Out((2, chunks, n), STATS_DTYPE, flat=False), *slots, rows, n, which)
-            grad_w = slots[0].array if which & HAS_WEIGHT else None
-            grad_b = slots[1].array if which & HAS_BIAS else None
-        return grad_x, grad_w, grad_b
+        shape = tuple(self.params["normalized_shape"])
+        grad_x, partials, grad_w, grad_b = run(
+            LAYER_NORM_BACKWARD, flat(x), flat(self.weight), self.mean, self.rstd,
+            flat(grad_out), Out(x.shape if needs_x else (0,), x.dtype),
+            Out((2, -(-rows // PARAM_CHUNK) if which else 0, n), STATS_DTYPE, flat=False),
+            *[Out(shape if which & flag else (0,), x.dtype) for flag in (HAS_WEIGHT, HAS_BIAS)],
+            rows, n, affine, which)
+        return (grad_x if needs_x else None, grad_w if which & HAS_WEIGHT else None,
+                grad_b if which & HAS_BIAS else None)

@@ -1,11 +1,13 @@
 """LayerNorm's CPU kernels (``ops.layer_norm`` has the op, its math and the CUDA kernels):
-the forward's row loop, dx's, and dweight/dbias as chunk partials and their fold, in the
-order the CUDA kernels follow.
+the forward's row loop; the backward's loop over chunks of ``PARAM_CHUNK`` rows, each row's
+dx and the chunk's partials of dweight and dbias in one pass; then the partials' fold, in
+the order the CUDA kernels follow.
 
-Each of the three runs in blocks of whole chunks of ``PARAM_CHUNK`` rows across the engine's
-threads where the work pays (``_row_blocks``), a worker's block handed over as a compiled
-call (``ops.compiled_call``): a row's values, and a chunk's partials, are the same bits
-whichever block computes them, so the results do not depend on the thread count.
+The forward and the backward's chunk loop run in blocks of whole chunks across the engine's
+threads where their measured pace (``ops.kernel_pace``) makes a block worth a thread
+(``MIN_BLOCK_SECONDS``), a worker's block handed over as a compiled call
+(``ops.compiled_call``): a row's values, and a chunk's partials, are the same bits whichever
+block computes them, so the results do not depend on the thread count.
 """
 import math
 
@@ -13,6 +15,7 @@ import numpy as np
 from numba import njit
 
 from ops.cpu_threads import run_blocks, work_blocks
+from ops.kernel_pace import Pace
 from ops.launch import CPU_KERNEL
 
 HAS_WEIGHT, HAS_BIAS = 1, 2   # the op's ``affine`` flags
@@ -46,23 +49,17 @@ def _affine_cpu(weight, bias, x, n, affine):
     return scale, offset
 
 
-# One thread's time an element (768 rows of 128 float32 on one core of the 2-core EPYC:
-# forward 44 us, dx 41, the partials of dweight and dbias 23), from which ``_row_blocks`` cuts
-# the rows into blocks worth a thread (``ops.cpu_threads.MIN_BLOCK_SECONDS``)
-ROW_SECONDS_PER_ELEMENT = 0.45e-9
-PARTIALS_SECONDS_PER_ELEMENT = 0.23e-9
-
-
-def _row_blocks(rows, n, seconds_per_element=ROW_SECONDS_PER_ELEMENT):
-    """The ``(start, stop)`` blocks of rows, whole chunks of ``PARAM_CHUNK``, a CPU kernel
-    runs in (None: one call)."""
-    return work_blocks(rows, rows * n * seconds_per_element, PARAM_CHUNK)
+def _row_blocks(pace, rows, n):
+    """The ``(start, stop)`` blocks of rows, whole chunks of ``PARAM_CHUNK``, a call of the
+    kernel of ``pace`` over ``rows`` rows of ``n`` runs in (None: one call)."""
+    seconds = pace.per_unit(rows * n)
+    return None if seconds is None else work_blocks(rows, rows * n * seconds, PARAM_CHUNK)
 
 
 def layer_norm_split_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
-    blocks = _row_blocks(rows, n)
+    blocks = _row_blocks(_FORWARD_PACE, rows, n)
     if blocks is None:
-        layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine)
+        _FORWARD_PACE.whole(rows * n, (x, weight, bias, out, mean, rstd, rows, n, eps, affine))
         return
     run_blocks([(layer_norm_cpu, (x[a * n:b * n], weight, bias, out[a * n:b * n], mean[a:b],
                                   rstd[a:b], b - a, n, eps, affine)) for a, b in blocks])
@@ -95,38 +92,85 @@ def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
             target[k] = centred * rstd_t * scale[k] + offset[k]
 
 
-def layer_norm_grad_split_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine):
-    blocks = _row_blocks(rows, n)
-    if blocks is None:
-        layer_norm_grad_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine)
+_FORWARD_PACE = Pace(layer_norm_cpu)
+
+
+def layer_norm_backward_cpu(x, weight, mean, rstd, grad_out, grad_x, partials, grad_weight,
+                            grad_bias, rows, n, affine, which):
+    """dx (where ``grad_x`` has elements) and, for the parameters ``which`` names, the
+    chunks' partials (in blocks of chunks across the threads), then their fold."""
+    if grad_x.size == 0 and not which:
         return
-    run_blocks([(layer_norm_grad_cpu, (x[a * n:b * n], weight, mean[a:b], rstd[a:b],
-                                       grad_out[a * n:b * n], grad_x[a * n:b * n], b - a, n,
-                                       affine)) for a, b in blocks])
+    chunks = -(-rows // PARAM_CHUNK)
+    blocks = _row_blocks(_BACKWARD_PACE, rows, n)
+    args = (x, weight, mean, rstd, grad_out, grad_x, partials, rows, n, affine, which)
+    if blocks is None:
+        _BACKWARD_PACE.whole(rows * n, args + (0, chunks))
+    else:
+        run_blocks([(layer_norm_chunks_cpu, args + (a // PARAM_CHUNK, -(-b // PARAM_CHUNK)))
+                    for a, b in blocks])
+    if which:
+        fold_cpu(partials, grad_weight, grad_bias, n, which)
 
 
 @njit(**_ROW_LOOPS)
-def layer_norm_grad_cpu(x, weight, mean, rstd, grad_out, grad_x, rows, n, affine):
+def layer_norm_chunks_cpu(x, weight, mean, rstd, grad_out, grad_x, partials, rows, n, affine,
+                          which, first, last):
+    """Chunks ``first`` to ``last``: each row's dx (``ops.layer_norm``'s formula) where
+    ``grad_x`` has elements, and each chunk's partials ``ops.layer_norm._partial_sums``
+    where ``which`` asks, each adding its rows in order from zero (the same bits as CUDA's
+    thread a column). The columns are innermost and contiguous, so the loops vectorise; a
+    row's x and g are read for both while they are in cache. dx's two row sums are taken as
+    ``Σ g·w`` and ``rstd · (Σ g·w·x - mean · Σ g·w)`` (float64): a conversion, a multiply-add
+    and an add an element where the sums over x̂ had taken seven operations (768x128, one
+    core of the 2-core Xeon: dx and the partials 162 -> 151 us)."""
     scale, _ = _affine_cpu(weight, weight, x, n, affine & HAS_WEIGHT)
-    scaled = np.empty(n, x.dtype)
-    xhat = np.empty(n, x.dtype)
-    for r in range(rows):
-        row = x[r * n:(r + 1) * n]
-        g = grad_out[r * n:(r + 1) * n]
-        row_mean, rstd_t = mean[r], x.dtype.type(rstd[r])
-        # Σ g·w and Σ g·w·x̂, in float64
-        total = 0.0
-        total_xhat = 0.0
-        for k in range(n):
-            scaled[k] = g[k] * scale[k]
-            xhat[k] = x.dtype.type(float(row[k]) - row_mean) * rstd_t
-            total += float(scaled[k])
-            total_xhat += float(scaled[k]) * float(xhat[k])
-        total_t = x.dtype.type(total / n)
-        total_xhat_t = x.dtype.type(total_xhat / n)
-        target = grad_x[r * n:(r + 1) * n]
-        for k in range(n):
-            target[k] = rstd_t * (scaled[k] - total_t - xhat[k] * total_xhat_t)
+    dx = grad_x.size > 0
+    for c in range(first, last):
+        partial_xhat, partial_g = _chunk_partials(partials, c, which)
+        for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
+            row, g = x[r * n:(r + 1) * n], grad_out[r * n:(r + 1) * n]
+            row_mean, row_rstd = mean[r], rstd[r]
+            if not dx:
+                for k in range(n):
+                    g_k = float(g[k])
+                    partial_g[k] += g_k
+                    partial_xhat[k] += g_k * (row[k] - row_mean) * row_rstd
+                continue
+            rstd_t = x.dtype.type(row_rstd)
+            total = 0.0
+            total_x = 0.0
+            for k in range(n):
+                scaled = float(g[k] * scale[k])
+                total += scaled
+                total_x += scaled * float(row[k])
+            total_t = x.dtype.type(total / n)
+            total_xhat_t = x.dtype.type(row_rstd * (total_x - row_mean * total) / n)
+            target = grad_x[r * n:(r + 1) * n]
+            if which:   # dx and the partials in one pass, from one centred x
+                for k in range(n):
+                    centred = float(row[k]) - row_mean
+                    xhat = x.dtype.type(centred) * rstd_t
+                    target[k] = rstd_t * (g[k] * scale[k] - total_t - xhat * total_xhat_t)
+                    g_k = float(g[k])
+                    partial_g[k] += g_k
+                    partial_xhat[k] += g_k * centred * row_rstd
+            else:
+                for k in range(n):
+                    xhat = x.dtype.type(float(row[k]) - row_mean) * rstd_t
+                    target[k] = rstd_t * (g[k] * scale[k] - total_t - xhat * total_xhat_t)
+
+
+@njit(inline="always")
+def _chunk_partials(partials, c, which):
+    """Chunk c's two rows of partials, zeroed (a scratch pair where ``which`` asks none)."""
+    if not which:
+        return np.empty(0), np.empty(0)
+    partials[:, c] = 0.0
+    return partials[0, c], partials[1, c]
+
+
+_BACKWARD_PACE = Pace(layer_norm_chunks_cpu)
 
 
 @njit(inline="always")
@@ -148,38 +192,6 @@ def _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes):
         grad_bias[j] = lanes[1, 0]
 
 
-def layer_norm_params_grad_cpu(x, mean, rstd, grad_out, partials, grad_weight, grad_bias,
-                               rows, n, which):
-    """The chunks' partials (in blocks of chunks across the threads), then their fold."""
-    chunks = partials.shape[1]
-    blocks = _row_blocks(rows, n, PARTIALS_SECONDS_PER_ELEMENT)
-    if blocks is None:
-        partial_sums_cpu(x, mean, rstd, grad_out, partials, rows, n, 0, chunks)
-    else:
-        run_blocks([(partial_sums_cpu, (x, mean, rstd, grad_out, partials, rows, n,
-                                        a // PARAM_CHUNK, -(-b // PARAM_CHUNK)))
-                    for a, b in blocks])
-    fold_cpu(partials, grad_weight, grad_bias, n, which)
-
-
-@njit(**CPU_KERNEL, nogil=True, error_model="numpy")
-def partial_sums_cpu(x, mean, rstd, grad_out, partials, rows, n, first, last):
-    """``ops.layer_norm._partial_sums``'s sums of chunks ``first`` to ``last``, row by row with the columns
-    innermost (contiguous, so the loop vectorises: 152 -> 32 us for 768x128, one core), each
-    partial still adding its rows in order from zero: the same bits as a column at a time,
-    and as CUDA."""
-    for c in range(first, last):
-        total_xhat, total = partials[0, c], partials[1, c]
-        total_xhat[:] = 0.0
-        total[:] = 0.0
-        for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
-            row_mean, row_rstd = mean[r], rstd[r]
-            row, g = x[r * n:(r + 1) * n], grad_out[r * n:(r + 1) * n]
-            for j in range(n):
-                total[j] += float(g[j])
-                total_xhat[j] += float(g[j]) * (row[j] - row_mean) * row_rstd
-
-
 @njit(**CPU_KERNEL, nogil=True, error_model="numpy")
 def fold_cpu(partials, grad_weight, grad_bias, n, which):
     """dweight and dbias: each column's chunk partials folded (``_fold_cpu``)."""
@@ -189,5 +201,4 @@ def fold_cpu(partials, grad_weight, grad_bias, n, which):
 
 
 layer_norm_split_cpu.__wrapped__ = layer_norm_cpu   # the compiled kernel behind each CPU side
-layer_norm_grad_split_cpu.__wrapped__ = layer_norm_grad_cpu
-layer_norm_params_grad_cpu.__wrapped__ = partial_sums_cpu
+layer_norm_backward_cpu.__wrapped__ = layer_norm_chunks_cpu

@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 import engine
-from ops import cpu_threads, element_kernel
+from ops import cpu_threads, element_kernel, kernel_pace
 
 
 @njit(nogil=True, cache=False)
@@ -36,7 +36,7 @@ def test_a_cheap_kernel_runs_whole_and_a_split_gives_the_same_bits(monkeypatch):
         whole, expected = _run(monkeypatch, 1.0)   # no block is worth a second of work
         assert whole == []
         split, got = _run(monkeypatch, 1e-12)      # every block is
-        timed = element_kernel.TIMED_CALLS + 1
+        timed = kernel_pace.TIMED_CALLS + 1
         assert split == [2] * (6 - timed)          # timed whole first, then split in two
         np.testing.assert_array_equal(got, expected)
     finally:

@@ -264,10 +264,15 @@ def test_a_large_unary_op_and_its_gradient_are_the_same_bits_on_1_and_2_threads(
     assert_same_bits(results)
 
 
-def test_layer_norm_and_its_gradients_are_the_same_bits_on_1_and_2_threads():
-    """LayerNorm over 6001 rows of 96 (not whole chunks of rows) runs each CPU kernel in
-    blocks of rows on 2 threads (ops.layer_norm_cpu)."""
-    from ops.layer_norm_cpu import PARTIALS_SECONDS_PER_ELEMENT, _row_blocks
+def test_layer_norm_and_its_gradients_are_the_same_bits_on_1_and_2_threads(monkeypatch):
+    """LayerNorm over 6001 rows of 96 (not whole chunks of rows): once their pace is measured
+    (ops.kernel_pace), its forward and its backward's chunk loop run in blocks of rows on 2
+    threads (ops.layer_norm_cpu), the same bits as whole on one."""
+    from ops import kernel_pace, layer_norm_cpu
+    splits = []
+    run_blocks = layer_norm_cpu.run_blocks
+    monkeypatch.setattr(layer_norm_cpu, "run_blocks", lambda calls: (
+        splits.append((calls[0][0].__name__, len(calls))), run_blocks(calls)))
     rng = np.random.default_rng(1)
     rows, n = 6001, 96
     x, g = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
@@ -275,11 +280,13 @@ def test_layer_norm_and_its_gradients_are_the_same_bits_on_1_and_2_threads():
     results = []
     for threads in THREAD_COUNTS:
         engine.set_num_threads(threads)
-        assert len(_row_blocks(rows, n) or [()]) == threads
-        assert len(_row_blocks(rows, n, PARTIALS_SECONDS_PER_ELEMENT) or [()]) == threads
-        tensors = [engine.tensor(a, requires_grad=True) for a in (x, weight, bias)]
-        y = engine.layer_norm(tensors[0], (n,), tensors[1], tensors[2])
-        y.backward(engine.tensor(g))
+        for _ in range(kernel_pace.TIMED_CALLS + 2):   # past the timed whole calls
+            splits.clear()
+            tensors = [engine.tensor(a, requires_grad=True) for a in (x, weight, bias)]
+            y = engine.layer_norm(tensors[0], (n,), tensors[1], tensors[2])
+            y.backward(engine.tensor(g))
+        assert splits == ([] if threads == 1 else
+                          [("layer_norm_cpu", 2), ("layer_norm_chunks_cpu", 2)])
         results.append([y.numpy().copy()] + [t.grad.numpy().copy() for t in tensors])
     assert_same_bits(results)
 

@@ -735,7 +735,7 @@ def test_groups_in_one_flat_buffer_resume_bitwise(kind):
 def test_a_group_s_update_over_runs_has_the_same_bits_on_any_thread_count(monkeypatch):
     """On the CPU an update over many elements splits across the engine's threads: each
     block the same kernel on the whole arrays with its own cut of the group's runs."""
-    from ops import cpu_threads, element_kernel
+    from ops import cpu_threads, element_kernel, kernel_pace
     monkeypatch.setattr(cpu_threads, "MIN_BLOCK_SECONDS", 1e-12)   # every block is worth it
     splits = []
     run_blocks = element_kernel.run_blocks
@@ -752,7 +752,7 @@ def test_a_group_s_update_over_runs_has_the_same_bits_on_any_thread_count(monkey
             opt = optim.AdamW([{"params": params[::2]},
                                {"params": params[1::2], "weight_decay": 0.0}], lr=0.01)
             grads = np.random.default_rng(5)
-            for _ in range(element_kernel.TIMED_CALLS + 3):   # past the timed whole calls
+            for _ in range(kernel_pace.TIMED_CALLS + 3):   # past the timed whole calls
                 set_grads(params, [grads.standard_normal(s).astype(np.float32) for s in shapes])
                 opt.step()
             results.append([p.numpy().copy() for p in params])
