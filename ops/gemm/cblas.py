@@ -19,11 +19,22 @@ product ``matmul`` would compute otherwise (a vector, an operand BLAS cannot rea
 use the two are compared on odd shapes (``available``); where they differ, or
 the symbol is not found (another BLAS, another platform), every block runs as a Python call.
 
+**MKL** (the ``mkl`` extra: Intel's ``mkl`` package): where it is installed, the described
+GEMMs call its ``cblas_sgemm`` instead, on its sequential layer (one thread a call, the
+engine's split being the threading), and ``ops.gemm.cpu.blas_product`` describes its own
+products too, so every block of a product is MKL's (a block's bits are then MKL's, the same
+bits as the whole product's, row or column blocks alike: checked on the GPT's and the
+Quickstart's shapes). On the 2-core Xeon (one thread, the Quickstart's 64x784 @ 784x512,
+an AVX-512 part), MKL took 427 us of CPU time against OpenBLAS's 685 under load; torch's
+own GEMMs are MKL's there. ``library()`` names the one in use.
+
 Compile time: ``describe`` has one signature (operands of any layout convert to it), so the
 pool's compiled code is compiled once, in a cold first step (its functions are in the list
 ``bench.mlp`` prints), then loaded from Numba's cache.
 """
 import ctypes
+import functools
+import importlib.metadata
 
 import numpy as np
 from numba import njit, types
@@ -39,8 +50,20 @@ DESCRIPTION_SIZE = 11
 _BLAS_MAXSIZE = np.iinfo(np.int32).max   # NumPy hands BLAS no larger dimension or stride
 
 
-def _sgemm():
-    """NumPy's ``cblas_sgemm`` as a ctypes function pointer Numba can call, or None."""
+MKL_THREADING_SEQUENTIAL = 1   # MKL_Set_Threading_Layer's value for one thread a call
+
+
+def _function(address, integer):
+    """The ``cblas_sgemm`` at ``address`` (``integer``: its integers' C type) as a ctypes
+    function pointer Numba can call."""
+    pointer = ctypes.c_int64   # a pointer passed as the 64-bit integer it is
+    return ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, integer, integer,
+                            integer, ctypes.c_float, pointer, integer, pointer, integer,
+                            ctypes.c_float, pointer, integer)(address)
+
+
+def _numpy_sgemm():
+    """NumPy's ``cblas_sgemm``, or None."""
     from numpy._core import _multiarray_umath
     try:
         numpy_module = ctypes.CDLL(_multiarray_umath.__file__)
@@ -48,14 +71,41 @@ def _sgemm():
         return None
     for name, integer in _SYMBOLS:
         try:   # dlsym searches the module and the libraries it loads
-            address = ctypes.cast(numpy_module[name], ctypes.c_void_p).value
+            return _function(ctypes.cast(numpy_module[name], ctypes.c_void_p).value, integer)
         except AttributeError:
             continue
-        pointer = ctypes.c_int64   # a pointer passed as the 64-bit integer it is
-        return ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, integer,
-                                integer, integer, ctypes.c_float, pointer, integer, pointer,
-                                integer, ctypes.c_float, pointer, integer)(address)
     return None
+
+
+@functools.cache
+def _mkl_runtime():
+    """The path of the ``mkl`` package's runtime library (``libmkl_rt``), or None."""
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((file.locate() for file in files
+                 if file.name.startswith(("libmkl_rt.", "mkl_rt."))), None)
+
+
+def mkl_installed():
+    """Whether the ``mkl`` extra is installed (nothing loaded or compiled to tell)."""
+    return _mkl_runtime() is not None
+
+
+def _mkl_sgemm():
+    """The ``mkl`` package's ``cblas_sgemm`` (32-bit integers, its default interface) on
+    MKL's sequential layer, or None where the package is not installed."""
+    path = _mkl_runtime()
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+        library.MKL_Set_Threading_Layer(ctypes.c_int(MKL_THREADING_SEQUENTIAL))
+        address = ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return _function(address, ctypes.c_int)
 
 
 @njit(cache=True, nogil=True)
@@ -116,22 +166,29 @@ def describable(a, b, out):
     return a.dtype == b.dtype == out.dtype == np.float32 and a.ndim == b.ndim == out.ndim == 2
 
 
-_checked = None
+_found = None   # (cblas_sgemm, its library's name) once looked for; (None, None): none
 
 
 def available():
-    """NumPy's ``cblas_sgemm`` once found and matching ``matmul`` bit for bit on odd shapes
-    (transposed operands, strided rows); None otherwise."""
-    global _checked, describe
-    if _checked is None:
-        sgemm = _sgemm()
-        if sgemm is not None:
-            describe = njit(_SIGNATURE, cache=True, nogil=True)(_describe)
-        _checked = sgemm is not None and _matching(sgemm) and sgemm
-    return _checked or None
+    """The ``cblas_sgemm`` the described GEMMs call, once found and checked on odd shapes
+    (transposed operands, strided rows): MKL's where installed and computing ``matmul``'s
+    products, else NumPy's where it matches ``matmul`` bit for bit; None otherwise."""
+    global _found, describe
+    if _found is None:
+        describe = njit(_SIGNATURE, cache=True, nogil=True)(_describe)
+        _found = next(((sgemm, name) for name, find, exact in (
+            ("mkl", _mkl_sgemm, False), ("numpy", _numpy_sgemm, True))
+            if (sgemm := find()) is not None and _matching(sgemm, exact)), (None, None))
+    return _found[0]
 
 
-def _matching(sgemm):
+def library():
+    """``"mkl"`` or ``"numpy"``: whose ``cblas_sgemm`` the described GEMMs call (None before
+    ``available``, or without one)."""
+    return None if _found is None else _found[1]
+
+
+def _matching(sgemm, exact):
     rng = np.random.default_rng(0)
     description = np.zeros(DESCRIPTION_SIZE, np.int64)
     a = rng.standard_normal((37, 83)).astype(np.float32)
@@ -145,6 +202,7 @@ def _matching(sgemm):
         if not describe(description, left, right, got):
             return False
         run(description, sgemm)
-        if not np.array_equal(expected, got):
+        if not (np.array_equal(expected, got) if exact else
+                np.allclose(expected, got, rtol=1e-5, atol=1e-5)):
             return False
     return True

@@ -5,6 +5,7 @@ import numpy as np
 from numba import njit
 
 from ops.cpu_threads import numpy_blas_on_one_thread, row_blocks, run_blocks
+from ops.gemm import cblas
 
 
 
@@ -43,8 +44,16 @@ def blas_product(a, b, out):
     (the MLP's four Dense kernels took 1.7-2.1 s of a 3.1-4.6 s cold first step, their loops
     alone 0.7 s now: ``python -m bench.mlp``). NumPy releases the GIL in the call, so the
     blocks of a split still run at once, and reads a transposed or column-sliced operand in
-    place. On one BLAS thread (``ops.cpu_threads.numpy_blas_on_one_thread``)."""
+    place. On one BLAS thread (``ops.cpu_threads.numpy_blas_on_one_thread``). Where MKL is
+    installed (``ops.gemm.cblas``), a float32 product it can describe is MKL's instead, as
+    the split's workers compute their blocks."""
     numpy_blas_on_one_thread()
+    if cblas.mkl_installed() and cblas.describable(a, b, out):   # compiles only then
+        sgemm = cblas.available()
+        description = np.empty(cblas.DESCRIPTION_SIZE, np.int64)
+        if cblas.library() == "mkl" and cblas.describe(description, a, b, out):
+            cblas.run(description, sgemm)
+            return
     np.matmul(a, b, out=out)   # np.dot's BLAS call, and an ``out`` of strided rows too
 
 

@@ -50,8 +50,10 @@ def test_import_engine_starts_no_thread_and_the_first_gemm_sets_blas_to_one_thre
 
 def test_the_first_gemm_through_numpy_sets_its_blas_to_one_thread_before_numba_compiles():
     # before any compile: Numba's first compile loads SciPy's BLAS, which also sets every
-    # BLAS library's threads (engine.blas_threads)
+    # BLAS library's threads (engine.blas_threads). NumPy's BLAS, as without the mkl extra
+    # (whose products are described and run in compiled code)
     code = ("import sys\nimport numpy as np\nimport engine\n"
+            "from ops.gemm import cblas\ncblas._mkl_runtime = lambda: None\n"
             "from threadpoolctl import threadpool_info\nfrom ops.gemm.cpu import blas_product\n"
             "blas_product(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32), "
             "np.empty((64, 64), np.float32))\n"

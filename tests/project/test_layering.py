@@ -92,7 +92,7 @@ def test_the_ops_runtime_floor_in_order():
              "ops.cuda.graphs", "ops.cuda.dry_device", "ops.cuda.pool", "ops.cuda",
              "ops.twin", "ops.launch",
              "ops.subnormals", "ops.gemm", "ops.gemm.cblas", "ops.compiled_call", "ops.cpu_pool",
-             "ops.cpu_threads",
+             "ops.cpu_threads", "ops.kernel_pace",
              "ops.element_kernel", "ops.flag_buffer",
              "ops.array_copy", "ops.device", "ops.fill", "ops.memory",
              "ops.layout", "ops.dispatch", "ops.block_reduce"]

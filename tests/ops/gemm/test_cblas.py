@@ -1,4 +1,7 @@
-"""ops.gemm.cblas: NumPy's own CBLAS GEMM called from compiled code gives matmul's bits."""
+"""ops.gemm.cblas: NumPy's own CBLAS GEMM called from compiled code gives matmul's bits; MKL's
+where installed computes the same products, and every block of a product has its bits."""
+import importlib.metadata
+
 import numpy as np
 import pytest
 
@@ -10,6 +13,13 @@ pytestmark = pytest.mark.skipif(cblas.available() is None,
                                 reason="NumPy's CBLAS GEMM not found (another BLAS)")
 
 
+def _mkl_installed():
+    try:
+        return importlib.metadata.files("mkl") is not None
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def _operands(dtype):
     rng = np.random.default_rng(7)
     a = rng.standard_normal((45, 71)).astype(dtype)
@@ -19,7 +29,8 @@ def _operands(dtype):
 
 @pytest.mark.parametrize("case", ["plain", "rows strided", "a transposed", "b transposed",
                                   "out strided", "read-only operands"])
-def test_a_described_product_has_the_bits_of_numpy_s_matmul(case):
+def test_a_described_product_is_numpy_s_matmul(case):
+    """The bits of ``matmul`` with NumPy's own CBLAS; with MKL's, its product."""
     dtype = np.float32
     a, b = _operands(dtype)
     out_rows = np.zeros((45, 40), dtype)
@@ -36,7 +47,41 @@ def test_a_described_product_has_the_bits_of_numpy_s_matmul(case):
     description = np.zeros(cblas.DESCRIPTION_SIZE, np.int64)
     assert cblas.describe(description, a, b, out)
     cblas.run(description, cblas.available())
-    assert np.array_equal(out, expected)
+    if cblas.library() == "numpy":
+        assert np.array_equal(out, expected)
+    else:
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(64, 784, 512), (768, 128, 384), (768, 512, 128),
+                                   (45, 71, 33), (784, 64, 512)])
+def test_row_and_column_blocks_of_a_product_have_the_whole_product_s_bits(shape):
+    """What a split relies on (ops.gemm.cpu.product_blocks), whichever library: the
+    Quickstart's and the GPT's Dense shapes, an odd one, a dW with a transposed operand."""
+    m, k, n = shape
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    for left in (a, np.ascontiguousarray(a.T).T):
+        whole, rows, columns = (np.zeros((m, n), np.float32) for _ in range(3))
+        blas_product(left, b, whole)
+        blas_product(left[:m // 2], b, rows[:m // 2])
+        blas_product(left[m // 2:], b, rows[m // 2:])
+        blas_product(left, b[:, :n // 2], columns[:, :n // 2])
+        blas_product(left, b[:, n // 2:], columns[:, n // 2:])
+        assert np.array_equal(rows, whole) and np.array_equal(columns, whole)
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl extra is not installed")
+def test_the_mkl_extra_computes_the_dense_products():
+    a, b = _operands(np.float32)
+    assert cblas.library() == "mkl"
+    out, described = np.zeros((45, 33), np.float32), np.zeros((45, 33), np.float32)
+    blas_product(a, b, out)   # the caller's own product: MKL's, as its workers' blocks
+    description = np.zeros(cblas.DESCRIPTION_SIZE, np.int64)
+    assert cblas.describe(description, a, b, described)
+    cblas.run(description, cblas.available())
+    assert np.array_equal(out, described)
 
 
 def test_only_float32_matrices_are_described():
@@ -79,8 +124,8 @@ def test_a_worker_runs_a_matmul_block_as_its_cblas_call_with_the_same_bits():
 
 
 def test_where_numpy_s_cblas_differs_from_matmul_every_block_runs_as_a_python_call(monkeypatch):
-    monkeypatch.setattr(cblas, "_checked", None)
-    monkeypatch.setattr(cblas, "_matching", lambda sgemm: False)   # as on another BLAS
+    monkeypatch.setattr(cblas, "_found", None)
+    monkeypatch.setattr(cblas, "_matching", lambda sgemm, exact: False)   # another BLAS
     assert cblas.available() is None
     worker = cpu_pool._Worker(97, cblas.available())
     try:
