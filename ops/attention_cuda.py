@@ -38,22 +38,25 @@ import math
 import numpy as np
 from numba import float32, float64
 
-from ops.attention_tiles import (ALIGN, INLINE, MICRO, block_place, head_cap, strides,
-                                 tile_functions, tiles, vectors_fit)
+from ops.attention_tiles import (ALIGN, INLINE, MICRO, backward_layout, block_place,
+                                 head_cap, launch_bounds, strides, tile_functions, tiles,
+                                 vectors_fit)
 from ops.cuda import cuda
 from ops.memory import empty
 
 
 @functools.cache
-def _kernels(dtype, cap):
-    """The forward, dQ and dK/dV kernels for inputs of ``dtype`` and head dims <= ``cap``."""
+def _kernels(dtype, cap, vector):
+    """The forward, dQ and dK/dV kernels for inputs of ``dtype`` and head dims <= ``cap``;
+    ``vector``: their loads take 16 bytes at a time (``vectors_fit``)."""
     kind = float32 if np.dtype(dtype) == np.float32 else float64
-    rows_f, keys_f, tile = tiles(dtype, cap)
+    rows_f, keys_f, _ = tiles(dtype, cap)
+    tile, columns, threads = backward_layout(dtype, cap)
     across_f = keys_f // MICRO   # a forward block's threads across a score tile's keys
     width_f = cap // across_f    # the head-dim columns of O each of them owns
-    across = tile // MICRO       # a backward block's threads across a tile's columns
+    across = tile // columns     # a backward block's threads across a tile's columns
     width = cap // across
-    threads_f, threads = (rows_f // MICRO) * across_f, across * across   # a block's threads
+    threads_f = (rows_f // MICRO) * across_f
     widest = max(MICRO, width_f, width)
     minus_infinity = -math.inf
     stride_f, keys_stride_f, stride = strides(dtype, cap)
@@ -63,9 +66,8 @@ def _kernels(dtype, cap):
     values_f_size, probs_f_size = keys_f * cap, keys_f * stride_f
     partial_size, square = rows_f * across_f, tile * stride
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
+    micro = MICRO * columns   # a backward thread's scores
 
-    vector = vectors_fit(dtype, cap, (rows_f, keys_f), threads_f) and vectors_fit(
-        dtype, cap, (tile,), threads)
     excluded, masked, keep_factor, load_transposed, load_rows, product, clear = \
         tile_functions(kind, cap, widest, vector)
 
@@ -197,12 +199,12 @@ def _kernels(dtype, cap):
                     mask_strides, b, i, j, tq, tk, causal, drop):
         """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) into
         ``d_scores_t`` (transposed: a key a row)."""
-        for y in range(MICRO):
-            s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + x, j + y,
+        for y in range(columns):
+            s = masked(scores[x * columns + y] * scale_, mask, mask_strides, b, i + x, j + y,
                        tq, tk, causal)
             p = kind(0) if excluded(i + x, j + y, tq, tk, causal) else math.exp(
                 s - row_lse[i0 + x])
-            d_p = d_probs[x * MICRO + y] * keep_factor(b, i + x, j + y, tq, tk, drop)
+            d_p = d_probs[x * columns + y] * keep_factor(b, i + x, j + y, tq, tk, drop)
             d_scores_t[at + y * stride + x] = p * (d_p - row_delta[i0 + x])
 
     @cuda.jit(device=True, **INLINE)
@@ -210,17 +212,22 @@ def _kernels(dtype, cap):
                      scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop):
         """Key row x of the dK/dV tile (its columns queries): P ∘ D into ``kept_probs`` and
         dS into ``d_scores``, both a query a row."""
-        for y in range(MICRO):
-            s = masked(scores[x * MICRO + y] * scale_, mask, mask_strides, b, i + y, j + x,
+        for y in range(columns):
+            s = masked(scores[x * columns + y] * scale_, mask, mask_strides, b, i + y, j + x,
                        tq, tk, causal)
             p = kind(0) if excluded(i + y, j + x, tq, tk, causal) else math.exp(
                 s - row_lse[i0 + y])
             factor = keep_factor(b, i + y, j + x, tq, tk, drop)
             kept_probs[at + y * stride + x] = p * factor
-            d_scores[at + y * stride + x] = p * (d_probs[x * MICRO + y] * factor
+            d_scores[at + y * stride + x] = p * (d_probs[x * columns + y] * factor
                                                  - row_delta[i0 + y])
 
-    @cuda.jit(cache=True)
+    # Capped at 128 registers a thread, 4 backward blocks of 128 threads fit an SM, as many
+    # as the shared memory allows, where ptxas had taken 185 registers and fit 2 (H100, nanoGPT's
+    # GPU shape: dQ 519 -> 366 us, dK/dV 482 -> 397 us; spilling 0 and 8 bytes)
+    backward_options = {"cache": True, **launch_bounds(threads, 4)}
+
+    @cuda.jit(**backward_options)
     def attention_grad_q_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
                               grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
                               keep_scale, dropout, deltas):
@@ -232,12 +239,12 @@ def _kernels(dtype, cap):
         d_scores_t = cuda.shared.array(square, kind, alignment=ALIGN)
         row_lse = cuda.shared.array(tile, kind)
         row_delta = cuda.shared.array(tile, kind)
-        scores = cuda.local.array(micro_square, kind)
-        d_probs = cuda.local.array(micro_square, kind)
+        scores = cuda.local.array(micro, kind)
+        d_probs = cuda.local.array(micro, kind)
         acc = cuda.local.array(acc_size, kind)
         b, first, ty, tx = block_place(tq, tile, across)
         t = cuda.threadIdx.x
-        i0, j0, c0 = MICRO * ty, MICRO * tx, width * tx
+        i0, j0, c0 = MICRO * ty, columns * tx, width * tx
         rows = min(tile, tq - first)
         load_transposed(queries_t, stride, q, first, rows, d, b, tq, tile, threads)
         load_transposed(grads_t, stride, grad_out, first, rows, dv, b, tq, tile, threads)
@@ -259,10 +266,10 @@ def _kernels(dtype, cap):
             load_transposed(keys_t, stride, k, start, keys, d, b, tk, tile, threads)
             load_transposed(values_t, stride, v, start, keys, dv, b, tk, tile, threads)
             cuda.syncthreads()
-            clear(scores, MICRO * MICRO)
-            clear(d_probs, MICRO * MICRO)
-            product(scores, queries_t, stride, i0, keys_t, stride, j0, cap, MICRO)
-            product(d_probs, grads_t, stride, i0, values_t, stride, j0, cap, MICRO)
+            clear(scores, micro)
+            clear(d_probs, micro)
+            product(scores, queries_t, stride, i0, keys_t, stride, j0, cap, columns)
+            product(d_probs, grads_t, stride, i0, values_t, stride, j0, cap, columns)
             i, j, at = first + i0, start + j0, j0 * stride + i0
             d_score_row(0, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
                         mask, mask_strides, b, i, j, tq, tk, causal, drop)
@@ -290,7 +297,7 @@ def _kernels(dtype, cap):
         store_row(2, acc, grad_q, at + 2 * d, first + i0 + 2 < tq, c0, d, scale_)
         store_row(3, acc, grad_q, at + 3 * d, first + i0 + 3 < tq, c0, d, scale_)
 
-    @cuda.jit(cache=True)
+    @cuda.jit(**backward_options)
     def attention_grad_kv_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
                                grad_v, grad_mask, sizes, mask_strides, scale, causal,
                                threshold, keep_scale, dropout, deltas):
@@ -303,13 +310,13 @@ def _kernels(dtype, cap):
         d_scores = cuda.shared.array(square, kind, alignment=ALIGN)
         row_lse = cuda.shared.array(tile, kind)
         row_delta = cuda.shared.array(tile, kind)
-        scores = cuda.local.array(micro_square, kind)
-        d_probs = cuda.local.array(micro_square, kind)
+        scores = cuda.local.array(micro, kind)
+        d_probs = cuda.local.array(micro, kind)
         acc_k = cuda.local.array(acc_size, kind)
         acc_v = cuda.local.array(acc_size, kind)
         b, first, ty, tx = block_place(tk, tile, across)
         t = cuda.threadIdx.x
-        j0, i0, c0 = MICRO * ty, MICRO * tx, width * tx   # rows: keys; columns: queries
+        j0, i0, c0 = MICRO * ty, columns * tx, width * tx   # rows: keys; columns: queries
         keys = min(tile, tk - first)
         load_transposed(keys_t, stride, k, first, keys, d, b, tk, tile, threads)
         load_transposed(values_t, stride, v, first, keys, dv, b, tk, tile, threads)
@@ -328,10 +335,10 @@ def _kernels(dtype, cap):
                 row_lse[r] = kind(lse[row]) if r < rows else kind(0)
                 row_delta[r] = deltas[row] if r < rows else kind(0)
             cuda.syncthreads()
-            clear(scores, MICRO * MICRO)
-            clear(d_probs, MICRO * MICRO)
-            product(scores, keys_t, stride, j0, first_operand, stride, i0, cap, MICRO)
-            product(d_probs, values_t, stride, j0, second_operand, stride, i0, cap, MICRO)
+            clear(scores, micro)
+            clear(d_probs, micro)
+            product(scores, keys_t, stride, j0, first_operand, stride, i0, cap, columns)
+            product(d_probs, values_t, stride, j0, second_operand, stride, i0, cap, columns)
             j, i, at = first + j0, start + i0, i0 * stride + j0
             kv_score_row(0, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
                          i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
@@ -366,19 +373,20 @@ def forward_plan(args):
     q, k, v, mask, seed, out, lse, sizes = args[:8]
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
-    forward, _, _ = _kernels(np.dtype(q.dtype), cap)
+    vector = vectors_fit(q.dtype, cap, (q, k, v), (d, dv))
+    forward, _, _ = _kernels(np.dtype(q.dtype), cap, vector)
     queries, keys, _ = tiles(q.dtype, cap)
     return ((forward, bh * -(-tq // queries), (queries // MICRO) * (keys // MICRO), args),)
 
 
 def backward_plan(args):
     """dQ first: it also writes each query's Δ, which the dK/dV kernel reads."""
-    q, sizes = args[0], args[12]
+    q, k, v, grad_out, sizes = args[0], args[1], args[2], args[7], args[12]
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
-    _, grad_q_kernel, grad_kv_kernel = _kernels(np.dtype(q.dtype), cap)
-    tile = tiles(q.dtype, cap)[2]
-    threads = (tile // MICRO) ** 2
+    vector = vectors_fit(q.dtype, cap, (q, k, v, grad_out), (d, dv))
+    _, grad_q_kernel, grad_kv_kernel = _kernels(np.dtype(q.dtype), cap, vector)
+    tile, _, threads = backward_layout(q.dtype, cap)
     full = (*args, empty(max(bh * tq, 1), q.dtype, "cuda"))
     return ((grad_q_kernel, bh * -(-tq // tile), threads, full),
             (grad_kv_kernel, bh * -(-tk // tile), threads, full))
