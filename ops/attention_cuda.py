@@ -36,7 +36,7 @@ import functools
 import math
 
 import numpy as np
-from numba import float32, float64
+from numba import float32, float64, uint64 as U
 
 from ops.attention_tiles import (ALIGN, INLINE, MICRO, backward_layout, block_place,
                                  head_cap, launch_bounds, strides, tile_functions, tiles,
@@ -68,8 +68,8 @@ def _kernels(dtype, cap, vector):
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
     micro = MICRO * columns   # a backward thread's scores
 
-    excluded, masked, keep_factor, load_transposed, load_rows, product, clear = \
-        tile_functions(kind, cap, widest, vector)
+    (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
+     store_transposed) = tile_functions(kind, cap, widest, vector)
 
     # A thread's micro-tile rows are handled by per-row device functions called once for each
     # row with a constant row number: inlined, every index into the thread's arrays is a
@@ -86,18 +86,17 @@ def _kernels(dtype, cap, vector):
                        tq, tk, causal)
             scores[x * MICRO + y] = s
             row_top = max(row_top, s)
-        partial[slot + x * across_f] = row_top
+        partial[U(slot + x * across_f)] = row_top
 
     @cuda.jit(device=True, **INLINE)
-    def softmax_row(x, scores, acc, top, total, partial, probs_t, slot, at, b, i, j, tq, tk,
-                    drop):
+    def softmax_row(x, scores, acc, top, total, partial, slot, b, i, j, tq, tk, drop):
         """Row x's online softmax over the tile: the row's new maximum (from every thread's
         in ``partial``) rescales what the thread summed (e^-inf = 0; nothing yet: 1), then
-        its probabilities add to its share of the row's sum and go, dropped or scaled, to
-        ``probs_t``."""
+        its probabilities add to its share of the row's sum and replace its scores, dropped
+        or scaled."""
         new_top = top[x]
         for u in range(across_f):
-            new_top = max(new_top, partial[slot + x * across_f + u])
+            new_top = max(new_top, partial[U(slot + x * across_f + u)])
         correction = kind(1) if new_top == top[x] else math.exp(top[x] - new_top)
         total[x] *= correction
         for e in range(width_f):
@@ -108,7 +107,7 @@ def _kernels(dtype, cap, vector):
             # a masked key adds nothing; a NaN score makes the row NaN
             p = kind(0) if s == minus_infinity else math.exp(s - new_top)
             total[x] += p
-            probs_t[at + y * stride_f + x] = p * keep_factor(b, i + x, j + y, tq, tk, drop)
+            scores[x * MICRO + y] = p * keep_factor(b, i + x, j + y, tq, tk, drop)
 
     @cuda.jit(device=True, **INLINE)
     def output_row(x, acc, top, partial, out, lse, slot, b, i, tq, dv, c0, lane):
@@ -117,7 +116,7 @@ def _kernels(dtype, cap, vector):
         if i + x < tq:
             row_total = kind(0)
             for u in range(across_f):
-                row_total += partial[slot + x * across_f + u]
+                row_total += partial[U(slot + x * across_f + u)]
             inverse = kind(1) / row_total if row_total > 0 else kind(math.nan)
             for e in range(width_f):
                 if c0 + e < dv:
@@ -164,20 +163,17 @@ def _kernels(dtype, cap, vector):
             mask_row(2, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
             mask_row(3, slot, scores, partial, scale_, mask, mask_strides, b, i, j, tq, tk, causal)
             cuda.syncthreads()
-            slot0, at = i0 * across_f, j0 * stride_f + i0
-            softmax_row(0, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, drop)
-            softmax_row(1, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, drop)
-            softmax_row(2, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, drop)
-            softmax_row(3, scores, acc, top, total, partial, probs_t, slot0, at, b, i, j, tq,
-                        tk, drop)
+            slot0 = i0 * across_f
+            softmax_row(0, scores, acc, top, total, partial, slot0, b, i, j, tq, tk, drop)
+            softmax_row(1, scores, acc, top, total, partial, slot0, b, i, j, tq, tk, drop)
+            softmax_row(2, scores, acc, top, total, partial, slot0, b, i, j, tq, tk, drop)
+            softmax_row(3, scores, acc, top, total, partial, slot0, b, i, j, tq, tk, drop)
+            store_transposed(probs_t, j0 * stride_f + i0, stride_f, scores, MICRO)
             cuda.syncthreads()
             product(acc, probs_t, stride_f, i0, values, cap, c0, keys_f, width_f)
             cuda.syncthreads()
         for x in range(MICRO):   # each row's sum: the shares of its threads, in order
-            partial[slot + x * across_f] = total[x]
+            partial[U(slot + x * across_f)] = total[x]
         cuda.syncthreads()
         i, slot0 = first + i0, i0 * across_f
         output_row(0, acc, top, partial, out, lse, slot0, b, i, tq, dv, c0, tx)
@@ -195,32 +191,32 @@ def _kernels(dtype, cap, vector):
                     target[at + e] = acc[x * width + e] * factor
 
     @cuda.jit(device=True, **INLINE)
-    def d_score_row(x, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_, mask,
-                    mask_strides, b, i, j, tq, tk, causal, drop):
-        """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) into
-        ``d_scores_t`` (transposed: a key a row)."""
+    def d_score_row(x, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                    b, i, j, tq, tk, causal, drop):
+        """Query row x of the dQ tile: P from the saved lse, dS = P ∘ (D ∘ dP - Δ) in place
+        of the row's scores."""
         for y in range(columns):
             s = masked(scores[x * columns + y] * scale_, mask, mask_strides, b, i + x, j + y,
                        tq, tk, causal)
             p = kind(0) if excluded(i + x, j + y, tq, tk, causal) else math.exp(
-                s - row_lse[i0 + x])
+                s - row_lse[U(i0 + x)])
             d_p = d_probs[x * columns + y] * keep_factor(b, i + x, j + y, tq, tk, drop)
-            d_scores_t[at + y * stride + x] = p * (d_p - row_delta[i0 + x])
+            scores[x * columns + y] = p * (d_p - row_delta[U(i0 + x)])
 
     @cuda.jit(device=True, **INLINE)
-    def kv_score_row(x, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at, i0,
-                     scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop):
-        """Key row x of the dK/dV tile (its columns queries): P ∘ D into ``kept_probs`` and
-        dS into ``d_scores``, both a query a row."""
+    def kv_score_row(x, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                     b, i, j, tq, tk, causal, drop):
+        """Key row x of the dK/dV tile (its columns queries): P ∘ D in place of the row's
+        scores and dS in place of its dP."""
         for y in range(columns):
             s = masked(scores[x * columns + y] * scale_, mask, mask_strides, b, i + y, j + x,
                        tq, tk, causal)
             p = kind(0) if excluded(i + y, j + x, tq, tk, causal) else math.exp(
-                s - row_lse[i0 + y])
+                s - row_lse[U(i0 + y)])
             factor = keep_factor(b, i + y, j + x, tq, tk, drop)
-            kept_probs[at + y * stride + x] = p * factor
-            d_scores[at + y * stride + x] = p * (d_probs[x * columns + y] * factor
-                                                 - row_delta[i0 + y])
+            scores[x * columns + y] = p * factor
+            d_probs[x * columns + y] = p * (d_probs[x * columns + y] * factor
+                                            - row_delta[U(i0 + y)])
 
     # Capped at 128 registers a thread, 4 backward blocks of 128 threads fit an SM, as many
     # as the shared memory allows, where ptxas had taken 185 registers and fit 2 (H100, nanoGPT's
@@ -271,14 +267,15 @@ def _kernels(dtype, cap, vector):
             product(scores, queries_t, stride, i0, keys_t, stride, j0, cap, columns)
             product(d_probs, grads_t, stride, i0, values_t, stride, j0, cap, columns)
             i, j, at = first + i0, start + j0, j0 * stride + i0
-            d_score_row(0, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            d_score_row(1, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            d_score_row(2, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            d_score_row(3, scores, d_probs, d_scores_t, row_lse, row_delta, at, i0, scale_,
-                        mask, mask_strides, b, i, j, tq, tk, causal, drop)
+            d_score_row(0, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                        b, i, j, tq, tk, causal, drop)
+            d_score_row(1, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                        b, i, j, tq, tk, causal, drop)
+            d_score_row(2, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                        b, i, j, tq, tk, causal, drop)
+            d_score_row(3, scores, d_probs, row_lse, row_delta, i0, scale_, mask, mask_strides,
+                        b, i, j, tq, tk, causal, drop)
+            store_transposed(d_scores_t, at, stride, scores, columns)
             cuda.syncthreads()
             if grad_mask.size > 0:   # dM = dS, the tile's elements by the block's threads
                 for e in range(t, tile * tile, cuda.blockDim.x):
@@ -340,14 +337,16 @@ def _kernels(dtype, cap, vector):
             product(scores, keys_t, stride, j0, first_operand, stride, i0, cap, columns)
             product(d_probs, values_t, stride, j0, second_operand, stride, i0, cap, columns)
             j, i, at = first + j0, start + i0, i0 * stride + j0
-            kv_score_row(0, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            kv_score_row(1, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            kv_score_row(2, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
-            kv_score_row(3, scores, d_probs, kept_probs, d_scores, row_lse, row_delta, at,
-                         i0, scale_, mask, mask_strides, b, i, j, tq, tk, causal, drop)
+            kv_score_row(0, scores, d_probs, row_lse, row_delta, i0, scale_, mask,
+                         mask_strides, b, i, j, tq, tk, causal, drop)
+            kv_score_row(1, scores, d_probs, row_lse, row_delta, i0, scale_, mask,
+                         mask_strides, b, i, j, tq, tk, causal, drop)
+            kv_score_row(2, scores, d_probs, row_lse, row_delta, i0, scale_, mask,
+                         mask_strides, b, i, j, tq, tk, causal, drop)
+            kv_score_row(3, scores, d_probs, row_lse, row_delta, i0, scale_, mask,
+                         mask_strides, b, i, j, tq, tk, causal, drop)
+            store_transposed(kept_probs, at, stride, scores, columns)
+            store_transposed(d_scores, at, stride, d_probs, columns)
             cuda.syncthreads()
             load_rows(first_operand, grad_out, start, rows, dv, b, tq, tile, threads)
             load_rows(second_operand, q, start, rows, d, b, tq, tile, threads)

@@ -14,7 +14,7 @@ unroll (the simulator takes no such option).
 import math
 
 import numpy as np
-from numba import uint64 as U
+from numba import float32, uint64 as U
 
 from ops.cuda import SIMULATOR, cuda, device_address
 from ops.dropout import _keep_cuda
@@ -98,7 +98,8 @@ def block_place(count, rows, across):
 
 
 def tile_functions(kind, cap, widest, vector):
-    """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
+    """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
+    store_transposed)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
     columns; ``vector``: the loads take 16 bytes at a time (``vector_loads``)."""
     minus_infinity = -math.inf
@@ -193,9 +194,38 @@ def tile_functions(kind, cap, widest, vector):
             return kind(1)
         return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
 
+    @cuda.jit(device=True, **INLINE)
+    def store_transposed(tile_, at, tile_stride, values, columns):
+        """tile_[at + y * tile_stride + x] = values[x * columns + y] for x < MICRO, y <
+        ``columns``: a thread's micro-tile into a transposed tile."""
+        for y in range(columns):
+            for x in range(MICRO):
+                tile_[U(at + y * tile_stride + x)] = values[x * columns + y]
+
     if vector:
         load_transposed, load_rows = vector_loads(kind, cap)
-    return excluded, masked, keep_factor, load_transposed, load_rows, product, clear
+    if kind == float32 and not SIMULATOR:
+        store_transposed = vector_store()
+    return (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
+            store_transposed)
+
+
+def vector_store():
+    """``store_transposed`` (``tile_functions``) for float32 tiles: a micro-tile column's
+    ``MICRO`` (4) elements in one 16-byte store (the tiles' rows and the micro-tiles' first
+    rows are multiples of 4 elements). Stored an element at a time, each element's address
+    had been computed once, before the kernel's loop, and kept in a register of its own
+    (235 registers a forward thread live through its loop, in the PTX)."""
+    from ops.cuda import ptx   # numba-cuda's extension API: GPU kernels only
+    store_float4 = ptx.store_float4
+
+    @cuda.jit(device=True, **INLINE)
+    def store_transposed(tile_, at, tile_stride, values, columns):
+        for y in range(columns):
+            store_float4(tile_, at + y * tile_stride, values[y], values[columns + y],
+                         values[2 * columns + y], values[3 * columns + y])
+
+    return store_transposed
 
 
 def vectors_fit(dtype, cap, arrays, widths):
