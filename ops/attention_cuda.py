@@ -67,6 +67,7 @@ def _kernels(dtype, cap, vector):
     partial_size, square = rows_f * across_f, tile * stride
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
     micro = MICRO * columns   # a backward thread's scores
+    parts = threads // tile   # the dQ kernel's threads a row of Δ
 
     (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
      store_transposed) = tile_functions(kind, cap, widest, vector)
@@ -235,6 +236,7 @@ def _kernels(dtype, cap, vector):
         d_scores_t = cuda.shared.array(square, kind, alignment=ALIGN)
         row_lse = cuda.shared.array(tile, kind)
         row_delta = cuda.shared.array(tile, kind)
+        delta_parts = cuda.shared.array(threads, kind)
         scores = cuda.local.array(micro, kind)
         d_probs = cuda.local.array(micro, kind)
         acc = cuda.local.array(acc_size, kind)
@@ -244,15 +246,30 @@ def _kernels(dtype, cap, vector):
         rows = min(tile, tq - first)
         load_transposed(queries_t, stride, q, first, rows, d, b, tq, tile, threads)
         load_transposed(grads_t, stride, grad_out, first, rows, dv, b, tq, tile, threads)
-        for r in range(t, tile, cuda.blockDim.x):   # Δ_i = dO_i · O_i, and the saved lse
-            row = b * tq + first + r
+        # Δ_i = dO_i · O_i: ``parts`` threads a row, each summing every parts-th column (a
+        # constant count of loads, issued together), then the row's thread adds their sums
+        # in order. One thread a row had read its 2 x dv elements in a loop while the
+        # block's other threads waited.
+        r, part = t // parts, t % parts
+        row = b * tq + first + r
+        delta = kind(0)
+        for e in range(cap // parts):
+            c = part + parts * e
+            inside = (r < rows) & (c < dv)
+            at = U(row * dv + c) if inside else U(0)
+            term = grad_out[at] * out[at]
+            delta += term if inside else kind(0)
+        delta_parts[t] = delta
+        cuda.syncthreads()
+        if t < tile:
+            row = b * tq + first + t
             delta = kind(0)
-            if r < rows:
-                for c in range(dv):
-                    delta += grad_out[row * dv + c] * out[row * dv + c]
+            for u in range(parts):
+                delta += delta_parts[t * parts + u]
+            if t < rows:
                 deltas[row] = delta
-            row_delta[r] = delta
-            row_lse[r] = kind(lse[row]) if r < rows else kind(0)
+            row_delta[t] = delta
+            row_lse[t] = kind(lse[row]) if t < rows else kind(0)
         clear(acc, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
         drop = (seed, threshold, keep_scale_, dropout)   # the dropout's arguments
