@@ -2,9 +2,10 @@
 CPU side), in the flash-attention manner: no T x T matrix in global memory, no atomics.
 
 Every product is a product of two tiles in shared memory, each thread accumulating a
-micro-tile in registers (``MICRO`` rows by ``MICRO`` score columns, or by a slice of the
-head dim): per step a thread reads 4 + 4 elements for 16 multiply-adds, where a thread per
-query row read a key element per multiply-add (H200, GPT step: attention 52.8 of 119.4 ms).
+micro-tile in registers (``MICRO`` rows by ``MICRO`` score columns in the forward, 2 in the
+backward, or by a slice of the head dim): per step a forward thread reads 4 + 4 elements
+for 16 multiply-adds, where a thread per query row read a key element per multiply-add
+(H200, GPT step: attention 52.8 of 119.4 ms).
 
 - Forward, one kernel: a block owns ``rows`` queries of one (batch, head) slice, Qᵀ in shared
   memory, and walks the keys a tile at a time (Kᵀ and V): the tile's scores, each row's
@@ -22,15 +23,19 @@ query row read a key element per multiply-add (H200, GPT step: attention 52.8 of
   one thread that owns it, in key or query order.
 
 Tiles fit the 48 KiB of static shared memory: a float32 forward block takes 64 queries and
-32-key tiles (128 threads), a backward block 32 queries or keys against tiles of 32 (64
-threads); float64 and head dims over 64 halve them. The transposed tiles' rows are padded by
-16 bytes: each row's vector loads stay aligned and a column's stores spread over 8 banks
-instead of one (``ops.attention_tiles``: the tiles and the functions the kernels share).
-A block fills a tile with a constant number of loads a thread, issued back to back, 16
-bytes each where the source's rows allow: the kernels had waited on one 4-byte load at a
-time behind a branch each (H100, fwd+bwd at nanoGPT's GPU shape 2182 -> 1349 us).
-Every value is in the input's dtype: a float64
-literal or argument in a float32 expression made it, and its exp, float64.
+32-key tiles, a backward block 32 queries or keys against tiles of 32 (128 threads each);
+float64 and head dims over 64 halve them. Transposed tiles' rows are padded by 16 bytes:
+vector loads stay aligned, a column's stores spread over 8 banks (``ops.attention_tiles``:
+the tiles and the functions the kernels share). A block fills a tile with a constant number
+of loads a thread, issued back to back, 16 bytes each where the launch found the sources'
+rows allow (``vectors_fit``): the kernels had waited on one 4-byte load at a time (H100,
+fwd+bwd at nanoGPT's GPU shape 2182 -> 1349 us). The kernels are latency-bound: their
+speed follows the warps an SM holds, so their registers are capped at 128 (4 blocks an
+SM, as many as the shared memory allows), and no register holds an address through the
+loops (unsigned shared indices; Pᵀ and dSᵀ stored 16 bytes a micro-tile column): fwd+bwd
+1342 -> 1047-1054 us on the H100 against torch's 705-708 (forward 284 -> 232 us, dQ 429 ->
+325, dK/dV 514 -> 381; the rest accumulates the gradients). Every value is in the input's
+dtype: a float64 literal or argument in a float32 expression made it, and its exp, float64.
 """
 import functools
 import math
@@ -67,10 +72,16 @@ def _kernels(dtype, cap, vector):
     partial_size, square = rows_f * across_f, tile * stride
     micro_square, acc_f_size, acc_size = MICRO * MICRO, MICRO * width_f, MICRO * width
     micro = MICRO * columns   # a backward thread's scores
-    parts = threads // tile   # the dQ kernel's threads a row of Δ
 
     (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
-     store_transposed) = tile_functions(kind, cap, widest, vector)
+     store_transposed, row_deltas) = tile_functions(kind, cap, widest, vector)
+
+    # Capped at 128 registers a thread, 4 blocks of 128 threads fit an SM, as many as their
+    # shared memory allows, where ptxas took more and fit fewer (H100, nanoGPT's GPU shape:
+    # forward 168 registers, 3 blocks, 242 -> 232 us; dQ 185, 2 blocks, 519 -> 366 us, dK/dV
+    # 482 -> 397 us; spilling 0, 0 and 8 bytes)
+    forward_options = {"cache": True, **launch_bounds(threads_f, 4)}
+    backward_options = {"cache": True, **launch_bounds(threads, 4)}
 
     # A thread's micro-tile rows are handled by per-row device functions called once for each
     # row with a constant row number: inlined, every index into the thread's arrays is a
@@ -126,7 +137,7 @@ def _kernels(dtype, cap, vector):
                 lse[b * tq + i + x] = (top[x] + math.log(float64(row_total))
                                        if row_total > 0 else math.nan)
 
-    @cuda.jit(cache=True)
+    @cuda.jit(**forward_options)
     def attention_forward_cuda(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale,
                                causal, threshold, keep_scale, dropout):
         bh, tq, tk, d, dv = sizes
@@ -219,11 +230,6 @@ def _kernels(dtype, cap, vector):
             d_probs[x * columns + y] = p * (d_probs[x * columns + y] * factor
                                             - row_delta[U(i0 + y)])
 
-    # Capped at 128 registers a thread, 4 backward blocks of 128 threads fit an SM, as many
-    # as the shared memory allows, where ptxas had taken 185 registers and fit 2 (H100, nanoGPT's
-    # GPU shape: dQ 519 -> 366 us, dK/dV 482 -> 397 us; spilling 0 and 8 bytes)
-    backward_options = {"cache": True, **launch_bounds(threads, 4)}
-
     @cuda.jit(**backward_options)
     def attention_grad_q_cuda(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k,
                               grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
@@ -246,30 +252,8 @@ def _kernels(dtype, cap, vector):
         rows = min(tile, tq - first)
         load_transposed(queries_t, stride, q, first, rows, d, b, tq, tile, threads)
         load_transposed(grads_t, stride, grad_out, first, rows, dv, b, tq, tile, threads)
-        # Δ_i = dO_i · O_i: ``parts`` threads a row, each summing every parts-th column (a
-        # constant count of loads, issued together), then the row's thread adds their sums
-        # in order. One thread a row had read its 2 x dv elements in a loop while the
-        # block's other threads waited.
-        r, part = t // parts, t % parts
-        row = b * tq + first + r
-        delta = kind(0)
-        for e in range(cap // parts):
-            c = part + parts * e
-            inside = (r < rows) & (c < dv)
-            at = U(row * dv + c) if inside else U(0)
-            term = grad_out[at] * out[at]
-            delta += term if inside else kind(0)
-        delta_parts[t] = delta
-        cuda.syncthreads()
-        if t < tile:
-            row = b * tq + first + t
-            delta = kind(0)
-            for u in range(parts):
-                delta += delta_parts[t * parts + u]
-            if t < rows:
-                deltas[row] = delta
-            row_delta[t] = delta
-            row_lse[t] = kind(lse[row]) if t < rows else kind(0)
+        row_deltas(grad_out, out, deltas, lse, row_delta, row_lse, delta_parts, b * tq + first,
+                   rows, dv, tile, threads)
         clear(acc, MICRO * width)
         scale_, keep_scale_ = kind(scale), kind(keep_scale)
         drop = (seed, threshold, keep_scale_, dropout)   # the dropout's arguments

@@ -99,7 +99,7 @@ def block_place(count, rows, across):
 
 def tile_functions(kind, cap, widest, vector):
     """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
-    store_transposed)`` for
+    store_transposed, row_deltas)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
     columns; ``vector``: the loads take 16 bytes at a time (``vector_loads``)."""
     minus_infinity = -math.inf
@@ -202,12 +202,42 @@ def tile_functions(kind, cap, widest, vector):
             for x in range(MICRO):
                 tile_[U(at + y * tile_stride + x)] = values[x * columns + y]
 
+    @cuda.jit(device=True, **INLINE)
+    def row_deltas(grad_out, out, deltas, lse, row_delta, row_lse, sums, row0, rows, dv, tile,
+                   threads):
+        """Δ_i = dO_i · O_i of the ``rows`` rows from ``row0`` on, into ``deltas`` and
+        ``row_delta``, and their saved lse into ``row_lse`` (zeros up to ``tile``): threads
+        // tile threads a row, each summing every so many columns into ``sums`` (a constant
+        count of loads, issued together), then the row's sums added in order by one thread.
+        One thread a row had read its 2 x dv elements in a loop while the block's other
+        threads waited (H100, nanoGPT's GPU shape: dQ kernel 362 -> 325 us)."""
+        parts = threads // tile
+        t = cuda.threadIdx.x
+        r, part = t // parts, t % parts
+        delta = kind(0)
+        for e in range(cap // parts):
+            c = part + parts * e
+            inside = (r < rows) & (c < dv)
+            at = U((row0 + r) * dv + c) if inside else U(0)
+            term = grad_out[at] * out[at]
+            delta += term if inside else kind(0)
+        sums[t] = delta
+        cuda.syncthreads()
+        if t < tile:
+            delta = kind(0)
+            for u in range(parts):
+                delta += sums[t * parts + u]
+            if t < rows:
+                deltas[row0 + t] = delta
+            row_delta[t] = delta
+            row_lse[t] = kind(lse[row0 + t]) if t < rows else kind(0)
+
     if vector:
         load_transposed, load_rows = vector_loads(kind, cap)
     if kind == float32 and not SIMULATOR:
         store_transposed = vector_store()
     return (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
-            store_transposed)
+            store_transposed, row_deltas)
 
 
 def vector_store():
