@@ -33,8 +33,8 @@ fwd+bwd at nanoGPT's GPU shape 2182 -> 1349 us). The kernels are latency-bound: 
 speed follows the warps an SM holds, so their registers are capped at 128 (4 blocks an
 SM, as many as the shared memory allows), and no register holds an address through the
 loops (unsigned shared indices; Pᵀ and dSᵀ stored 16 bytes a micro-tile column): fwd+bwd
-1342 -> 1047-1054 us on the H100 against torch's 705-708 (forward 284 -> 232 us, dQ 429 ->
-325, dK/dV 514 -> 381; the rest accumulates the gradients). Every value is in the input's
+1337-1345 -> 1043 us on the H100 against torch's 703-708 (forward 284 -> 231 us, dQ 429 ->
+324, dK/dV 514 -> 382; the rest accumulates the gradients). Every value is in the input's
 dtype: a float64 literal or argument in a float32 expression made it, and its exp, float64.
 """
 import functools
