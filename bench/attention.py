@@ -15,7 +15,8 @@ one process, engine and torch alternate round by round (a round: enough calls fo
 ``ROUND_SECONDS``, mean time per call; on the CPU each round starts once the other side's
 threads sleep, ``bench.harness.settle``); the table gives each side's median over the rounds
 and the ratio engine / torch. On CUDA the times are GPU times from CUDA events
-(``bench.gpu_time``); the ratio target here is 1.5 on the CPU.
+(``bench.gpu_time``), with each side's host time to launch a call beside them; the ratio
+target here is 1.5 on the CPU.
 """
 import argparse
 import statistics
@@ -100,8 +101,7 @@ def run(device="cpu", rounds=15):
     sides = {"engine": _engine_calls(arrays, device), "torch": _torch_calls(arrays, device)}
     if device == "cuda":
         from bench.gpu_time import engine_timer, torch_timer
-        timers = {"engine": engine_timer().seconds_per_call,
-                  "torch": torch_timer().seconds_per_call}
+        timers = {"engine": engine_timer().measure, "torch": torch_timer().measure}
     rows = []
     for name in sides["engine"]:
         repeats = {}
@@ -110,17 +110,23 @@ def run(device="cpu", rounds=15):
                 calls[name]()
             repeats[side] = max(1, int(ROUND_SECONDS / _wall_timer(calls[name], SIZING_CALLS)))
         times = {side: [] for side in sides}
+        launches = {side: [] for side in sides}   # CUDA: the host's time to launch a call
         for _ in range(rounds):
             for side, calls in sides.items():
                 if device == "cuda":
-                    times[side].append(timers[side](calls[name]))
+                    gpu_seconds, launch_seconds = timers[side](calls[name])
+                    times[side].append(gpu_seconds)
+                    launches[side].append(launch_seconds)
                 else:
                     settle()   # the other side's threads asleep: no neighbour spinning
                     times[side].append(_wall_timer(calls[name], repeats[side]))
         medians = {side: statistics.median(values) for side, values in times.items()}
-        rows.append({"op": name, "engine_us": medians["engine"] * 1e6,
-                     "torch_us": medians["torch"] * 1e6,
-                     "ratio": medians["engine"] / medians["torch"]})
+        row = {"op": name, "engine_us": medians["engine"] * 1e6,
+               "torch_us": medians["torch"] * 1e6, "ratio": medians["engine"] / medians["torch"]}
+        if device == "cuda":
+            row.update({f"{side}_launch_us": statistics.median(values) * 1e6
+                        for side, values in launches.items()})
+        rows.append(row)
     import engine
     import torch
     return {"device": device, "shapes": shapes, "rounds": rounds, "rows": rows,
@@ -128,13 +134,18 @@ def run(device="cpu", rounds=15):
 
 
 def format_table(result):
+    cuda = result["device"] == "cuda"
     lines = [f"sequence ops fwd+bwd on {result['device']} ({result['shapes']}), medians of "
              f"{result['rounds']} alternating rounds; threads: engine "
-             f"{result['engine_threads']}, torch {result['torch_threads']}",
-             f"{'op':<12}{'engine us':>12}{'torch us':>12}{'engine/torch':>14}"]
+             f"{result['engine_threads']}, torch {result['torch_threads']}"
+             + ("; GPU time a call, then the host's time to launch one" if cuda else ""),
+             f"{'op':<12}{'engine us':>12}{'torch us':>12}{'engine/torch':>14}"
+             + (f"{'engine launch':>15}{'torch launch':>14}" if cuda else "")]
     for row in result["rows"]:
         lines.append(f"{row['op']:<12}{row['engine_us']:>12.1f}{row['torch_us']:>12.1f}"
-                     f"{row['ratio']:>14.2f}")
+                     f"{row['ratio']:>14.2f}"
+                     + (f"{row['engine_launch_us']:>15.1f}{row['torch_launch_us']:>14.1f}"
+                        if cuda else ""))
     return "\n".join(lines)
 
 

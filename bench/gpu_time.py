@@ -1,32 +1,66 @@
 """GPU time per call, without the launch overhead: CUDA events around ``n`` calls queued behind
-a long busy product. While the GPU is still on that product Python launches the calls, so
-they then run back to back and the events see the kernels alone; a call's wall time is
-roughly the larger of its GPU time and its launch time.
+busy products long enough to outlast the calls' launches. While the GPU is still on them
+Python launches the calls, so they then run back to back and the events see the kernels
+alone; a call's wall time is roughly the larger of its GPU time and its launch time.
+
+How many busy products: as many as take twice the ``n`` calls' launch time (measured first,
+the GPU idle). One product was too few for calls slower to launch than it is: the queue
+drained and the events timed the launches. On an H100 (``bench.attention``'s rows at the GPU
+shapes), the engine's LayerNorm fwd+bwd took 545 us a call to launch, 20 calls 10.9 ms behind
+its 4.0 ms product: 328-341 us a call measured, 196 behind eight products; torch's Embedding
+(651 us a call to launch, behind a 2.8 ms product) 459-580 against 324.
 
 The engine's calls are timed with numba events behind an ``ops.matmul`` product, torch's with
 ``torch.cuda.Event`` behind a ``torch.matmul`` one: each framework on its own default stream.
 """
+import math
+import time
+
 import numpy as np
 
 BUSY_SIZE = 4096   # the product that keeps the GPU busy while timed calls queue behind it
 CALLS = 20
+QUEUE_MARGIN = 2   # busy time queued ahead of the timed calls, in units of their launch time
 
 
 class GpuTimer:
     def __init__(self, busy, start, end):
         self.busy, self.start, self.end = busy, start, end
+        self.busy()   # warm-up: compiles, allocations
+        self.start.record()
+        self.busy()
+        self.end.record()
+        self.end.synchronize()
+        seconds = self.start.elapsed_time(self.end) / 1e3
+        # the simulator's events time nothing (a negative time): one product a measure there
+        self.busy_seconds = seconds if seconds > 0 else math.inf
 
     def seconds_per_call(self, call, n=CALLS):
-        """GPU seconds per call: ``n`` calls queued behind the busy product, timed by events
-        (one call before, so compiles and first allocations are not timed)."""
+        """GPU seconds per call (``measure``'s first)."""
+        return self.measure(call, n)[0]
+
+    def measure(self, call, n=CALLS):
+        """``(GPU seconds, launch seconds)`` per call: the host time of ``n`` calls launched
+        on an idle GPU, then their GPU time queued behind busy products that take
+        ``QUEUE_MARGIN`` times as long (one call before, so compiles and first allocations
+        are not timed)."""
         call()
-        self.busy()
+        self.end.record()
+        self.end.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        launch = time.perf_counter() - start
+        self.end.record()
+        self.end.synchronize()
+        for _ in range(max(1, math.ceil(QUEUE_MARGIN * launch / self.busy_seconds))):
+            self.busy()
         self.start.record()
         for _ in range(n):
             call()
         self.end.record()
         self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3 / n
+        return self.start.elapsed_time(self.end) / 1e3 / n, launch / n
 
 
 class _NumbaEvent:

@@ -14,9 +14,9 @@ unroll (the simulator takes no such option).
 import math
 
 import numpy as np
-from numba import uint64 as U
+from numba import float32, uint64 as U
 
-from ops.cuda import SIMULATOR, cuda
+from ops.cuda import SIMULATOR, cuda, device_address
 from ops.dropout import _keep_cuda
 
 MAX_HEAD_DIM = 128
@@ -29,6 +29,12 @@ ALIGN = None if SIMULATOR else 16
 INLINE = {} if SIMULATOR else {"forceinline": True}
 
 
+def launch_bounds(threads, blocks):
+    """``cuda.jit``'s options that cap a kernel's registers so that ``blocks`` blocks of
+    ``threads`` fit an SM (the simulator takes no such option)."""
+    return {} if SIMULATOR else {"launch_bounds": (threads, blocks)}
+
+
 def tiles(dtype, cap):
     """``(queries, keys, tile)``: a forward block's queries and key tiles, a backward block's
     queries or keys and the tiles it walks. A float32 head of 64 fits the shared memory with
@@ -37,6 +43,18 @@ def tiles(dtype, cap):
         return 8, 8, 8
     halvings = max(1, cap * np.dtype(dtype).itemsize // 256)
     return 64 // halvings, 32 // halvings, 32 // halvings
+
+
+def backward_layout(dtype, cap):
+    """``(tile, columns, threads)`` of a backward block: its tile, each thread's score columns
+    (its micro-tile rows are ``MICRO``) and its threads. Two columns where a thread then
+    still owns a column of the gradient's cap: 128 threads to a float32 block of 32, where
+    64 (4 x 4 micro-tiles) had left an SM 8 warps, its registers and shared memory both
+    full; with the registers capped (``ops.attention_cuda``) it holds 16 (H100, nanoGPT's
+    GPU shape: dQ kernel 429 -> 366 us, dK/dV 514 -> 397 us)."""
+    tile = tiles(dtype, cap)[2]
+    columns = 2 if 2 * cap >= tile else MICRO
+    return tile, columns, (tile // MICRO) * (tile // columns)
 
 
 def head_cap(d, dv):
@@ -80,10 +98,10 @@ def block_place(count, rows, across):
 
 
 def tile_functions(kind, cap, widest, vector):
-    """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear)`` for
+    """``(excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
+    store_transposed, row_deltas)`` for
     values of the Numba type ``kind``, tiles ``cap`` wide and micro-tiles up to ``widest``
-    columns; ``vector``: the loads take 16 bytes at a time where they can
-    (``vector_loads``)."""
+    columns; ``vector``: the loads take 16 bytes at a time (``vector_loads``)."""
     minus_infinity = -math.inf
 
     @cuda.jit(device=True, **INLINE)
@@ -176,38 +194,97 @@ def tile_functions(kind, cap, widest, vector):
             return kind(1)
         return keep_scale_ if _keep_cuda((b * tq + i) * tk + j, seed[0], threshold) else kind(0)
 
-    if vector:
-        load_transposed, load_rows = vector_loads(kind, cap, load_transposed, load_rows)
-    return excluded, masked, keep_factor, load_transposed, load_rows, product, clear
-
-
-def vectors_fit(dtype, cap, tile_rows, threads):
-    """Whether float32 tiles of ``tile_rows`` x ``cap`` split into whole 16-byte vectors
-    among ``threads`` (every tile of the kernels: their caps from 16 on) on a GPU."""
-    return (not SIMULATOR and np.dtype(dtype) == np.float32
-            and all(rows * cap % (4 * threads) == 0 for rows in tile_rows))
-
-
-def vector_loads(kind, cap, scalar_transposed, scalar_rows):
-    """``load_transposed`` and ``load_rows`` (``tile_functions``) that read a float32 source
-    16 bytes at a time when its rows are whole 16-byte vectors (16-byte aligned, a width of
-    a multiple of 4), and as ``scalar_transposed`` and ``scalar_rows`` otherwise: a quarter
-    of the loads and of their index arithmetic, which took more instructions than the
-    loads."""
-    from ops.cuda import ptx   # numba-cuda's extension API: GPU kernels only
-    load_float4, address_of = ptx.load_float4, ptx.address_of
+    @cuda.jit(device=True, **INLINE)
+    def store_transposed(tile_, at, tile_stride, values, columns):
+        """tile_[at + y * tile_stride + x] = values[x * columns + y] for x < MICRO, y <
+        ``columns``: a thread's micro-tile into a transposed tile."""
+        for y in range(columns):
+            for x in range(MICRO):
+                tile_[U(at + y * tile_stride + x)] = values[x * columns + y]
 
     @cuda.jit(device=True, **INLINE)
-    def whole_vectors(source, width_):
-        return address_of(source) % U(16) == U(0) and U(width_) % U(4) == U(0)
+    def row_deltas(grad_out, out, deltas, lse, row_delta, row_lse, sums, row0, rows, dv, tile,
+                   threads):
+        """Δ_i = dO_i · O_i of the ``rows`` rows from ``row0`` on, into ``deltas`` and
+        ``row_delta``, and their saved lse into ``row_lse`` (zeros up to ``tile``): threads
+        // tile threads a row, each summing every so many columns into ``sums`` (a constant
+        count of loads, issued together), then the row's sums added in order by one thread.
+        One thread a row had read its 2 x dv elements in a loop while the block's other
+        threads waited (H100, nanoGPT's GPU shape: dQ kernel 362 -> 325 us)."""
+        parts = threads // tile
+        t = cuda.threadIdx.x
+        r, part = t // parts, t % parts
+        delta = kind(0)
+        for e in range(cap // parts):
+            c = part + parts * e
+            inside = (r < rows) & (c < dv)
+            at = U((row0 + r) * dv + c) if inside else U(0)
+            term = grad_out[at] * out[at]
+            delta += term if inside else kind(0)
+        sums[t] = delta
+        cuda.syncthreads()
+        if t < tile:
+            delta = kind(0)
+            for u in range(parts):
+                delta += sums[t * parts + u]
+            if t < rows:
+                deltas[row0 + t] = delta
+            row_delta[t] = delta
+            row_lse[t] = kind(lse[row0 + t]) if t < rows else kind(0)
+
+    if vector:
+        load_transposed, load_rows = vector_loads(kind, cap)
+    if kind == float32 and not SIMULATOR:
+        store_transposed = vector_store()
+    return (excluded, masked, keep_factor, load_transposed, load_rows, product, clear,
+            store_transposed, row_deltas)
+
+
+def vector_store():
+    """``store_transposed`` (``tile_functions``) for float32 tiles: a micro-tile column's
+    ``MICRO`` (4) elements in one 16-byte store (the tiles' rows and the micro-tiles' first
+    rows are multiples of 4 elements). Stored an element at a time, each element's address
+    had been computed once, before the kernel's loop, and kept in a register of its own
+    (235 registers a forward thread live through its loop, in the PTX)."""
+    from ops.cuda import ptx   # numba-cuda's extension API: GPU kernels only
+    store_float4 = ptx.store_float4
+
+    @cuda.jit(device=True, **INLINE)
+    def store_transposed(tile_, at, tile_stride, values, columns):
+        for y in range(columns):
+            store_float4(tile_, at + y * tile_stride, values[y], values[columns + y],
+                         values[2 * columns + y], values[3 * columns + y])
+
+    return store_transposed
+
+
+def vectors_fit(dtype, cap, arrays, widths):
+    """Whether the kernels' loads can take 16 bytes at a time, decided at launch (a kernel
+    that also held the scalar loads, for sources found unaligned as it ran, kept every
+    unrolled step's offsets of both in registers: 245 registers a dK/dV thread, 185
+    without): float32 tiles of ``cap`` that split into whole 16-byte vectors among a
+    block's threads (every tile of the kernels: their caps from 16 on) on a GPU, and
+    ``arrays`` whose rows (``widths`` long) are whole 16-byte vectors."""
+    if SIMULATOR or np.dtype(dtype) != np.float32:
+        return False
+    rows_f, keys_f, _ = tiles(dtype, cap)
+    tile, _, threads = backward_layout(dtype, cap)
+    threads_f = (rows_f // MICRO) * (keys_f // MICRO)
+    return (all(rows * cap % (4 * threads_f) == 0 for rows in (rows_f, keys_f))
+            and tile * cap % (4 * threads) == 0 and all(w % 4 == 0 for w in widths)
+            and all(device_address(a) % 16 == 0 for a in arrays))
+
+
+def vector_loads(kind, cap):
+    """``load_transposed`` and ``load_rows`` (``tile_functions``) that read a float32 source
+    16 bytes at a time: a quarter of the loads and of their index arithmetic, which took more
+    instructions than the loads."""
+    from ops.cuda import ptx   # numba-cuda's extension API: GPU kernels only
+    load_float4 = ptx.load_float4
 
     @cuda.jit(device=True, **INLINE)
     def load_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
                         tile_rows, threads):
-        if not whole_vectors(source, width_):
-            scalar_transposed(tile_, tile_stride, source, row0, rows, width_, b, total_rows,
-                              tile_rows, threads)
-            return
         base = U(b * total_rows + row0) * U(width_)
         zero = kind(0)
         for step in range(tile_rows * cap // (4 * threads)):
@@ -227,9 +304,6 @@ def vector_loads(kind, cap, scalar_transposed, scalar_rows):
 
     @cuda.jit(device=True, **INLINE)
     def load_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads):
-        if not whole_vectors(source, width_):
-            scalar_rows(tile_, source, row0, rows, width_, b, total_rows, tile_rows, threads)
-            return
         base = U(b * total_rows + row0) * U(width_)
         zero = kind(0)
         for step in range(tile_rows * cap // (4 * threads)):

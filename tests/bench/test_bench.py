@@ -4,6 +4,7 @@ import collections
 import functools
 import importlib.util
 import json
+import math
 
 import numpy as np
 import pytest
@@ -377,3 +378,48 @@ def test_bench_gpt_on_the_cpu_runs_each_framework_in_a_process_of_its_own():
         [(step, loss)] = row["val_loss"]
         assert step == 2 and math.isfinite(loss) and 3.0 < loss < 5.0   # ln(65) = 4.17
     assert "| engine |" in gpt.format_table(result)
+
+
+def test_gpu_timer_queues_busy_work_longer_than_the_timed_calls_launches():
+    """One busy product was too short for calls slow to launch: the queue drained and the
+    events timed the launches (bench/gpu_time.py's docstring). Host-clock events stand in
+    for CUDA's here: a busy product of 1 ms, calls of 3 ms to launch."""
+    import time
+
+    from bench import gpu_time
+
+    class HostEvent:
+        def record(self):
+            self.at = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):   # milliseconds, as CUDA events
+            return (other.at - self.at) * 1e3
+
+    busy_calls = []
+
+    def busy():
+        busy_calls.append(1)
+        time.sleep(1e-3)
+
+    timer = gpu_time.GpuTimer(busy, HostEvent(), HostEvent())
+    busy_calls.clear()
+    gpu_seconds, launch_seconds = timer.measure(lambda: time.sleep(3e-3), n=2)
+    assert launch_seconds >= 3e-3
+    # twice the two calls' launches, in products of the measured busy time
+    assert len(busy_calls) == math.ceil(2 * 2 * launch_seconds / timer.busy_seconds)
+    assert len(busy_calls) >= 6
+
+
+def test_bench_attention_table_on_cuda_gives_the_launch_times_beside_the_gpu_times():
+    from bench import attention
+    table = attention.format_table({
+        "device": "cuda", "shapes": attention.GPU_SHAPES, "rounds": 3, "engine_threads": 1,
+        "torch_threads": 1,
+        "rows": [{"op": "layer_norm", "engine_us": 196.0, "torch_us": 174.0, "ratio": 1.126,
+                  "engine_launch_us": 545.0, "torch_launch_us": 331.0}]})
+    assert "GPU time a call, then the host's time to launch one" in table
+    assert table.splitlines()[-1].split() == ["layer_norm", "196.0", "174.0", "1.13", "545.0",
+                                              "331.0"]
