@@ -29,7 +29,7 @@ scheduler slice for its core): conv 1->32 forward and backward took 18.6 ms on t
 against 5.3 serial, and 2 BLAS threads ran 128x784x256 about 15x slower than 1. A split
 sees that wait itself before the next reading does: when its workers end more than its own
 block's time after it (``split_stalled``) in 2 of the last 3 splits, the count drops to one
-thread until that reading.
+thread for ``FALL_BACK_S``, then the load is read again.
 """
 import collections
 import functools
@@ -91,6 +91,13 @@ STALL_MIN_S = 200e-6   # a wait for the workers shorter than this is never a sta
 # 50 steps on one thread (82-97 ms a step against 53 on two); beside a busy process 31%
 # stalled, 14 times 2 of 3 in a row, quiet never.
 STALLS_TO_FALL_BACK, STALL_WINDOW = 2, 3
+# How long a fall back to one thread lasts before the load is read again. Until the next
+# regular reading (a second) was too long on the 2-core Xeon VM, where stalls come in bursts
+# of a few ms on a quiet machine: PyTorch's Quickstart port fell back once or twice an epoch
+# and ran 40-85% of its calls on one thread (epochs 2.07 s against 1.61-1.85 on two). A
+# stall costs about its block (the caller takes back a block its worker has not started),
+# so trying two threads again soon costs little beside a busy neighbour.
+FALL_BACK_S = 0.1
 # a BLAS thread count chosen in the environment (BLAS reads these itself) is left to BLAS,
 # which then threads the GEMMs: the engine's own count is 1 until set_threads
 USER_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -348,13 +355,13 @@ def stalls_persist(stalled):
 
 
 def _fall_back_to_one_thread():
-    """While following the load: one thread until the next reading of the load, which a
-    stalled split shows before ``/proc/stat`` does (a neighbour started since the last
+    """While following the load: one thread for ``FALL_BACK_S``, then a reading of the load;
+    a stalled split shows a neighbour before ``/proc/stat`` does (one started since the last
     reading, or one the reading's average hid)."""
     global _count, _next_reading
     if _chosen is None:
         with _lock:
-            _count, _next_reading = 1, time.monotonic() + LOAD_INTERVAL_S
+            _count, _next_reading = 1, time.monotonic() + FALL_BACK_S
 
 
 # ------------------------------------------------------------------ kernels over blocks

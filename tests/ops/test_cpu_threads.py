@@ -204,7 +204,7 @@ def test_stalls_persist_when_two_of_the_last_three_splits_stalled(monkeypatch, s
     assert [cpu_threads.stalls_persist(stalled) for stalled in stalls] == persist
 
 
-def test_stalled_splits_drop_the_default_to_one_thread_until_the_next_reading(
+def test_stalled_splits_drop_the_default_to_one_thread_until_a_reading_soon_after(
         monkeypatch, follow_the_load_after):
     cpu_threads.set_threads(None)
     monkeypatch.setattr(cpu_threads, "_recent_splits",
@@ -219,9 +219,9 @@ def test_stalled_splits_drop_the_default_to_one_thread_until_the_next_reading(
     assert engine.get_num_threads() == 2   # one stall is not yet a busy neighbour
     cpu_threads.run_blocks([(_sleep, (0.0,)), (_sleep, (0.05,))])
     assert engine.get_num_threads() == 1
-    now[0] += cpu_threads.LOAD_INTERVAL_S / 2
+    now[0] += cpu_threads.FALL_BACK_S / 2
     assert engine.get_num_threads() == 1   # not read again yet
-    now[0] += cpu_threads.LOAD_INTERVAL_S
+    now[0] += cpu_threads.FALL_BACK_S
     assert engine.get_num_threads() == 2   # the reading finds the machine quiet
 
 
