@@ -173,31 +173,29 @@ def _chunk_partials(partials, c, which):
 _BACKWARD_PACE = Pace(layer_norm_chunks_cpu)
 
 
-@njit(inline="always")
-def _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes):
-    """Column j's fold, in ``lanes`` (2, FOLD_LANES), a scratch its caller makes once."""
-    lanes[:] = 0.0
+@njit(**CPU_KERNEL, nogil=True, error_model="numpy")
+def fold_cpu(partials, grad_weight, grad_bias, n, which):
+    """dweight and dbias: each column's chunk partials folded, every column at once, the
+    columns innermost (the same sums as a column at a time, whose lanes were reset and chunks
+    walked with a stride: the GPT's 24 chunks of 128 columns 9.5 -> 2.6 us, 512 of 384 612
+    -> 127 us, on the 2-core Xeon, the same bits)."""
+    lanes = np.zeros((2, FOLD_LANES, n))
     for c in range(partials.shape[1]):
-        lanes[0, c % FOLD_LANES] += partials[0, c, j]
-        lanes[1, c % FOLD_LANES] += partials[1, c, j]
+        lane = c % FOLD_LANES
+        for j in range(n):
+            lanes[0, lane, j] += partials[0, c, j]
+            lanes[1, lane, j] += partials[1, c, j]
     width = FOLD_LANES // 2
     while width > 0:
         for lane in range(width):
-            lanes[0, lane] += lanes[0, lane + width]
-            lanes[1, lane] += lanes[1, lane + width]
+            for j in range(n):
+                lanes[0, lane, j] += lanes[0, lane + width, j]
+                lanes[1, lane, j] += lanes[1, lane + width, j]
         width //= 2
     if which & HAS_WEIGHT:
-        grad_weight[j] = lanes[0, 0]
+        grad_weight[:n] = lanes[0, 0]
     if which & HAS_BIAS:
-        grad_bias[j] = lanes[1, 0]
-
-
-@njit(**CPU_KERNEL, nogil=True, error_model="numpy")
-def fold_cpu(partials, grad_weight, grad_bias, n, which):
-    """dweight and dbias: each column's chunk partials folded (``_fold_cpu``)."""
-    lanes = np.empty((2, FOLD_LANES))
-    for j in range(n):
-        _fold_cpu(j, partials, grad_weight, grad_bias, which, lanes)
+        grad_bias[:n] = lanes[1, 0]
 
 
 layer_norm_split_cpu.__wrapped__ = layer_norm_cpu   # the compiled kernel behind each CPU side
