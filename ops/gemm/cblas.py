@@ -24,9 +24,11 @@ GEMMs call its ``cblas_sgemm`` instead, on its sequential layer (one thread a ca
 engine's split being the threading), and ``ops.gemm.cpu.blas_product`` describes its own
 products too, so every block of a product is MKL's (a block's bits are then MKL's, the same
 bits as the whole product's, row or column blocks alike: checked on the GPT's and the
-Quickstart's shapes). On the 2-core Xeon (one thread, the Quickstart's 64x784 @ 784x512,
-an AVX-512 part), MKL took 427 us of CPU time against OpenBLAS's 685 under load; torch's
-own GEMMs are MKL's there. ``library()`` names the one in use.
+Quickstart's shapes). On the 2-core Xeon (an AVX-512 part, where torch's own GEMMs are
+MKL's), one thread, MKL took 0.62-0.93x OpenBLAS's CPU time on the Quickstart's and the GPT's
+Dense shapes but one (its 64x512 dW, 1.4x), and the GPT's CPU step went from 1.07-1.15x
+torch's to 1.01-1.02x (``bench.gpt --device cpu --threads 2``). ``library()`` names the one
+in use.
 
 Compile time: ``describe`` has one signature (operands of any layout convert to it), so the
 pool's compiled code is compiled once, in a cold first step (its functions are in the list
