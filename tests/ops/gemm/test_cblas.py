@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ops import cpu_pool
+from ops.cpu_threads import ROW_ALIGN
 from ops.gemm import cblas
 from ops.gemm.cpu import blas_product
 
@@ -57,18 +58,21 @@ def test_a_described_product_is_numpy_s_matmul(case):
                                    (45, 71, 33), (784, 64, 512)])
 def test_row_and_column_blocks_of_a_product_have_the_whole_product_s_bits(shape):
     """What a split relies on (ops.gemm.cpu.product_blocks), whichever library: the
-    Quickstart's and the GPT's Dense shapes, an odd one, a dW with a transposed operand."""
+    Quickstart's and the GPT's Dense shapes, an odd one, a dW with a transposed operand,
+    each cut where a split cuts, on a multiple of ``ROW_ALIGN`` (OpenBLAS's edge kernels
+    sum a block cut elsewhere in another order)."""
     m, k, n = shape
     rng = np.random.default_rng(3)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
+    row, column = (max(ROW_ALIGN, size // 2 // ROW_ALIGN * ROW_ALIGN) for size in (m, n))
     for left in (a, np.ascontiguousarray(a.T).T):
         whole, rows, columns = (np.zeros((m, n), np.float32) for _ in range(3))
         blas_product(left, b, whole)
-        blas_product(left[:m // 2], b, rows[:m // 2])
-        blas_product(left[m // 2:], b, rows[m // 2:])
-        blas_product(left, b[:, :n // 2], columns[:, :n // 2])
-        blas_product(left, b[:, n // 2:], columns[:, n // 2:])
+        blas_product(left[:row], b, rows[:row])
+        blas_product(left[row:], b, rows[row:])
+        blas_product(left, b[:, :column], columns[:, :column])
+        blas_product(left, b[:, column:], columns[:, column:])
         assert np.array_equal(rows, whole) and np.array_equal(columns, whole)
 
 
