@@ -27,8 +27,8 @@ bits as the whole product's, row or column blocks alike: checked on the GPT's an
 Quickstart's shapes). On the 2-core Xeon (an AVX-512 part, where torch's own GEMMs are
 MKL's), one thread, MKL took 0.62-0.93x OpenBLAS's CPU time on the Quickstart's and the GPT's
 Dense shapes but one (its 64x512 dW, 1.4x), and the GPT's CPU step went from 1.07-1.15x
-torch's to 1.01-1.02x (``bench.gpt --device cpu --threads 2``). ``library()`` names the one
-in use.
+torch's to 1.01-1.02x (``bench.gpt --device cpu --threads 2``); the reference MLP's captured
+epoch, though, from 0.58-0.60x to 0.71-0.77x. ``library()`` names the one in use.
 
 Compile time: ``describe`` has one signature (operands of any layout convert to it), so the
 pool's compiled code is compiled once, in a cold first step (its functions are in the list
