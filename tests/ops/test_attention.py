@@ -193,6 +193,36 @@ def test_cuda_at_model_shapes_matches_the_cpu(dtype, head, kind):
         np.testing.assert_allclose(ours, cpu, **tolerance)
 
 
+@pytest.mark.gpu
+def test_cuda_inputs_off_a_16_byte_boundary_take_the_scalar_loads_and_match_the_cpu(
+        monkeypatch):
+    """q, k and v as views one float into their buffers (rows of 64 floats, but no row on a
+    16-byte boundary): the launch picks the kernels without 16-byte loads
+    (ops.attention_tiles.vectors_fit), and their results are the CPU's."""
+    from ops import attention_cuda
+    variants = []
+    kernels = attention_cuda._kernels
+    monkeypatch.setattr(attention_cuda, "_kernels", lambda dtype, cap, vector: (
+        variants.append(vector), kernels(dtype, cap, vector))[1])
+    rng = np.random.default_rng(9)
+    shape = (2, 3, 70, 64)
+    buffers = [rng.standard_normal(int(np.prod(shape)) + 1).astype(np.float32)
+               for _ in range(3)]
+    g = rng.standard_normal(shape).astype(np.float32)
+
+    def run(device):
+        leaves = [engine.tensor(b, device=device, requires_grad=True) for b in buffers]
+        out = engine.scaled_dot_product_attention(
+            *[leaf[1:].reshape(shape) for leaf in leaves], is_causal=True)
+        out.backward(engine.tensor(g, device=device))
+        return [out.numpy()] + [leaf.grad.numpy() for leaf in leaves]
+
+    on_gpu = run("cuda")
+    assert variants == [False, False]   # the forward's launch, the backward's
+    for ours, cpu in zip(on_gpu, run("cpu")):
+        np.testing.assert_allclose(ours, cpu, rtol=2e-4, atol=2e-5)
+
+
 def _dropout_keep(bh, tq, tk, p, seed):
     """The keep-and-scale factor of each (slice, query, key): ops.dropout's mask of the
     flat score index, which the attention kernels draw."""
