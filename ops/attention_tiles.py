@@ -38,11 +38,23 @@ def launch_bounds(threads, blocks):
 def tiles(dtype, cap):
     """``(queries, keys, tile)``: a forward block's queries and key tiles, a backward block's
     queries or keys and the tiles it walks. A float32 head of 64 fits the shared memory with
-    the largest; each doubling of the dtype or the cap halves them."""
+    the largest; each doubling of the dtype or the cap halves them, and they halve again
+    where they still would not fit (a float64 head of 32, whose forward would take 52 KiB
+    and backward 48.5: every launch of one had failed ``strides``' assertion)."""
     if SIMULATOR:
         return 8, 8, 8
-    halvings = max(1, cap * np.dtype(dtype).itemsize // 256)
+    itemsize = np.dtype(dtype).itemsize
+    halvings = max(1, cap * itemsize // 256)
+    while (_forward_bytes(cap, itemsize, 64 // halvings, 32 // halvings, 0) > SHARED_BYTES
+           or _backward_bytes(cap, itemsize, 32 // halvings, 0) > SHARED_BYTES):
+        halvings *= 2
     return 64 // halvings, 32 // halvings, 32 // halvings
+
+
+def _backward_shape(cap, tile):
+    """``(columns, threads)`` of a backward block over tiles of ``tile`` (``backward_layout``)."""
+    columns = 2 if 2 * cap >= tile else MICRO
+    return columns, (tile // MICRO) * (tile // columns)
 
 
 def backward_layout(dtype, cap):
@@ -53,8 +65,20 @@ def backward_layout(dtype, cap):
     full; with the registers capped (``ops.attention_cuda``) it holds 16 (H100, nanoGPT's
     GPU shape: dQ kernel 429 -> 366 us, dK/dV 514 -> 397 us)."""
     tile = tiles(dtype, cap)[2]
-    columns = 2 if 2 * cap >= tile else MICRO
-    return tile, columns, (tile // MICRO) * (tile // columns)
+    return (tile, *_backward_shape(cap, tile))
+
+
+def _forward_bytes(cap, itemsize, rows_f, keys_f, pad):
+    """A forward block's static shared memory: Qᵀ, Kᵀ, V, Pᵀ and the rows' partial maxima."""
+    return ((cap + keys_f) * (rows_f + pad) + cap * (keys_f + pad) + keys_f * cap
+            + rows_f * keys_f // MICRO) * itemsize
+
+
+def _backward_bytes(cap, itemsize, tile, pad):
+    """A backward block's static shared memory: four operand tiles, two score tiles, the
+    rows' lse and Δ, and the parts of Δ's sums (``row_deltas``)."""
+    threads = _backward_shape(cap, tile)[1]
+    return ((4 * cap + 2 * tile) * (tile + pad) + 2 * tile + threads) * itemsize
 
 
 def head_cap(d, dv):
@@ -72,17 +96,10 @@ def strides(dtype, cap):
     backward)."""
     itemsize = np.dtype(dtype).itemsize
     rows_f, keys_f, tile = tiles(dtype, cap)
-
-    def forward_bytes(pad):   # Qᵀ, Kᵀ, V, Pᵀ and the rows' partial maxima
-        return ((cap + keys_f) * (rows_f + pad) + cap * (keys_f + pad) + keys_f * cap
-                + rows_f * keys_f // MICRO) * itemsize
-
-    def backward_bytes(pad):   # four operand tiles, two score tiles, the rows' lse and Δ
-        return (4 * cap + 2 * tile) * (tile + pad) * itemsize + 2 * tile * itemsize
-
-    pad_f = PAD if forward_bytes(PAD) <= SHARED_BYTES else 0
-    pad = PAD if backward_bytes(PAD) <= SHARED_BYTES else 0
-    assert max(forward_bytes(pad_f), backward_bytes(pad)) <= SHARED_BYTES, (dtype, cap)
+    pad_f = PAD if _forward_bytes(cap, itemsize, rows_f, keys_f, PAD) <= SHARED_BYTES else 0
+    pad = PAD if _backward_bytes(cap, itemsize, tile, PAD) <= SHARED_BYTES else 0
+    assert max(_forward_bytes(cap, itemsize, rows_f, keys_f, pad_f),
+               _backward_bytes(cap, itemsize, tile, pad)) <= SHARED_BYTES, (dtype, cap)
     return rows_f + pad_f, keys_f + pad_f, tile + pad
 
 
