@@ -3,19 +3,21 @@
 
 The input is ``rows`` rows of ``n`` contiguous elements. Forward: one pass over a row gives
 its statistics as shifted moments, ``s1 = Σ (x - x0)`` and ``s2 = Σ (x - x0)²`` with ``x0``
-the row's first element, in float64: ``mean = x0 + s1 / n``, ``var = s2 / n - (s1 / n)²``.
-The shift keeps the moments' cancellation to the row's spread, not its offset (a row at 1e4
-with spread 1 keeps 1e-8 of relative precision where unshifted float64 moments keep 1e-4).
-The row's mean and ``rstd = 1 / sqrt(var + eps)`` are saved (float64) for the backward; a
-second pass writes y. On CUDA a row gets a group of a block's threads as softmax's rows do
-(``ops.softmax.row_group``), the two sums going through ``ops.block_reduce``'s fixed tree.
+the row's first element (CUDA's sums in float64; the CPU's in x's dtype over blocks of
+``SUM_BLOCK`` elements, the blocks' sums in float64): ``mean = x0 + s1 / n``, ``var = s2 / n
+- (s1 / n)²``. The shift keeps the moments' cancellation to the row's spread, not its offset
+(a row at 1e4 with spread 1 keeps 1e-8 of relative precision where unshifted float64 moments
+keep 1e-4). The row's mean and ``rstd = 1 / sqrt(var + eps)`` are saved (float64) for the
+backward; a second pass writes y. On CUDA a row gets a group of a block's threads as
+softmax's rows do (``ops.softmax.row_group``), the two sums going through
+``ops.block_reduce``'s fixed tree.
 
 Backward, from ``g = grad_out`` and ``x̂ = (x - mean) · rstd``:
 - ``dx = rstd · (g·w - mean(g·w) - x̂ · mean(g·w · x̂))``: one kernel, a row per group;
 - ``dweight = Σ_rows g · x̂`` and ``dbias = Σ_rows g``: partial sums over chunks of
-  ``PARAM_CHUNK`` rows (a thread per chunk and column), then a fold of each column's chunks
-  in ``FOLD_LANES`` lanes and a pairwise sum of the lanes: no atomics, and the same order on
-  both devices (float64 sums).
+  ``PARAM_CHUNK`` rows (a thread per chunk and column, in x's dtype), then a fold of each
+  column's chunks in ``FOLD_LANES`` lanes and a pairwise sum of the lanes (float64): no
+  atomics, and the same order on both devices.
 
 The CPU kernels are ``ops.layer_norm_cpu``'s.
 """
@@ -99,13 +101,12 @@ def layer_norm_grad_cuda(x, weight, mean, rstd, grad_out, grad_x, rows, n, affin
 
 def _partial_sums(c, j, x, mean, rstd, grad_out, partials, rows, n):
     """Chunk ``c``'s rows of column ``j``, in order, into ``partials[0|1, c, j]`` (Σ g·x̂ and
-    Σ g, float64)."""
-    total_xhat = 0.0
-    total = 0.0
+    Σ g, added in x's dtype as the CPU's chunk loop adds them: Σ g is the same bits)."""
+    total_xhat = total = x.dtype.type(0)
     for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
-        g = float(grad_out[r * n + j])
+        g = grad_out[r * n + j]
         total += g
-        total_xhat += g * (x[r * n + j] - mean[r]) * rstd[r]
+        total_xhat += g * x.dtype.type((x[r * n + j] - mean[r]) * rstd[r])
     partials[0, c, j] = total_xhat
     partials[1, c, j] = total
 

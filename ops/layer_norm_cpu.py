@@ -29,11 +29,14 @@ PARAM_CHUNK = 32   # rows summed into one partial of dweight/dbias (both devices
 FOLD_LANES = 16
 
 
-# The CPU's row loops: "reassoc" lets LLVM keep a float64 sum in vector lanes (a fixed order
-# of this code, the same bits every run), and the per-element arithmetic stays in x's dtype
-# after the float64 subtraction of the mean: 768x128 float32, one core, forward 106 -> 44
-# us, dx 101 -> 41 (eight hand-written partial sums, float64 throughout, had taken 77 -> 67)
+# The row loops' arithmetic is in x's dtype, which the vector lanes hold at full width, with
+# float64 only per row (mean, rstd, the sums of whole blocks): 768x128 float32, one core of
+# the 2-core Xeon, alternating, medians: the forward 57 -> 33 us, the backward's chunks with
+# the partials 99 -> 68 (sums and centring in float64 had converted every element there and
+# back). "reassoc" lets LLVM keep a sum in vector lanes (a fixed order of this code, the
+# same bits every run).
 _ROW_LOOPS = dict(CPU_KERNEL, nogil=True, error_model="numpy", fastmath={"reassoc"})
+SUM_BLOCK = 256   # elements of a row summed in x's dtype before the sum joins the float64 one
 
 
 @njit(inline="always", error_model="numpy")
@@ -47,6 +50,15 @@ def _affine_cpu(weight, bias, x, n, affine):
     if affine & HAS_BIAS:
         offset[:] = bias[:n]
     return scale, offset
+
+
+@njit(inline="always", **_ROW_LOOPS)
+def _centre(x, row_mean):
+    """The row's mean as two numbers of x's dtype, ``hi`` nearest it and ``lo`` the rest:
+    ``(x - hi) - lo`` is x - mean to x's own precision (``x - hi`` is exact for x near hi, a
+    row far from zero, where x - float32(mean) would keep the mean's rounding)."""
+    hi = x.dtype.type(row_mean)
+    return hi, x.dtype.type(row_mean - float(hi))
 
 
 def _row_blocks(pace, rows, n):
@@ -65,6 +77,19 @@ def layer_norm_split_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine)
                                   rstd[a:b], b - a, n, eps, affine)) for a, b in blocks])
 
 
+@njit(inline="always", **_ROW_LOOPS)
+def _shifted_sums(block, shift):
+    """``Σ (x - shift)`` and ``Σ (x - shift)²`` over a block of a row, in its dtype (a
+    block a call, over its own length: the loop a count from zero, it vectorises, where
+    range(a, b) within the row kept it scalar: 768x128, 41 us against 13)."""
+    s1 = s2 = block.dtype.type(0)
+    for k in range(block.size):
+        d = block[k] - shift
+        s1 += d
+        s2 += d * d
+    return s1, s2
+
+
 @njit(**_ROW_LOOPS)
 def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
     scale, offset = _affine_cpu(weight, bias, x, n, affine)
@@ -73,23 +98,21 @@ def layer_norm_cpu(x, weight, bias, out, mean, rstd, rows, n, eps, affine):
     # same bits)
     for r in range(rows):
         row = x[r * n:(r + 1) * n]
-        shift = float(row[0])
         s1 = 0.0
         s2 = 0.0
-        for k in range(n):
-            d = float(row[k]) - shift
-            s1 += d
-            s2 += d * d
+        for block in range(0, n, SUM_BLOCK):
+            b1, b2 = _shifted_sums(row[block:block + SUM_BLOCK], row[0])
+            s1 += b1
+            s2 += b2
         m1 = s1 / n
-        mean[r] = shift + m1
+        mean[r] = float(row[0]) + m1
         rstd[r] = 1.0 / math.sqrt(max(s2 / n - m1 * m1, 0.0) + eps)
     for r in range(rows):
-        row, row_mean = x[r * n:(r + 1) * n], mean[r]
-        rstd_t = x.dtype.type(rstd[r])
-        target = out[r * n:(r + 1) * n]
+        row, target = x[r * n:(r + 1) * n], out[r * n:(r + 1) * n]
+        hi, lo = _centre(x, mean[r])
+        row_rstd = x.dtype.type(rstd[r])
         for k in range(n):
-            centred = x.dtype.type(float(row[k]) - row_mean)
-            target[k] = centred * rstd_t * scale[k] + offset[k]
+            target[k] = ((row[k] - hi) - lo) * row_rstd * scale[k] + offset[k]
 
 
 _FORWARD_PACE = Pace(layer_norm_cpu)
@@ -113,62 +136,65 @@ def layer_norm_backward_cpu(x, weight, mean, rstd, grad_out, grad_x, partials, g
         fold_cpu(partials, grad_weight, grad_bias, n, which)
 
 
+@njit(inline="always", **_ROW_LOOPS)
+def _grad_sums(x, grad_out, scale, hi, lo):
+    """A row's ``Σ g·w`` and ``Σ g·w·(x - mean)``, in blocks as the forward's sums."""
+    total = 0.0
+    total_centred = 0.0
+    for block in range(0, x.size, SUM_BLOCK):
+        stop = block + SUM_BLOCK
+        b1, b2 = _scaled_sums(x[block:stop], grad_out[block:stop], scale[block:stop], hi, lo)
+        total += b1
+        total_centred += b2
+    return total, total_centred
+
+
+@njit(inline="always", **_ROW_LOOPS)
+def _scaled_sums(x, grad_out, scale, hi, lo):
+    b1 = b2 = x.dtype.type(0)
+    for k in range(x.size):
+        scaled = grad_out[k] * scale[k]
+        b1 += scaled
+        b2 += scaled * ((x[k] - hi) - lo)
+    return b1, b2
+
+
 @njit(**_ROW_LOOPS)
 def layer_norm_chunks_cpu(x, weight, mean, rstd, grad_out, grad_x, partials, rows, n, affine,
                           which, first, last):
     """Chunks ``first`` to ``last``: each row's dx (``ops.layer_norm``'s formula) where
-    ``grad_x`` has elements, and each chunk's partials ``ops.layer_norm._partial_sums``
-    where ``which`` asks, each adding its rows in order from zero (the same bits as CUDA's
-    thread a column). The columns are innermost and contiguous, so the loops vectorise; a
-    row's x and g are read for both while they are in cache. dx's two row sums are taken as
-    ``Σ g·w`` and ``rstd · (Σ g·w·x - mean · Σ g·w)`` (float64): a conversion, a multiply-add
-    and an add an element where the sums over x̂ had taken seven operations (768x128, one
-    core of the 2-core Xeon, CPU time, with the fold: 172-177 -> 166-171 us in three runs;
-    and one call from Python where there were three)."""
+    ``grad_x`` has elements, and each chunk's partials (``ops.layer_norm._partial_sums``:
+    its rows added in order from zero in x's dtype, so Σ g is the same bits as CUDA's)
+    where ``which`` asks. The columns are innermost and contiguous, so the loops vectorise;
+    a row's x and g are read for both while they are in cache. A row is a slice indexed
+    from zero: ``x[base + k]``, base from ``first``, kept the loops scalar (a negative index
+    wraps, so each element was checked: 768x128 165 -> 35 us)."""
     scale, _ = _affine_cpu(weight, weight, x, n, affine & HAS_WEIGHT)
-    dx = grad_x.size > 0
+    partial_xhat, partial_g = np.zeros(n, x.dtype), np.zeros(n, x.dtype)
     for c in range(first, last):
-        partial_xhat, partial_g = _chunk_partials(partials, c, which)
+        partial_xhat[:] = 0
+        partial_g[:] = 0
         for r in range(c * PARAM_CHUNK, min(rows, (c + 1) * PARAM_CHUNK)):
             row, g = x[r * n:(r + 1) * n], grad_out[r * n:(r + 1) * n]
-            row_mean, row_rstd = mean[r], rstd[r]
-            if not dx:
+            hi, lo = _centre(x, mean[r])
+            row_rstd = x.dtype.type(rstd[r])
+            if grad_x.size == 0:
                 for k in range(n):
-                    g_k = float(g[k])
-                    partial_g[k] += g_k
-                    partial_xhat[k] += g_k * (row[k] - row_mean) * row_rstd
+                    partial_g[k] += g[k]
+                    partial_xhat[k] += g[k] * (((row[k] - hi) - lo) * row_rstd)
                 continue
-            rstd_t = x.dtype.type(row_rstd)
-            total = 0.0
-            total_x = 0.0
-            for k in range(n):
-                scaled = float(g[k] * scale[k])
-                total += scaled
-                total_x += scaled * float(row[k])
-            total_t = x.dtype.type(total / n)
-            total_xhat_t = x.dtype.type(row_rstd * (total_x - row_mean * total) / n)
+            total, total_centred = _grad_sums(row, g, scale, hi, lo)
+            mean_scaled = x.dtype.type(total / n)
+            mean_scaled_xhat = x.dtype.type(rstd[r] * total_centred / n)
             target = grad_x[r * n:(r + 1) * n]
-            if which:   # dx and the partials in one pass, from one centred x
-                for k in range(n):
-                    centred = float(row[k]) - row_mean
-                    xhat = x.dtype.type(centred) * rstd_t
-                    target[k] = rstd_t * (g[k] * scale[k] - total_t - xhat * total_xhat_t)
-                    g_k = float(g[k])
-                    partial_g[k] += g_k
-                    partial_xhat[k] += g_k * centred * row_rstd
-            else:
-                for k in range(n):
-                    xhat = x.dtype.type(float(row[k]) - row_mean) * rstd_t
-                    target[k] = rstd_t * (g[k] * scale[k] - total_t - xhat * total_xhat_t)
-
-
-@njit(inline="always")
-def _chunk_partials(partials, c, which):
-    """Chunk c's two rows of partials, zeroed (a scratch pair where ``which`` asks none)."""
-    if not which:
-        return np.empty(0), np.empty(0)
-    partials[:, c] = 0.0
-    return partials[0, c], partials[1, c]
+            for k in range(n):   # dx, and the partials (where unasked, as cheap as a branch)
+                xhat = ((row[k] - hi) - lo) * row_rstd
+                target[k] = row_rstd * (g[k] * scale[k] - mean_scaled - xhat * mean_scaled_xhat)
+                partial_g[k] += g[k]
+                partial_xhat[k] += g[k] * xhat
+        if which:
+            partials[0, c, :n] = partial_xhat
+            partials[1, c, :n] = partial_g
 
 
 _BACKWARD_PACE = Pace(layer_norm_chunks_cpu)

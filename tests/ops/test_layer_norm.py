@@ -70,17 +70,48 @@ def test_rows_far_from_zero_keep_their_precision(device):
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-3)
 
 
+def test_rows_longer_than_a_sum_block_match_float64():
+    """The CPU sums a row in x's dtype over blocks of SUM_BLOCK elements, the blocks in
+    float64: rows of 2.5 blocks, off zero, keep float32's precision in y and every gradient."""
+    from ops.layer_norm_cpu import SUM_BLOCK
+    rng = np.random.default_rng(3)
+    n = SUM_BLOCK * 5 // 2
+    x = (3.0 + rng.standard_normal((5, n))).astype(np.float32).astype(np.float64)
+    w, b = (rng.standard_normal(n).astype(np.float32).astype(np.float64) for _ in range(2))
+    g = rng.standard_normal((5, n)).astype(np.float32).astype(np.float64)
+    tensors = [engine.tensor(a, dtype=np.float32, requires_grad=True) for a in (x, w, b)]
+    out = engine.layer_norm(tensors[0], n, tensors[1], tensors[2])
+    out.backward(engine.tensor(g, dtype=np.float32))
+    exact = [engine.tensor(a, requires_grad=True) for a in (x, w, b)]
+    expected = engine.layer_norm(exact[0], n, exact[1], exact[2])
+    expected.backward(engine.tensor(g))
+    np.testing.assert_allclose(out.numpy(), expected.numpy(), rtol=0, atol=2e-6)
+    for mine, reference in zip(tensors, exact):
+        scale = np.abs(reference.grad.numpy()).max()
+        np.testing.assert_allclose(mine.grad.numpy(), reference.grad.numpy(), rtol=0,
+                                   atol=2e-6 * scale)
+
+
+def _in_order(rows):
+    """The rows added one after another in their dtype, as a chunk's partial sum is, then
+    widened to float64 for the fold."""
+    total = np.zeros_like(rows[0])
+    for row in rows:
+        total = total + row
+    return total.astype(np.float64)
+
+
 def test_parameter_gradients_repeat_bit_for_bit(device):
     """165 rows: six chunks of partial sums, folded in ops.layer_norm's lanes: the same bits
-    every run; dbias (of g alone) the same bits on the CPU and CUDA too, and NumPy's float64
-    sums chunk by chunk (exact, of float32 values, whatever the order; dweight reads each
-    device's row statistics, whose sums run in each device's own fixed order)."""
+    every run; dbias (of g alone) the same bits on the CPU and CUDA too, and NumPy's: each
+    chunk's rows added in order in float32, the six chunk sums then in float64 (exact,
+    whatever the order; dweight reads each device's row statistics, whose sums run in each
+    device's own fixed order)."""
     from ops.layer_norm import PARAM_CHUNK
     rng = np.random.default_rng(2)
     x, g = rng.standard_normal((165, 6)), rng.standard_normal((165, 6))
-    g32 = g.astype(np.float32).astype(np.float64)
-    chunk_sums = [sum(g32[r] for r in range(c, min(c + PARAM_CHUNK, 165)))
-                  for c in range(0, 165, PARAM_CHUNK)]
+    g32 = g.astype(np.float32)
+    chunk_sums = [_in_order(g32[c:c + PARAM_CHUNK]) for c in range(0, 165, PARAM_CHUNK)]
     expected_dbias = sum(chunk_sums[1:], chunk_sums[0]).astype(np.float32)
     results = []
     for where in (device, device, "cpu"):
@@ -141,8 +172,8 @@ def test_the_parameter_gradients_fold_in_lanes_on_both_devices(device):
     x = rng.standard_normal((rows, 2))
     g = rng.standard_normal((rows, 2))
     g[0], g[16 * PARAM_CHUNK] = 1e20, -1e20
-    g = g.astype(np.float32).astype(np.float64)
-    chunks = [sum(g[r] for r in range(c, c + PARAM_CHUNK)) for c in range(0, rows, PARAM_CHUNK)]
+    g = g.astype(np.float32)
+    chunks = [_in_order(g[c:c + PARAM_CHUNK]) for c in range(0, rows, PARAM_CHUNK)]
     lanes = [np.zeros(2) for _ in range(FOLD_LANES)]
     for c, partial in enumerate(chunks):
         lanes[c % FOLD_LANES] = lanes[c % FOLD_LANES] + partial
