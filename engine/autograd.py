@@ -321,11 +321,13 @@ class Value:
         self._grad = None if data is None else to_device(data, device_of(self.data))
 
     def _accumulate_grad(self, g):
-        """Add ``g`` to the gradient (a copy of it when there is none: ``g`` may be shared)."""
+        """Add ``g`` to the gradient (a copy of it when there is none: ``g`` may be shared),
+        in place as torch's: the gradient array is the tensor's own (every way in copies), and
+        a new one each backward cost its allocation (98k float32: 21 -> 16 us)."""
         if self._grad is None:
             self._grad = to_device(g, device_of(self.data))
         else:
-            self._grad = add_arrays(self._grad, g)
+            add_arrays(self._grad, g, out=self._grad)
 
     def _grad_destination(self):
         """A preallocated buffer a backward rule may write this leaf's gradient into, or None."""
