@@ -9,7 +9,8 @@ the call's device seed as ``ops.dropout``):
 
     S = s Q Kᵀ + M,   P = softmax(S) by rows,   O = (P ∘ D) V,   lse_i = log Σ_j exp S_ij
 
-Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matrix kept):
+Backward, from dO, with P recomputed from S and the saved ``lse`` (no T x T matrix kept; the
+CPU keeps the forward's P instead where it is small, ``ops.attention_cpu.SAVED_PROBS_BYTES``):
 
     dP = D ∘ (dO Vᵀ),   Δ_i = Σ_j P_ij dP_ij (= dO_i · O_i),   dS = P ∘ (dP - Δ)
     dQ = s dS K,   dK = s dSᵀ Q,   dV = (P ∘ D)ᵀ dO
@@ -19,7 +20,7 @@ kernels ``ops.attention_cuda``'s.
 """
 import numpy as np
 
-from ops.attention_cpu import attention_cpu, attention_grad_cpu
+from ops.attention_cpu import attention_cpu, attention_grad_cpu, saved_probs_size
 from ops.attention_cuda import backward_plan, forward_plan
 from ops.device import device_of, to_host
 from ops.dispatch import Out, run
@@ -61,9 +62,12 @@ class AttentionOp(Op):
 
     def forward(self, q, k, v, mask, seed):
         bh, tq, tk, d, dv = self.sizes
-        out, self.lse = run(ATTENTION, flat(q), flat(k), flat(v), flat(mask), seed,
-                            Out((bh, tq, dv), q.dtype), Out((bh * tq,), np.float64),
-                            self.sizes, *self._scalars())
+        device, scalars = device_of(q), self._scalars()
+        kept = (saved_probs_size(self.sizes, scalars[2], q.itemsize, scalars[-1])
+                if device == "cpu" and any(self.needs_input_grad) else 0)
+        out, self.lse, self.probs = run(
+            ATTENTION, flat(q), flat(k), flat(v), flat(mask), seed, Out((bh, tq, dv), q.dtype),
+            Out((bh * tq,), np.float64), self.sizes, *scalars, Out((kept,), q.dtype))
         self.saved = (q, k, v, mask, seed, out)
         return out
 
@@ -91,7 +95,7 @@ class AttentionOp(Op):
         q, k, v, mask, seed, out = self.saved
         return run(ATTENTION_GRAD, flat(q), flat(k), flat(v), flat(mask), seed, self.lse,
                    flat(out), flat(grad_out), grad_q, grad_k, grad_v, grad_mask, self.sizes,
-                   *self._scalars())
+                   *self._scalars(), self.probs)
 
     def backward(self, grad_out, grad_dst):
         q, k, v, mask = self.saved[:4]

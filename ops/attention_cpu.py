@@ -191,35 +191,64 @@ def _in_slice_blocks(function, sizes, *arrays_and_scalars):
         run_blocks([(function, (first, last, *arrays_and_scalars)) for first, last in blocks])
 
 
+# P kept from the forward for the backward, where it takes at most this many bytes and no
+# dropout applies (the forward's P is then the backward's): the backward neither scores again
+# nor makes P again from lse. One thread, the GPT's 24 slices of 64 causal queries (a
+# thread's half) on the 2-core Xeon: K's transpose, Q Kᵀ and the row pass were 160 of the
+# backward's 524 us
+SAVED_PROBS_BYTES = 32 << 20
+
+
+def saved_probs_size(sizes, causal, itemsize, dropout):
+    """The elements of the forward's P as kept for the backward (each query tile's scores,
+    ``bh x tile x keys``, one after another), or 0 where P is made again instead."""
+    bh, tq, tk, _, _ = sizes
+    size = sum(bh * (stop - start) * keys for start, stop, keys in _tiles(tq, tk, causal))
+    return 0 if dropout or size * itemsize > SAVED_PROBS_BYTES else size
+
+
+def _kept_tiles(probs, sizes, first, last, causal):
+    """``(start, stop, keys, P)`` of each query tile, P its slices' kept probabilities
+    (contiguous ``(last - first, tile, keys)``), or None where none are kept."""
+    bh, tq, tk, _, _ = sizes
+    offset = 0
+    for start, stop, keys in _tiles(tq, tk, causal):
+        size = bh * (stop - start) * keys
+        yield start, stop, keys, (probs[offset:offset + size].reshape(bh, stop - start, keys)
+                                  [first:last] if probs.size else None)
+        offset += size
+
+
 def attention_cpu(q, k, v, mask, seed, out, lse, sizes, mask_strides, scale, causal,
-                  threshold, keep_scale, dropout):
+                  threshold, keep_scale, dropout, probs):
     numpy_blas_on_one_thread()
     _in_slice_blocks(_attention_slices, sizes, q, k, v, mask, seed, out, lse, sizes,
-                     mask_strides, q.dtype.type(scale), causal, threshold, keep_scale, dropout)
+                     mask_strides, q.dtype.type(scale), causal, threshold, keep_scale, dropout,
+                     probs)
 
 
 def _attention_slices(first, last, q, k, v, mask, seed, out, lse, sizes, mask_strides, scale,
-                      causal, threshold, keep_scale, dropout):
+                      causal, threshold, keep_scale, dropout, probs):
     bh, tq, tk, d, dv = sizes
     q3, k3, v3 = (a[first:last] for a in _views(q, k, v, sizes))
     out3 = out.reshape(bh, tq, dv)[first:last]
     keys_t = _transposed(k3)
-    for start, stop, keys in _tiles(tq, tk, causal):
-        probs = np.matmul(q3[:, start:stop], keys_t[:, :, :keys])
-        _probability_rows(probs, mask, mask_strides, first, start, tq, tk, scale, causal, lse,
+    for start, stop, keys, kept in _kept_tiles(probs, sizes, first, last, causal):
+        tile = np.matmul(q3[:, start:stop], keys_t[:, :, :keys], out=kept)
+        _probability_rows(tile, mask, mask_strides, first, start, tq, tk, scale, causal, lse,
                           False, seed, threshold, keep_scale, dropout)
-        np.matmul(probs, v3[:, :keys], out=out3[:, start:stop])
+        np.matmul(tile, v3[:, :keys], out=out3[:, start:stop])
 
 
 def attention_grad_cpu(q, k, v, mask, seed, lse, out, grad_out, grad_q, grad_k, grad_v,
                        grad_mask, sizes, mask_strides, scale, causal, threshold, keep_scale,
-                       dropout):
+                       dropout, probs):
     numpy_blas_on_one_thread()
     _, tq, tk, _, _ = sizes
     chunk = max(1, GRAD_CHUNK_BYTES // (min(tq, CPU_TILE) * tk * q.itemsize))   # slices
     _in_slice_blocks(_attention_grad_slices, sizes, chunk, q, k, v, mask, seed, lse, grad_out,
                      grad_q, grad_k, grad_v, grad_mask, sizes, mask_strides, q.dtype.type(scale),
-                     causal, threshold, keep_scale, dropout)
+                     causal, threshold, keep_scale, dropout, probs)
 
 
 # The bytes of one temporary (a tile's scores, or their gradients: slices x tile x keys) a
@@ -238,35 +267,38 @@ def _attention_grad_slices(first, last, chunk, *args):
 
 def _attention_grad_chunk(first, last, q, k, v, mask, seed, lse, grad_out, grad_q, grad_k,
                           grad_v, grad_mask, sizes, mask_strides, scale, causal, threshold,
-                          keep_scale, dropout):
+                          keep_scale, dropout, probs):
     bh, tq, tk, d, dv = sizes
     q3, k3, v3 = (a[first:last] for a in _views(q, k, v, sizes))
     g3 = grad_out.reshape(bh, tq, dv)[first:last]
     dq3, dk3, dv3 = (grad_q.reshape(bh, tq, d)[first:last], grad_k.reshape(bh, tk, d)[first:last],
                      grad_v.reshape(bh, tk, dv)[first:last])
-    keys_t, values_t = _transposed(k3), _transposed(v3)
+    keys_t = None if probs.size else _transposed(k3)
+    values_t = _transposed(v3)
     one = scale.dtype.type(1)
     dk3[:] = 0   # each tile adds into the keys it sees, in order: the same bits every run
     dv3[:] = 0
-    for start, stop, keys in _tiles(tq, tk, causal):
-        probs = np.matmul(q3[:, start:stop], keys_t[:, :, :keys])
-        _probability_rows(probs, mask, mask_strides, first, start, tq, tk, scale, causal, lse,
-                          True, seed, threshold, keep_scale, False)
+    for start, stop, keys, kept in _kept_tiles(probs, sizes, first, last, causal):
+        tile = kept
+        if kept is None:   # P again, from the saved lse
+            tile = np.matmul(q3[:, start:stop], keys_t[:, :, :keys])
+            _probability_rows(tile, mask, mask_strides, first, start, tq, tk, scale, causal,
+                              lse, True, seed, threshold, keep_scale, False)
         grad_scores = np.matmul(g3[:, start:stop], values_t[:, :, :keys])   # dO Vᵀ
-        dropped = probs
+        dropped = tile
         if dropout:
-            factors = np.empty_like(probs)
+            factors = np.empty_like(tile)
             _dropout_factors(factors, first, start, tq, tk, seed, threshold, keep_scale)
             grad_scores *= factors
-            dropped = probs * factors
+            dropped = tile * factors
         if grad_mask.size:   # dM = dS before the scale, each (slice, query, key) once
-            _score_gradients(probs, grad_scores, one)
+            _score_gradients(tile, grad_scores, one)
             tile_mask = grad_mask.reshape(bh, tq, tk)[first:last, start:stop]
             tile_mask[:, :, :keys] = grad_scores
             tile_mask[:, :, keys:] = 0
             grad_scores *= scale
         else:
-            _score_gradients(probs, grad_scores, scale)
+            _score_gradients(tile, grad_scores, scale)
         np.matmul(grad_scores, k3[:, :keys], out=dq3[:, start:stop])
         dk3[:, :keys] += np.matmul(grad_scores.transpose(0, 2, 1), q3[:, start:stop])
         dv3[:, :keys] += np.matmul(dropped.transpose(0, 2, 1), g3[:, start:stop])

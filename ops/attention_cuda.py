@@ -370,23 +370,25 @@ def _kernels(dtype, cap, vector):
 
 
 def forward_plan(args):
+    """The forward kernel over ``args`` less the last (the CPU's kept P, none here)."""
     q, k, v, mask, seed, out, lse, sizes = args[:8]
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
     vector = vectors_fit(q.dtype, cap, (q, k, v), (d, dv))
     forward, _, _ = _kernels(np.dtype(q.dtype), cap, vector)
     queries, keys, _ = tiles(q.dtype, cap)
-    return ((forward, bh * -(-tq // queries), (queries // MICRO) * (keys // MICRO), args),)
+    return ((forward, bh * -(-tq // queries), (queries // MICRO) * (keys // MICRO), args[:-1]),)
 
 
 def backward_plan(args):
-    """dQ first: it also writes each query's Δ, which the dK/dV kernel reads."""
+    """dQ first: it also writes each query's Δ, which the dK/dV kernel reads (in place of
+    the last argument, the CPU's kept P)."""
     q, k, v, grad_out, sizes = args[0], args[1], args[2], args[7], args[12]
     bh, tq, tk, d, dv = sizes
     cap = head_cap(d, dv)
     vector = vectors_fit(q.dtype, cap, (q, k, v, grad_out), (d, dv))
     _, grad_q_kernel, grad_kv_kernel = _kernels(np.dtype(q.dtype), cap, vector)
     tile, _, threads = backward_layout(q.dtype, cap)
-    full = (*args, empty(max(bh * tq, 1), q.dtype, "cuda"))
+    full = (*args[:-1], empty(max(bh * tq, 1), q.dtype, "cuda"))
     return ((grad_q_kernel, bh * -(-tq // tile), threads, full),
             (grad_kv_kernel, bh * -(-tk // tile), threads, full))

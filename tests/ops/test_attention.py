@@ -139,6 +139,35 @@ def test_float32_on_several_query_tiles_matches_float64(kind):
         np.testing.assert_allclose(mine, reference, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["causal", "float mask"])
+def test_the_kept_probabilities_give_the_gradients_of_those_made_again(monkeypatch, kind):
+    """The CPU keeps the forward's P for the backward where it is small
+    (SAVED_PROBS_BYTES), else makes it again from lse: the same output and gradients, the
+    float mask's too, over three query tiles and chunks of one slice."""
+    from ops import attention, attention_cpu
+    kept = []
+    size_of = attention.saved_probs_size
+    monkeypatch.setattr(attention, "saved_probs_size",
+                        lambda *args: kept.append(size_of(*args)) or kept[-1])
+    monkeypatch.setattr(attention_cpu, "GRAD_CHUNK_BYTES", 1)
+    rng = np.random.default_rng(8)
+    arrays = [rng.standard_normal((2, 3, 150, 8)) for _ in range(3)]
+    kwargs = {"is_causal": True} if kind == "causal" else {}
+    if kind == "float mask":
+        arrays.append(rng.standard_normal((2, 1, 150, 150)))
+    g = rng.standard_normal((2, 3, 150, 8))
+    results = []
+    for budget in (attention_cpu.SAVED_PROBS_BYTES, 0):
+        monkeypatch.setattr(attention_cpu, "SAVED_PROBS_BYTES", budget)
+        tensors = [engine.tensor(a, requires_grad=True) for a in arrays]
+        out = engine.scaled_dot_product_attention(*tensors, **kwargs)
+        out.backward(engine.tensor(g))
+        results.append([out.numpy()] + [t.grad.numpy() for t in tensors])
+    assert kept[0] > 0 and kept[1] == 0
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_the_same_bits_on_one_and_two_threads(dropout_p):
     """The slices split across the engine's threads are each computed as in one call."""
@@ -318,9 +347,11 @@ def test_packed_attention_refuses_other_shapes():
         packed_attention(engine.tensor(np.zeros((2, 4, 5))))
 
 
-def test_the_cpu_backward_in_chunks_of_slices_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_the_cpu_backward_in_chunks_of_slices_gives_the_same_bits(monkeypatch, dropout_p):
     """ops.attention_cpu takes a block's slices in chunks (GRAD_CHUNK_BYTES): a chunk of one
-    slice gives the bits of all at once, with dropout and a float mask's gradient."""
+    slice gives the bits of all at once, with a float mask's gradient, the forward's P kept
+    (no dropout) or made again (dropout)."""
     from ops import attention_cpu
     from ops.dropout import new_seed_state
     rng = np.random.default_rng(7)
@@ -331,7 +362,7 @@ def test_the_cpu_backward_in_chunks_of_slices_gives_the_same_bits(monkeypatch):
     for chunk_bytes in (attention_cpu.GRAD_CHUNK_BYTES, 1):
         monkeypatch.setattr(attention_cpu, "GRAD_CHUNK_BYTES", chunk_bytes)
         tensors = [engine.tensor(a, requires_grad=True) for a in (q, k, v, mask)]
-        out = _sdpa(*tensors[:3], attn_mask=tensors[3], dropout_p=0.25,
+        out = _sdpa(*tensors[:3], attn_mask=tensors[3], dropout_p=dropout_p,
                     seed_state=new_seed_state(3, "cpu"))
         out.backward(engine.tensor(g))
         results.append([t.grad.numpy().tobytes() for t in tensors])
