@@ -22,9 +22,9 @@ from ops.dispatch import Meta, Out, run
 from ops.element_kernel import split_over_threads
 from ops.gelu_cpu import gelu_cpu, gelu_grad_cpu
 from ops.gelu_cuda import gelu_cuda, gelu_grad_cuda
-from ops.launch import Kernel, elements
-from ops.layout import (broadcast_layout, broadcast_offsets_cpu, broadcast_offsets_cuda,
-                        broadcast_shape, flat)
+from ops.launch import Kernel, device_of_args, elements
+from ops.layout import (SAME_SHAPE, broadcast_layout, broadcast_offsets_cpu,
+                        broadcast_offsets_cuda, broadcast_shape, device_meta, flat, host_meta)
 from ops.pointwise import (GELU, NEG, TABLE, derivative_cpu, derivative_cuda, value_cpu,
                            value_cuda)
 from ops.reduce import REDUCE, SUM, sum_to_shape
@@ -122,7 +122,14 @@ def binary(code, a, b, out=None):
 
 
 def add_arrays(a, b, out=None):
-    """``a + b`` of two arrays (no tape): gradient accumulation."""
+    """``a + b`` of two arrays (no tape): gradient accumulation. Into ``out`` of their one
+    shape, the kernel runs without ``run``'s placeholders or the broadcast layout (a 128-float
+    accumulation 5.5 -> 3.7 us on the 2-core Xeon; a LayerNorm fwd+bwd accumulates three)."""
+    if out is not None and a.shape == b.shape == out.shape:
+        device = device_of_args((a,))
+        BINARY[ADD].run_on(device, (flat(a), flat(b), flat(out), (
+            device_meta if device == "cuda" else host_meta)(SAME_SHAPE)))
+        return out
     return binary(ADD, a, b, out)
 
 

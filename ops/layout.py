@@ -110,11 +110,14 @@ def coalesce(shape, *stride_sets):
     return shape_out, strides_out
 
 
+SAME_SHAPE = (0,)   # the broadcast metadata of operands and output of one shape
+
+
 @functools.lru_cache(maxsize=1024)
 def broadcast_layout(out_shape, a_shape, b_shape):
     """The broadcast metadata of ``a <op> b`` into ``out_shape`` (see the module docstring)."""
     if tuple(a_shape) == tuple(b_shape) == tuple(out_shape):
-        return (0,)
+        return SAME_SHAPE
     shape, (a_strides, b_strides) = coalesce(
         out_shape, broadcast_strides(a_shape, out_shape), broadcast_strides(b_shape, out_shape))
     return (len(shape),) + shape + a_strides + b_strides
