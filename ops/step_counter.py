@@ -129,7 +129,7 @@ class HostMirror:
         self.sync(values)
 
     def sync(self, values):
-        values = tuple(float(v) for v in values)
+        values = tuple(map(float, values))
         if values != self.values:
             with unrecorded():   # the replay runs this sync itself, before its kernels
                 store_values(self.array, values)

@@ -32,6 +32,7 @@ turns non-zero after earlier steps, as in torch) also loads a saved state that l
 
 An optimizer is a declaration (``Optimizer``'s class doc) and its hyper-parameters' checks.
 """
+import functools
 import warnings
 import weakref
 
@@ -194,11 +195,6 @@ class Optimizer:
         source = self._hyper_source(group)
         return tuple(source[name] for name in self.hyper)
 
-    def update_kernel(self, group, runs=False):
-        """The ``ops.launch.Kernel`` of the rule for the buffers ``group`` keeps now (over
-        runs of a FlatBuffer's elements with ``runs``)."""
-        return self.kernels.kernel(self._state_names(group), runs)
-
     # ----------------------------------------------------------- stepping
     def zero_grad(self):
         """Forget every gradient without a kernel: flat slots are marked stale (the next
@@ -233,11 +229,11 @@ class Optimizer:
         if (unit is not None and unit.grads_valid() and all(p.requires_grad for p in params)
                 and all(self._unit_of.get(p, unit) is unit for p in params)):
             with unrecorded():   # state set-up runs once: a replay must not repeat it
-                storage = self._flat_storage(group, unit)
+                storage = self._flat_storage(group, unit, names)
             if storage is not None:
                 buffer = getattr(unit, "buffer", unit)
                 runs = unit.runs(buffer.device) if isinstance(unit, FlatSlots) else None
-                self._update(index, group, unit, buffer.data, buffer.grad, storage, runs)
+                self._update(index, group, unit, buffer.data, buffer.grad, storage, names, runs)
                 return
         for p in params:
             grad = p.grad
@@ -249,7 +245,7 @@ class Optimizer:
             with unrecorded():
                 state = self._own_state(group, p)
             self._update(index, group, p, flat(p.data), flat(grad.data),
-                         [flat(state[name]) for name in names])
+                         [flat(state[name]) for name in names], names)
 
     def _flat_unit(self, index, params):
         """The flat update unit of group ``index`` holding ``params``: their FlatBuffer when
@@ -265,18 +261,19 @@ class Optimizer:
             slots = self._slots[index] = FlatSlots(buffer, params)
         return slots
 
-    def _update(self, index, group, unit, param, grad, buffers, runs=None):
-        """Advance ``unit``'s step counts and run the rule's kernel on the 1-D arrays (on
-        their elements in ``runs`` when given)."""
+    def _update(self, index, group, unit, param, grad, buffers, names, runs=None):
+        """Advance ``unit``'s step counts and run the rule's kernel on the 1-D arrays (the
+        ``buffers`` the group keeps, ``names`` in order; on their elements in ``runs`` when
+        given)."""
         device = device_of(param)
         counts = self._counts[unit]
         hyper = self._hyper(index, group, device)
         advance_steps(counts, fault_words(device))
-        named = dict(zip(self._state_names(group), buffers))
+        named = dict(zip(names, buffers))
         kept = [named[name] for name in self.buffers if name in named]   # declared order
         extra = () if runs is None else (runs,)
-        self.update_kernel(group, runs is not None)(
-            param, grad, *kept, counts, hyper, float(np.finfo(param.dtype).tiny), *extra)
+        self.kernels.kernel(names, runs is not None).run_on(
+            device, (param, grad, *kept, counts, hyper, _smallest_normal(param.dtype), *extra))
         mark_written(getattr(unit, "params", (unit,)))
 
     def _hyper(self, index, group, device):
@@ -323,7 +320,7 @@ class Optimizer:
         return bad
 
     # ----------------------------------------------------------- state
-    def _flat_storage(self, group, unit):
+    def _flat_storage(self, group, unit, names):
         """The group's flat state buffers (like the unit's FlatBuffer in size, device and
         dtype, in ``_state_names`` order; the groups of one buffer share them, each its own
         slots), with ``unit``'s step counts; made zeroed once. Made again, with the
@@ -331,7 +328,6 @@ class Optimizer:
         rule names a buffer it did not before (then new: its update count restarts). None
         when only some of the unit's parameters hold a buffer the rule now names: the
         per-parameter path then keeps each one's history."""
-        names = self._state_names(group)
         buffer = getattr(unit, "buffer", unit)
         device = buffer.device
         storage = self._flat_state.setdefault(buffer, {})   # name -> (array, ids bound to it)
@@ -528,6 +524,13 @@ class ParameterState(dict):
 
     def __contains__(self, key):
         return key == "step" or super().__contains__(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _smallest_normal(dtype):
+    """The dtype's smallest normal number as a float (``np.finfo`` takes a microsecond a
+    call, of a step's Python around its kernel)."""
+    return float(np.finfo(dtype).tiny)
 
 
 def mark_written(params):
