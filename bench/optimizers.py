@@ -1,6 +1,6 @@
 """One optimizer step on the CPU, engine against torch.optim, for every optimizer.
 
-    python -m bench.optimizers [--sizes 235146 669706] [--threads 1 2] [--steps 300]
+    python -m bench.optimizers [--sizes 235146 669706] [--threads 1 2] [--steps 1000]
                                [--json results.json]
 
 For each size (float32 parameters: 235,146 are the reference MLP's 784-256-128-10, 669,706 a
@@ -41,8 +41,10 @@ OPTIMIZERS = {
 }
 SIZES = (235146, 669706)
 # steps a side runs before the other's turn: the first 2-3 after the settled pause take 2-6x
-# longer on the 2-core EPYC (caches and clocks cold), on either side and thread count
-BLOCK_STEPS = 50
+# longer on the 2-core EPYC (caches and clocks cold), on either side and thread count; and on
+# the 2-core Xeon torch's SGD step over 235k on 2 threads settled at 38-40 us only after more
+# than 50 steps (blocks of 50: 54-67 us, the ratio 1.21-1.44x; of 500: 38-40, 1.88-1.95x)
+BLOCK_STEPS = 250
 
 
 def _engine_step(class_name, options, values, gradient):
@@ -136,7 +138,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
                         choices=list(OPTIMIZERS), metavar="NAME")
     parser.add_argument("--json", default=None)
