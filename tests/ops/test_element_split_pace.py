@@ -2,10 +2,7 @@
 measured pace (ops.element_kernel.split_over_threads, ops.cpu_threads.MIN_BLOCK_SECONDS):
 plain SGD's cheap update runs whole on 2 threads, where the hand-off cost more than it saved;
 the blocks, when it splits, give the same bits."""
-import types
-
 import numpy as np
-import pytest
 from numba import njit
 
 import engine
@@ -52,28 +49,3 @@ def test_the_pace_decides_the_block_count(monkeypatch):
     assert cpu_threads.element_blocks(size, 0.1e-9) is None        # 30 us of work: whole
     assert len(cpu_threads.element_blocks(size, 1e-9)) == 2       # 300 us: two blocks
     assert len(cpu_threads.element_blocks(size)) == 2             # pace unknown: by size
-
-
-def test_the_pace_is_timed_again_and_follows_faster_calls(monkeypatch):
-    """Once known, a kernel's pace is timed again one call in RETIME_EVERY and is the fastest
-    of all its timed calls: a kernel first timed in a slow moment (a fresh process's new
-    pages) does not split by that pace for ever."""
-    clock = types.SimpleNamespace(now=0.0, cost=1.0)
-    monkeypatch.setattr(kernel_pace, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-
-    def kernel():
-        clock.now += clock.cost
-
-    pace = kernel_pace.Pace(kernel)
-    for _ in range(kernel_pace.TIMED_CALLS + 1):   # the first compiles: not a pace
-        assert pace.per_unit(10) is None
-        pace.whole(10, ())
-    assert pace.per_unit(10) == pytest.approx(0.1)   # 1 s over 10 units
-    clock.cost = 0.01
-    whole_calls = 0
-    for _ in range(2 * kernel_pace.RETIME_EVERY):
-        if pace.per_unit(10) is None:
-            pace.whole(10, ())
-            whole_calls += 1
-    assert whole_calls == 2
-    assert pace.per_unit(10) == pytest.approx(0.001)
