@@ -62,9 +62,10 @@ class AttentionOp(Op):
 
     def forward(self, q, k, v, mask, seed):
         bh, tq, tk, d, dv = self.sizes
-        device, scalars = device_of(q), self._scalars()
-        kept = (saved_probs_size(self.sizes, scalars[2], q.itemsize, scalars[-1])
-                if device == "cpu" and any(self.needs_input_grad) else 0)
+        scalars = self._scalars()
+        _, _, causal, _, _, dropout = scalars
+        kept = (saved_probs_size(self.sizes, causal, q.itemsize, dropout)
+                if device_of(q) == "cpu" and any(self.needs_input_grad) else 0)
         out, self.lse, self.probs = run(
             ATTENTION, flat(q), flat(k), flat(v), flat(mask), seed, Out((bh, tq, dv), q.dtype),
             Out((bh * tq,), np.float64), self.sizes, *scalars, Out((kept,), q.dtype))

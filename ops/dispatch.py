@@ -13,7 +13,7 @@ placeholders stand for what the dispatcher makes::
   NumPy on the CPU, a device array on CUDA (one kernel argument instead of many).
 """
 from ops.launch import device_of_args
-from ops.layout import device_meta, flat, host_meta
+from ops.layout import flat, meta_on
 from ops.memory import empty
 
 
@@ -48,8 +48,7 @@ def run(kernel, *args):
                 outputs.append(arg.array)
             resolved[position] = flat(arg.array) if arg.flat else arg.array
         elif kind is Meta:
-            resolved[position] = (device_meta(arg.values) if device == "cuda"
-                                  else host_meta(arg.values))
+            resolved[position] = meta_on(device, arg.values)
     kernel.run_on(device, resolved)
     if not outputs:
         return None

@@ -183,7 +183,7 @@ def layer_norm_chunks_cpu(x, weight, mean, rstd, grad_out, grad_x, partials, row
     from zero: ``x[base + k]``, base from ``first``, kept the loops scalar (a negative index
     wraps, so each element was checked: 768x128 165 -> 35 us)."""
     scale, _ = _affine_cpu(weight, weight, x, n, affine & HAS_WEIGHT)
-    partial_xhat, partial_g = np.zeros(n, x.dtype), np.zeros(n, x.dtype)
+    partial_xhat, partial_g = np.empty(n, x.dtype), np.empty(n, x.dtype)   # zeroed a chunk
     for c in range(first, last):
         partial_xhat[:] = 0
         partial_g[:] = 0

@@ -49,6 +49,11 @@ def host_meta(values):
     return meta
 
 
+def meta_on(device, values):
+    """``values`` as a cached int64 array on ``device`` (``host_meta`` or ``device_meta``)."""
+    return device_meta(values) if device == "cuda" else host_meta(values)
+
+
 def device_meta(values):
     """A cached int64 device array holding the tuple ``values``."""
     meta = _device_meta.get(values)
