@@ -23,7 +23,14 @@ A call is described only where it is exactly the call Python would make: a dispa
 already has an overload for these argument types (the calling thread's own block compiled it),
 which returns nothing, with arrays and int, float or bool scalars as arguments. Anything else
 (``None``, tuples, a first call that still compiles) runs as a Python call.
+
+A split that runs the same kernel on the same arrays call after call (an optimizer's update
+of its flat buffers every step) keeps its blocks' records (``KeptBlocks``): making a record
+took 6 us of Python on the 2-core Xeon (the arguments' kinds, the packing call), against
+plain SGD's 17 us half of the update of 235k parameters.
 """
+import weakref
+
 import numpy as np
 from llvmlite import ir
 from numba import cfunc, literal_unroll, njit, types
@@ -68,6 +75,72 @@ def record(function, args):
     fields[TRAMPOLINE], fields[KERNEL], fields[STATUS] = trampoline, native, 0
     _pack(fields, *args)
     return fields
+
+
+class Kept:
+    """A record run again and again: a ``(Kept(...), ())`` pair is a call (``run_blocks``')
+    that runs on this thread as ``kept()`` and that a worker runs from its record."""
+
+    def __init__(self, fields, name):
+        self.fields, self.address, self.__name__ = fields, fields.ctypes.data, name
+
+    def __call__(self):
+        self.fields[STATUS] = 0
+        run(self.address)
+        if failed(self.fields):
+            raise RuntimeError(f"{self.__name__}: a block of a split raised; "
+                               "engine.set_num_threads(1) runs it whole, which shows the error")
+
+
+class KeptBlocks:
+    """The blocks of a kernel's split, kept as ``Kept`` records from its second call alike to
+    the next call that differs: a call alike has the same arrays (the same objects: an
+    array's data, shape and strides never change), equal scalars and the same blocks. Only
+    weak references to the arguments are held (a record is raw pointers, valid while its
+    arrays live), and strongly the arrays made for the blocks themselves."""
+
+    def __init__(self):
+        self.blocks = self.arguments = None
+        self.kept = None   # the kept calls; False where a block has no record
+        self.own = ()
+
+    def calls(self, function, args, blocks_of, block_arguments):
+        """The calls that run ``function(*args)`` in the blocks ``blocks_of(repeated)``
+        gives (``repeated``: the arguments are the last call's, so the blocks may be kept):
+        kept records on a call alike, else ``(function, arguments)`` pairs; None where
+        ``blocks_of`` gives None (one plain call). ``block_arguments(blocks)`` gives each
+        block's arguments and the arrays made for them, when they are needed."""
+        repeated = self._repeats(args)
+        blocks = blocks_of(repeated)
+        if not repeated:
+            self.arguments = tuple(weakref.ref(arg) if isinstance(arg, np.ndarray) else arg
+                                   for arg in args)
+        if not repeated or blocks != self.blocks:
+            self.blocks, self.kept, self.own = blocks, None, ()
+        elif self.kept is None and blocks is not None:   # the second call alike: keep it
+            arguments, own = block_arguments(blocks)
+            records = [record(function, each) for each in arguments]
+            if any(fields is None for fields in records):
+                self.kept = False
+            else:
+                name = getattr(function, "__name__", "a kernel")
+                self.kept, self.own = [(Kept(fields, name), ()) for fields in records], own
+        if blocks is None:
+            return None
+        if self.kept:
+            return self.kept
+        return [(function, each) for each in block_arguments(blocks)[0]]
+
+    def _repeats(self, args):
+        kept = self.arguments
+        if kept is None or len(kept) != len(args):
+            return False
+        for held, arg in zip(kept, args):
+            if not (held is arg or (type(held) is weakref.ref and held() is arg)
+                    or (type(held) is type(arg) and not isinstance(arg, np.ndarray)
+                        and held == arg)):
+                return False
+        return True
 
 
 def failed(fields):

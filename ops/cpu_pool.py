@@ -229,8 +229,8 @@ class _Worker:
     def hand(self, call):
         """Give the worker ``call`` (a ``(function, args)`` pair). A float32 block of ``out =
         a @ b`` by NumPy (a function marked ``is_matmul``, args ``(a, b, out)``) goes as its
-        CBLAS call, a call of an ``@njit`` kernel as its record (``ops.compiled_call``): both
-        run without the GIL. (Without NumPy's CBLAS the worker's loop is the plain one: every
+        CBLAS call, a call of an ``@njit`` kernel as its record (``ops.compiled_call``; a
+        ``Kept`` one as it is): all run without the GIL. (Without NumPy's CBLAS the worker's loop is the plain one: every
         block a Python call.)"""
         self.error, self.record = None, None
         self.flags[_KIND], self.call = _PYTHON, call
@@ -239,6 +239,11 @@ class _Worker:
             if getattr(function, "is_matmul", False):
                 if cblas.describable(*args) and cblas.describe(self.description, *args):
                     self.flags[_KIND], self.call = _GEMM, None
+            elif type(function) is compiled_call.Kept:
+                function.fields[compiled_call.STATUS] = 0
+                self.description[0], self.record = function.address, function.fields
+                self.kernel_name = function.__name__
+                self.flags[_KIND], self.call = _COMPILED, None
             elif (record := compiled_call.record(function, args)) is not None:
                 self.description[0], self.record = record.ctypes.data, record
                 self.kernel_name = getattr(function, "__name__", "a kernel")

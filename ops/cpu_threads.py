@@ -73,6 +73,9 @@ SPLIT_MIN_ELEMENTS = 2 * MIN_BLOCK_ELEMENTS
 # whole), and SGD's over 669k (blocks of about 35 us) ran 62-134 us on 2 threads from run to
 # run against 77 on one.
 MIN_BLOCK_SECONDS = 50e-6
+# ... or this long where the blocks are the last call's, on the same arrays (an optimizer's
+# update: ``ops.compiled_call.KeptBlocks``), handed over without making their records anew.
+MIN_KEPT_BLOCK_SECONDS = 10e-6
 ELEMENT_ALIGN = 64   # block edges on whole 256-byte lines of float32
 LOAD_INTERVAL_S = 1.0
 # A process none of whose kernels asked for the count this long was idle: the CPUs others
@@ -289,16 +292,18 @@ def slice_blocks(slices, macs):
     return _even_blocks(slices, min(threads(), slices, macs // MIN_BLOCK_MACS), 1)
 
 
-def element_blocks(size, seconds_per_element=None):
+def element_blocks(size, seconds_per_element=None, kept=False):
     """The ``(start, stop)`` blocks an element kernel (``ops.element_kernel``) over ``size``
     elements runs in: one per thread, as many as give each ``MIN_BLOCK_ELEMENTS`` and, where
-    the kernel's pace is known (``seconds_per_element``), ``MIN_BLOCK_SECONDS`` of work;
-    None for one plain call."""
+    the kernel's pace is known (``seconds_per_element``), ``MIN_BLOCK_SECONDS`` of work
+    (``MIN_KEPT_BLOCK_SECONDS`` where the blocks' hand-off is ``kept``); None for one plain
+    call."""
     if size < SPLIT_MIN_ELEMENTS:
         return None
     count = min(threads(), size // MIN_BLOCK_ELEMENTS)
     if seconds_per_element is not None:
-        count = min(count, int(size * seconds_per_element / MIN_BLOCK_SECONDS))
+        floor = MIN_KEPT_BLOCK_SECONDS if kept else MIN_BLOCK_SECONDS
+        count = min(count, int(size * seconds_per_element / floor))
     return _even_blocks(size, count, ELEMENT_ALIGN)
 
 

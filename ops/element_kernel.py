@@ -47,6 +47,7 @@ import numpy as np
 from numba import float64, njit
 
 from ops import cuda as cuda_runtime
+from ops.compiled_call import KeptBlocks
 from ops.cpu_threads import SPLIT_MIN_ELEMENTS, element_blocks, run_blocks
 from ops.cuda import SIMULATOR, cuda
 from ops.kernel_pace import Pace
@@ -151,19 +152,23 @@ def split_over_threads(cpu, array_count):
     whole calls after its first (which compiles) give its fastest seconds per element, and
     from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace."""
     pace = Pace(cpu, SPLIT_MIN_ELEMENTS)
+    kept = KeptBlocks()
 
     def split(*args):
         first = args[0]
         if getattr(first, "ndim", 0) != 1:
             return cpu(*args)
-        blocks = _blocks(first.size, pace)
-        if blocks is None:
+
+        def block_arguments(blocks):
+            per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
+                           and args[k].ndim == 1 and args[k].size == first.size]
+            return [tuple(arg[start:stop] if k in per_element else arg
+                          for k, arg in enumerate(args)) for start, stop in blocks], ()
+        calls = kept.calls(cpu, args, lambda repeated: _blocks(first.size, pace, repeated),
+                           block_arguments)
+        if calls is None:
             return pace.whole(first.size, args)
-        per_element = [k for k in range(array_count) if isinstance(args[k], np.ndarray)
-                       and args[k].ndim == 1 and args[k].size == first.size]
-        run_blocks([(cpu, tuple(arg[start:stop] if k in per_element else arg
-                                for k, arg in enumerate(args)))
-                    for start, stop in blocks])
+        run_blocks(calls)
     return _named_after(split, cpu)
 
 
@@ -173,16 +178,21 @@ def split_runs_over_threads(cpu):
     threads as ``split_over_threads``: each block the same kernel on the whole arrays with
     the runs cut to its own elements."""
     pace = Pace(cpu, SPLIT_MIN_ELEMENTS)
+    kept = KeptBlocks()
 
     def split(*args):
         runs = args[-1]
         lengths = runs[:, 1] - runs[:, 0]
         size = int(lengths.sum())
-        blocks = _blocks(size, pace)
-        if blocks is None:
+
+        def block_arguments(blocks):
+            cuts = [_runs_between(runs, lengths, start, stop) for start, stop in blocks]
+            return [args[:-1] + (cut,) for cut in cuts], cuts
+        calls = kept.calls(cpu, args, lambda repeated: _blocks(size, pace, repeated),
+                           block_arguments)
+        if calls is None:
             return pace.whole(size, args)
-        run_blocks([(cpu, args[:-1] + (_runs_between(runs, lengths, start, stop),))
-                    for start, stop in blocks])
+        run_blocks(calls)
     return _named_after(split, cpu)
 
 
@@ -197,10 +207,11 @@ def _runs_between(runs, lengths, start, stop):
     return cut
 
 
-def _blocks(size, pace):
-    """The blocks of a call over ``size`` elements at the kernel's ``pace`` (None: whole)."""
+def _blocks(size, pace, repeated):
+    """The blocks of a call over ``size`` elements at the kernel's ``pace`` (None: whole),
+    shorter ones where the arguments are the last call's (their hand-off is kept)."""
     seconds = pace.per_unit(size)
-    return None if seconds is None else element_blocks(size, seconds)
+    return None if seconds is None else element_blocks(size, seconds, repeated)
 
 
 def _named_after(split, cpu):

@@ -111,3 +111,62 @@ def test_a_boolean_array_and_a_record_array():
 
     touch(structured)
     assert compiled_call.record(touch, (structured,)) is None
+
+
+def _halves(x, y, scale):
+    """The block arguments of ``_scaled_add`` over ``x``, ``y`` cut in two."""
+    table = np.zeros((3, 4))
+    return lambda blocks: ([(x[a:b], y[a:b], table, scale, 0, False, 0) for a, b in blocks], ())
+
+
+def test_kept_blocks_are_records_from_the_second_call_alike_until_one_differs():
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal(64).astype(np.float32), np.zeros(64, np.float32)
+    blocks = [(0, 32), (32, 64)]
+    kept = compiled_call.KeptBlocks()
+    args = (x, y, 2.0)
+    _scaled_add(*_halves(x, y.copy(), 2.0)(blocks)[0][0])   # compiles the overload
+    first = kept.calls(_scaled_add, args, lambda repeated: blocks, _halves(x, y, 2.0))
+    assert [function for function, _ in first] == [_scaled_add, _scaled_add]   # plain
+    second = kept.calls(_scaled_add, args, lambda repeated: blocks, _halves(x, y, 2.0))
+    assert all(type(function) is compiled_call.Kept for function, _ in second)
+    assert kept.calls(_scaled_add, args, lambda repeated: blocks, None) is second
+    run_calls(second)   # the kept records write what the plain calls write
+    expected = np.zeros(64, np.float32)
+    _scaled_add(x, expected, np.zeros((3, 4)), 2.0, 0, False, 0)
+    np.testing.assert_array_equal(y, expected)
+    # a scalar that differs, an array that is another object, other blocks: plain calls
+    for other_args, other_blocks in [((x, y, 3.0), blocks), ((x.copy(), y, 2.0), blocks),
+                                     (args, [(0, 16), (16, 64)])]:
+        calls = kept.calls(_scaled_add, other_args, lambda repeated: other_blocks,
+                           _halves(*other_args))
+        assert all(function is _scaled_add for function, _ in calls)
+    assert kept.calls(_scaled_add, args, lambda repeated: None, None) is None   # whole
+
+
+def test_kept_blocks_hold_no_argument_alive():
+    import gc
+    import weakref
+    x, y = np.ones(64, np.float32), np.zeros(64, np.float32)
+    blocks = [(0, 32), (32, 64)]
+    kept = compiled_call.KeptBlocks()
+    for _ in range(2):
+        kept.calls(_scaled_add, (x, y, 1.0), lambda repeated: blocks, _halves(x, y, 1.0))
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
+    repeated = []
+    kept.calls(_scaled_add, (np.ones(64, np.float32), y, 1.0),
+               lambda was: (repeated.append(was), blocks)[1], _halves(np.ones(64), y, 1.0))
+    assert repeated == [False]
+
+
+def test_a_kept_block_that_raised_raises_on_the_calling_thread():
+    x = np.ones(3)
+    _raises(x[:0])
+    fields = compiled_call.record(_raises, (x,))
+    with pytest.raises(RuntimeError, match="_raises: a block of a split raised"):
+        compiled_call.Kept(fields, "_raises")()
+    with pytest.raises(RuntimeError, match="_raises: a block a split's worker ran raised"):
+        run_calls([(_raises, (x[:0],)), (compiled_call.Kept(fields, "_raises"), ())])
