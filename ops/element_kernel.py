@@ -156,7 +156,7 @@ def split_over_threads(cpu, array_count):
 
     def split(*args):
         first = args[0]
-        if getattr(first, "ndim", 0) != 1:
+        if getattr(first, "ndim", 0) != 1 or first.size < SPLIT_MIN_ELEMENTS:
             return cpu(*args)
 
         def block_arguments(blocks):
@@ -184,6 +184,8 @@ def split_runs_over_threads(cpu):
         runs = args[-1]
         lengths = runs[:, 1] - runs[:, 0]
         size = int(lengths.sum())
+        if size < SPLIT_MIN_ELEMENTS:
+            return cpu(*args)
 
         def block_arguments(blocks):
             cuts = [_runs_between(runs, lengths, start, stop) for start, stop in blocks]
