@@ -100,9 +100,10 @@ class KeptBlocks:
     arrays live), and strongly the arrays made for the blocks themselves."""
 
     def __init__(self):
-        self.blocks = self.arguments = None
-        self.kept = None   # the kept calls; False where a block has no record
-        self.own = ()
+        # (the last call's arguments, its blocks, the kept calls or None, or False where a
+        # block has no record, the arrays made for them): read once a call and replaced
+        # whole, so records never pair with another thread's arguments
+        self._held = None
 
     def calls(self, function, args, blocks_of, block_arguments):
         """The calls that run ``function(*args)`` in the blocks ``blocks_of(repeated)``
@@ -110,37 +111,39 @@ class KeptBlocks:
         kept records on a call alike, else ``(function, arguments)`` pairs; None where
         ``blocks_of`` gives None (one plain call). ``block_arguments(blocks)`` gives each
         block's arguments and the arrays made for them, when they are needed."""
-        repeated = self._repeats(args)
+        held = self._held
+        repeated = held is not None and _same(held[0], args)
         blocks = blocks_of(repeated)
+        kept = None
         if not repeated:
-            self.arguments = tuple(weakref.ref(arg) if isinstance(arg, np.ndarray) else arg
-                                   for arg in args)
-        if not repeated or blocks != self.blocks:
-            self.blocks, self.kept, self.own = blocks, None, ()
-        elif self.kept is None and blocks is not None:   # the second call alike: keep it
-            arguments, own = block_arguments(blocks)
-            records = [record(function, each) for each in arguments]
-            if any(fields is None for fields in records):
-                self.kept = False
-            else:
+            self._held = (tuple(weakref.ref(arg) if isinstance(arg, np.ndarray) else arg
+                                for arg in args), blocks, None, ())
+        elif blocks != held[1]:
+            self._held = (held[0], blocks, None, ())
+        elif blocks is not None:
+            kept = held[2]
+            if kept is None:   # the second call alike: keep its records
+                arguments, own = block_arguments(blocks)
+                records = [record(function, each) for each in arguments]
                 name = getattr(function, "__name__", "a kernel")
-                self.kept, self.own = [(Kept(fields, name), ()) for fields in records], own
+                kept = False if any(fields is None for fields in records) else [
+                    (Kept(fields, name), ()) for fields in records]
+                self._held = (held[0], blocks, kept, own)
         if blocks is None:
             return None
-        if self.kept:
-            return self.kept
-        return [(function, each) for each in block_arguments(blocks)[0]]
+        return kept or [(function, each) for each in block_arguments(blocks)[0]]
 
-    def _repeats(self, args):
-        kept = self.arguments
-        if kept is None or len(kept) != len(args):
+
+def _same(held, args):
+    """Whether ``args`` are the arguments ``held`` (weak references to arrays, scalars)."""
+    if len(held) != len(args):
+        return False
+    for kept, arg in zip(held, args):
+        if not (kept is arg or (type(kept) is weakref.ref and kept() is arg)
+                or (type(kept) is type(arg) and not isinstance(arg, np.ndarray)
+                    and kept == arg)):
             return False
-        for held, arg in zip(kept, args):
-            if not (held is arg or (type(held) is weakref.ref and held() is arg)
-                    or (type(held) is type(arg) and not isinstance(arg, np.ndarray)
-                        and held == arg)):
-                return False
-        return True
+    return True
 
 
 def failed(fields):
