@@ -11,7 +11,12 @@ CPU time, a Dense relu epilogue and its backward loop): 0.17 + 0.20 s of compile
 0.27 + 0.36, the loops as fast. A code that is not a constant gets the whole function.
 
 Only top-level statements ``if code == NAME [or code == NAME ...]:`` are decided, the names
-being the function's globals; everything else is kept as written.
+being the function's globals; everything else is kept as written, but for one rewrite: a
+``return A if C else B`` becomes ``if C: return A`` then ``return B``. Inlined into the CPU
+convolution's loops, relu's conditional expression left a phi that Numba's SSA check reported
+at every first compile (``NumbaIRAssumptionWarning: variable 'value_v77__vphi28_0_2.1' is
+not in scope``, which asks the user to report it); the two returns compile to the same
+vector loops (every code's value and derivative loop vectorises as before).
 
 ``kernels_of_code`` is the one way a kernel gets its code as a compile-time constant, on both
 devices: a factory of the code builds the kernels, which hold the code as an int of their
@@ -54,11 +59,24 @@ def _holds(test, code, names):
     return names[test.comparators[0].id] == code
 
 
+def _without_return_choice(statement):
+    """``statement``, or for ``return A if C else B`` the statements ``if C: return A`` and
+    ``return B`` (the module's notes say why), nested choices too."""
+    value = getattr(statement, "value", None)
+    if not (isinstance(statement, ast.Return) and isinstance(value, ast.IfExp)):
+        return [statement]
+    first = ast.If(test=value.test, body=_without_return_choice(
+        ast.copy_location(ast.Return(value=value.body), statement)), orelse=[])
+    return [ast.copy_location(first, statement),
+            *_without_return_choice(ast.copy_location(ast.Return(value=value.orelse), statement))]
+
+
 @functools.lru_cache(maxsize=None)
 def pruned(function, code):
     """``function`` (plain Python, its first parameter the code) with the top-level ``if``
     statements that test the code decided for ``code``: a false one removed (its ``else``
-    kept), a true one replaced by its body, and what follows a ``return`` dropped. Compiled
+    kept), a true one replaced by its body, and what follows a ``return`` dropped; a returned
+    choice is made two returns (``_without_return_choice``). Compiled
     with ``function``'s file, line numbers and globals, so errors point at its source."""
     parameter = next(iter(inspect.signature(function).parameters))
     module = ast.parse(textwrap.dedent(inspect.getsource(function)))
@@ -72,7 +90,7 @@ def pruned(function, code):
             kept.append(statement)
         if kept and isinstance(kept[-1], ast.Return):
             break
-    definition.body = kept
+    definition.body = [form for statement in kept for form in _without_return_choice(statement)]
     definition.decorator_list = []
     ast.increment_lineno(module, function.__code__.co_firstlineno - 1)
     namespace = {}

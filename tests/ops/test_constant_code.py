@@ -69,3 +69,23 @@ def _runtime_code_value(code, x, p):
 def test_a_runtime_code_gets_the_whole_function():
     for entry in TABLE:
         assert _runtime_code_value(entry.code, 0.25, 0.5) == _whole_value(entry.code, 0.25, 0.5)
+
+
+def test_a_first_compile_of_a_relu_convolution_prints_no_numba_ir_warning(tmp_path):
+    """From an empty Numba cache, the CPU Conv2D with its fused relu compiles without Numba's
+    NumbaIRAssumptionWarning (relu's returned conditional expression, inlined into the
+    convolution's loops, left a phi its SSA check reported, asking the user to report it)."""
+    import os
+    import subprocess
+    import sys
+    from tests.support.paths import REPO_ROOT
+    code = ("import numpy as np, engine\n"
+            "from engine import nn\n"
+            "layer = nn.Conv2D(2, 3, activation='relu')\n"
+            "with engine.no_grad():\n"
+            "    layer(engine.tensor(np.ones((1, 1, 5, 5), np.float32)))\n")
+    environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "NumbaIRAssumptionWarning" not in result.stderr
