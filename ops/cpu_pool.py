@@ -230,8 +230,8 @@ class _Worker:
         """Give the worker ``call`` (a ``(function, args)`` pair). A float32 block of ``out =
         a @ b`` by NumPy (a function marked ``is_matmul``, args ``(a, b, out)``) goes as its
         CBLAS call, a call of an ``@njit`` kernel as its record (``ops.compiled_call``; a
-        ``Kept`` one as it is): all run without the GIL. (Without NumPy's CBLAS the worker's loop is the plain one: every
-        block a Python call.)"""
+        ``Kept`` one as it is): all run without the GIL. (Without NumPy's CBLAS the worker's
+        loop is the plain one: every block a Python call.)"""
         self.error, self.record = None, None
         self.flags[_KIND], self.call = _PYTHON, call
         if self.sgemm is not None:

@@ -150,7 +150,9 @@ def split_over_threads(cpu, array_count):
     Whether a block is worth a thread depends on the kernel's pace (plain SGD's update is 5x
     cheaper an element than Adam's): the kernel runs whole, timed, until ``TIMED_CALLS``
     whole calls after its first (which compiles) give its fastest seconds per element, and
-    from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace."""
+    from then on splits only into blocks of ``MIN_BLOCK_SECONDS`` or more at that pace
+    (``MIN_KEPT_BLOCK_SECONDS`` on the last call's arrays, whose blocks' records are kept:
+    ``ops.compiled_call.KeptBlocks``)."""
     pace = Pace(cpu, SPLIT_MIN_ELEMENTS)
     kept = KeptBlocks()
 
