@@ -9,6 +9,7 @@ from numba import njit
 from ops import pointwise
 from ops.constant_code import pruned
 from ops.pointwise import TABLE, derivative, derivative_cpu, value, value_cpu
+from tests.support.first_compile import assert_first_compile_is_quiet
 
 POINTS = np.array([-3.0, -0.5, -0.0, 0.0, 0.25, 2.0, 100.0, math.inf, -math.inf, math.nan])
 
@@ -75,17 +76,9 @@ def test_a_first_compile_of_a_relu_convolution_prints_no_numba_ir_warning(tmp_pa
     """From an empty Numba cache, the CPU Conv2D with its fused relu compiles without Numba's
     NumbaIRAssumptionWarning (relu's returned conditional expression, inlined into the
     convolution's loops, left a phi its SSA check reported, asking the user to report it)."""
-    import os
-    import subprocess
-    import sys
-    from tests.support.paths import REPO_ROOT
-    code = ("import numpy as np, engine\n"
-            "from engine import nn\n"
-            "layer = nn.Conv2D(2, 3, activation='relu')\n"
-            "with engine.no_grad():\n"
-            "    layer(engine.tensor(np.ones((1, 1, 5, 5), np.float32)))\n")
-    environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=environment,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "NumbaIRAssumptionWarning" not in result.stderr
+    assert_first_compile_is_quiet(
+        "import numpy as np, engine\n"
+        "from engine import nn\n"
+        "layer = nn.Conv2D(2, 3, activation='relu')\n"
+        "with engine.no_grad():\n"
+        "    layer(engine.tensor(np.ones((1, 1, 5, 5), np.float32)))\n", tmp_path)

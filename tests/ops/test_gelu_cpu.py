@@ -13,6 +13,7 @@ from ops import cpu_threads
 from ops.elementwise import UNARY
 from ops.gelu_cpu import exp_nonpositive_float32, gelu_cpu, gelu_grad_cpu
 from ops.pointwise import GELU, derivative_cpu, value_cpu
+from tests.support.first_compile import assert_first_compile_is_quiet
 
 # the GPT's hidden activations' range and beyond: both tails, zero, the erf clamp at +-4 sqrt2
 X = np.concatenate([np.random.default_rng(0).standard_normal(50_000) * 3,
@@ -111,20 +112,12 @@ def test_a_first_compile_of_gelu_and_attention_prints_no_numba_ir_warning(tmp_pa
     """From an empty Numba cache, the float32 GELU and CPU attention compile without Numba's
     NumbaIRAssumptionWarning (an inlined conditional expression used to leave a phi that its
     SSA check reported at every first compile)."""
-    import os
-    import subprocess
-    import sys
-    from tests.support.paths import REPO_ROOT
-    code = ("import numpy as np, engine\n"
-            "q = engine.tensor(np.ones((1, 2, 5, 4), np.float32), requires_grad=True)\n"
-            "engine.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()\n"
-            "x = engine.tensor(np.ones(7, np.float32), requires_grad=True)\n"
-            "engine.gelu(x).sum().backward()\n")
-    environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "always"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=environment,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "NumbaIRAssumptionWarning" not in result.stderr
+    assert_first_compile_is_quiet(
+        "import numpy as np, engine\n"
+        "q = engine.tensor(np.ones((1, 2, 5, 4), np.float32), requires_grad=True)\n"
+        "engine.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()\n"
+        "x = engine.tensor(np.ones(7, np.float32), requires_grad=True)\n"
+        "engine.gelu(x).sum().backward()\n", tmp_path)
 
 
 def test_select_takes_one_type_and_a_boolean_condition():
