@@ -2,6 +2,7 @@
 
     python -m bench.gpt --device cpu [--steps 50] [--threads N] [--json results.json]
     python -m bench.gpt --device cpu --steps 2000 --eval-every 500    # the learning check
+    python -m bench.gpt --device cuda --preset gpu --first-steps      # the cold first step
 
 nanoGPT's architecture (``engine.gpt``; torch's side is the same network written with
 ``torch.nn``: token and position embeddings, pre-LayerNorm blocks of causal attention through
@@ -29,8 +30,9 @@ import time
 import numpy as np
 
 from bench.framework_process import open_side
-from bench.harness import (GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS, GPT_WEIGHT_DECAY,
-                           gpt_corpus, gpt_training, settle)
+from bench.harness import (FIRST_STEP_RUNS, GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS,
+                           GPT_WEIGHT_DECAY, compile_times, format_first_steps, gpt_corpus,
+                           gpt_training, settle)
 from bench.report import emit, require_device
 
 # ------------------------------------------------------------------ the engine side
@@ -259,9 +261,18 @@ def main(argv=None):
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"),
                         help="float32 matmul precision of both engine and torch (torch's "
                              "names: high = TF32, medium = bf16 where the engine has it)")
+    parser.add_argument("--first-steps", action="store_true",
+                        help="instead: the engine's first two captured steps in fresh "
+                             "processes, from an empty Numba cache (with the shipped kernels "
+                             "on CUDA) and from the cache that run filled")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     require_device(parser, args.device)
+    if args.first_steps:
+        runs = compile_times(args.device, f"gpt:{args.preset}", FIRST_STEP_RUNS["cpu"])
+        emit({"device": args.device, "preset": args.preset, "first_steps": runs},
+             "\n".join(format_first_steps(runs)), args.json)
+        return
     result = measure(args.device, args.preset, args.steps, args.warmup, args.block,
                      args.eval_every, args.eval_batches, args.compile,
                      precision=args.precision, threads=args.threads)

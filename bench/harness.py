@@ -349,14 +349,17 @@ def time_first_steps(device, model, process_start):
     """Run in a subprocess: seconds to import the engine and build a model and loader, and to
     run each of the first two training steps (the first compiles every kernel it needs, or
     loads it from Numba's cache or the shipped kernels), and what the first step compiled
-    (``Compiles``). ``model``: ``"mlp:256,128"`` (the hidden widths) or ``"cnn"``
-    (``engine.models.build_cnn``)."""
+    (``Compiles``). ``model``: ``"mlp:256,128"`` (the hidden widths), ``"cnn"``
+    (``engine.models.build_cnn``) or ``"gpt:cpu"`` / ``"gpt:gpu"`` (``gpt_training``'s
+    model and its step captured, as ``python -m engine.train --model gpt`` runs it)."""
     import engine
     import data
     import optim
     from engine.losses import cross_entropy
     from engine.models import build_cnn, build_mlp
 
+    if model.startswith("gpt:"):
+        return _gpt_first_steps(device, GPT_PRESETS[model.partition(":")[2]], process_start)
     engine.manual_seed(0)
     images = np.random.default_rng(0).integers(0, 256, (2 * BATCH_SIZE, 28, 28), dtype=np.uint8)
     labels = np.arange(2 * BATCH_SIZE) % 10
@@ -387,6 +390,39 @@ def time_first_steps(device, model, process_start):
             "first_step_cpu_s": step_cpu_seconds[0], "first_step_compiles": first_compiles}
 
 
+def _gpt_first_steps(device, config, process_start):
+    """``time_first_steps`` of the GPT recipe's captured step (``gpt_training``): the first
+    call records the step (running it), the second replays it."""
+    from engine import models, optim
+    from engine.step_capture import capture
+
+    tokenizer, train_ids, _ = gpt_corpus()
+    model, optimizer, loader = gpt_training(config, tokenizer.vocab_size, train_ids, device)
+    parameters = model.parameters()
+
+    @capture
+    def step(inputs, targets):
+        optimizer.zero_grad()
+        loss = models.gpt_loss(model(inputs), targets)
+        loss.backward()
+        optim.clip_grad_norm_(parameters, GPT_CLIP)
+        optimizer.step()
+        return loss
+
+    step_seconds, step_cpu_seconds = [], []
+    for index in range(2):
+        with Compiles() as compiles:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            step(*loader.batch(index)).item()   # waits for the device
+            step_seconds.append(time.perf_counter() - start)
+            step_cpu_seconds.append(time.process_time() - cpu_start)
+        if index == 0:
+            first_compiles = sorted(compiles, key=lambda compiled: -compiled[1])
+    return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
+            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1],
+            "first_step_cpu_s": step_cpu_seconds[0], "first_step_compiles": first_compiles}
+
+
 # each a fresh process; the cold ones with an empty NUMBA_CACHE_DIR, the warm one with the
 # cache the cold one filled; on CUDA a second cold run without the shipped kernels
 # (ENGINE_SHIPPED_KERNELS=0), which compiles every kernel as a fresh install without them did
@@ -394,16 +430,16 @@ FIRST_STEP_RUNS = {"cpu": (("cold", "1"), ("warm", "1")),
                    "cuda": (("cold", "1"), ("warm", "1"), ("cold, no shipped kernels", "0"))}
 
 
-def compile_times(device, model):
+def compile_times(device, model, runs=None):
     """``{"cold": ..., "warm": ..., ...}``: first-step timings (``time_first_steps``) of
-    ``model`` in fresh processes, as ``FIRST_STEP_RUNS`` lists them, and how long each whole
-    process took."""
+    ``model`` in fresh processes, as ``runs`` (default ``FIRST_STEP_RUNS[device]``) lists
+    them, and how long each whole process took."""
     code = ("import time; start = time.perf_counter(); import json, sys; "
             "from bench.harness import time_first_steps; "
             "print(json.dumps(time_first_steps(sys.argv[1], sys.argv[2], start)))")
     results = {}
     with tempfile.TemporaryDirectory(prefix="numba-cache-") as root:
-        for label, shipped in FIRST_STEP_RUNS[device]:
+        for label, shipped in runs or FIRST_STEP_RUNS[device]:
             # the warm run reuses the first cold run's cache; every other run starts empty
             cache = os.path.join(root, "cold" if label == "warm" else label.replace(" ", "_"))
             environment = {**os.environ, "NUMBA_CACHE_DIR": cache,
