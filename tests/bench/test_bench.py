@@ -135,8 +135,8 @@ def test_a_framework_process_that_fails_to_build_raises_with_its_traceback():
         side.close()
 
 
-@pytest.mark.parametrize("model", ["mlp:16", "cnn"])
-def test_first_step_times_of_both_models(model):
+@pytest.mark.parametrize("model", ["mlp:16", "cnn", "gpt:cpu"])
+def test_first_step_times_of_each_model(model):
     """What each fresh process of ``compile_times`` runs and reports (here in this process:
     the fresh processes are the benchmark's, not a test's)."""
     import time
