@@ -36,12 +36,6 @@ class Parameter(Tensor):
     def __repr__(self):
         return "Parameter(" + super().__repr__()[len("tensor("):]
 
-    def requires_grad_(self, requires_grad=True):
-        """Freeze (False) or unfreeze the parameter in place, as torch's; returns it. A frozen
-        parameter gets no gradient and no optimizer moves it."""
-        self.requires_grad = requires_grad
-        return self
-
     def _grad_array(self):
         if self.flat is None:
             return super()._grad_array()

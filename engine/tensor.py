@@ -155,6 +155,13 @@ class Tensor(Value):
         version, as torch's."""
         return Tensor(self.data)._share_version(self)
 
+    def requires_grad_(self, requires_grad=True):
+        """Set ``requires_grad`` in place and return the tensor, as torch's (``x =
+        engine.tensor(a).requires_grad_()``); a frozen Parameter (False) gets no gradient and
+        no optimizer moves it. A tensor computed from others cannot stop requiring grad."""
+        self.requires_grad = requires_grad
+        return self
+
     # ----------------------------------------------------------- moving data
     def numpy(self):
         """The values as a host NumPy array (shares memory on the CPU, a copy from the GPU)."""

@@ -1,5 +1,5 @@
 """More of a PyTorch user's habits: a one-element integer tensor as an index, x.type(),
-engine.float32-style dtype names."""
+engine.float32-style dtype names, requires_grad_() on any tensor."""
 import numpy as np
 import pytest
 
@@ -22,6 +22,20 @@ def test_type_names_and_casts():
     assert x.type(engine.float64).dtype == np.float64
     assert x.type("torch.LongTensor").dtype == np.int64
     assert x.type(np.float32) is x
+
+
+def test_requires_grad_in_place_on_any_tensor():
+    x = engine.tensor([1.0, -2.0]).requires_grad_()
+    assert x.requires_grad and x.is_leaf
+    (x * x).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, -4.0])
+    assert x.requires_grad_(False) is x and not x.requires_grad
+    y = engine.tensor([1.0]).requires_grad_() * 2
+    with pytest.raises(RuntimeError, match="a tensor computed from others cannot stop "
+                                           "requiring grad; use .detach()"):
+        y.requires_grad_(False)
+    with pytest.raises(TypeError, match="only float32/float64 tensors can require grad"):
+        engine.tensor([1, 2]).requires_grad_()
 
 
 @pytest.mark.parametrize("name, dtype", [("float32", np.float32), ("float", np.float32),
