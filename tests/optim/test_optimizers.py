@@ -772,6 +772,48 @@ def test_runs_are_cut_at_the_blocks_edges():
     assert _runs_between(runs, lengths, 21, 31).tolist() == [[40, 50]]
 
 
+def test_a_kept_flat_update_follows_every_change_its_decision_read(monkeypatch):
+    """``Optimizer._step_group`` keeps a group's flat update (``_FlatPlan``) from step to
+    step: through a step without gradients, momentum turned on, a reloaded state, a frozen
+    parameter and a re-packed buffer, the parameters move as they do when every step
+    decides afresh."""
+    from optim import optimizer as optimizer_module
+
+    def events(params, opt, grads, kept):
+        set_grads(params, grads[0])
+        opt.step()
+        opt.step()
+        opt.param_groups[0]["momentum"] = 0.9   # a buffer the rule keeps from now on
+        opt.step()
+        opt.zero_grad()
+        opt.step()                        # no gradient: nothing moves
+        set_grads(params, grads[1])
+        opt.step()
+        opt.load_state_dict(opt.state_dict())   # state made anew from the saved one
+        opt.step()
+        set_grads(params, grads[2])
+        opt.step()
+        kept.append(bool(opt._plans))
+        params[1].requires_grad_(False)   # frozen: the per-parameter path, it stays put
+        opt.step()
+        params[1].requires_grad_(True)
+        FlatBuffer(params[::-1])          # re-packed: other offsets, other arrays
+        set_grads(params, grads[3])
+        opt.step()
+        return [p.numpy().copy() for p in params]
+
+    steps = grad_steps(4)
+    kept = []
+    params = make_params("cpu")
+    with_plans = events(params, optim.SGD(params, lr=0.05), steps, kept)
+    assert kept == [True]   # the flat update was kept until the freeze
+    monkeypatch.setattr(optimizer_module._FlatPlan, "fits", lambda self, optimizer, group: False)
+    params = make_params("cpu")
+    decided = events(params, optim.SGD(params, lr=0.05), steps, [])
+    for a, b in zip(with_plans, decided):
+        np.testing.assert_array_equal(a, b)
+
+
 # ------------------------------------------------------------------ moved and re-packed parameters
 
 def test_state_follows_a_repacked_flat_buffer():
