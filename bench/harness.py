@@ -370,20 +370,30 @@ def time_first_steps(device, model, process_start):
     optimizer = optim.Adam(network.parameters(), lr=LEARNING_RATE)
     loader = data.DataLoader(images, labels, batch_size=BATCH_SIZE, shuffle=True, seed=0,
                              device=device, normalize=(0.13, 0.31))
-    step_seconds, step_cpu_seconds = [], []
     batches = iter(loader)
-    for step in range(2):
+
+    def step(_):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        loss = cross_entropy(network(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        loss.item()   # waits for the GPU
+
+    return _two_steps_timed(step, process_start)
+
+
+def _two_steps_timed(step, process_start):
+    """``time_first_steps``' result: ``step(0)`` and ``step(1)`` timed, what the first
+    compiled, and the process's time before them."""
+    step_seconds, step_cpu_seconds = [], []
+    for index in range(2):
         with Compiles() as compiles:
             start, cpu_start = time.perf_counter(), time.process_time()
-            inputs, targets = next(batches)
-            optimizer.zero_grad()
-            loss = cross_entropy(network(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            loss.item()   # waits for the GPU
+            step(index)
             step_seconds.append(time.perf_counter() - start)
             step_cpu_seconds.append(time.process_time() - cpu_start)
-        if step == 0:
+        if index == 0:
             first_compiles = sorted(compiles, key=lambda compiled: -compiled[1])
     return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
             "first_step_s": step_seconds[0], "second_step_s": step_seconds[1],
@@ -409,18 +419,10 @@ def _gpt_first_steps(device, config, process_start):
         optimizer.step()
         return loss
 
-    step_seconds, step_cpu_seconds = [], []
-    for index in range(2):
-        with Compiles() as compiles:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            step(*loader.batch(index)).item()   # waits for the device
-            step_seconds.append(time.perf_counter() - start)
-            step_cpu_seconds.append(time.process_time() - cpu_start)
-        if index == 0:
-            first_compiles = sorted(compiles, key=lambda compiled: -compiled[1])
-    return {"import_and_setup_s": time.perf_counter() - process_start - sum(step_seconds),
-            "first_step_s": step_seconds[0], "second_step_s": step_seconds[1],
-            "first_step_cpu_s": step_cpu_seconds[0], "first_step_compiles": first_compiles}
+    def batch_step(index):
+        step(*loader.batch(index)).item()   # waits for the device
+
+    return _two_steps_timed(batch_step, process_start)
 
 
 # each a fresh process; the cold ones with an empty NUMBA_CACHE_DIR, the warm one with the
