@@ -32,14 +32,14 @@ import numpy as np
 from bench.framework_process import open_side
 from bench.harness import (FIRST_STEP_RUNS, GPT_BETAS, GPT_CLIP, GPT_LR, GPT_PRESETS,
                            GPT_WEIGHT_DECAY, compile_times, format_first_steps, gpt_corpus,
-                           gpt_training, settle)
+                           gpt_training, gpt_update, settle)
 from bench.report import emit, require_device
 
 # ------------------------------------------------------------------ the engine side
 
 def engine_side(config, device, train_ids, val_ids, vocab, seed):
     import engine
-    from engine import data, models, optim
+    from engine import data, models
     from engine.step_capture import capture
 
     model, opt, loader = gpt_training(config, vocab, train_ids, device, seed)
@@ -49,13 +49,7 @@ def engine_side(config, device, train_ids, val_ids, vocab, seed):
 
     @capture
     def step():
-        xb, yb = cursor.next_batch(config["batch_size"])
-        opt.zero_grad()
-        loss = models.gpt_loss(model(xb), yb)
-        loss.backward()
-        optim.clip_grad_norm_(parameters, GPT_CLIP)
-        opt.step()
-        return loss
+        return gpt_update(model, opt, parameters, *cursor.next_batch(config["batch_size"]))
 
     def run(steps):
         loss = step.repeat(steps)

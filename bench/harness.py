@@ -49,6 +49,18 @@ def gpt_training(config, vocab, train_ids, device="cpu", seed=0):
     return model, optimizer, loader
 
 
+def gpt_update(model, optimizer, parameters, inputs, targets):
+    """One step of the GPT recipe on a batch (the gradient norm clipped at ``GPT_CLIP``): its
+    loss."""
+    from engine import models, optim
+    optimizer.zero_grad()
+    loss = models.gpt_loss(model(inputs), targets)
+    loss.backward()
+    optim.clip_grad_norm_(parameters, GPT_CLIP)
+    optimizer.step()
+    return loss
+
+
 def gpt_corpus():
     """``(tokenizer, training ids, validation ids)``: the shipped Shakespeare, 90% to train."""
     from engine import data
@@ -403,7 +415,6 @@ def _two_steps_timed(step, process_start):
 def _gpt_first_steps(device, config, process_start):
     """``time_first_steps`` of the GPT recipe's captured step (``gpt_training``): the first
     call records the step (running it), the second replays it."""
-    from engine import models, optim
     from engine.step_capture import capture
 
     tokenizer, train_ids, _ = gpt_corpus()
@@ -412,12 +423,7 @@ def _gpt_first_steps(device, config, process_start):
 
     @capture
     def step(inputs, targets):
-        optimizer.zero_grad()
-        loss = models.gpt_loss(model(inputs), targets)
-        loss.backward()
-        optim.clip_grad_norm_(parameters, GPT_CLIP)
-        optimizer.step()
-        return loss
+        return gpt_update(model, optimizer, parameters, inputs, targets)
 
     def batch_step(index):
         step(*loader.batch(index)).item()   # waits for the device
