@@ -616,7 +616,7 @@ def test_fit_captures_its_step_and_equals_eager_fit_bit_for_bit(device):
     results = []
     for capture in (True, False):
         engine.manual_seed(0)
-        model, loader, _, _ = _blobs_model_and_loader(device)
+        model, loader, _, _ = _blobs_model_and_loader(device, batch_size=16)
         optimizer = optim.Adam(model.parameters(), lr=0.01)
         scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         step_losses = []
