@@ -158,7 +158,7 @@ def split_over_threads(cpu, array_count):
 
     def split(*args):
         first = args[0]
-        if getattr(first, "ndim", 0) != 1 or first.size < SPLIT_MIN_ELEMENTS:
+        if getattr(first, "ndim", 0) != 1:
             return cpu(*args)
 
         def block_arguments(blocks):
@@ -166,11 +166,7 @@ def split_over_threads(cpu, array_count):
                            and args[k].ndim == 1 and args[k].size == first.size]
             return [tuple(arg[start:stop] if k in per_element else arg
                           for k, arg in enumerate(args)) for start, stop in blocks], ()
-        calls = kept.calls(cpu, args, lambda repeated: _blocks(first.size, pace, repeated),
-                           block_arguments)
-        if calls is None:
-            return pace.whole(first.size, args)
-        run_blocks(calls)
+        return _run_in_blocks(pace, kept, first.size, args, block_arguments)
     return _named_after(split, cpu)
 
 
@@ -185,18 +181,11 @@ def split_runs_over_threads(cpu):
     def split(*args):
         runs = args[-1]
         lengths = runs[:, 1] - runs[:, 0]
-        size = int(lengths.sum())
-        if size < SPLIT_MIN_ELEMENTS:
-            return cpu(*args)
 
         def block_arguments(blocks):
             cuts = [_runs_between(runs, lengths, start, stop) for start, stop in blocks]
             return [args[:-1] + (cut,) for cut in cuts], cuts
-        calls = kept.calls(cpu, args, lambda repeated: _blocks(size, pace, repeated),
-                           block_arguments)
-        if calls is None:
-            return pace.whole(size, args)
-        run_blocks(calls)
+        return _run_in_blocks(pace, kept, int(lengths.sum()), args, block_arguments)
     return _named_after(split, cpu)
 
 
@@ -211,11 +200,21 @@ def _runs_between(runs, lengths, start, stop):
     return cut
 
 
-def _blocks(size, pace, repeated):
-    """The blocks of a call over ``size`` elements at the kernel's ``pace`` (None: whole),
-    shorter ones where the arguments are the last call's (their hand-off is kept)."""
-    seconds = pace.per_unit(size)
-    return None if seconds is None else element_blocks(size, seconds, repeated)
+def _run_in_blocks(pace, kept, size, args, block_arguments):
+    """``pace.cpu(*args)`` over ``size`` elements: whole (timed while its pace is unknown),
+    or in the blocks its pace gives (shorter where the arguments are the last call's: their
+    hand-off is kept in ``kept``), ``block_arguments(blocks)`` making each block's
+    arguments."""
+    if size < pace.smallest:
+        return pace.cpu(*args)
+
+    def blocks_of(repeated):
+        seconds = pace.per_unit(size)
+        return None if seconds is None else element_blocks(size, seconds, repeated)
+    calls = kept.calls(pace.cpu, args, blocks_of, block_arguments)
+    if calls is None:
+        return pace.whole(size, args)
+    run_blocks(calls)
 
 
 def _named_after(split, cpu):

@@ -524,13 +524,15 @@ class _FlatPlan:
     slot valid. A step then skips the walk that decided it: SGD's step over 1000 parameters in
     four (its Python, nearly all of it) took 8.2-13.5 us against 10.7-22.0 (the 2-core Xeon
     under load, four pairs of runs alternating)."""
-    __slots__ = ("group", "params", "ids", "layout", "names", "buffer", "data", "grad",
-                 "update")
+    __slots__ = ("group", "params", "ids", "layout", "unit", "names", "buffer", "data",
+                 "grad", "update")
 
     def __init__(self, optimizer, group, buffer, update):
+        """``update``: ``_update``'s arguments after the group, ``(unit, data, grad, state
+        arrays, names, runs)``."""
         self.group, self.params = group, group["params"]
         self.ids = tuple(map(id, self.params))
-        self.layout, self.names = optimizer._layout, update[4]
+        self.layout, self.unit, self.names = optimizer._layout, update[0], update[4]
         self.buffer, self.data, self.grad = buffer, buffer.data, buffer.grad
         self.update = update
 
@@ -541,7 +543,7 @@ class _FlatPlan:
                 or len(self.params) != len(self.ids) or optimizer._layout != self.layout
                 or buffer.data is not self.data or buffer.grad is not self.grad
                 or optimizer._state_names(group) != self.names
-                or not self.update[0].grads_valid()):
+                or not self.unit.grads_valid()):
             return False
         for p, kept in zip(self.params, self.ids):
             if id(p) != kept or not p._requires_grad or getattr(p, "flat", None) is not buffer:
