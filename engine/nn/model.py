@@ -119,12 +119,9 @@ class Model(KerasMethods, Layer):
     def _build_declared(self):
         """Build each unbuilt layer of the tree that declares its input shape and holds no
         layers (its parameters need nothing else); the model is still built by its call.
-        A Sequential's layers are left to it: it builds them in its chain (at once when its
-        first layer declares), and a second build would make new parameters."""
+        A Sequential's chain build keeps such a layer (``Sequential._build_layer``)."""
         def walk(layer):
             for _, child in layer.named_children():
-                if isinstance(child, Sequential):
-                    continue
                 if (not child.built and child.input_shape is not None and not child._children
                         and not isinstance(child, Model)):
                     child.build(child.input_shape, self.device)
@@ -526,6 +523,13 @@ class Sequential(Model):
                 last_axis and len(shape) > 1 and shape[-1:] == declared):
             raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
                              f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
+        if layer.built and declared is not None:
+            # built from its declaration by ``parameters()`` before the first call (torch's
+            # ``nn.Sequential(nn.Flatten(), nn.Linear(784, 512))``): a second build would make
+            # new parameters, and the optimizer given the first ones would train nothing
+            self.output_shape = (layer.output_shape if declared == shape
+                                 else layer.compute_output_shape(shape))
+            return
         try:
             self.output_shape = layer.build(shape, self.device, self._initialize)
         except ValueError as error:
@@ -536,11 +540,12 @@ class Sequential(Model):
         """Build every layer for inputs of ``input_shape`` (a model whose first layer had no
         ``input_shape=``, on its first call)."""
         self.input_shape = self.output_shape = tuple(input_shape)
+        unbuilt = [layer for layer in self.layers if not layer.built]
         try:
             for index in range(len(self.layers)):
                 self._build_layer(index)
         except ValueError:
-            for layer in self.layers:
+            for layer in unbuilt:   # those built before keep the parameters handed out
                 layer.built = False
             self.input_shape = self.output_shape = None
             raise

@@ -295,3 +295,47 @@ def test_keras_batch_normalization_channels_last_matches_channels_first(tmp_path
     np.testing.assert_array_equal(loaded(x).numpy(), last.eval()(x).numpy())
     features = nn.Sequential([layers.BatchNormalization(input_shape=(5,))])
     assert features(np.ones((3, 5), np.float32)).shape == (3, 5)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_optimizer_given_parameters_before_the_first_call_trains_the_model(nested):
+    """torch's ``nn.Sequential(nn.Flatten(), nn.Linear(...), ...)``: ``parameters()`` builds the
+    Linears from their declared features before the first call; the call that builds the rest
+    keeps them, so the optimizer holds the parameters the model runs (a second build had
+    made new ones: the loss never moved, and zero_grad reached no gradient the model used)."""
+    def stack():
+        return nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = stack()
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = Net() if nested else stack()
+    params = model.parameters()
+    optimizer = engine.optim.SGD(params, lr=0.5)
+    rng = np.random.default_rng(0)
+    x = engine.tensor(rng.standard_normal((6, 1, 8)).astype(np.float32))
+    y = engine.tensor(rng.integers(0, 3, 6))
+    losses = []
+    for _ in range(3):
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        assert all(p.grad is None for p in model.parameters())
+    assert [p is q for p, q in zip(model.parameters(), params)] == [True] * 4
+    assert losses[2] < losses[1] < losses[0]
+
+
+def test_a_failed_first_call_keeps_the_parameters_handed_out():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8, 3))
+    params = model.parameters()
+    with pytest.raises(ValueError, match="declares input_shape"):
+        model(np.ones((2, 5), np.float32))
+    assert model(np.ones((2, 8), np.float32)).shape == (2, 3)
+    assert [p is q for p, q in zip(model.parameters(), params)] == [True, True]
