@@ -38,17 +38,20 @@ def run(kernel, *args):
     """Run ``kernel`` on ``args`` with its ``Out`` and ``Meta`` placeholders made; returns the
     new outputs (one array, a tuple of several, or None)."""
     device = device_of_args(args)
-    resolved = list(args)
+    resolved = []
     outputs = []
-    for position, arg in enumerate(args):
+    for arg in args:
         kind = type(arg)
         if kind is Out:
-            if arg.array is None:   # one placeholder named twice is one array
-                arg.array = empty(arg.shape, arg.dtype, device)
-                outputs.append(arg.array)
-            resolved[position] = flat(arg.array) if arg.flat else arg.array
+            array = arg.array
+            if array is None:   # one placeholder named twice is one array
+                array = arg.array = empty(arg.shape, arg.dtype, device)
+                outputs.append(array)
+            resolved.append(flat(array) if arg.flat else array)
         elif kind is Meta:
-            resolved[position] = meta_on(device, arg.values)
+            resolved.append(meta_on(device, arg.values))
+        else:
+            resolved.append(arg)
     kernel.run_on(device, resolved)
     if not outputs:
         return None

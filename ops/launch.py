@@ -26,7 +26,16 @@ THREADS_PER_BLOCK = 256
 # 15-20 ms of every cold compile (thread CPU time: fill 0.075 -> 0.060 s, the batch gather
 # 0.314 -> 0.295).
 CPU_KERNEL = {"cache": True, "no_cfunc_wrapper": True}
-_thread = threading.local()
+
+
+class _ThreadState(threading.local):
+    """This thread's active ``LaunchRecorder``s (None: none). A class default,
+    not ``getattr(local, name, None)``, whose miss raised and caught an AttributeError on
+    every kernel run: 0.52 us against 0.08."""
+    recorders = None
+
+
+_thread = _ThreadState()
 
 
 class KernelRun(NamedTuple):
@@ -64,7 +73,7 @@ class Kernel:
 
     def run_on(self, device, args):
         """``self(*args)`` when the caller already knows the arrays' device."""
-        recorders = getattr(_thread, "recorders", None)
+        recorders = _thread.recorders
         if device == "cpu":
             if recorders:
                 _record(recorders, KernelRun(self, "cpu", self.cpu, None, None, args))
@@ -130,13 +139,13 @@ def _refuse_host_arrays(name, args):
 
 def recording():
     """True while a ``LaunchRecorder`` is active on this thread."""
-    return bool(getattr(_thread, "recorders", None))
+    return bool(_thread.recorders)
 
 
 def note_unrecordable(reason):
     """Tell the active recorders that the code just did work no kernel run holds (a host copy,
     a host read of a tensor's values, a collective), so replaying the runs would skip it."""
-    for recorder in getattr(_thread, "recorders", None) or ():
+    for recorder in _thread.recorders or ():
         recorder.unrecordable.append(reason)
 
 
@@ -147,7 +156,7 @@ def note_participant(participant):
     recording was made for, and its ``sync_device()``, if it has one, runs before each replay
     (as it runs in the eager step) to move host-written values (``param_groups``) to the
     device arrays the kernels read."""
-    for recorder in getattr(_thread, "recorders", None) or ():
+    for recorder in _thread.recorders or ():
         if not any(participant is known for known in recorder.participants):
             recorder.participants.append(participant)
 
@@ -159,7 +168,7 @@ class unrecorded:
     manager took 1.5 us of each optimizer step's Python.)"""
 
     def __enter__(self):
-        self.recorders = getattr(_thread, "recorders", None)
+        self.recorders = _thread.recorders
         _thread.recorders = None
 
     def __exit__(self, *exception):
@@ -187,7 +196,7 @@ class LaunchRecorder:
         self.participants = []   # objects whose host decisions the runs depend on
 
     def __enter__(self):
-        if getattr(_thread, "recorders", None) is None:
+        if _thread.recorders is None:
             _thread.recorders = []
         _thread.recorders.append(self)
         return self

@@ -123,7 +123,7 @@ class _Conv(Layer):
         return output_shape
 
     def forward(self, x):
-        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
+        _check_input_dtype(self, x.dtype, self.weight.dtype)
         if self.data_format == "channels_last":
             return channels_last(self._forward(channels_first(x, self)))
         return self._forward(x)

@@ -126,7 +126,7 @@ class LayerNorm(Layer):
         return output_shape
 
     def forward(self, x):
-        _check_input_dtype(f"{self.name} {self!r}", x.dtype, self.weight.dtype)
+        _check_input_dtype(self, x.dtype, self.weight.dtype)
         features = self.weight.shape[0]
         if x.ndim < 1 or x.shape[-1] != features:
             raise ValueError(f"{self.name} {self!r}: built for {features} features on the "
@@ -201,11 +201,10 @@ class MultiHeadAttention(Layer):
         return apply(DenseOp, x, weight, bias, activation=None, alpha=0.01)
 
     def forward(self, x):
-        where = f"{self.name} {self!r}"
-        _check_input_dtype(where, x.dtype, self.in_weight.dtype)
+        _check_input_dtype(self, x.dtype, self.in_weight.dtype)
         width = self.in_weight.shape[0]
         if x.ndim != 3 or x.shape[-1] != width:
-            raise ValueError(f"{where}: expects input of shape (N, T, {width}), got {x.shape}")
+            raise ValueError(f"{self.name} {self!r}: expects input of shape (N, T, {width}), got {x.shape}")
         n, t, heads = x.shape[0], x.shape[1], self.num_heads
         qkv = self._project(F.reshape(x, (n * t, width)), self.in_weight, self.in_bias)
         qkv = F.permute(F.reshape(qkv, (n, t, 3, heads, width // heads)), 2, 0, 3, 1, 4)
