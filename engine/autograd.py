@@ -560,7 +560,9 @@ def _after_backward(nodes, retain_graph):
 # that leaf meanwhile, and its accumulation into the leaf waits for the claim to end (else
 # its gradient would be overwritten by the op's write, or the slot added to itself). A node
 # accumulates into the leaves it claimed first, so two backwards never wait on each other.
-_leaves = threading.Condition()
+_leaves_lock = threading.RLock()
+# (taken as the lock itself, a C with-statement; the Condition's own is Python code)
+_leaves = threading.Condition(_leaves_lock)
 _claims = {}   # id(leaf) -> (the backward holding its slot, that backward's thread)
 
 
@@ -576,7 +578,7 @@ def _grad_destinations(inputs, walk):
     seen = set()
     destinations = []
     claimed = []
-    with _leaves:
+    with _leaves_lock:
         for x in inputs:
             destination = None
             if isinstance(x, Value) and x._node is None and id(x) not in seen:
@@ -596,7 +598,7 @@ def _accumulate_leaves(leaves, claimed, walk):
     backward holds its slot."""
     mine = [(x, g) for x, g in leaves if id(x) in claimed]
     others = [(x, g) for x, g in leaves if id(x) not in claimed]
-    with _leaves:
+    with _leaves_lock:
         for x, g in mine:
             x._accumulate_grad(g)
             if _claims.get(id(x), (None,))[0] is walk:
@@ -619,7 +621,7 @@ def _accumulate_leaves(leaves, claimed, walk):
 def _release_claims(claimed, walk):
     """End whatever claims of ``walk`` a node still holds (a frozen leaf's slot, a failed
     backward): its slot stays stale."""
-    with _leaves:
+    with _leaves_lock:
         ended = False
         for key in claimed:
             if _claims.get(key, (None,))[0] is walk:

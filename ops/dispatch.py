@@ -38,21 +38,26 @@ def run(kernel, *args):
     """Run ``kernel`` on ``args`` with its ``Out`` and ``Meta`` placeholders made; returns the
     new outputs (one array, a tuple of several, or None)."""
     device = device_of_args(args)
-    resolved = []
     outputs = []
-    for arg in args:
-        kind = type(arg)
-        if kind is Out:
-            array = arg.array
-            if array is None:   # one placeholder named twice is one array
-                array = arg.array = empty(arg.shape, arg.dtype, device)
-                outputs.append(array)
-            resolved.append(flat(array) if arg.flat else array)
-        elif kind is Meta:
-            resolved.append(meta_on(device, arg.values))
-        else:
-            resolved.append(arg)
+    # one comprehension over the arguments (a Dense backward passes 11; a loop of appends
+    # was a third of this function's time)
+    resolved = [_resolved(arg, device, outputs) if type(arg) in _PLACEHOLDERS else arg
+                for arg in args]
     kernel.run_on(device, resolved)
     if not outputs:
         return None
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _resolved(placeholder, device, outputs):
+    """What the kernel gets for ``placeholder``; a new output array is added to ``outputs``."""
+    if type(placeholder) is Meta:
+        return meta_on(device, placeholder.values)
+    array = placeholder.array
+    if array is None:   # one placeholder named twice is one array
+        array = placeholder.array = empty(placeholder.shape, placeholder.dtype, device)
+        outputs.append(array)
+    return flat(array) if placeholder.flat else array
+
+
+_PLACEHOLDERS = (Out, Meta)
