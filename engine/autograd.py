@@ -112,14 +112,13 @@ class Tape:
     """The live nodes recorded while this tape was a thread's current one, held weakly.
 
     ``len(tape)`` counts those neither released by a backward nor freed with their graph.
-    It warns once (see the limits above) when they pile up. Recording and releasing take a
-    lock: a backward on another thread releases nodes while this one records."""
+    It warns once (see the limits above) when they pile up. A backward on another thread
+    may release nodes while this one records: each is one operation on a dict."""
 
     def __init__(self):
         # the live nodes as the keys of a dict of weak references, each removing itself when
         # its node is freed (a WeakSet under a lock: 0.77 us a record against 0.36); each
-        # change is one dict operation, atomic under the GIL, so a backward on another thread
-        # may release nodes while this one records
+        # change is one dict operation, atomic under the GIL
         self._refs = {}
         self.backwards = 0      # backwards whose root was recorded here
         self.warned = False
