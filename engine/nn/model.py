@@ -1,7 +1,9 @@
 """``Sequential``, the model: build, pack, move, train/eval, call, summary, state dicts,
 the config codec, save and ONNX export; and ``load``, which rebuilds one from a file."""
+import contextlib
 import json
 import os
+import threading
 
 import numpy as np
 
@@ -45,6 +47,27 @@ def register(layer_class):
                          f"{module}.{taken.__qualname__}; rename the class")
     LAYERS[name] = layer_class
     return layer_class
+
+
+_DEFERRAL = threading.local()   # .depth: how many deferred_construction blocks are open
+
+
+@contextlib.contextmanager
+def deferred_construction():
+    """While open, a layer that would make its parameters in its constructor (torch's
+    ``nn.Linear``) leaves them to its build: a model read from a file is built without
+    initialising (no generator draws) and only once its architecture fits in the file's
+    weights (``serialization.check_architecture``), which a constructor would come before."""
+    _DEFERRAL.depth = getattr(_DEFERRAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _DEFERRAL.depth -= 1
+
+
+def construction_deferred():
+    """Whether a ``deferred_construction`` block is open in this thread."""
+    return getattr(_DEFERRAL, "depth", 0) > 0
 
 
 # ------------------------------------------------------------------ the model
@@ -407,9 +430,10 @@ class Model(KerasMethods, Layer):
         arguments, shape = config.get("config"), config.get("input_shape")
         if not isinstance(arguments, dict) or not isinstance(shape, list):
             raise ValueError("a model config needs a 'config' dict and an 'input_shape' list")
-        model = model_class(**arguments)
         state = generator().bit_generator.state   # building draws no numbers a load keeps
         try:
+            with deferred_construction():
+                model = model_class(**arguments)
             model.build(tuple(shape), initialize=False, dtype=config.get("input_dtype"))
         finally:
             generator().bit_generator.state = state
@@ -480,8 +504,10 @@ class Sequential(Model):
                 continue
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential.add: expected an engine.nn layer, got {layer!r}")
-            if layer is self or id(layer) in seen or (layer.built
-                                                      and not isinstance(layer, Model)):
+            # a layer built by its own constructor (torch's Linear) is not yet in a model
+            if layer is self or id(layer) in seen or (
+                    layer.built and not isinstance(layer, Model)
+                    and not getattr(layer, "built_at_construction", False)):
                 raise ValueError(f"Sequential.add: {layer!r} is already built into a model; "
                                  "make a new layer")
             seen.add(id(layer))
@@ -711,8 +737,9 @@ class Sequential(Model):
                                  "decorated with @nn.register (import it before nn.load)")
             config = entry["config"]
             check_layer_dtype(index, entry["class_name"], config)
-            made.append(layer_class.from_config(config) if issubclass(layer_class, Sequential)
-                        else layer_class(**config))
+            with deferred_construction():
+                made.append(layer_class.from_config(config)
+                            if issubclass(layer_class, Sequential) else layer_class(**config))
         if weights is not None:
             check_architecture(made, weights)
         model = cls(name=name)

@@ -6,15 +6,17 @@ torch's constructor and starting from torch's default initialisation (``init.tor
 ported program starts from the same distribution). A layer that names its input size
 (``Linear``'s ``in_features``) declares it as its ``input_shape``: a model of such layers has
 its parameters before its first call, so ``optim.SGD(model.parameters())`` right after the
-constructor works as in torch. The sizes torch asks for and the engine infers are checked
-against what reaches the layer. Weights keep the engine's layouts (Dense's kernel is
-``(in, out)``, torch's ``(out, in)``); ``engine.interop.torch.load_state_dict`` converts.
+constructor works as in torch (a ``Linear`` makes its parameters in its constructor, as
+torch's: ``self.fc2.weight = self.fc1.weight`` ties them). The sizes torch asks for and the
+engine infers are checked against what reaches the layer. Weights keep the engine's layouts
+(Dense's kernel is ``(in, out)``, torch's ``(out, in)``);
+``engine.interop.torch.load_state_dict`` converts.
 """
 import numpy as np
 
 from engine.nn.convolutional import Conv2D
 from engine.nn.layers import Activation, AvgPool2D, BatchNorm, Dense, LayerList, MaxPool2D
-from engine.nn.model import Model, register
+from engine.nn.model import Model, construction_deferred, register
 
 
 def _dtype(dtype):
@@ -30,7 +32,10 @@ def _refuse_device(device, where):
 @register
 class Linear(Dense):
     """torch's ``nn.Linear(in_features, out_features)``: ``x @ W + b`` over the last axis,
-    W and b from torch's default distribution. The engine's Dense always has a bias."""
+    W and b from torch's default distribution, made by the constructor as torch's (but while
+    ``nn.load`` reads a file's architecture: ``construction_deferred``). The engine's Dense
+    always has a bias."""
+    built_at_construction = True   # a Sequential takes it built (``Sequential._extend``)
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         for what, value in (("in_features", in_features), ("out_features", out_features)):
@@ -44,6 +49,11 @@ class Linear(Dense):
         super().__init__(int(out_features), kernel_initializer="torch", dtype=_dtype(dtype),
                          input_shape=(int(in_features),))
         self.in_features, self.out_features = int(in_features), int(out_features)
+        if not construction_deferred():
+            # its parameters exist from here, as torch's: ``self.head.weight =
+            # self.fc.weight`` in a Module's __init__ ties two Parameters (built later, both
+            # were None there and each got its own), and custom init can reach them
+            self.build(self.input_shape)
 
     def compute_output_shape(self, input_shape):
         if len(input_shape) < 1 or input_shape[-1] != self.in_features:
