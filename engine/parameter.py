@@ -36,6 +36,17 @@ class Parameter(Tensor):
     def __repr__(self):
         return "Parameter(" + super().__repr__()[len("tensor("):]
 
+    def __getstate__(self):
+        """What ``copy.deepcopy`` and ``pickle`` copy: a packed Parameter's values are a view
+        of its FlatBuffer, which is copied along (``flat``) and binds the copy's views again
+        (``FlatBuffer.__setstate__``); copied apart, the copy's values were an array of their
+        own, so an optimizer of a deep-copied model moved a buffer its Parameters no longer
+        read (it trained nothing) and its ``load_state_dict`` wrote nowhere they read."""
+        state = self.__dict__.copy()
+        if state.get("flat") is not None:
+            del state["data"]
+        return state
+
     def _grad_array(self):
         if self.flat is None:
             return super()._grad_array()
@@ -73,12 +84,27 @@ class FlatBuffer:
             raise ValueError(f"FlatBuffer: parameters must share one device and dtype, got "
                              f"{sorted(devices)} and {sorted(str(d) for d in dtypes)}")
         self.params = params
+        # the views' shapes, also for binding a copy whose parameters have no values yet
+        self._shapes = [p.shape for p in params]
         self.offsets = list(np.cumsum([0] + [p.size for p in params[:-1]]))
         self.size = int(sum(p.size for p in params))
         host = np.empty(self.size, params[0].dtype)
         for p, offset in zip(params, self.offsets):
             host[offset:offset + p.size] = p.numpy().reshape(-1)
         self._bind(to_device(host, params[0].device))
+
+    def __getstate__(self):
+        """Its arrays and parameters, without the views into them (``__setstate__`` makes
+        the copy's parameters views of the copy's arrays again: ``Parameter.__getstate__``)."""
+        state = self.__dict__.copy()
+        del state["_slots"]
+        return state
+
+    def __setstate__(self, state):
+        valid = state.pop("_valid")
+        self.__dict__.update(state)
+        self._bind(self.data, self.grad)
+        self._valid = valid
 
     @property
     def device(self):
@@ -94,9 +120,11 @@ class FlatBuffer:
         self.data = data
         self.grad = empty(self.size, data.dtype, device_of(data)) if grad is None else grad
         self._slots = []
-        for index, (p, offset) in enumerate(zip(self.params, self.offsets)):
-            p.data = data[offset:offset + p.size].reshape(p.shape)
-            self._slots.append(self.grad[offset:offset + p.size].reshape(p.shape))
+        for index, (p, offset, shape) in enumerate(zip(self.params, self.offsets,
+                                                       self._shapes)):
+            end = offset + int(np.prod(shape, dtype=np.int64))
+            p.data = data[offset:end].reshape(shape)
+            self._slots.append(self.grad[offset:end].reshape(shape))
             p.flat, p._slot = self, index
         self._valid = [grad is not None] * len(self.params)
 

@@ -126,3 +126,46 @@ def test_tying_two_linears_in_init_shares_one_parameter():
     assert ours.model.fc2.weight is ours.model.fc1.weight
     assert len(ours.model.parameters()) == len(list(theirs.model.parameters())) == 5
     train_both(ours, theirs, steps=4)
+
+
+# ------------------------------------------------------------------ copies of a model
+
+def test_a_deep_copy_of_a_trained_model_trains():
+    """torch: ``student = copy.deepcopy(model)`` after a first forward, then an optimizer
+    over the copy. The copy's Parameters were arrays apart from the copy's flat buffer, so
+    its optimizer moved the buffer and the loss never moved."""
+    ours, theirs = pair(Mlp, TorchMlp)
+    ours.loss(), theirs.loss()   # the engine packs the parameters at the first call
+    ours = Side(copy.deepcopy(ours.model), None, *batch(), engine)
+    theirs = Side(copy.deepcopy(theirs.model), None, *batch(), torch)
+    ours.optimizer = optim.SGD(ours.model.parameters(), lr=0.1, momentum=0.9)
+    theirs.optimizer = torch.optim.SGD(theirs.model.parameters(), lr=0.1, momentum=0.9)
+    train_both(ours, theirs)
+
+
+def test_a_deep_copied_target_network_loads_the_trained_weights():
+    """torch's DQN habit: ``target = copy.deepcopy(policy)``, train the policy, then
+    ``target.load_state_dict(policy.state_dict())``. The load wrote the copy's flat buffer,
+    which the copy's Parameters no longer viewed: the target kept its old outputs."""
+    ours, _ = pair(Mlp, TorchMlp)
+    ours.loss()
+    target = copy.deepcopy(ours.model)
+    for _ in range(2):
+        ours.step()
+    target.load_state_dict(ours.model.state_dict())
+    np.testing.assert_array_equal(target(ours.x).numpy(), ours.model(ours.x).numpy())
+    for copied, trained in zip(target.parameters(), ours.model.parameters()):
+        assert copied is not trained and copied.flat is target.flat_buffers()[0]
+
+
+def test_a_pickled_model_keeps_its_gradients_and_trains():
+    """``pickle.loads(pickle.dumps(model))`` (what multiprocessing does to a model), and a
+    deep copy taken between backward and step: the copy's gradients are its buffer's."""
+    import pickle
+    ours, _ = pair(Mlp, TorchMlp)
+    ours.loss().backward()
+    for copied in (pickle.loads(pickle.dumps(ours.model)), copy.deepcopy(ours.model)):
+        for p, original in zip(copied.parameters(), ours.model.parameters()):
+            np.testing.assert_array_equal(p.grad.numpy(), original.grad.numpy())
+        before = Side(copied, optim.SGD(copied.parameters(), lr=0.1), *batch(), engine)
+        assert before.step() > before.step()
