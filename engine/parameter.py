@@ -200,13 +200,21 @@ class ParameterStore:
             buffer.to(device)
         return self
 
+    def stale(self):
+        """Whether another store has packed some of its parameters since (a layer shared by
+        two models, each called as a root): their values are no longer in this one's
+        buffers, which ``host_values`` and ``load`` then go around."""
+        return any(p.flat is not buffer for buffer in self.buffers for p in buffer.params)
+
     def host_values(self):
-        """``{id(p): NumPy array}``: every parameter's values, one host copy per buffer."""
+        """``{id(p): NumPy array}``: every parameter's values, one host copy per buffer (a
+        parameter another store packed since: a copy of its own values)."""
         values = {}
         for buffer in self.buffers:
             host = to_device(buffer.data, "cpu")
             for p, offset in zip(buffer.params, buffer.offsets):
-                values[id(p)] = host[offset:offset + p.size].reshape(p.shape)
+                values[id(p)] = (host[offset:offset + p.size].reshape(p.shape)
+                                 if p.flat is buffer else to_device(p.data, "cpu"))
         return values
 
     def load(self, values):
@@ -218,5 +226,7 @@ class ParameterStore:
             host = np.empty(buffer.size, buffer.dtype)
             for p, offset in zip(buffer.params, buffer.offsets):
                 host[offset:offset + p.size] = values[id(p)].reshape(-1)
+                if p.flat is not buffer:   # packed by another store since: where it reads
+                    copy_into(p.data, host[offset:offset + p.size].reshape(p.shape))
                 p._bump_version()
             copy_into(buffer.data, host)

@@ -178,6 +178,10 @@ class Model(KerasMethods, Layer):
         if dtype is not None:
             return self._to_dtype(dtype)
         device = check_device(target)
+        if self._flat and self._flat.stale():
+            # a shared layer another root packed since: moving this store's copy of its
+            # values would bind them back, old; packing afresh takes the values it reads
+            self._pack()
         if self._flat:
             self._flat.to(device)
         packed = {id(p) for buffer in self._flat for p in buffer.params}

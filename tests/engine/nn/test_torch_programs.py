@@ -169,3 +169,52 @@ def test_a_pickled_model_keeps_its_gradients_and_trains():
             np.testing.assert_array_equal(p.grad.numpy(), original.grad.numpy())
         before = Side(copied, optim.SGD(copied.parameters(), lr=0.1), *batch(), engine)
         assert before.step() > before.step()
+
+
+# ------------------------------------------------------------------ a layer in two models
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).tanh()
+
+
+class Classifier(nn.Module):
+    def __init__(self, encoder, classes):
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_two_models_sharing_an_encoder_save_and_load_its_live_weights():
+    """torch: one ``encoder`` module in two models (pre-training, then a second task), each
+    trained in turn, then ``first.state_dict()`` saved and loaded back. Once the second
+    model packed the shared weights, the first one's state_dict read its own stale copy of
+    them, its load_state_dict wrote that copy, and ``first.to(device)`` bound it back."""
+    x, y = batch()
+    encoder = Encoder()
+    first, second = (Side(Classifier(encoder, 4), None, x, y, engine) for _ in range(2))
+    for side in (first, second):   # the second's first call packs the encoder anew
+        side.optimizer = optim.SGD(side.model.parameters(), lr=0.5)
+        side.step(), side.step()
+    saved = first.model.state_dict()
+    np.testing.assert_array_equal(saved["encoder.fc.weight"], encoder.fc.weight.numpy())
+    expected = first.model(first.x).numpy()
+    fresh = Classifier(Encoder(), 4)
+    fresh(first.x)
+    fresh.load_state_dict(saved)
+    np.testing.assert_array_equal(fresh(first.x).numpy(), expected)
+
+    second.step()
+    first.model.load_state_dict(saved)   # back to the saved encoder, for both models
+    np.testing.assert_array_equal(first.model(first.x).numpy(), expected)
+    second.step()
+    trained = encoder.fc.weight.numpy().copy()
+    first.model.to("cpu")
+    np.testing.assert_array_equal(encoder.fc.weight.numpy(), trained)
+    assert encoder.fc.weight.flat is first.model.flat_buffers()[0]
