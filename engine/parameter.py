@@ -22,6 +22,7 @@ import numpy as np
 from engine.tensor import Tensor
 from ops.device import copy_into, device_of, to_device, to_host
 from ops.elementwise import add_arrays
+from ops.fill import fill
 from ops.memory import empty
 
 
@@ -66,6 +67,20 @@ class Parameter(Tensor):
 
     def _grad_destination(self):
         return None if self.flat is None else self.flat.gradient_destination(self._slot)
+
+
+def zero_grads(params, set_to_none=True):
+    """torch's ``zero_grad`` over ``params``: forget each gradient (a packed one's slot is
+    marked stale, no kernel), or with ``set_to_none=False`` write zeros into each gradient
+    that exists (those that are None stay None). Zeros are a gradient: a parameter the next
+    backward does not reach is still updated (momentum, weight decay), as in torch."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+            continue
+        grad = p.grad
+        if grad is not None:
+            fill(grad.data, 0)   # in place: a packed gradient stays its buffer's slot
 
 
 class FlatBuffer:

@@ -39,7 +39,7 @@ import weakref
 import numpy as np
 
 from engine.autograd import enable_grad
-from engine.parameter import Parameter
+from engine.parameter import Parameter, zero_grads
 from engine.tensor import Tensor
 from ops.check import count_nonfinite
 from ops.device import copy_into, device_of, to_device, to_host
@@ -197,12 +197,14 @@ class Optimizer:
         return tuple(source[name] for name in self.hyper)
 
     # ----------------------------------------------------------- stepping
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         """Forget every gradient without a kernel: flat slots are marked stale (the next
-        backward overwrites them), plain tensors get ``grad = None``."""
+        backward overwrites them), plain tensors get ``grad = None``. ``set_to_none=False``
+        (torch's) writes zeros into the gradients that exist instead: a parameter the next
+        backward does not reach is then still updated, as in torch
+        (``engine.parameter.zero_grads``)."""
         for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+            zero_grads(group["params"], set_to_none)
 
     def step(self, closure=None):
         """One update of every parameter that has a gradient; returns ``closure()``'s loss."""

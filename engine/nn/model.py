@@ -16,7 +16,7 @@ from engine.nn.layers import (Activation, AvgPool2D, BatchNorm, Dense, Dropout, 
                               _traced_output_shape, batch_shape)
 from engine.nn.serialization import (CONFIG_KEY, FORMAT_VERSION, _is_safetensors, _read_npz,
                                      _read_safetensors, check_architecture, check_layer_dtype)
-from engine.parameter import ParameterStore
+from engine.parameter import ParameterStore, zero_grads
 from engine.random import generator
 from engine.tensor import Tensor, tensor
 from ops.device import check_device, copy_into, to_device, to_host
@@ -139,6 +139,15 @@ class Model(KerasMethods, Layer):
             raise RuntimeError(f"{self.name}.{what}: the model is not built yet; call it once "
                                "on a batch, or model.build(input_shape)")
 
+    def _require_weights(self, what):
+        """``_require_built``, unless every layer has its parameters already (those that
+        declare their input size, torch's Linears): their weights save and load before the
+        first call."""
+        if not self.built:
+            self._build_declared()
+            if self._unbuilt_layers():
+                self._require_built(what)
+
     def _build_declared(self):
         """Build each unbuilt layer of the tree that declares its input shape and holds no
         layers (its parameters need nothing else); the model is still built by its call.
@@ -164,6 +173,12 @@ class Model(KerasMethods, Layer):
         if not self.built and self._unbuilt_layers():
             self._require_built("parameters")
         return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self, set_to_none=True):
+        """torch's ``model.zero_grad()``: forget the gradient of every parameter of the tree
+        (``set_to_none=False``: write zeros into those that exist; see
+        ``engine.parameter.zero_grads``)."""
+        zero_grads([p for _, p in self.named_parameters()], set_to_none)
 
     def flat_buffers(self):
         """The FlatBuffers holding all parameters and gradients (one per device and dtype)."""
@@ -335,7 +350,7 @@ class Model(KerasMethods, Layer):
     def state_dict(self):
         """``{name: NumPy array}``: a host copy of every parameter (one copy per flat
         buffer), then of every buffer (running statistics)."""
-        self._require_built("state_dict")
+        self._require_weights("state_dict")
         values = self._flat.host_values() if self._flat else {}
         return {**{name: values[id(p)] if id(p) in values else to_host(p.data)
                    for name, p in self.named_parameters()},
@@ -349,8 +364,10 @@ class Model(KerasMethods, Layer):
         written unless all do. Each flat buffer is written in one copy; a layer's buffers
         are written in place (a captured step keeps updating the same arrays). An integer
         buffer (Dropout's seed state) missing from ``state`` keeps its value: files written
-        before Dropout had one still load."""
-        self._require_built("load_state_dict")
+        before Dropout had one still load. A model whose layers all have their parameters
+        before its first call (torch's Linears) loads before it, as torch's ``model =
+        Net(); model.load_state_dict(saved)``."""
+        self._require_weights("load_state_dict")
         buffers = [(name, b) for name, b in self.named_buffers()
                    if name in state or b.dtype.kind == "f"]
         named = self.named_parameters() + buffers
@@ -372,7 +389,18 @@ class Model(KerasMethods, Layer):
                 raise TypeError(f"load_state_dict: '{name}' has dtype {value.dtype}, "
                                 "expected numbers")
             values[id(p)] = value
-        self._flat.load(values)   # reads the parameters' values, not the buffers'
+        stored = set()
+        if self._flat:
+            for buffer in self._flat:
+                for p in buffer.params:
+                    stored.add(id(p))
+                    if id(p) not in values:   # its layer replaced since: it keeps its values
+                        values[id(p)] = to_host(p.data)
+            self._flat.load(values)   # reads the parameters' values, not the buffers'
+        for _, p in self.named_parameters():
+            if id(p) not in stored:   # not packed yet, or made since (model.head = Linear())
+                copy_into(p.data, np.ascontiguousarray(values[id(p)], p.dtype))
+                p._bump_version()
         for _, buffer in buffers:
             copy_into(buffer.data, np.ascontiguousarray(values[id(buffer)], buffer.dtype))
             buffer._bump_version()   # written in place, as the parameters

@@ -36,9 +36,10 @@ class Side:
         loss_fn = (nn if self.framework is engine else tnn).CrossEntropyLoss()
         return loss_fn(self.model(self.x if x is None else x), self.y if y is None else y)
 
-    def step(self):
-        """torch's loop body: zero_grad, forward, backward, step; returns the loss."""
-        self.optimizer.zero_grad()
+    def step(self, zero_grad=None):
+        """torch's loop body: zero_grad (``optimizer.zero_grad()`` unless given), forward,
+        backward, step; returns the loss."""
+        (zero_grad or self.optimizer.zero_grad)()
         loss = self.loss()
         loss.backward()
         self.optimizer.step()
@@ -218,3 +219,90 @@ def test_two_models_sharing_an_encoder_save_and_load_its_live_weights():
     first.model.to("cpu")
     np.testing.assert_array_equal(encoder.fc.weight.numpy(), trained)
     assert encoder.fc.weight.flat is first.model.flat_buffers()[0]
+
+
+# ------------------------------------------------------------------ saving and resuming
+
+def adam(framework, model):
+    return framework.Adam(model.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_resuming_from_state_dicts_mid_training(optimizer_first):
+    """torch: train two steps, keep ``model.state_dict()`` and ``optimizer.state_dict()``,
+    then ``model = Net(); model.load_state_dict(...)``, a new Adam and its
+    ``load_state_dict``, and train on; the model loads before its first call (it refused,
+    "not built yet"), and the optimizer may come before the model's load."""
+    ours, theirs = pair(Mlp, TorchMlp, adam)
+    losses = [[side.step() for _ in range(2)] for side in (ours, theirs)]
+    for side, make in ((ours, Mlp), (theirs, TorchMlp)):
+        model_state = copy.deepcopy(side.model.state_dict())
+        optimizer_state = copy.deepcopy(side.optimizer.state_dict())
+        side.model = make()
+        framework = optim if side is ours else torch.optim
+        if not optimizer_first:
+            side.model.load_state_dict(model_state)
+        side.optimizer = adam(framework, side.model)
+        side.optimizer.load_state_dict(optimizer_state)
+        if optimizer_first:
+            side.model.load_state_dict(model_state)
+    for side, done in zip((ours, theirs), losses):
+        done += [side.step() for _ in range(3)]
+    assert_same_losses(*losses)
+
+
+def test_loading_into_a_model_whose_head_was_replaced():
+    """torch's fine-tuning habit: after the first call, ``model.fc2 = nn.Linear(16, 4)``,
+    then ``model.load_state_dict(saved)`` loads the new head too (it raised a KeyError
+    naming an object id: the old head's Parameters were still in the flat buffer)."""
+    ours, _ = pair(Mlp, TorchMlp)
+    ours.loss()
+    saved = ours.model.state_dict()
+    ours.model.fc2 = nn.Linear(16, 4)
+    ours.model.load_state_dict(saved)
+    np.testing.assert_array_equal(ours.model.fc2.weight.numpy(), saved["fc2.weight"])
+    np.testing.assert_array_equal(ours.model.state_dict()["fc2.bias"], saved["fc2.bias"])
+
+
+# ------------------------------------------------------------------ zeroing gradients
+
+class Branches(nn.Module):
+    """Its second Linear joins only on odd calls: the even steps' backward misses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra, self.calls = nn.Linear(8, 4), nn.Linear(8, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.main(x) + self.extra(x) if self.calls % 2 else self.main(x)
+
+
+class TorchBranches(tnn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra, self.calls = tnn.Linear(8, 4), tnn.Linear(8, 4), 0
+
+    forward = Branches.forward
+
+
+def sgd_momentum(framework, model):
+    return framework.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("owner, set_to_none", [("optimizer", False), ("model", True),
+                                                 ("model", False)])
+def test_zero_grad_spelled_torch_s_ways(owner, set_to_none):
+    """torch: ``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()`` and
+    ``model.zero_grad(set_to_none=False)`` (they raised TypeError and AttributeError). With
+    zeros instead of None, torch still moves the branch the backward missed (momentum,
+    decay), and so must the engine."""
+    ours, theirs = pair(Branches, TorchBranches, sgd_momentum)
+    losses = []
+    for side in (ours, theirs):
+        zero_grad = getattr(side.optimizer if owner == "optimizer" else side.model,
+                            "zero_grad")
+        losses.append([side.step(lambda: zero_grad(set_to_none=set_to_none))
+                       for _ in range(4)])   # the last one misses the branch
+        assert (side.model.extra.bias.grad is None) == set_to_none
+    assert_same_losses(*losses)
