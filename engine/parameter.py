@@ -26,8 +26,24 @@ from ops.fill import fill
 from ops.memory import empty
 
 
+class _Values:
+    """A Parameter's ``data`` as assigned: reads find the instance's own (this descriptor has
+    no ``__get__``: no cost on the hot path); an assignment to a packed Parameter takes it
+    out of its FlatBuffer first. The buffer's views are bound past it (``FlatBuffer._bind``);
+    torch's ``p.data = values`` (a custom init, an EMA) gives the Parameter values of its
+    own, and an optimizer stepping the buffer would no longer reach them."""
+
+    def __set__(self, p, value):
+        if isinstance(value, Tensor):   # torch's p.data is a tensor; the engine's an array
+            value = value.data
+        if p.__dict__.get("flat") is not None:
+            p._unpack(value)
+        p.__dict__["data"] = value
+
+
 class Parameter(Tensor):
     """A Tensor that requires grad and that optimizers update in place."""
+    data = _Values()
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
@@ -47,6 +63,15 @@ class Parameter(Tensor):
         if state.get("flat") is not None:
             del state["data"]
         return state
+
+    def _unpack(self, value):
+        """Leave the FlatBuffer before ``value`` becomes the values (``_Values``); the
+        gradient stays when the shape does, as torch's ``.grad`` does."""
+        grad = self.flat.slot_gradient(self._slot)
+        self.__dict__["flat"] = self.__dict__["_slot"] = None
+        same = grad is not None and tuple(np.shape(value)) == tuple(grad.shape)
+        self._grad = to_device(grad, device_of(value)) if same else None
+        self._bump_version()
 
     def _grad_array(self):
         if self.flat is None:
@@ -138,7 +163,7 @@ class FlatBuffer:
         for index, (p, offset, shape) in enumerate(zip(self.params, self.offsets,
                                                        self._shapes)):
             end = offset + int(np.prod(shape, dtype=np.int64))
-            p.data = data[offset:end].reshape(shape)
+            p.__dict__["data"] = data[offset:end].reshape(shape)   # past _Values: a view
             self._slots.append(self.grad[offset:end].reshape(shape))
             p.flat, p._slot = self, index
         self._valid = [grad is not None] * len(self.params)

@@ -117,6 +117,85 @@ class TorchTiedMlp(tnn.Module):
         return self.out(self.fc2(self.fc1(x).tanh()))
 
 
+class Stack(nn.Module):
+    """A ModuleList of Linears, a Sequential inside, a Module, a Parameter used directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.inner = Mlp()
+        self.scale = nn.Parameter(engine.ones(8))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.inner(self.body(x) * self.scale)
+
+
+class TorchStack(tnn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = tnn.ModuleList([tnn.Linear(8, 8) for _ in range(2)])
+        self.body = tnn.Sequential(tnn.Linear(8, 8), tnn.Tanh())
+        self.inner = TorchMlp()
+        self.scale = tnn.Parameter(torch.ones(8))
+
+    forward = Stack.forward
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.bn(self.fc1(x)).relu())
+
+
+class TorchNormed(tnn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = tnn.Linear(8, 16), tnn.BatchNorm1d(16), tnn.Linear(16, 4)
+
+    forward = Normed.forward
+
+
+def flat_mlp(framework=nn):
+    return framework.Sequential(framework.Flatten(), framework.Linear(8, 8), framework.ReLU(),
+                                framework.Linear(8, 4))
+
+
+OPTIMIZERS = {
+    "sgd": lambda framework, m: framework.SGD(m.parameters(), lr=0.1),
+    "nesterov": lambda framework, m: framework.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                   nesterov=True, weight_decay=1e-2),
+    "adam": lambda framework, m: framework.Adam(m.parameters(), lr=0.01, weight_decay=1e-2),
+    "adamw": lambda framework, m: framework.AdamW(m.parameters(), lr=0.01),
+}
+
+
+# ------------------------------------------------------------------ the programs that match
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("program", ["module", "flatten first", "nested"])
+def test_torch_s_models_train_as_in_torch(program, optimizer):
+    """torch: a Module of Linears, ``nn.Sequential(nn.Flatten(), nn.Linear(8, 8), ...)`` on
+    2x4 inputs, and a Module holding a ModuleList, a Sequential, a Module and a Parameter
+    used in forward; each optimizer made from ``model.parameters()`` before the first
+    forward."""
+    x, y = batch()
+    make_engine, make_torch = {"module": (Mlp, TorchMlp),
+                               "flatten first": (flat_mlp, lambda: flat_mlp(tnn)),
+                               "nested": (Stack, TorchStack)}[program]
+    if program == "flatten first":
+        x = x.reshape(-1, 2, 4)
+    ours, theirs = pair(make_engine, make_torch, OPTIMIZERS[optimizer], x, y)
+    train_both(ours, theirs)
+    assert {id(p) for p in ours.optimizer.param_groups[0]["params"]} == \
+        {id(p) for p in ours.model.parameters()}
+
+
 # ------------------------------------------------------------------ weight tying
 
 def test_tying_two_linears_in_init_shares_one_parameter():
@@ -306,3 +385,27 @@ def test_zero_grad_spelled_torch_s_ways(owner, set_to_none):
                        for _ in range(4)])   # the last one misses the branch
         assert (side.model.extra.bias.grad is None) == set_to_none
     assert_same_losses(*losses)
+
+
+# ------------------------------------------------------------------ writing p.data
+
+@pytest.mark.parametrize("optimizer", [sgd_momentum, adam])
+def test_assigning_parameter_data_mid_training(optimizer):
+    """torch: ``for p in model.parameters(): p.data = p.data * 0.5`` between steps (a
+    custom re-initialisation, an EMA's copy), then the same optimizer trains on. The
+    engine's ``p.data`` was the Parameter's view of the flat buffer; the assignment made it
+    an array of its own, and the optimizer stepped the buffer: the loss stopped moving."""
+    ours, theirs = pair(Mlp, TorchMlp, optimizer)
+    losses = []
+    for side in (ours, theirs):
+        done = [side.step() for _ in range(2)]
+        for p in side.model.parameters():
+            p.data = p.data * 0.5
+        done += [side.step() for _ in range(3)]
+        losses.append(done)
+    assert_same_losses(*losses)
+    state = ours.model.state_dict()
+    for name, p in theirs.model.named_parameters():
+        expected = p.detach().numpy()
+        np.testing.assert_allclose(state[name], expected.T if name.endswith("weight")
+                                   else expected, rtol=1e-5, atol=1e-6)
