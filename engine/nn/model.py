@@ -588,6 +588,13 @@ class Sequential(Model):
             self.output_shape = (layer.output_shape if declared == shape
                                  else layer.compute_output_shape(shape))
             return
+        if layer.built and getattr(layer, "built_at_construction", False):
+            try:   # torch's Conv2d and BatchNorm: only the shape is new here, as above
+                self.output_shape = layer.output_shape = layer.compute_output_shape(shape)
+            except ValueError as error:
+                raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} cannot "
+                                 f"take {source}: {error}") from None
+            return
         try:
             self.output_shape = layer.build(shape, self.device, self._initialize)
         except ValueError as error:
@@ -633,7 +640,9 @@ class Sequential(Model):
 
     @property
     def built(self):
-        return bool(self.layers) and all(layer.built for layer in self.layers)
+        # (the input shape too: torch's Conv2d and BatchNorm are built by their constructors)
+        return (bool(self.layers) and self.input_shape is not None
+                and all(layer.built for layer in self.layers))
 
     @built.setter
     def built(self, value):

@@ -149,7 +149,9 @@ def _check_channels(layer, where, expected, input_shape):
 @register
 class Conv2d(Conv2D):
     """torch's ``nn.Conv2d(in_channels, out_channels, kernel_size, stride=1, padding=0,
-    dilation=1, groups=1, bias=True)`` on NCHW input, from torch's default distribution."""
+    dilation=1, groups=1, bias=True)`` on NCHW input, from torch's default distribution,
+    its parameters made by the constructor (as ``Linear``'s)."""
+    built_at_construction = True
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, padding_mode="zeros", device=None, dtype=None):
@@ -161,6 +163,12 @@ class Conv2d(Conv2D):
                          dilation=dilation, groups=groups, use_bias=bias,
                          kernel_initializer="torch", dtype=_dtype(dtype))
         self.in_channels = int(in_channels)
+        if not construction_deferred():
+            # its parameters from here, as torch's (they need the channels, not the image
+            # size: built on the smallest image the kernel takes, its output shape unset)
+            smallest = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+            self.build((self.in_channels,) + smallest)
+            self.output_shape = None
 
     def compute_output_shape(self, input_shape):
         _check_channels(self, "Conv2d", self.in_channels, input_shape)
@@ -198,7 +206,9 @@ class AvgPool2d(_TorchPool, AvgPool2D):
 
 
 class _TorchBatchNorm(BatchNorm):
-    """torch's ``BatchNorm1d/2d(num_features, eps=1e-5, momentum=0.1)``."""
+    """torch's ``BatchNorm1d/2d(num_features, eps=1e-5, momentum=0.1)``, its parameters and
+    running statistics made by the constructor (as ``Linear``'s)."""
+    built_at_construction = True
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, device=None, dtype=None):
@@ -212,6 +222,9 @@ class _TorchBatchNorm(BatchNorm):
         _refuse_device(device, where)
         super().__init__(momentum=momentum, eps=eps, dtype=_dtype(dtype))
         self.num_features = int(num_features)
+        if not construction_deferred():   # its parameters and statistics from here
+            self.build((self.num_features,))
+            self.output_shape = None
 
     def compute_output_shape(self, input_shape):
         _check_channels(self, type(self).__name__, self.num_features, input_shape)

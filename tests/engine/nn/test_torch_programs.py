@@ -409,3 +409,194 @@ def test_assigning_parameter_data_mid_training(optimizer):
         expected = p.detach().numpy()
         np.testing.assert_allclose(state[name], expected.T if name.endswith("weight")
                                    else expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ between the steps
+
+def test_train_eval_and_to_between_steps_with_batch_norm():
+    """torch: ``model.train()``, a step, ``model.eval()`` and a validation loss under
+    ``no_grad``, then ``model = model.to("cpu")``, every step; BatchNorm's running
+    statistics and the losses follow torch's."""
+    ours, theirs = pair(Normed, TorchNormed, OPTIMIZERS["nesterov"])
+    losses = [[], []]
+    for _ in range(3):
+        for side, done, framework in ((ours, losses[0], engine), (theirs, losses[1], torch)):
+            side.model.train()
+            done.append(side.step())
+            side.model.eval()
+            with framework.no_grad():
+                done.append(side.loss().item())
+            side.model = side.model.to("cpu")
+    np.testing.assert_allclose(*losses, rtol=RTOL, atol=1e-6)
+    np.testing.assert_allclose(ours.model.bn.running_var.numpy(),
+                               theirs.model.bn.running_var.numpy(), rtol=1e-5)
+
+
+SCHEDULERS = {
+    "StepLR": lambda lr_scheduler, o: lr_scheduler.StepLR(o, 2, gamma=0.5),
+    "CosineAnnealingLR": lambda lr_scheduler, o: lr_scheduler.CosineAnnealingLR(o, 4),
+    "LambdaLR": lambda lr_scheduler, o: lr_scheduler.LambdaLR(o, lambda epoch: 0.7 ** epoch),
+    "OneCycleLR": lambda lr_scheduler, o: lr_scheduler.OneCycleLR(o, 0.5, total_steps=6),
+}
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_two_param_groups_under_a_scheduler(scheduler):
+    """torch: ``SGD([{"params": model.fc1.parameters()}, {"params": model.fc2.parameters(),
+    "lr": 0.05}], lr=0.2, momentum=0.9)`` and a scheduler stepped after each step."""
+    def two_groups(framework, model):
+        return framework.SGD([{"params": model.fc1.parameters()},
+                              {"params": model.fc2.parameters(), "lr": 0.05}],
+                             lr=0.2, momentum=0.9)
+
+    ours, theirs = pair(Mlp, TorchMlp, two_groups)
+    losses = []
+    for side, lr_scheduler in ((ours, optim.lr_scheduler), (theirs, torch.optim.lr_scheduler)):
+        side.scheduler = SCHEDULERS[scheduler](lr_scheduler, side.optimizer)
+        done = []
+        for _ in range(5):
+            done.append(side.step())
+            side.scheduler.step()
+        losses.append(done)
+    assert_same_losses(*losses)
+    np.testing.assert_allclose(ours.scheduler.get_last_lr(), theirs.scheduler.get_last_lr())
+
+
+def test_reduce_lr_on_plateau():
+    """torch: ``ReduceLROnPlateau(optimizer, patience=0, factor=0.5)``, stepped with a
+    validation loss that does not improve."""
+    ours, theirs = pair(Mlp, TorchMlp)
+    losses = []
+    for side, lr_scheduler in ((ours, optim.lr_scheduler), (theirs, torch.optim.lr_scheduler)):
+        scheduler = lr_scheduler.ReduceLROnPlateau(side.optimizer, patience=0, factor=0.5)
+        done = []
+        for _ in range(4):
+            done.append(side.step())
+            scheduler.step(1.0)
+        losses.append(done)
+    assert_same_losses(*losses)
+    assert ours.optimizer.param_groups[0]["lr"] == theirs.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("when", ["before the optimizer", "after two steps"])
+def test_freezing_a_layer(when):
+    """torch: ``for p in model.fc1.parameters(): p.requires_grad_(False)`` before
+    ``optimizer = SGD(model.parameters(), momentum=0.9, weight_decay=0.1)`` or after two
+    steps of it: the frozen layer never moves again (no decay, no momentum)."""
+    ours, theirs = pair(Mlp, TorchMlp, lambda framework, m: framework.SGD(
+        m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1))
+    losses = []
+    for side in (ours, theirs):
+        done = [] if when.startswith("before") else [side.step() for _ in range(2)]
+        for p in side.model.fc1.parameters():
+            p.requires_grad_(False)
+        frozen = np.array(side.model.fc1.weight.detach().numpy(), copy=True)
+        done += [side.step() for _ in range(3)]
+        np.testing.assert_array_equal(side.model.fc1.weight.detach().numpy(), frozen)
+        losses.append(done)
+    assert_same_losses(*losses)
+
+
+def test_unfreezing_into_a_new_param_group():
+    """torch's fine-tuning: train the head alone, then unfreeze the body and
+    ``optimizer.add_param_group({"params": model.fc1.parameters(), "lr": 1e-3})``."""
+    def head_only(framework, model):
+        for p in model.fc1.parameters():
+            p.requires_grad_(False)
+        return framework.Adam(model.fc2.parameters(), lr=0.01)
+
+    ours, theirs = pair(Mlp, TorchMlp, head_only)
+    losses = []
+    for side in (ours, theirs):
+        done = [side.step() for _ in range(2)]
+        for p in side.model.fc1.parameters():
+            p.requires_grad_(True)
+        side.optimizer.add_param_group({"params": side.model.fc1.parameters(), "lr": 1e-3})
+        losses.append(done + [side.step() for _ in range(3)])
+    assert_same_losses(*losses)
+
+
+def test_clipping_the_gradient_norm():
+    """torch: ``nn.utils.clip_grad_norm_(model.parameters(), 0.1)`` between backward and
+    step (the engine's is ``optim.clip_grad_norm_``): its returned norms and the losses
+    are torch's."""
+    ours, theirs = pair(Mlp, TorchMlp, lambda framework, m: framework.SGD(m.parameters(), 0.5))
+    norms, losses = [[], []], [[], []]
+    for side, utils, seen, done in ((ours, optim, norms[0], losses[0]),
+                                    (theirs, tnn.utils, norms[1], losses[1])):
+        for _ in range(3):
+            side.optimizer.zero_grad()
+            loss = side.loss()
+            loss.backward()
+            seen.append(float(utils.clip_grad_norm_(side.model.parameters(), 0.1)))
+            side.optimizer.step()
+            done.append(loss.item())
+    np.testing.assert_allclose(*norms, rtol=RTOL)
+    assert_same_losses(*losses)
+
+
+@pytest.mark.parametrize("how", ["two half batches", "one graph twice"])
+def test_accumulating_gradients_over_two_backwards(how):
+    """torch: two ``loss.backward()`` calls before one step, on two half batches (each
+    loss halved) or on one graph with ``retain_graph=True``."""
+    ours, theirs = pair(Mlp, TorchMlp, OPTIMIZERS["nesterov"])
+    losses = []
+    for side in (ours, theirs):
+        done = []
+        for _ in range(3):
+            side.optimizer.zero_grad()
+            if how == "two half batches":
+                for half in (slice(0, 3), slice(3, 6)):
+                    loss = side.loss(side.x[half], side.y[half]) / 2
+                    loss.backward()
+            else:
+                loss = side.loss()
+                loss.backward(retain_graph=True)
+                loss.backward()
+            side.optimizer.step()
+            done.append(loss.item())
+        losses.append(done)
+    assert_same_losses(*losses)
+
+
+# ------------------------------------------------------------------ convolutions
+
+class ConvNet(nn.Module):
+    """torch's MNIST example in small: Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3)
+        self.pool, self.head = nn.MaxPool2d(2), nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
+
+    def forward(self, x):
+        return self.head(self.pool(self.bn(self.conv(x)).relu()))
+
+
+class TorchConvNet(tnn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = tnn.Conv2d(1, 3, 3, padding=1), tnn.BatchNorm2d(3)
+        self.pool, self.head = tnn.MaxPool2d(2), tnn.Sequential(tnn.Flatten(), tnn.Linear(12, 4))
+
+    forward = ConvNet.forward
+
+
+@pytest.mark.parametrize("make_engine, make_torch", [
+    (ConvNet, TorchConvNet),
+    (lambda: nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                           nn.Linear(12, 4)),
+     lambda: tnn.Sequential(tnn.Conv2d(1, 3, 3), tnn.BatchNorm2d(3), tnn.ReLU(),
+                            tnn.Flatten(), tnn.Linear(12, 4)))], ids=["module", "sequential"])
+def test_a_conv_net_takes_its_optimizer_before_the_first_call(make_engine, make_torch):
+    """torch: ``model = Net(); optimizer = optim.SGD(model.parameters(), ...)`` for a net of
+    Conv2d and BatchNorm2d (``parameters()`` raised "not built yet": their parameters were
+    made by the first call), then training."""
+    x, y = batch(features=16)
+    x = x.reshape(-1, 1, 4, 4)
+    torch.manual_seed(0)
+    reference, model = make_torch(), make_engine()
+    ours = Side(model, OPTIMIZERS["nesterov"](optim, model), x, y, engine)
+    load_state_dict(model, reference.state_dict())   # after: the optimizer's are the same
+    theirs = Side(reference, OPTIMIZERS["nesterov"](torch.optim, reference), x, y, torch)
+    train_both(ours, theirs)
