@@ -156,6 +156,10 @@ class Layer:
     tensors in a plain list, tuple or dict, or a tensor that is neither, is refused at the
     assignment, since they would be weights no optimizer and no file sees."""
 
+    # attribute -> how the layer lays out the Parameter it holds there, where that differs
+    # from another layer's: a Parameter tied across layers must mean the same to both
+    _layouts = {}
+
     def __init__(self, input_shape=None, name=None):
         object.__setattr__(self, "_children", {})   # attribute -> Layer, in assignment order
         object.__setattr__(self, "_parameters", {})   # attribute -> Parameter (or None)
@@ -186,6 +190,8 @@ class Layer:
             params.pop(name, None), buffers.pop(name, None)
             children[name] = value
         elif isinstance(value, _Parameter):
+            if name in self._layouts:
+                self._check_layout(name, value)
             children.pop(name, None), buffers.pop(name, None)
             params[name] = value
         elif isinstance(value, Tensor):
@@ -209,6 +215,24 @@ class Layer:
         else:
             for table in (children, params, buffers):
                 table.pop(name, None)
+
+    def _check_layout(self, name, value):
+        """Mark ``value`` with this layer's layout of ``name``, or refuse it when another
+        layer laid it out otherwise: nanoGPT's ``self.head.weight = self.tok_emb.weight``
+        gives a Dense, whose weight is (in, out), an Embedding's (vocabulary, width) table,
+        torch's (out, in) Linear layout; with a square table it ran silently as x @ E where
+        torch computes x @ E.T."""
+        layout = self._layouts[name]
+        held = value.__dict__.get("_layout")
+        if held is None:
+            value.__dict__["_layout"] = (layout, f"{type(self).__name__}.{name}")
+        elif held[0] != layout:
+            raise TypeError(
+                f"{type(self).__name__}.{name}: this Parameter is {held[1]}, laid out as "
+                f"{held[0]}, where {type(self).__name__}.{name} is {layout} (the engine's "
+                "Dense/Linear weight is torch's transposed), so the tie would not compute "
+                "torch's; use the one Parameter in forward instead, e.g. logits = x @ "
+                "self.tok_emb.weight.T (as engine.gpt's head does)")
 
     def __delattr__(self, name):
         for table in (self._children, self._parameters, self._buffers):
@@ -442,6 +466,8 @@ class Dense(Layer):
     The kernel defaults to He initialisation for the relu family and Xavier otherwise; the
     bias starts at zero. ``"softmax"`` runs the Dense kernel without activation, then softmax.
     """
+    _layouts = {"weight": "(in_features, out_features)"}
+
 
     def __init__(self, units, activation=None, kernel_initializer=None, alpha=0.01,
                  dtype=np.float32, input_shape=None):

@@ -12,7 +12,7 @@ from engine import sequence as S
 from engine.autograd import apply
 from engine.init import xavier_uniform
 from engine.nn.layers import Layer, _check_input_dtype, batch_shape, register_seed_state
-from engine.nn.model import register
+from engine.nn.model import construction_deferred, register
 from engine.parameter import Parameter
 from engine.random import generator
 from ops.dense import DenseOp
@@ -31,6 +31,8 @@ class Embedding(Layer):
     shape -> ``ids.shape + (embedding_dim,)`` (torch's ``nn.Embedding``). The
     ``padding_idx`` row starts at zero and gets no gradient."""
     integer_input = True   # a model starting with it keeps NumPy ids as integers
+    _layouts = {"weight": "(num_embeddings, embedding_dim)"}
+    built_at_construction = True   # a Sequential takes it built (``Sequential._extend``)
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, dtype=np.float32,
                  input_shape=None):
@@ -45,6 +47,11 @@ class Embedding(Layer):
         self.padding_idx = None if padding_idx is None else int(padding_idx) % rows
         self.dtype = np.dtype(dtype)
         self.weight = None
+        if not construction_deferred():
+            # its table exists from here, as torch's: nanoGPT's ``self.head.weight =
+            # self.tokens.weight`` in a Module's __init__ read None (the tie then failed at
+            # the first call as "'NoneType' object has no attribute 'shape'")
+            self.build(() if input_shape is None else input_shape)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.embedding_dim,)
@@ -204,7 +211,8 @@ class MultiHeadAttention(Layer):
         _check_input_dtype(self, x.dtype, self.in_weight.dtype)
         width = self.in_weight.shape[0]
         if x.ndim != 3 or x.shape[-1] != width:
-            raise ValueError(f"{self.name} {self!r}: expects input of shape (N, T, {width}), got {x.shape}")
+            raise ValueError(f"{self.name} {self!r}: expects input of shape (N, T, {width}), "
+                             f"got {x.shape}")
         n, t, heads = x.shape[0], x.shape[1], self.num_heads
         qkv = self._project(F.reshape(x, (n * t, width)), self.in_weight, self.in_bias)
         qkv = F.permute(F.reshape(qkv, (n, t, 3, heads, width // heads)), 2, 0, 3, 1, 4)

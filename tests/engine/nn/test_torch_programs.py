@@ -600,3 +600,69 @@ def test_a_conv_net_takes_its_optimizer_before_the_first_call(make_engine, make_
     load_state_dict(model, reference.state_dict())   # after: the optimizer's are the same
     theirs = Side(reference, OPTIMIZERS["nesterov"](torch.optim, reference), x, y, torch)
     train_both(ours, theirs)
+
+
+@pytest.mark.parametrize("vocabulary", [8, 11])
+def test_nanogpt_s_head_tied_to_its_embedding_is_refused_with_the_remedy(vocabulary):
+    """nanoGPT's ``self.lm_head.weight = self.wte.weight``: the engine's Linear holds its
+    weight as (in, out), torch's transposed, so with a square table the tie ran silently as
+    x @ E where torch computes x @ E.T (and the Embedding's table was None in __init__)."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(vocabulary, 8)
+            assert self.wte.weight is not None   # made by the constructor, as torch's
+            self.lm_head = nn.Linear(8, vocabulary)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.lm_head(self.wte(ids))
+
+    with pytest.raises(TypeError, match=r"Linear.weight: this Parameter is Embedding.weight.*"
+                                        r"x @ self.tok_emb.weight.T"):
+        Head()
+
+
+def test_a_head_using_its_embedding_in_forward_trains_as_torch_s_tie():
+    """The remedy the refusal names: ``logits = h @ wte.weight.T``, one Parameter."""
+    def model_pair():
+        class Tied(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte = nn.Embedding(8, 8)
+
+            def forward(self, ids):
+                return self.wte(ids) @ self.wte.weight.T
+
+        class TorchTied(tnn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte = tnn.Embedding(8, 8)
+                self.lm_head = tnn.Linear(8, 8, bias=False)
+                self.lm_head.weight = self.wte.weight
+
+            def forward(self, ids):
+                return self.lm_head(self.wte(ids))
+
+        torch.manual_seed(0)
+        reference = TorchTied()
+        model = Tied()
+        model.wte.weight.data = reference.wte.weight.detach().numpy().copy()
+        return model, reference
+
+    model, reference = model_pair()
+    ids = np.random.default_rng(0).integers(0, 8, (3, 5))
+    optimizer = optim.SGD(model.parameters(), lr=0.5)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3):
+        loss = nn.CrossEntropyLoss()(model(engine.tensor(ids)).reshape(-1, 8),
+                                     engine.tensor(ids.reshape(-1)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_loss = tnn.CrossEntropyLoss()(reference(torch.from_numpy(ids)).reshape(-1, 8),
+                                            torch.from_numpy(ids.reshape(-1)))
+        torch_loss.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        np.testing.assert_allclose(loss.item(), torch_loss.item(), rtol=RTOL)
