@@ -32,19 +32,27 @@ SKIPPED = ("num_batches_tracked",)   # torch's BatchNorm counter: nothing to loa
 _ATTENTION_NAMES = {"in_proj.weight": "in_proj_weight", "in_proj.bias": "in_proj_bias"}
 
 
-def torch_keys(model):
+def torch_keys(model, aliases=None):
     """``[(torch key, engine key, tensor, transposed)]`` for every parameter and float buffer
     of ``model``: the key torch's equivalent module would give it, and whether torch's layout
-    is the transpose of the engine's."""
-    entries, seen = [], set()
+    is the transpose of the engine's. A tensor held twice (a tie) is listed at its first
+    place; ``aliases``, when given, gets ``{torch key of a later place: the first's}`` (torch's
+    state_dict lists a tied parameter under every key)."""
+    entries, seen = [], {}
 
     def walk(layer, torch_prefix, engine_prefix):
         own = layer._own_parameters() + [(n, b) for n, b in layer._own_buffers()
                                           if b is not None and b.dtype.kind == "f"]
         for name, value in own:
-            if value is None or id(value) in seen:
+            if value is None:
                 continue
-            seen.add(id(value))
+            if id(value) in seen:
+                if aliases is not None:
+                    aliases[torch_prefix + name] = seen[id(value)]
+                continue
+            seen[id(value)] = torch_prefix + (
+                _ATTENTION_NAMES.get(name, name) if isinstance(layer, MultiHeadAttention)
+                else name)
             torch_name, transposed = name, isinstance(layer, Dense) and name == "weight"
             if isinstance(layer, MultiHeadAttention):   # kernels (in, out), torch's (out, in)
                 torch_name = _ATTENTION_NAMES.get(name, name)
@@ -89,12 +97,18 @@ def load_state_dict(model, state_dict, strict=True):
     if not model.built and model._unbuilt_layers():
         raise RuntimeError(f"load_state_dict: {where} is not built yet; call it once on a batch "
                            "or model.build(input_shape) first, so that its weights exist")
-    entries = torch_keys(model)
+    aliases = {}
+    entries = torch_keys(model, aliases)
     known = {key for key, *_ in entries}
     missing = [key for key, *_ in entries if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in known
+    unexpected = [key for key in state_dict if key not in known and key not in aliases
                   and key.rsplit(".", 1)[-1] not in SKIPPED]
     values, mismatches = {}, []
+    for alias, key in aliases.items():   # torch's tie: one tensor under both keys
+        if alias in state_dict and key in state_dict and not np.array_equal(
+                _as_array(state_dict[alias], alias), _as_array(state_dict[key], key)):
+            mismatches.append(f"{alias} and {key} are one tied parameter in the current "
+                              "model, and the checkpoint holds different values for them.")
     for key, engine_key, tensor, transposed in entries:
         if key not in state_dict:
             continue

@@ -202,10 +202,21 @@ def test_tying_two_linears_in_init_shares_one_parameter():
     """torch: ``self.fc2.weight = self.fc1.weight`` in ``__init__``, then SGD. The engine's
     Linear made its weight only when built, so both were None there and each got its own:
     the model trained two matrices where torch trains one, and nothing said so."""
-    ours, theirs = pair(TiedMlp, TorchTiedMlp, strict=False)   # torch lists the tie twice
+    ours, theirs = pair(TiedMlp, TorchTiedMlp)   # torch's state_dict lists the tie twice
     assert ours.model.fc2.weight is ours.model.fc1.weight
     assert len(ours.model.parameters()) == len(list(theirs.model.parameters())) == 5
     train_both(ours, theirs, steps=4)
+
+
+def test_a_checkpoint_with_two_values_for_one_tie_is_refused():
+    torch.manual_seed(0)
+    saved = TorchTiedMlp().state_dict()
+    tied = [key for key in saved if key.endswith("weight") and key != "fc1.weight"
+            and saved[key].data_ptr() == saved["fc1.weight"].data_ptr()]
+    assert tied
+    saved[tied[0]] = saved[tied[0]] + 1
+    with pytest.raises(RuntimeError, match=f"{tied[0]} and fc1.weight are one tied parameter"):
+        load_state_dict(TiedMlp(), saved)
 
 
 # ------------------------------------------------------------------ copies of a model
