@@ -46,17 +46,15 @@ def torch_keys(model, aliases=None):
         for name, value in own:
             if value is None:
                 continue
-            if id(value) in seen:
-                if aliases is not None:
-                    aliases[torch_prefix + name] = seen[id(value)]
-                continue
-            seen[id(value)] = torch_prefix + (
-                _ATTENTION_NAMES.get(name, name) if isinstance(layer, MultiHeadAttention)
-                else name)
             torch_name, transposed = name, isinstance(layer, Dense) and name == "weight"
             if isinstance(layer, MultiHeadAttention):   # kernels (in, out), torch's (out, in)
                 torch_name = _ATTENTION_NAMES.get(name, name)
                 transposed = name.endswith("weight")
+            if id(value) in seen:
+                if aliases is not None:
+                    aliases[torch_prefix + torch_name] = seen[id(value)]
+                continue
+            seen[id(value)] = torch_prefix + torch_name
             entries.append((torch_prefix + torch_name, engine_prefix + name, value, transposed))
         for index, (name, child) in enumerate(layer.named_children()):
             torch_name = str(index) if isinstance(layer, Sequential) else name

@@ -168,10 +168,7 @@ class Model(KerasMethods, Layer):
         an empty list): a RuntimeError says how to build it. Layers that declare their input
         shape (``input_shape=``, torch's ``nn.Linear(784, 512)``) are built here, as torch
         makes a module's parameters in its constructor."""
-        if not self.built:
-            self._build_declared()
-        if not self.built and self._unbuilt_layers():
-            self._require_built("parameters")
+        self._require_weights("parameters")
         return [p for _, p in self.named_parameters()]
 
     def zero_grad(self, set_to_none=True):
@@ -581,19 +578,20 @@ class Sequential(Model):
                 last_axis and len(shape) > 1 and shape[-1:] == declared):
             raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} declares "
                              f"input_shape {batch_shape(layer.input_shape)} but gets {source}")
-        if layer.built and declared is not None:
-            # built from its declaration by ``parameters()`` before the first call (torch's
-            # ``nn.Sequential(nn.Flatten(), nn.Linear(784, 512))``): a second build would make
-            # new parameters, and the optimizer given the first ones would train nothing
-            self.output_shape = (layer.output_shape if declared == shape
-                                 else layer.compute_output_shape(shape))
-            return
-        if layer.built and getattr(layer, "built_at_construction", False):
-            try:   # torch's Conv2d and BatchNorm: only the shape is new here, as above
-                self.output_shape = layer.output_shape = layer.compute_output_shape(shape)
+        if layer.built and (declared is not None
+                            or getattr(layer, "built_at_construction", False)):
+            # built before the chain reached it, from its declaration by ``parameters()``
+            # (torch's ``nn.Sequential(nn.Flatten(), nn.Linear(784, 512))``) or by its own
+            # constructor (torch's Conv2d, BatchNorm): a second build would make new
+            # parameters, and the optimizer given the first ones would train nothing. Only
+            # the shape is new here.
+            try:
+                output = (layer.output_shape if declared == shape
+                          else layer.compute_output_shape(shape))
             except ValueError as error:
                 raise ValueError(f"Sequential: layer {index} '{layer.name}' {layer!r} cannot "
                                  f"take {source}: {error}") from None
+            self.output_shape = layer.output_shape = output
             return
         try:
             self.output_shape = layer.build(shape, self.device, self._initialize)
