@@ -156,6 +156,18 @@ def _forward_kernel(path, act, name):
     return njit(**CPU_KERNEL, nogil=True)(conv2d_forward)
 
 
+# A row's sum in vector lanes ("reassoc": the order fixed by this compiled loop, the same bits
+# every run and on any thread count, a row being one thread's). One running sum waited on each
+# add: the 1->32 layer's G and db over 128x32x28x28 took 3.56 ms on one thread of the 2-core
+# Xeon, its backward 4.2 ms of which the dw GEMMs 0.5.
+@njit(**CPU_KERNEL, fastmath={"reassoc"})
+def _row_total(row):
+    total = row.dtype.type(0)
+    for p in range(row.size):
+        total += row[p]
+    return total
+
+
 @njit(inline="always")
 def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, needs_b, act,
                      alpha):
@@ -167,10 +179,7 @@ def _sample_gradient(grad_out, y, n, o_out, positions, gradient, b_partial, need
         _gradient(row, grad_out[at + o * positions:at + (o + 1) * positions],
                   y[at + o * positions:at + (o + 1) * positions], act, alpha)
         if needs_b:
-            total = b_partial[o]
-            for p in range(positions):
-                total += row[p]
-            b_partial[o] = total
+            b_partial[o] += _row_total(row)
 
 
 @njit(inline="always")

@@ -1,27 +1,26 @@
 """Direct CPU convolution loops for Conv2D (``ops.conv``): no im2col, no col2im, no BLAS.
 
-Every product is one register tile, ``_outer_tile``: 7 scalars of one operand times 32 lanes
-of the other, summed over a reduction in 14 vector registers by ``llvm.fma`` (one rounding per
+Every product is one register tile, ``_outer_tile``: 8 scalars of one operand times 32 lanes
+of the other, summed over a reduction in 16 vector registers by ``llvm.fma`` (one rounding per
 multiply-add, the order fixed: the same bits on any thread count; no fastmath):
-- forward (stride 1): 7 output channels x 32 neighbouring outputs of the sample's zero-padded
+- forward (stride 1): 8 output channels x 32 neighbouring outputs of the sample's zero-padded
   planes, flattened (a row's columns past the output's width are computed and dropped: 2 of
-  16 on 14x14), summed over the taps (c, i, j); the filter blocked 7 channels a tap;
+  16 on 14x14), summed over the taps (c, i, j); the filter blocked 8 channels a tap;
 - input gradient (stride 1): the same loop on G, padded by ``(K-1)·D - pad``, with the filter
   flipped and blocked by input channel;
-- weight gradient: 7 taps x 32 output channels, summed over the output positions, G
+- weight gradient: 8 taps x 32 output channels, summed over the output positions, G
   transposed to ``(positions, O)`` once per sample.
 Lanes are an LLVM vector type (``Lanes``) and four intrinsics: as loops over a 16-wide array,
-Numba's LLVM vectorised the wrong loop (2 GFLOP/s) or none (6.6); an 8 x 32 tile spilled.
-The tile in L1: 116 GFLOP/s on one core of the AMD EPYC (Zen 4) CI machine.
-
-Measured there, one thread, thread CPU time, batch 128, float32, median of 10 alternations,
-direct against im2col + OpenBLAS (``ops.conv_cpu``'s other path), load 3-4 from other work:
-32->64 3x3 "same" on 14x14: forward 12.0 ms against 12.9 (77 GFLOP/s), dw + db 12.2 against
-14.4, dx 12.4 against 12.9; 64->64 on 14x14: 23.3/25.8, 21.6/27.1, 23.1/24.7; 32->32 on
-28x28: 25.9/31.1, 27.2/34.3, 24.1/26.8. The 1->32 first layer (9 taps): forward 2.1 against
-1.4, dw 4.2 against 4.3, dx 6.9 against 1.8 (``DIRECT_MIN_TAPS`` leaves it to im2col).
+Numba's LLVM vectorised the wrong loop (2 GFLOP/s) or none (6.6). The tile in L1: 116 GFLOP/s
+on one core of the AMD EPYC (Zen 4) CI machine. Measured there (7-channel tiles, 8-plane chunks), one thread, thread CPU, batch 128, float32,
+direct against im2col + OpenBLAS (``ops.conv_cpu``'s other path): 32->64 3x3 "same" on 14x14:
+forward 12.0 ms against 12.9, dw 12.2 against 14.4, dx 12.4 against 12.9; the 1->32 first
+layer (9 taps): forward 2.1 against 1.4, dx 6.9 against 1.8 (``DIRECT_MIN_TAPS``). On the
+2-core Xeon, 8 rows a tile (7 computed 70 channels of 64) and chunks of 16 planes, against 7
+and 8 in one process alternating every round: forward 0.90-0.92x on 32->64 14x14, 32->32
+28x28 and 64->64 14x14, dx 0.88-0.92x, dw 0.99-1.05x (8 taps a tile: one tile for all three).
 NCHW stays at the op's boundary: copying the sums into NCHW and activating them cost 0.7 of
-the forward's 12.0 ms, the most a channel-blocked layout between layers could save there.
+the forward's 12.0 ms, the most a channel-blocked layout could save.
 """
 import numpy as np
 from llvmlite import ir
@@ -32,9 +31,10 @@ from numba.extending import intrinsic, models, register_model
 from ops.launch import CPU_KERNEL
 
 LANES = 16               # one AVX-512 register of float32
-TILE_ROWS = 7            # scalars of a tile: 7 x 2 vectors = 14 accumulators of 16
+TILE_ROWS = 8            # scalars of a tile: 8 x 2 vectors = 16 accumulators of 16
 TILE_COLUMNS = 2 * LANES
-CHUNK_PLANES = 8         # input planes a pass of the direct sums reads
+CHUNK_PLANES = 16        # input planes a pass of the direct sums reads
+ALIGNMENT = 64           # bytes: a cache line, one vector of 16 float32
 
 
 class Lanes(types.Type):
@@ -134,9 +134,9 @@ def _row_fma(a, at, b0, b1, low, high):
 @njit(inline="always")
 def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step):
     """``tile[tile_at + k·tile_step + l] += Σ_r a[a_at[k] + a_off[r]] · v[v_at + v_off[r] +
-    l]`` for k < 7, l < 32, r < count, r in order: 14 accumulators of 16 lanes."""
+    l]`` for k < 8, l < 32, r < count, r in order: 16 accumulators of 16 lanes."""
     a0, a1, a2, a3 = a_at[0], a_at[1], a_at[2], a_at[3]
-    a4, a5, a6 = a_at[4], a_at[5], a_at[6]
+    a4, a5, a6, a7 = a_at[4], a_at[5], a_at[6], a_at[7]
     s0, s1 = _pair(tile, tile_at + 0 * tile_step)
     s2, s3 = _pair(tile, tile_at + 1 * tile_step)
     s4, s5 = _pair(tile, tile_at + 2 * tile_step)
@@ -144,6 +144,7 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
     s8, s9 = _pair(tile, tile_at + 4 * tile_step)
     s10, s11 = _pair(tile, tile_at + 5 * tile_step)
     s12, s13 = _pair(tile, tile_at + 6 * tile_step)
+    s14, s15 = _pair(tile, tile_at + 7 * tile_step)
     for r in range(count):
         offset = a_off[r]
         b0, b1 = _pair(v, v_at + v_off[r])
@@ -154,6 +155,7 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
         s8, s9 = _row_fma(a, a4 + offset, b0, b1, s8, s9)
         s10, s11 = _row_fma(a, a5 + offset, b0, b1, s10, s11)
         s12, s13 = _row_fma(a, a6 + offset, b0, b1, s12, s13)
+        s14, s15 = _row_fma(a, a7 + offset, b0, b1, s14, s15)
     _put_pair(tile, tile_at + 0 * tile_step, s0, s1)
     _put_pair(tile, tile_at + 1 * tile_step, s2, s3)
     _put_pair(tile, tile_at + 2 * tile_step, s4, s5)
@@ -161,9 +163,7 @@ def _outer_tile(a, a_at, a_off, count, v, v_at, v_off, tile, tile_at, tile_step)
     _put_pair(tile, tile_at + 4 * tile_step, s8, s9)
     _put_pair(tile, tile_at + 5 * tile_step, s10, s11)
     _put_pair(tile, tile_at + 6 * tile_step, s12, s13)
-
-
-ALIGNMENT = 64            # bytes: a cache line, one vector of 16 float32
+    _put_pair(tile, tile_at + 7 * tile_step, s14, s15)
 
 
 @njit(inline="always")
