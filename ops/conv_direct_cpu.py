@@ -10,125 +10,47 @@ multiply-add, the order fixed: the same bits on any thread count; no fastmath):
   flipped and blocked by input channel;
 - weight gradient: 8 taps x 32 output channels, summed over the output positions, G
   transposed to ``(positions, O)`` once per sample.
-Lanes are an LLVM vector type (``Lanes``) and four intrinsics: as loops over a 16-wide array,
-Numba's LLVM vectorised the wrong loop (2 GFLOP/s) or none (6.6). The tile in L1: 116 GFLOP/s
-on one core of the AMD EPYC (Zen 4) CI machine. Measured there (7-channel tiles, 8-plane chunks), one thread, thread CPU, batch 128, float32,
-direct against im2col + OpenBLAS (``ops.conv_cpu``'s other path): 32->64 3x3 "same" on 14x14:
-forward 12.0 ms against 12.9, dw 12.2 against 14.4, dx 12.4 against 12.9; the 1->32 first
-layer (9 taps): forward 2.1 against 1.4, dx 6.9 against 1.8 (``DIRECT_MIN_TAPS``). On the
-2-core Xeon, 8 rows a tile (7 computed 70 channels of 64) and chunks of 16 planes, against 7
-and 8 in one process alternating every round: forward 0.90-0.92x on 32->64 14x14, 32->32
-28x28 and 64->64 14x14, dx 0.88-0.92x, dw 0.99-1.05x (8 taps a tile: one tile for all three).
-NCHW stays at the op's boundary: copying the sums into NCHW and activating them cost 0.7 of
-the forward's 12.0 ms, the most a channel-blocked layout could save.
+Lanes are an LLVM vector type and four intrinsics (``ops.lanes``): as loops over a 16-wide
+array, Numba's LLVM vectorised the wrong loop (2 GFLOP/s) or none (6.6). The tile in L1: 116
+GFLOP/s on one core of the AMD EPYC (Zen 4) CI machine. Measured there (7-channel tiles,
+8-plane chunks), one thread, thread CPU, batch 128, float32, direct against im2col + OpenBLAS
+(``ops.conv_cpu``'s other path): 32->64 3x3 "same" on 14x14: forward 12.0 ms against 12.9, dw
+12.2 against 14.4, dx 12.4 against 12.9; the 1->32 first layer (9 taps): forward 2.1 against
+1.4, dx 6.9 against 1.8 (``DIRECT_MIN_TAPS``). On the 2-core Xeon, 8 rows a tile (7 computed 70
+channels of 64) and chunks of 16 planes, against 7 and 8 in one process alternating every
+round: forward 0.90-0.92x on 32->64 14x14, 32->32 28x28 and 64->64 14x14, dx 0.88-0.92x, dw
+0.99-1.05x (8 taps a tile: one tile for all three). NCHW stays at the op's boundary: copying
+the sums into NCHW and activating them cost 0.7 of the forward's 12.0 ms, the most a channel-
+blocked layout could save.
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba import njit
 
+from ops.lanes import LANES, fma_lanes, load_lanes, splat_lanes, store_lanes
 from ops.launch import CPU_KERNEL
 
-LANES = 16               # one AVX-512 register of float32
 TILE_ROWS = 8            # scalars of a tile: 8 x 2 vectors = 16 accumulators of 16
 TILE_COLUMNS = 2 * LANES
 CHUNK_PLANES = 16        # input planes a pass of the direct sums reads
 ALIGNMENT = 64           # bytes: a cache line, one vector of 16 float32
 
 
-class Lanes(types.Type):
-    """``LANES`` values of ``dtype`` in one LLVM vector (float64: two registers)."""
-    def __init__(self, dtype):
-        self.dtype = dtype
-        super().__init__(name=f"Lanes{LANES}[{dtype}]")
-
-
-@register_model(Lanes)
-class _LanesModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        element = dmm.lookup(fe_type.dtype).get_value_type()
-        super().__init__(dmm, fe_type, ir.VectorType(element, LANES))
-
-
-def _address(context, builder, signature, args):
-    """The address of ``array[index]`` (a 1-d contiguous array; no bounds or sign test)."""
-    array = context.make_array(signature.args[0])(context, builder, args[0])
-    index = context.cast(builder, args[1], signature.args[1], types.intp)
-    return builder.gep(array.data, [index])
-
-
-def _vector_pointer(context, builder, lanes, pointer):
-    return builder.bitcast(pointer, context.get_value_type(lanes).as_pointer())
-
-
-@intrinsic
-def _load(typingctx, array, index):
-    """``array[index:index + LANES]`` as lanes."""
-    lanes = Lanes(array.dtype)
-
-    def codegen(context, builder, signature, args):
-        pointer = _vector_pointer(context, builder, lanes,
-                                  _address(context, builder, signature, args))
-        return builder.load(pointer, align=array.dtype.bitwidth // 8)
-    return lanes(array, index), codegen
-
-
-@intrinsic
-def _store(typingctx, array, index, value):
-    """``array[index:index + LANES] = value``."""
-    def codegen(context, builder, signature, args):
-        pointer = _vector_pointer(context, builder, signature.args[2],
-                                  _address(context, builder, signature, args))
-        builder.store(args[2], pointer, align=array.dtype.bitwidth // 8)
-        return context.get_dummy_value()
-    return types.none(array, index, value), codegen
-
-
-@intrinsic
-def _splat(typingctx, array, index):
-    """``array[index]`` in every lane."""
-    lanes = Lanes(array.dtype)
-
-    def codegen(context, builder, signature, args):
-        value = builder.load(_address(context, builder, signature, args))
-        vector_type = context.get_value_type(lanes)
-        one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value,
-                                     ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
-                                      ir.Constant(ir.VectorType(ir.IntType(32), LANES),
-                                                  [0] * LANES))
-    return lanes(array, index), codegen
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a·b + c`` lane by lane, rounded once."""
-    def codegen(context, builder, signature, args):
-        vector_type = args[0].type
-        suffix = f"v{LANES}f{vector_type.element.intrinsic_name[1:]}"
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector_type, [vector_type] * 3), f"llvm.fma.{suffix}")
-        return builder.call(fma, args)
-    return c(a, b, c), codegen
-
-
 @njit(inline="always")
 def _pair(array, index):
-    return _load(array, index), _load(array, index + LANES)
+    return load_lanes(array, index), load_lanes(array, index + LANES)
 
 
 @njit(inline="always")
 def _put_pair(array, index, low, high):
-    _store(array, index, low)
-    _store(array, index + LANES, high)
+    store_lanes(array, index, low)
+    store_lanes(array, index + LANES, high)
 
 
 @njit(inline="always")
 def _row_fma(a, at, b0, b1, low, high):
     """A tile row's two accumulators plus ``a[at]`` (every lane) times the pair b0, b1."""
-    x = _splat(a, at)
-    return _fma(x, b0, low), _fma(x, b1, high)
+    x = splat_lanes(a, at)
+    return fma_lanes(x, b0, low), fma_lanes(x, b1, high)
 
 
 @njit(inline="always")
@@ -323,14 +245,14 @@ def copy_rows(sums, stride, columns, out, first, channels, out_rows, width):
             row = k * stride + r * columns
             if width < LANES:
                 if at + LANES <= end:
-                    _store(out, at, _load(sums, row))
+                    store_lanes(out, at, load_lanes(sums, row))
                 else:
                     for p in range(width):
                         out[at + p] = sums[row + p]
                 continue
             for p in range(0, width - LANES, LANES):
-                _store(out, at + p, _load(sums, row + p))
-            _store(out, at + width - LANES, _load(sums, row + width - LANES))
+                store_lanes(out, at + p, load_lanes(sums, row + p))
+            store_lanes(out, at + width - LANES, load_lanes(sums, row + width - LANES))
 
 
 @njit(**CPU_KERNEL)
