@@ -90,11 +90,7 @@ def load_state_dict(model, state_dict, strict=True):
     if not hasattr(state_dict, "items"):
         raise TypeError(f"load_state_dict: expected a state_dict (a mapping of names to "
                         f"tensors), got {type(state_dict).__name__}")
-    if not model.built:
-        model.parameters()   # builds the layers that declare their input size (nn.Linear)
-    if not model.built and model._unbuilt_layers():
-        raise RuntimeError(f"load_state_dict: {where} is not built yet; call it once on a batch "
-                           "or model.build(input_shape) first, so that its weights exist")
+    model._require_weights("load_state_dict")   # builds the layers that declare their size
     aliases = {}
     entries = torch_keys(model, aliases)
     known = {key for key, *_ in entries}

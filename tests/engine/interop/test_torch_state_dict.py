@@ -138,3 +138,10 @@ def test_torch_modules_own_load_state_dict_reads_the_engine_keys_back():
              for key, _, t, transposed in torch_keys(model)}
     reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     reference.load_state_dict(state)   # strict: raises on any other key or shape
+
+
+def test_loading_into_a_model_not_built_names_load_state_dict():
+    """A model whose weights need its first call is refused by the function the user called
+    (it named ``parameters``, which it called on the way)."""
+    with pytest.raises(RuntimeError, match=r"\.load_state_dict: the model is not built yet"):
+        load_state_dict(nn.Sequential([nn.Dense(3)]), {})
