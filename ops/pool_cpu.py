@@ -86,13 +86,13 @@ def max_pool_cpu(x, out, argmax, meta, first_plane, last_plane):
                 # 16 windows at a time while their rows' 32 inputs lie in x and their 16
                 # results in this block: lanes past the row are written, then overwritten
                 # by the next row's (the rows go in address order); the rest one at a time
-                ow0 = 0
-                while (ow0 < ow_n and base + 2 * oh * w + 2 * ow0 + w + 2 * LANES <= x.size
+                ow0, top = 0, 2 * oh * w   # top: the row pair's first element in the plane
+                while (ow0 < ow_n and base + top + 2 * ow0 + w + 2 * LANES <= x.size
                        and at + ow0 + LANES <= end):
-                    _max_halving_lanes(x, base, 2 * oh * w + 2 * ow0, w, out, argmax, at + ow0)
+                    _max_halving_lanes(x, base, top + 2 * ow0, w, out, argmax, at + ow0)
                     ow0 += LANES
                 if ow0 < ow_n:
-                    _max_halving_row(source, 2 * oh * w + 2 * ow0, w, out[at + ow0:at + ow_n],
+                    _max_halving_row(source, top + 2 * ow0, w, out[at + ow0:at + ow_n],
                                      argmax[at + ow0:at + ow_n])
                 continue
             best, best_at = out[at:at + ow_n], argmax[at:at + ow_n]

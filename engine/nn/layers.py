@@ -468,7 +468,6 @@ class Dense(Layer):
     """
     _layouts = {"weight": "(in_features, out_features)"}
 
-
     def __init__(self, units, activation=None, kernel_initializer=None, alpha=0.01,
                  dtype=np.float32, input_shape=None):
         super().__init__(input_shape)
