@@ -7,6 +7,7 @@ the choice of ``ops.gemm``'s large tilings and of the tensor-core tile rule.
     python -m bench.tiling_sweep wide-mlp --only pipelined   # those whose name holds the text
     python -m bench.tiling_sweep fp32           # fp32 (FMA) tilings at 4096³
     python -m bench.tiling_sweep gpt            # fp32 tiling x split-K at the GPT's Dense GEMMs
+    python -m bench.tiling_sweep gpt --precision high   # the same in TF32's tilings
 
 Each candidate is forced by replacing ``ops.gemm.plans.pick_config`` for the timed calls, so the
 plan, the kernels and the launch are those of ``ops.matmul.gemm``; a sweep's winner is what
@@ -175,13 +176,22 @@ GPT_ROWS = 64 * 256
 GPT_DENSE = (("qkv", 384, 1152), ("proj", 384, 384), ("fc", 384, 1536), ("fc2", 1536, 384))
 
 
-def gpt_candidates():
+def gpt_candidates(mma=None):
+    """The tilings swept at the GPT's products: FMA ones, or those of tensor-core format mma."""
     from ops.gemm import tilings
     tiling = tilings.Tiling
-    return {"LARGE 128x128x8 8x8": tilings.LARGE, "MEDIUM 64x64x16 4x4": tilings.MEDIUM,
-            "MEDIUM_128 64x64x16 8x4": tilings.MEDIUM_128,
-            "128x64x16 8x8": tiling(128, 64, 16, 8, 8, True),
-            "128x128x16 8x8": tiling(128, 128, 16, 8, 8, True, 128)}
+    if mma is None:
+        return {"LARGE 128x128x8 8x8": tilings.LARGE, "MEDIUM 64x64x16 4x4": tilings.MEDIUM,
+                "MEDIUM_128 64x64x16 8x4": tilings.MEDIUM_128,
+                "128x64x16 8x8": tiling(128, 64, 16, 8, 8, True),
+                "128x128x16 8x8": tiling(128, 128, 16, 8, 8, True, 128)}
+    own = tilings.MMA_TILINGS[mma]
+    return {"LARGE 128x128x16": own.large, "MEDIUM 64x64x16": own.medium,
+            "PIPELINED 128x128x32 3 stages": own.pipelined,
+            "PIPELINED 128x128x16 3 stages": own.pipelined_prologue,
+            "pipelined 128x128x16 4 stages": tiling(128, 128, 16, 8, 16, mma=mma, stages=4),
+            "pipelined 128x64x32 3 stages": tiling(128, 64, 32, 8, 16, mma=mma, stages=3),
+            "pipelined 64x128x32 3 stages": tiling(64, 128, 32, 8, 16, mma=mma, stages=3)}
 
 
 def _dense_launches(mode, rows, features, outputs, rng):
@@ -206,38 +216,83 @@ def _dense_launches(mode, rows, features, outputs, rng):
              cuda.device_array(outputs, np.float32), 0.01))
 
 
-def sweep_gpt(calls=10):
-    """Each of the GPT's Dense GEMMs (forward, dX, dW with db) under every candidate tiling
-    and split, through ``ops.gemm.plans.gemm_plan`` as Dense launches them."""
-    from ops import cuda as cuda_runtime
-    from ops.gemm import choices, plans
-    from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
+def _planned(mode, m, n, k, trans_a, trans_b, args, precision, tiling=None, split=1):
+    """gemm_plan's launches at ``precision``, ``tiling`` in ``split`` slices forced, or the
+    rule's where tiling is None; and the (tiling, split) they run."""
+    from engine import set_float32_matmul_precision
+    from ops.gemm import plans
     from ops.pointwise import IDENTITY
+    picked = []
+    set_float32_matmul_precision(precision)
+    try:
+        with forced(tiling, split, (m, n, k)) if tiling else contextlib.nullcontext():
+            chosen = plans.pick_config
+
+            def pick_config(*arguments, **options):
+                picked.append(chosen(*arguments, **options))
+                return picked[-1]
+            plans.pick_config = pick_config
+            try:
+                launches = plans.gemm_plan(mode, m, n, k, np.float32, trans_a, trans_b,
+                                           IDENTITY, args)
+            finally:
+                plans.pick_config = chosen
+    finally:
+        set_float32_matmul_precision("highest")
+    return launches, picked[0]
+
+
+def sweep_gpt(calls=10, precision="highest"):
+    """Each of the GPT's Dense GEMMs (forward, dX, dW with db) under every candidate tiling
+    of ``precision``'s format and split, through ``ops.gemm.plans.gemm_plan`` as Dense
+    launches them; first the rule's (or the table's) choice."""
+    from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
+    mma = {"highest": None, "high": "tf32", "medium": "bf16"}[precision]
     timer, rng = engine_timer(), np.random.default_rng(0)
     for layer, features, outputs in GPT_DENSE:
         for mode, label in ((FORWARD, "forward"), (GRAD_A, "dX"), (GRAD_B, "dW, db")):
             m, n, k, trans_a, trans_b, args = _dense_launches(mode, GPT_ROWS, features,
                                                               outputs, rng)
             extra = int(mode == GRAD_B)
-            rule = plans.pick_config(m, n, k, trans_a, trans_b, extra)
-            print(f"{layer} {label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])} in "
+            rule_launches, rule = _planned(mode, m, n, k, trans_a, trans_b, args, precision)
+            print(f"{layer} {label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])}"
+                  f"{f', {rule.tiling.stages} stages' if rule.tiling.stages else ''} in "
                   f"{rule.split} slices", flush=True)
-            splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24) if k // s >= 128]
-            for name, tiling in gpt_candidates().items():
+            candidates = [("the rule", rule.tiling, rule.split, rule_launches)]
+            # the tensor-core tilings fill the GPU without a split but in the weight gradients
+            splits = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24) if k // s >= 128
+                      and (mma is None or mode == GRAD_B or s == 1)]
+            for name, tiling in gpt_candidates(mma).items():
                 for split in splits:
-                    with forced(tiling, split, (m, n, k)):
-                        launches = plans.gemm_plan(mode, m, n, k, np.float32, trans_a,
-                                                   trans_b, IDENTITY, args)
+                    try:
+                        launches, _ = _planned(mode, m, n, k, trans_a, trans_b, args,
+                                               precision, tiling, split)
+                    except Exception as error:   # a tiling this mode cannot take: say so
+                        print(f"  {name:30s} split {split:2d}: not run ({error})", flush=True)
+                        break
+                    candidates.append((name, tiling, split, launches))
+            for name, tiling, split, launches in candidates:
+                _time_launches(timer, name, tiling, split, launches, (m, n, k, extra), calls)
 
-                    def call():
-                        for launch in launches:
-                            cuda_runtime.launch(*launch)
-                    seconds = timer.seconds_per_call(call, calls)
-                    blocks = -(-(m + extra) // tiling.BM) * -(-n // tiling.BN) * \
-                        choices.k_slices(k, split, tiling.BK)
-                    print(f"  {name:26s} split {split:2d} ({blocks:5d} blocks): "
-                          f"{seconds * 1e6:8.1f} us {2 * m * n * k / seconds / 1e12:5.1f} "
-                          f"TFLOP/s", flush=True)
+
+def _time_launches(timer, name, tiling, split, launches, shape, calls):
+    from ops import cuda as cuda_runtime
+    from ops.gemm import choices
+    m, n, k, extra = shape
+
+    def call():
+        for launch in launches:
+            cuda_runtime.launch(*launch)
+    try:
+        seconds = timer.seconds_per_call(call, calls)
+    except Exception as error:   # compiled or launched past a limit of this GPU: say so
+        print(f"  {name:30s} split {split:2d}: failed ({type(error).__name__}: {error})",
+              flush=True)
+        return
+    blocks = -(-(m + extra) // tiling.BM) * -(-n // tiling.BN) * \
+        choices.k_slices(k, split, tiling.BK)
+    print(f"  {name:30s} split {split:2d} ({blocks:5d} blocks): {seconds * 1e6:8.1f} us "
+          f"{2 * m * n * k / seconds / 1e12:5.1f} TFLOP/s", flush=True)
 
 
 def main(argv=None):
@@ -246,6 +301,8 @@ def main(argv=None):
     parser.add_argument("sweep", choices=["tensor-cores", "pipelined", "wide-mlp", "fp32",
                                                     "gpt"])
     parser.add_argument("--only", help="wide-mlp: the candidates whose name holds this text")
+    parser.add_argument("--precision", choices=("highest", "high", "medium"),
+                        default="highest", help="gpt: the float32 matmul precision swept")
     args = parser.parse_args(argv)
     from ops.device import SIMULATOR, cuda_available
     if SIMULATOR or not cuda_available():
@@ -257,7 +314,7 @@ def main(argv=None):
     elif args.sweep == "wide-mlp":
         sweep_wide_mlp(only=args.only)
     elif args.sweep == "gpt":
-        sweep_gpt()
+        sweep_gpt(precision=args.precision)
     else:
         sweep_square(fp32_candidates(), (4096,))
 
