@@ -2,8 +2,8 @@
 operations on it that the direct convolution (``ops.conv_direct_cpu``) and the max pool
 (``ops.pool_cpu``) spell out, where Numba's LLVM vectorised the wrong loop or none: loads and
 stores of 16 neighbouring elements, a scalar in every lane, a fused multiply-add, the even
-and odd lanes of 32 values, the indices ``first + step·k`` and the running maximum's
-select.
+and odd lanes of 32 values, each of 8 lanes twice, the indices ``first + step·k``, the
+running maximum's select and a scatter's sum where an index matches.
 Loads and stores take no bounds or sign test: the caller keeps every lane inside its array.
 """
 from llvmlite import ir
@@ -114,6 +114,25 @@ odd_lanes = intrinsic(_shuffled(1))
 odd_lanes.__doc__ = "Lanes 1, 3, ..., 31 of ``low ++ high`` (the odd elements of 32)."
 
 
+def _doubled(first):
+    """The lanes ``first, first, first + 1, first + 1, ..., first + 7, first + 7``."""
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES),
+                       [first + k // 2 for k in range(LANES)])
+
+    def shuffle(typingctx, lanes):
+        def codegen(context, builder, signature, args):
+            return builder.shuffle_vector(args[0], ir.Constant(args[0].type, ir.Undefined),
+                                          mask)
+        return lanes(lanes), codegen
+    return shuffle
+
+
+low_doubled = intrinsic(_doubled(0))
+low_doubled.__doc__ = "Lanes 0, 0, 1, 1, ..., 7, 7 (each of the low 8 twice)."
+high_doubled = intrinsic(_doubled(LANES // 2))
+high_doubled.__doc__ = "Lanes 8, 8, 9, 9, ..., 15, 15 (each of the high 8 twice)."
+
+
 @intrinsic
 def index_lanes(typingctx, array, first, step):
     """``first + step·k`` in lane k, as lanes of the integer array ``array``'s dtype (the
@@ -145,3 +164,15 @@ def later_wins(typingctx, top, top_at, value, value_at):
                                   [builder.select(wins, new_value, top_value),
                                    builder.select(wins, new_index, top_index)])
     return result(top, top_at, value, value_at), codegen
+
+
+@intrinsic
+def added_where_equal(typingctx, at, index, value):
+    """``0 + value`` in the lanes where ``at == index``, else 0: what a zeroed element
+    ``index`` holds once ``value`` is added to element ``at`` (a scatter's ``+=``, -0 to +0
+    as there)."""
+    def codegen(context, builder, signature, args):
+        zero = ir.Constant(args[2].type, [0.0] * LANES)
+        return builder.select(builder.icmp_signed("==", args[0], args[1]),
+                              builder.fadd(zero, args[2]), zero)
+    return value(at, index, value), codegen

@@ -13,7 +13,8 @@ torch asks), and ``OH = (H + 2·PH - KH) // SH + 1``.
 Backward: each input element sums the gradients of the windows that hold it (for max, those
 whose argmax it is) in row-major window order. On CUDA one thread per input element gathers
 them, so overlapping windows need no atomics; on the CPU each plane is zeroed and every
-window scatters into it, in that same order. The CPU kernels walk planes and rows with no
+window scatters into it, in that same order (the max's 2x2 windows at stride 2, which do
+not overlap, write each element once, the same bits). The CPU kernels walk planes and rows with no
 index division per element, blocks of planes on the engine's threads (``ops.pool_cpu``); the
 CUDA ones a thread per element. Measured on the 2-core CPU (128x32x28x28 float32, kernel 2,
 best of 30, ``prange`` then): max

@@ -7,8 +7,8 @@ from numba import njit
 
 from ops.im2col_cpu import valid_range
 from ops.cpu_threads import in_blocks
-from ops.lanes import (LANES, even_lanes, index_lanes, later_wins, load_lanes, odd_lanes,
-                       store_lanes)
+from ops.lanes import (LANES, added_where_equal, even_lanes, high_doubled, index_lanes,
+                       later_wins, load_lanes, low_doubled, odd_lanes, store_lanes)
 from ops.launch import CPU_KERNEL
 
 _PLANE_LOOPS = dict(CPU_KERNEL, error_model="numpy", nogil=True)   # a block of planes a call
@@ -108,19 +108,77 @@ def max_pool_cpu(x, out, argmax, meta, first_plane, last_plane):
                 best[ow], best_at[ow] = top, top_at
 
 
+@njit(inline="always")
+def _max_grad_halving_lanes(argmax, grad_out, at, grad_in, base, row):
+    """One input row's 32 elements under the 16 halving windows ``grad_out[at:at + 16]``,
+    from ``row`` of the plane at ``grad_in[base:]`` (the windows' top or bottom row): each
+    element ``0 + its window's gradient`` where it is the window's argmax, else 0 (the
+    zeroed plane and the scatter's one add: the same bits)."""
+    g, a = load_lanes(grad_out, at), load_lanes(argmax, at)
+    store_lanes(grad_in, base + row, added_where_equal(
+        low_doubled(a), index_lanes(argmax, row, 1), low_doubled(g)))
+    store_lanes(grad_in, base + row + LANES, added_where_equal(
+        high_doubled(a), index_lanes(argmax, row + LANES, 1), high_doubled(g)))
+
+
+@njit(inline="always")
+def _max_grad_halving_row(argmax, grad_out, at, target, first, w, count):
+    """The same for ``count`` windows one at a time, both their rows, the windows' top-left
+    elements at ``first + 2·ow`` of the plane ``target``."""
+    zero = target.dtype.type(0)
+    for ow in range(count):
+        cell, value, top_at = first + 2 * ow, zero + grad_out[at + ow], argmax[at + ow]
+        for tap in (cell, cell + 1, cell + w, cell + w + 1):
+            target[tap] = value if top_at == tap else zero
+
+
 @njit(**_PLANE_LOOPS)
 def max_pool_grad_cpu(argmax, grad_out, grad_in, meta, first_plane, last_plane):
     """Scatters each window's gradient to its argmax, windows in row-major order: each input
-    element sums its windows in the order of the CUDA gather."""
-    h, w, oh_n, ow_n = meta[1], meta[2], meta[3], meta[4]
+    element sums its windows in the order of the CUDA gather. The halving windows (which
+    do not overlap) write each element once instead, 16 windows at a time: over 128x32x28x28
+    float32 on the 2-core Xeon, alternating in one process, one thread 1.28-2.42 ms zeroing
+    and scattering, 0.98-1.31 in lanes; two threads 0.94-1.38, 0.59-0.73."""
+    planes, h, w, oh_n, ow_n, kh, kw, sh, sw, ph, pw = _geometry_cpu(meta)
     zero = grad_in.dtype.type(0)
+    halving = _halving(kh, kw, sh, sw, ph, pw)
+    end = last_plane * h * w   # this block's elements end here (another's follow)
+    lanes_end = (ow_n + LANES - 1) // LANES * LANES   # a row's windows in chunks of 16
     for plane in range(first_plane, last_plane):
-        target = grad_in[plane * h * w:(plane + 1) * h * w]
-        for i in range(h * w):
+        base = plane * h * w
+        target = grad_in[base:base + h * w]
+        if not halving:
+            for i in range(h * w):
+                target[i] = zero
+            first = plane * oh_n * ow_n
+            for o in range(first, first + oh_n * ow_n):
+                target[argmax[o]] += grad_out[o]
+            continue
+        # In lanes where the last row pair's last 16 gradients lie in grad_out and its 32
+        # elements a row in this block (the block's last plane goes one window at a time):
+        # lanes past a row write the next rows, which this thread writes later (the top
+        # row's pass before the bottom's, the column and row no window holds last). With a
+        # check a row and its leftover windows one at a time in the same loop, the lanes ran
+        # 0.48 ns an element against 0.24 without (256 planes of 28x28, one thread; the
+        # scatter 0.68 in that run)
+        last_at = (plane * oh_n + oh_n - 1) * ow_n
+        room = min(grad_out.size - last_at, (end - base - 2 * (oh_n - 1) * w - w) // 2)
+        if room >= lanes_end:
+            for oh in range(oh_n):
+                at, top = (plane * oh_n + oh) * ow_n, 2 * oh * w
+                for row in (top, top + w):
+                    for ow0 in range(0, lanes_end, LANES):
+                        _max_grad_halving_lanes(argmax, grad_out, at + ow0, grad_in, base,
+                                                row + 2 * ow0)
+        else:
+            for oh in range(oh_n):
+                _max_grad_halving_row(argmax, grad_out, (plane * oh_n + oh) * ow_n, target,
+                                      2 * oh * w, w, ow_n)
+        for row in range(0, 2 * oh_n * w, w):   # the column no window holds
+            for iw in range(2 * ow_n, w):
+                target[row + iw] = zero
+        for i in range(2 * oh_n * w, h * w):   # the row no window holds
             target[i] = zero
-        first = plane * oh_n * ow_n
-        for o in range(first, first + oh_n * ow_n):
-            target[argmax[o]] += grad_out[o]
 
 
 @njit(inline="always")

@@ -394,6 +394,38 @@ def test_the_halving_pools_own_cpu_loop_gives_the_general_loop_s_bits():
     np.testing.assert_array_equal(grad_in.view(np.int32), expected.ravel().view(np.int32))
 
 
+def test_the_halving_max_pool_gradient_writes_the_scatter_s_bits_in_any_blocks():
+    """The halving max's CPU gradient writes each element once, 16 windows at a time, lanes
+    past a row into the next rows (ops.pool_cpu.max_pool_grad_cpu): in blocks of planes in
+    any order each block writes its own planes only, every element ``0 + its window's
+    gradient`` where it is the argmax (-0 to +0, NaN kept), else 0, as the zeroed plane and
+    the general loop's scatter give; rows of 1 to 4 chunks, odd rows and columns."""
+    from ops.pool_cpu import max_pool_cpu, max_pool_grad_cpu
+    rng = np.random.default_rng(4)
+    unwritten = np.int32(0x7FC01234)   # a NaN no kernel makes
+    for planes, h, w in ((5, 28, 28), (4, 9, 70), (3, 5, 101), (6, 4, 4), (4, 7, 33)):
+        oh, ow = h // 2, w // 2
+        meta = np.asarray((planes, h, w, oh, ow, 2, 2, 2, 2, 0, 0), np.int64)
+        x = np.round(rng.standard_normal(planes * h * w), 0).astype(np.float32)   # ties
+        x[::37] = np.nan
+        out = np.empty(planes * oh * ow, np.float32)
+        argmax = np.empty(out.size, np.int32)
+        max_pool_cpu(x, out, argmax, meta, 0, planes)
+        grad_out = rng.standard_normal(out.size).astype(np.float32)
+        grad_out[::5], grad_out[::11] = -0.0, np.nan
+        expected = np.zeros((planes, h * w), np.float32)
+        expected[np.arange(planes).repeat(oh * ow), argmax] = np.float32(0) + grad_out
+        for blocks in ([(0, planes)], [(2, planes), (0, 2)], [(p, p + 1) for p in range(planes)]):
+            grad_in = np.full((planes, h * w), unwritten, np.int32)
+            done = np.zeros(planes, bool)
+            for first, last in blocks:
+                max_pool_grad_cpu(argmax, grad_out, grad_in.view(np.float32).ravel(), meta,
+                                  first, last)
+                done[first:last] = True
+                assert (grad_in[~done] == unwritten).all(), (h, w, blocks)
+            np.testing.assert_array_equal(grad_in, expected.view(np.int32))
+
+
 @pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 def test_pooling_rejects_bad_arguments(device, cls):
     name = cls.name
