@@ -2,8 +2,9 @@
 operations on it that the direct convolution (``ops.conv_direct_cpu``) and the max pool
 (``ops.pool_cpu``) spell out, where Numba's LLVM vectorised the wrong loop or none: loads and
 stores of 16 neighbouring elements, a scalar in every lane, a fused multiply-add, the even
-and odd lanes of 32 values, each of 8 lanes twice, the indices ``first + step·k``, the
-running maximum's select and a scatter's sum where an index matches.
+and odd lanes of 32 values, each of 8 lanes twice, sums and products lane by lane, the
+indices ``first + step·k``, the running maximum's select and a scatter's sum where an index
+matches.
 Loads and stores take no bounds or sign test: the caller keeps every lane inside its array.
 """
 from llvmlite import ir
@@ -97,6 +98,32 @@ def fma_lanes(typingctx, a, b, c):
             builder.module, ir.FunctionType(vector_type, [vector_type] * 3), f"llvm.fma.{suffix}")
         return builder.call(fma, args)
     return c(a, b, c), codegen
+
+
+@intrinsic
+def broadcast_lanes(typingctx, value):
+    """The scalar ``value`` in every lane."""
+    lanes = Lanes(value)
+
+    def codegen(context, builder, signature, args):
+        return _splat_value(builder, context.get_value_type(lanes), args[0])
+    return lanes(value), codegen
+
+
+def _lane_by_lane(operation):
+    """``a <operation> b`` lane by lane (an IR builder's method: ``fadd``, ``fmul``), each
+    rounded on its own (no fused multiply-add)."""
+    def arithmetic(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, operation)(args[0], args[1])
+        return a(a, b), codegen
+    return arithmetic
+
+
+add_lanes = intrinsic(_lane_by_lane("fadd"))
+add_lanes.__doc__ = "``a + b`` lane by lane."
+mul_lanes = intrinsic(_lane_by_lane("fmul"))
+mul_lanes.__doc__ = "``a · b`` lane by lane."
 
 
 def _shuffled(first):
