@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import engine
-from ops.block_reduce import REDUCE_THREADS
-from ops.cuda import multiprocessor_count
+from ops.block_reduce import MAX, REDUCE_THREADS, SUM, group_reduce_cuda
+from ops.cuda import cuda, multiprocessor_count
 from ops.launch import LaunchRecorder
 from ops.reduce import BLOCKS_PER_MULTIPROCESSOR, CHUNK_MIN, chunking
 from ops.softmax import LANE_ELEMENTS, row_group
@@ -262,3 +262,49 @@ def test_gpu_softmax_rows_match_torch(shape):
         # dx = y * (g - sum(g * y)) cancels: float32 roundings of two different orders differ
         # by a few ulp of the O(1) terms (2.6e-6 at one of 4M elements on the H200)
         np.testing.assert_allclose(x.grad.numpy(), t.grad.cpu().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _halving_tree(values, group):
+    """Each aligned group's total as ops.block_reduce's tree adds it: round by round lane l
+    takes lane l + step's value, step halving from group / 2."""
+    values = [float(v) for v in values]
+    totals = []
+    for first in range(0, len(values), group):
+        lanes = values[first:first + group]
+        step = group // 2
+        while step:
+            for lane in range(step):
+                lanes[lane] = lanes[lane] + lanes[lane + step]
+            step //= 2
+        totals += [lanes[0]] * group
+    return np.array(totals)
+
+
+@cuda.jit
+def _group_totals(values, code, group, out):
+    t = cuda.threadIdx.x
+    out[t] = group_reduce_cuda(code, values[t], group)
+
+
+@pytest.mark.cuda
+def test_group_reduce_is_the_halving_tree_bit_for_bit_at_every_group_size():
+    """On a GPU the rounds inside a warp are shuffles, in the simulator shared-array rounds:
+    both the same pairs in the same order, float32 inputs summed in float64, every thread
+    given its group's total; MAX as NumPy's, NaN winning."""
+    rng = np.random.default_rng(11)
+    values = (rng.standard_normal(REDUCE_THREADS)
+              * 10.0 ** rng.integers(-7, 8, REDUCE_THREADS)).astype(np.float32)
+    values[3] = np.nan   # in the first group of every size but 1, 2 and 4 (max)
+    group = 1
+    while group <= REDUCE_THREADS:
+        for code in (SUM, MAX):
+            out = cuda.device_array(REDUCE_THREADS, np.float64)
+            _group_totals[1, REDUCE_THREADS](cuda.to_device(values), code, group, out)
+            if code == SUM:
+                expected = _halving_tree(values, group)
+            else:
+                expected = values.astype(np.float64).reshape(-1, group)
+                expected = np.repeat(np.where(np.isnan(expected).any(axis=1), np.nan,
+                                              np.nanmax(expected, axis=1)), group)
+            assert out.copy_to_host().tobytes() == expected.tobytes(), (code, group)
+        group *= 2
