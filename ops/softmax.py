@@ -84,11 +84,12 @@ _softmax_grad_row_cpu = njit(inline="always", error_model="numpy")(_softmax_grad
 LANE_ELEMENTS = 8
 
 
-def row_group(n, inner):
-    """Threads per row of ``n`` elements strided by ``inner`` (see the module docstring)."""
+def row_group(n, inner, lane_elements=LANE_ELEMENTS):
+    """Threads per row of ``n`` elements strided by ``inner`` (see the module docstring): for
+    a contiguous row the fewest that leave each at most ``lane_elements`` per pass."""
     group = 1
     if inner == 1:
-        while group < REDUCE_THREADS and group * LANE_ELEMENTS < n:
+        while group < REDUCE_THREADS and group * lane_elements < n:
             group *= 2
     return group
 
