@@ -11,7 +11,7 @@ from ops import matmul_precision
 from ops.gemm.tilings import (COMPACT, COMPACT_128, COMPACT_K32, CONV_FORWARD, CONV_GRAD_INPUT,
                               CONV_GRAD_WEIGHT, LARGE, LARGE_K16, MEDIUM, MEDIUM_128,
                               MEDIUM_MIN_BLOCKS, MMA_MIN_CAPABILITY, MMA_TILINGS, SIMULATED,
-                              SMALL, TALL, TALL_128, WIDE)
+                              SMALL, TALL, TALL_128, TF32_PIPELINED_PROLOGUE, WIDE)
 
 
 def _multiprocessors():
@@ -131,6 +131,18 @@ GEMM_CHOICES = {
     (1536, 384, 16384, True, False): GemmConfig(MEDIUM_128, 24),   # fc2 dW: 583.6 us, MEDIUM 1214.0
 }
 
+# The tensor-core choices measured as GEMM_CHOICES are: (format, M, N, K, trans_a, trans_b) ->
+# config. A pipelined tiling here stands where the operands suit one (else the rule's). From
+# `python -m bench.tiling_sweep gpt --precision high` on an H100 on 2026-12-06: the GPT's
+# forwards run K steps of 16 in 3 stages faster than the rule's 32 (its dX, already so, and
+# its dW in the rule's splits, 68-255 us, were each within 1% of the sweep's best or ahead)
+MMA_CHOICES = {
+    ("tf32", 16384, 1152, 384, False, False): GemmConfig(TF32_PIPELINED_PROLOGUE, 1),   # qkv fwd: 202.6 us, the rule's 220.8
+    ("tf32", 16384, 384, 384, False, False): GemmConfig(TF32_PIPELINED_PROLOGUE, 1),   # proj fwd: 76.4 us, the rule's 94.1
+    ("tf32", 16384, 1536, 384, False, False): GemmConfig(TF32_PIPELINED_PROLOGUE, 1),   # fc fwd: 259.5 us, the rule's 272.2
+    ("tf32", 16384, 384, 1536, False, False): GemmConfig(TF32_PIPELINED_PROLOGUE, 1),   # fc2 fwd: 194.2 us, the rule's 237.7
+}
+
 # The rule for shapes the table does not list, a guess until the sweep has measured it: split
 # K when the tiles alone leave multiprocessors idle, into slices of at least SPLIT_MIN_K, up to
 # SPLIT_BLOCKS_PER_SM blocks per multiprocessor.
@@ -175,16 +187,20 @@ def long_config(rows, n, k):
 def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, pipelined=None):
     """The tiling and split count for op(A) (m, k) @ op(B) (k, n): the table's measured choice,
     else the rule (``extra_rows``: output rows the kernel adds, Dense's bias row). ``mma``: a
-    tensor-core format, whose tilings the table (float32 FMA measurements) does not hold;
-    ``pipelined``: the pipelined tiling that takes LARGE's place, where the operands suit it
+    tensor-core format, whose measured choices are in MMA_CHOICES; ``pipelined``: the
+    pipelined tiling that takes LARGE's place, where the operands suit it
     (``pipelined_tiling``)."""
     key = (m, n, k, bool(trans_a), bool(trans_b))
     if mma and not mma_suits(m + extra_rows, n, k):
         mma = None
-    choice = None if mma else GEMM_CHOICES.get(key)
+    table, key = (MMA_CHOICES, (mma,) + key) if mma else (GEMM_CHOICES, key)
+    choice = table.get(key)
+    if choice is not None and choice.tiling.stages and pipelined is None:
+        choice = None   # operands a pipeline cannot copy as they are
     if choice is not None:
         if choice.split < 1:
-            raise ValueError(f"matmul: GEMM_CHOICES[{key}] asks for split {choice.split}; a "
+            name = "MMA_CHOICES" if mma else "GEMM_CHOICES"
+            raise ValueError(f"matmul: {name}[{key}] asks for split {choice.split}; a "
                              f"split is at least 1")
         return choice
     long = None if mma else long_config(m + extra_rows, n, k)

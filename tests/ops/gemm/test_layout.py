@@ -74,6 +74,25 @@ def test_a_long_product_splits_k_into_medium_128_tiles():
             tilings.MEDIUM_128
 
 
+def test_a_measured_tensor_core_choice_stands_where_its_pipeline_can_copy_the_operands():
+    """MMA_CHOICES gives the GPT's TF32 forwards K steps of 16 in 3 stages where the plan
+    found the operands fit for a pipeline; where not (pipelined None), the rule's register
+    tiling; bf16 and the FMA path do not read the TF32 entries."""
+    import ops.matmul  # noqa: F401
+    from ops.cuda.dry_device import DryDevice
+    from ops.gemm import choices, tilings
+    shape = (16384, 1152, 384, False, False)
+    with DryDevice(132).installed():
+        chosen = choices.pick_config(*shape, mma="tf32", pipelined=tilings.TF32_PIPELINED)
+        assert chosen == choices.MMA_CHOICES[("tf32",) + shape]
+        assert chosen.tiling == tilings.TF32_PIPELINED_PROLOGUE
+        assert choices.pick_config(*shape, mma="tf32").tiling == tilings.TF32_LARGE
+        assert choices.pick_config(*shape, mma="bf16",
+                                   pipelined=tilings.BF16_PIPELINED).tiling == \
+            tilings.BF16_PIPELINED
+        assert choices.pick_config(*shape).tiling == choices.GEMM_CHOICES[shape].tiling
+
+
 def _lines(path):
     return len(path.read_text().splitlines())
 
