@@ -13,7 +13,8 @@ import engine
 from ops.block_reduce import MAX, REDUCE_THREADS, SUM, group_reduce_cuda
 from ops.cuda import cuda, multiprocessor_count
 from ops.launch import LaunchRecorder
-from ops.reduce import BLOCKS_PER_MULTIPROCESSOR, CHUNK_MIN, chunking
+from ops.reduce import (BLOCKS_PER_MULTIPROCESSOR, CHUNK_MIN, THREAD_RUNS_MIN_OUTPUTS,
+                        chunking)
 from ops.softmax import LANE_ELEMENTS, row_group
 from tests.support.op_check import Case, check_op
 
@@ -308,3 +309,22 @@ def test_group_reduce_is_the_halving_tree_bit_for_bit_at_every_group_size():
                                               np.nanmax(expected, axis=1)), group)
             assert out.copy_to_host().tobytes() == expected.tobytes(), (code, group)
         group *= 2
+
+
+@pytest.mark.cuda
+def test_many_short_runs_take_a_thread_each_with_the_cpus_bits():
+    """Many outputs over short runs (a sum over a leading axis, or over two dims around the
+    kept one) fold a run a thread, in order: the CPU kernel's bits, NaN and all."""
+    rng = np.random.default_rng(12)
+    cases = [((7, THREAD_RUNS_MIN_OUTPUTS + 5), 0),
+             ((5, THREAD_RUNS_MIN_OUTPUTS + 3, 3), (0, 2))]
+    for shape, axis in cases:
+        a = (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)).astype(np.float32)
+        a[(2, 1) if len(shape) == 2 else (2, 1, 1)] = np.nan
+        for name in ("sum", "mean", "max", "min"):
+            expected = getattr(engine.tensor(a), name)(axis=axis).numpy()
+            with engine.debug.poison(), LaunchRecorder() as recorder:
+                result = getattr(engine.tensor(a, device="cuda"), name)(axis=axis).numpy()
+            names = [n for n in recorder.cuda_kernel_names() if n != "fill_cuda"]   # poison
+            assert names == ["reduce_runs_cuda"], (shape, name)
+            assert result.tobytes() == expected.tobytes(), (shape, axis, name)
