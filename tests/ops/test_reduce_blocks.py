@@ -304,9 +304,10 @@ def test_group_reduce_is_the_halving_tree_bit_for_bit_at_every_group_size():
             if code == SUM:
                 expected = _halving_tree(values, group)
             else:
-                expected = values.astype(np.float64).reshape(-1, group)
-                expected = np.repeat(np.where(np.isnan(expected).any(axis=1), np.nan,
-                                              np.nanmax(expected, axis=1)), group)
+                groups = values.astype(np.float64).reshape(-1, group)
+                expected = np.repeat(np.where(np.isnan(groups).any(axis=1), np.nan,
+                                              np.where(np.isnan(groups), -np.inf,
+                                                       groups).max(axis=1)), group)
             assert out.copy_to_host().tobytes() == expected.tobytes(), (code, group)
         group *= 2
 
