@@ -426,6 +426,35 @@ def test_the_halving_max_pool_gradient_writes_the_scatter_s_bits_in_any_blocks()
             np.testing.assert_array_equal(grad_in, expected.view(np.int32))
 
 
+def test_the_halving_average_pool_writes_only_its_block_s_planes_with_the_whole_run_s_bits():
+    """The halving average's CPU loops run 16 windows at a time, lanes past a row writing the
+    next rows (ops.pool_cpu._avg_halving_plane): in blocks of planes in any order each block
+    writes its own planes' results only, and they are the bits of one run over all planes
+    (forward and gradient; rows of 1 to 4 chunks, odd rows and columns, NaN, inf and -0)."""
+    from ops.pool_cpu import avg_pool_cpu, avg_pool_grad_cpu
+    rng = np.random.default_rng(5)
+    unwritten = np.int32(0x7FC01234)   # a NaN no kernel makes
+    scale = np.float32(0.25)
+    for planes, h, w in ((5, 28, 28), (4, 9, 70), (3, 5, 101), (6, 4, 4), (4, 7, 33)):
+        oh, ow = h // 2, w // 2
+        meta = np.asarray((planes, h, w, oh, ow, 2, 2, 2, 2, 0, 0), np.int64)
+        x = rng.standard_normal(planes * h * w).astype(np.float32)
+        x[::37], x[::41], x[::43] = np.nan, np.inf, -0.0
+        g = rng.standard_normal(planes * oh * ow).astype(np.float32)
+        g[::5], g[::11] = -0.0, np.nan
+        for kernel, source, size in ((avg_pool_cpu, x, oh * ow), (avg_pool_grad_cpu, g, h * w)):
+            whole = np.empty(planes * size, np.float32)
+            kernel(source, whole, meta, scale, 0, planes)
+            for blocks in ([(2, planes), (0, 2)], [(p, p + 1) for p in reversed(range(planes))]):
+                target = np.full((planes, size), unwritten, np.int32)
+                done = np.zeros(planes, bool)
+                for first, last in blocks:
+                    kernel(source, target.view(np.float32).ravel(), meta, scale, first, last)
+                    done[first:last] = True
+                    assert (target[~done] == unwritten).all(), (kernel, h, w, blocks)
+                np.testing.assert_array_equal(target.ravel(), whole.view(np.int32))
+
+
 @pytest.mark.parametrize("cls", [MaxPool2DOp, AvgPool2DOp])
 def test_pooling_rejects_bad_arguments(device, cls):
     name = cls.name
