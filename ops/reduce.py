@@ -101,6 +101,29 @@ def _reduce_kernel(code, name):
         # one strided reduced run per output (contiguous for trailing axes and axis=None):
         # no index arithmetic per element
         stride = meta[reduced_first + 1] if reduced_dims == 1 else 0
+        if reduced_dims == 1 and stride != 1 and out.size > 1:
+            # runs strided across the outputs (a sum over a leading axis): the runs' r-th
+            # elements together, each output's run still in order (the same bits), reading
+            # memory as it lies; output by output the 64 x 98304 -> 98304 sum took 40.9 ms
+            # on the 2-core Xeon, NumPy's float64 sum 4.3
+            totals = np.full(out.size, start)
+            if kept_dims == 1:   # the outputs one strided run too: no table of their offsets
+                step = meta[4]
+                for r in range(n_reduced):
+                    row = x[r * stride:]
+                    for o in range(out.size):
+                        totals[o] = combine_cpu(fold, totals[o], sign * row[o * step])
+            else:
+                bases = np.empty(out.size, np.int64)
+                for o in range(out.size):
+                    bases[o] = offset_cpu(o, meta, 3, kept_dims)
+                for r in range(n_reduced):
+                    for o in range(out.size):
+                        totals[o] = combine_cpu(fold, totals[o],
+                                                sign * x[bases[o] + r * stride])
+            for o in range(out.size):
+                out[o] = sign * totals[o] * scale
+            return
         for o in range(out.size):
             base = offset_cpu(o, meta, 3, kept_dims)
             acc = start

@@ -329,3 +329,27 @@ def test_many_short_runs_take_a_thread_each_with_the_cpus_bits():
             names = [n for n in recorder.cuda_kernel_names() if n != "fill_cuda"]   # poison
             assert names == ["reduce_runs_cuda"], (shape, name)
             assert result.tobytes() == expected.tobytes(), (shape, axis, name)
+
+
+def test_cpu_sums_over_leading_axes_fold_each_run_in_order():
+    """On the CPU a reduction whose runs stride across the outputs (a leading axis, or an
+    inner one with kept dims on both sides) takes the runs' r-th elements together: each
+    output still folds its run in order from 0 in float64, so the bits are a loop over the
+    reduced rows (sum, mean, max and min, NaN kept)."""
+    rng = np.random.default_rng(13)
+    for shape, axis in (((7, 33), 0), ((5, 4, 9), 0), ((3, 6, 5), 1), ((4, 3, 2, 5), (0, 1))):
+        a = (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 7, shape)).astype(np.float32)
+        a.flat[7] = np.nan
+        rows = np.moveaxis(a, axis if isinstance(axis, tuple) else (axis,),
+                           tuple(range(len(axis) if isinstance(axis, tuple) else 1)))
+        rows = rows.reshape(-1, *rows.shape[len(axis) if isinstance(axis, tuple) else 1:])
+        for name, fold, sign, start in (("sum", np.add, 1.0, 0.0), ("mean", np.add, 1.0, 0.0),
+                                        ("max", np.maximum, 1.0, -np.inf),
+                                        ("min", np.maximum, -1.0, -np.inf)):
+            total = np.full(rows.shape[1:], start)
+            for row in rows:
+                total = fold(total, sign * row.astype(np.float64))
+            scale = 1.0 / rows.shape[0] if name == "mean" else 1.0
+            expected = (sign * total * scale).astype(np.float32)
+            result = getattr(engine.tensor(a), name)(axis=axis).numpy()
+            assert result.tobytes() == expected.tobytes(), (shape, axis, name)
