@@ -4,10 +4,14 @@
 The input's dims are split into kept dims (one output element per combination) and reduced
 dims, described by ``ops.layout.reduction_layout``. Accumulation is in float64 on both
 devices. A single reduced dim after coalescing (trailing axes, ``axis=None``, one column
-axis) is read as ``base + r * stride``, without per-element index arithmetic.
+axis) is read as ``base + r * stride``, without per-element index arithmetic. On the CPU each
+output folds its run in order; where the runs stride across the outputs (a leading axis) the
+runs' r-th elements are folded together, reading memory as it lies, in the same order.
 
 On the GPU a block of ``REDUCE_THREADS`` threads reduces one output element in a fixed order
-(strided per-thread folds, then ``block_reduce_cuda``) where the outputs are many. Where they
+(strided per-thread folds, then ``block_reduce_cuda``) where the outputs are many; where they
+are very many and their runs short, a thread folds each output's run in order (the CPU's
+order and bits: ``THREAD_RUNS_MIN_OUTPUTS``). Where they
 are few and their runs long (a whole-array sum is one output), each run is split into chunks
 (``chunking``): a first launch gives every (output, chunk) a block that writes one float64
 partial into a scratch buffer from the caching allocator, a second folds each output's
