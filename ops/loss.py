@@ -62,10 +62,11 @@ def _row_loss(logits, labels, probs, bad_label, i, classes):
         if logits[base + j] > top:
             top = logits[base + j]
     total = 0.0
+    for j in range(classes):   # each exp once, kept in probs (computing it again: 2x the time)
+        probs[base + j] = math.exp(logits[base + j] - top)
+        total += probs[base + j]
     for j in range(classes):
-        total += math.exp(logits[base + j] - top)
-    for j in range(classes):
-        probs[base + j] = math.exp(logits[base + j] - top) / total
+        probs[base + j] = probs[base + j] / total
     return (top - logits[base + label]) + math.log(total)
 
 
@@ -135,11 +136,10 @@ def _cross_entropy_plan(args):
             (mean_of_rows_cuda, 1, REDUCE_THREADS, (row_losses, loss))]
 
 
-def _cross_entropy_grad(k, probs, labels, grad_out, grad_logits):
-    rows = labels.size
-    classes = probs.size // rows
-    hit = labels[k // classes] == k % classes
-    grad_logits[k] = (probs[k] - 1 if hit else probs[k]) * (grad_out[0] / rows)
+def _cross_entropy_grad(i, j, classes, probs, labels, scale, grad_logits):
+    """Row i, class j of the gradient: ``(p - 1 if j is the label else p) * grad / rows``."""
+    k = i * classes + j
+    grad_logits[k] = (probs[k] - 1 if labels[i] == j else probs[k]) * scale
 
 
 _cross_entropy_grad_cpu = njit(inline="always")(_cross_entropy_grad)
@@ -148,15 +148,25 @@ _cross_entropy_grad_cuda = cuda.jit(device=True)(_cross_entropy_grad)
 
 @njit(**CPU_KERNEL)
 def cross_entropy_grad_cpu(probs, labels, grad_out, grad_logits):
-    for k in range(probs.size):
-        _cross_entropy_grad_cpu(k, probs, labels, grad_out, grad_logits)
+    """Rows, then classes: no division an element (a flat loop's ``k // classes`` took 209 us
+    of the CPU GPT's 768 x 65)."""
+    rows = labels.size
+    classes = probs.size // rows
+    scale = grad_out[0] / rows
+    for i in range(rows):
+        for j in range(classes):
+            _cross_entropy_grad_cpu(i, j, classes, probs, labels, scale, grad_logits)
 
 
 @cuda.jit(cache=True)
 def cross_entropy_grad_cuda(probs, labels, grad_out, grad_logits):
     k = cuda.grid(1)
     if k < probs.size:
-        _cross_entropy_grad_cuda(k, probs, labels, grad_out, grad_logits)
+        rows = labels.size
+        classes = probs.size // rows
+        i = k // classes
+        _cross_entropy_grad_cuda(i, k - i * classes, classes, probs, labels,
+                                 grad_out[0] / rows, grad_logits)
 
 
 CROSS_ENTROPY = Kernel("cross_entropy", cross_entropy_cpu, cuda_plan=_cross_entropy_plan)
