@@ -91,6 +91,26 @@ def block_chunk_cuda(b, meta, chunk_length):
     return first, min(first + chunk_length, n_reduced), offset_cuda(o, meta, 3, kept_dims)
 
 
+def _run_total_with(offset, combine):
+    def run_total(x, meta, base, stride, fold, sign, start):
+        """The reduced run from ``base`` folded in order from ``start`` (``sign · x`` in
+        float64): its elements ``stride`` apart, or (stride 0) at the reduced dims' offsets.
+        ``float()``: the simulator would otherwise add float32 elements in float32 (NumPy's
+        scalar rules), where the compiled kernels add in float64."""
+        n_reduced, reduced_dims, reduced_first = meta[0], meta[2], 3 + 2 * meta[1]
+        acc = start
+        for r in range(n_reduced):
+            at = base + r * stride if stride else base + offset(r, meta, reduced_first,
+                                                                reduced_dims)
+            acc = combine(fold, acc, sign * float(x[at]))
+        return acc
+    return run_total
+
+
+_run_total_cpu, _run_total_cuda = twin(_run_total_with, (offset_cpu, offset_cuda),
+                                       (combine_cpu, combine_cuda))
+
+
 def _reduce_kernel(code, name):
     """The twin kernels of a sum (``code`` SUM), max or min over the reduced dims, times
     ``scale``."""
@@ -129,13 +149,8 @@ def _reduce_kernel(code, name):
                 out[o] = sign * totals[o] * scale
             return
         for o in range(out.size):
-            base = offset_cpu(o, meta, 3, kept_dims)
-            acc = start
-            for r in range(n_reduced):
-                at = base + r * stride if reduced_dims == 1 else base + offset_cpu(
-                    r, meta, reduced_first, reduced_dims)
-                acc = combine_cpu(fold, acc, sign * x[at])
-            out[o] = sign * acc * scale
+            out[o] = sign * _run_total_cpu(x, meta, offset_cpu(o, meta, 3, kept_dims), stride,
+                                           fold, sign, start) * scale
 
     @cuda.jit(cache=True)
     def reduce_cuda(x, out, meta, scale, chunk_length):
@@ -166,16 +181,10 @@ def _reduce_kernel(code, name):
         """Thread o folds output o's run in order, as the CPU kernel does (the same bits)."""
         o = cuda.grid(1)
         if o < out.size:
-            n_reduced, kept_dims, reduced_dims = meta[0], meta[1], meta[2]
-            reduced_first = 3 + 2 * kept_dims
-            stride = meta[reduced_first + 1] if reduced_dims == 1 else 0
-            base = offset_cuda(o, meta, 3, kept_dims)
-            acc = start
-            for r in range(n_reduced):
-                at = base + r * stride if reduced_dims == 1 else base + offset_cuda(
-                    r, meta, reduced_first, reduced_dims)
-                acc = combine_cuda(fold, acc, sign * float(x[at]))
-            out[o] = sign * acc * scale
+            kept_dims = meta[1]
+            stride = meta[4 + 2 * kept_dims] if meta[2] == 1 else 0
+            out[o] = sign * _run_total_cuda(x, meta, offset_cuda(o, meta, 3, kept_dims),
+                                            stride, fold, sign, start) * scale
 
     def cuda_plan(args):
         x, out, meta, scale = args
