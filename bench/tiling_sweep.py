@@ -21,8 +21,9 @@ import contextlib
 import numpy as np
 
 from bench.gpu_time import engine_timer
+from ops.matmul_precision import TENSOR_CORE_FORMATS
 
-PRECISION_OF_FORMAT = {"tf32": "high", "bf16": "medium", None: "highest"}
+PRECISION_OF_FORMAT = {format_: precision for precision, format_ in TENSOR_CORE_FORMATS.items()}
 # the wide MLP's products that tensor cores take: (M, K, N, trans_a, trans_b)
 WIDE_MLP = {"fwd L1 x·W1": (128, 784, 4096, False, False),
             "fwd L2 x·W2": (128, 4096, 4096, False, False),
@@ -247,7 +248,7 @@ def sweep_gpt(calls=10, precision="highest"):
     of ``precision``'s format and split, through ``ops.gemm.plans.gemm_plan`` as Dense
     launches them; first the rule's (or the table's) choice."""
     from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
-    mma = {"highest": None, "high": "tf32", "medium": "bf16"}[precision]
+    mma = TENSOR_CORE_FORMATS[precision]
     timer, rng = engine_timer(), np.random.default_rng(0)
     for layer, features, outputs in GPT_DENSE:
         for mode, label in ((FORWARD, "forward"), (GRAD_A, "dX"), (GRAD_B, "dW, db")):
