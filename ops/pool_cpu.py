@@ -110,6 +110,18 @@ def max_pool_cpu(x, out, argmax, meta, first_plane, last_plane):
 
 
 @njit(inline="always")
+def _zero_outside_halving_windows(image, at, h, w, oh_n, ow_n):
+    """Zeros the column and the row of the plane at ``image[at:]`` that no halving window
+    holds (an odd width or height), the last writes of a gradient written window by window."""
+    zero = image.dtype.type(0)
+    for row in range(at, at + 2 * oh_n * w, w):   # the column no window holds
+        for iw in range(2 * ow_n, w):
+            image[row + iw] = zero
+    for i in range(at + 2 * oh_n * w, at + h * w):   # the row no window holds
+        image[i] = zero
+
+
+@njit(inline="always")
 def _max_grad_halving_lanes(argmax, grad_out, at, grad_in, base, row):
     """One input row's 32 elements under the 16 halving windows ``grad_out[at:at + 16]``,
     from ``row`` of the plane at ``grad_in[base:]`` (the windows' top or bottom row): each
@@ -175,11 +187,7 @@ def max_pool_grad_cpu(argmax, grad_out, grad_in, meta, first_plane, last_plane):
             for oh in range(oh_n):
                 _max_grad_halving_row(argmax, grad_out, (plane * oh_n + oh) * ow_n, target,
                                       2 * oh * w, w, ow_n)
-        for row in range(0, 2 * oh_n * w, w):   # the column no window holds
-            for iw in range(2 * ow_n, w):
-                target[row + iw] = zero
-        for i in range(2 * oh_n * w, h * w):   # the row no window holds
-            target[i] = zero
+        _zero_outside_halving_windows(grad_in, base, h, w, oh_n, ow_n)
 
 
 @njit(inline="always")
@@ -256,11 +264,7 @@ def _avg_halving_plane(source, target, plane, h, w, oh_n, ow_n, scale, adjoint, 
                     total += image[cell + w + 1]
                     windows[at + ow] = total * scale
     if adjoint:
-        for row in range(image_at, image_at + 2 * oh_n * w, w):   # the column no window holds
-            for iw in range(2 * ow_n, w):
-                image[row + iw] = zero
-        for i in range(image_at + 2 * oh_n * w, image_at + h * w):   # the row no window holds
-            image[i] = zero
+        _zero_outside_halving_windows(image, image_at, h, w, oh_n, ow_n)
 
 
 def _avg_pool_loop(adjoint):
