@@ -114,12 +114,7 @@ def _block_fold(values, start):
     for t in range(REDUCE_THREADS):
         for value in values[t::REDUCE_THREADS]:
             partial[t] = partial[t] + float(value)
-    step = REDUCE_THREADS // 2
-    while step:
-        for t in range(step):
-            partial[t] = partial[t] + partial[t + step]
-        step //= 2
-    return partial[0]
+    return _halving_tree(partial, REDUCE_THREADS)[0]
 
 
 @pytest.mark.cuda
