@@ -16,10 +16,10 @@ around calls queued behind a long product); the error is against the float64 pro
 first 64 rows. Needs a CUDA GPU.
 """
 import argparse
-import contextlib
 
 import numpy as np
 
+from bench.gemm_plan import forced, planned
 from bench.gpu_time import engine_timer
 from ops.matmul_precision import TENSOR_CORE_FORMATS
 
@@ -74,26 +74,6 @@ def fp32_candidates():
             "128x128x8 8x16": tiling(128, 128, 8, 8, 16, True),
             "256x128x8 16x8": tiling(256, 128, 8, 16, 8, True),
             "128x64x16 8x8": tiling(128, 64, 16, 8, 8, True)}
-
-
-@contextlib.contextmanager
-def forced(tiling, split, shape):
-    """Every GEMM plan inside of op(A) (m, k) @ op(B) (k, n), ``shape`` = (m, n, k), in
-    ``tiling``'s format picks ``tiling`` in ``split`` K slices (the timer's busy product, at
-    "highest", keeps its own)."""
-    from ops.gemm import choices, plans
-    chosen = plans.pick_config
-
-    def pick_config(m, n, k, trans_a, trans_b, extra_rows=0, mma=None, **options):
-        if (m, n, k) == shape and mma == tiling.mma:
-            return choices.GemmConfig(tiling, split)
-        return chosen(m, n, k, trans_a, trans_b, extra_rows, mma, **options)
-
-    plans.pick_config = pick_config
-    try:
-        yield
-    finally:
-        plans.pick_config = chosen
 
 
 def _operands(m, k, n, trans_a, trans_b, rng):
@@ -192,7 +172,15 @@ def gpt_candidates(mma=None):
             "PIPELINED 128x128x16 3 stages": own.pipelined_prologue,
             "pipelined 128x128x16 4 stages": tiling(128, 128, 16, 8, 16, mma=mma, stages=4),
             "pipelined 128x64x32 3 stages": tiling(128, 64, 32, 8, 16, mma=mma, stages=3),
-            "pipelined 64x128x32 3 stages": tiling(64, 128, 32, 8, 16, mma=mma, stages=3)}
+            "pipelined 64x128x32 3 stages": tiling(64, 128, 32, 8, 16, mma=mma, stages=3),
+            # 8 warps a block: the 4-warp kernel waits on latency with 2 warps a scheduler
+            # (ncu, fc forward on the H200: 0.48 eligible), and a wider tile reads L2 less
+            "pipelined 128x256x16 3 stages, 8 warps": tiling(128, 256, 16, 8, 16, mma=mma,
+                                                             stages=3),
+            "pipelined 256x128x16 3 stages, 8 warps": tiling(256, 128, 16, 8, 16, mma=mma,
+                                                             stages=3),
+            "pipelined 128x128x32 3 stages, 8 warps of 32x64": tiling(128, 128, 32, 4, 16,
+                                                                      mma=mma, stages=3)}
 
 
 def _dense_launches(mode, rows, features, outputs, rng):
@@ -217,32 +205,6 @@ def _dense_launches(mode, rows, features, outputs, rng):
              cuda.device_array(outputs, np.float32), 0.01))
 
 
-def _planned(mode, m, n, k, trans_a, trans_b, args, precision, tiling=None, split=1):
-    """gemm_plan's launches at ``precision``, ``tiling`` in ``split`` slices forced, or the
-    rule's where tiling is None; and the (tiling, split) they run."""
-    from engine import set_float32_matmul_precision
-    from ops.gemm import plans
-    from ops.pointwise import IDENTITY
-    picked = []
-    set_float32_matmul_precision(precision)
-    try:
-        with forced(tiling, split, (m, n, k)) if tiling else contextlib.nullcontext():
-            chosen = plans.pick_config
-
-            def pick_config(*arguments, **options):
-                picked.append(chosen(*arguments, **options))
-                return picked[-1]
-            plans.pick_config = pick_config
-            try:
-                launches = plans.gemm_plan(mode, m, n, k, np.float32, trans_a, trans_b,
-                                           IDENTITY, args)
-            finally:
-                plans.pick_config = chosen
-    finally:
-        set_float32_matmul_precision("highest")
-    return launches, picked[0]
-
-
 def sweep_gpt(calls=10, precision="highest"):
     """Each of the GPT's Dense GEMMs (forward, dX, dW with db) under every candidate tiling
     of ``precision``'s format and split, through ``ops.gemm.plans.gemm_plan`` as Dense
@@ -255,7 +217,7 @@ def sweep_gpt(calls=10, precision="highest"):
             m, n, k, trans_a, trans_b, args = _dense_launches(mode, GPT_ROWS, features,
                                                               outputs, rng)
             extra = int(mode == GRAD_B)
-            rule_launches, rule = _planned(mode, m, n, k, trans_a, trans_b, args, precision)
+            rule_launches, rule = planned(mode, m, n, k, trans_a, trans_b, args, precision)
             print(f"{layer} {label} {m}x{k}x{n}: the rule picks {tuple(rule.tiling[:5])}"
                   f"{f', {rule.tiling.stages} stages' if rule.tiling.stages else ''} in "
                   f"{rule.split} slices", flush=True)
@@ -266,7 +228,7 @@ def sweep_gpt(calls=10, precision="highest"):
             for name, tiling in gpt_candidates(mma).items():
                 for split in splits:
                     try:
-                        launches, _ = _planned(mode, m, n, k, trans_a, trans_b, args,
+                        launches, _ = planned(mode, m, n, k, trans_a, trans_b, args,
                                                precision, tiling, split)
                     except Exception as error:   # a tiling this mode cannot take: say so
                         print(f"  {name:30s} split {split:2d}: not run ({error})", flush=True)

@@ -130,8 +130,10 @@ def pipelined_accumulate(tiling, trans_a, trans_b, numba_type, THREADS, mode, ac
     into that row, in the one row of blocks that holds it."""
     BM, BN, BK = tiling[:3]
     STAGES = tiling.stages
-    layout = pipeline_layout(tiling, trans_a, trans_b, mode)
-    A_PROLOGUE, B_PROLOGUE = mode == GRAD_A, mode == GRAD_B
+    layout = pipeline_layout(tiling, trans_a, trans_b, mode, y_tile=act != IDENTITY)
+    # a linear layer's act' is 1: its backward copies no y (template.py's A_READS_Y)
+    A_PROLOGUE, B_PROLOGUE = (mode == GRAD_A and act != IDENTITY,
+                              mode == GRAD_B and act != IDENTITY)
     ONES_ROW = mode == GRAD_B
     A_STAGE, B_STAGE, B_START = layout.a_stage, layout.b_stage, layout.b_start
     AUX_START = layout.aux_start

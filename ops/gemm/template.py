@@ -15,7 +15,7 @@ from ops.gemm.mma import mma_parts, pipelined_accumulate, tensor_core_module
 from ops.gemm.tilings import (CONV_GRAD_INPUT, CONV_GRAD_WEIGHT, FORWARD, GRAD_A, GRAD_B,
                               PLAIN, check_tiling, pad_of, pipeline_layout, vec_run)
 from ops.gemm.vector_operand import vector_operand
-from ops.pointwise import derivative_cuda, value_cuda
+from ops.pointwise import IDENTITY, derivative_cuda, value_cuda
 
 
 @kernels_of_code("act")
@@ -48,7 +48,7 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
            else cuda.jit(cache=True))
     entry = jit
     if tiling.stages:
-        SHARED_BYTES = pipeline_layout(tiling, trans_a, trans_b, mode).bytes
+        SHARED_BYTES = pipeline_layout(tiling, trans_a, trans_b, mode, act != IDENTITY).bytes
 
         def entry(function):   # its tiles are dynamic shared memory, given at each launch
             kernel = jit(function)
@@ -58,9 +58,12 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
     THREADS = TY * TX
     A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
     # the activation-derivative prologue: on A (the gradient G = grad_out · act'(y)) for
-    # Dense's dX and the conv's dw, on B for Dense's dW and the conv's dx
-    A_PROLOGUE = mode in (GRAD_A, CONV_GRAD_WEIGHT)
-    B_PROLOGUE = mode in (GRAD_B, CONV_GRAD_INPUT)
+    # Dense's dX and the conv's dw, on B for Dense's dW and the conv's dx; a linear Dense
+    # layer's act' is 1, so its y is neither fetched nor multiplied (ops/gemm/README.md)
+    A_READS_Y = mode == GRAD_A and act != IDENTITY
+    B_READS_Y = mode == GRAD_B and act != IDENTITY
+    A_PROLOGUE = A_READS_Y or mode == CONV_GRAD_WEIGHT
+    B_PROLOGUE = B_READS_Y or mode == CONV_GRAD_INPUT
     A_AUX_LOADS = A_LOADS if A_PROLOGUE else 1
     B_AUX_LOADS = B_LOADS if B_PROLOGUE else 1
     numba_type = from_dtype(np.dtype(dtype))
@@ -158,12 +161,12 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
             if k < k_end:
                 if m < m_data:
                     value = a[k, m] if trans_a else a[m, k]
-                    if mode == GRAD_A:   # G = grad_out * act'(y), y standing for x
+                    if A_READS_Y:   # G = grad_out * act'(y), y standing for x
                         y = aux[m, k]
                 elif ONES_ROW and m == m_data:
                     value = ONE
             regs[load] = value
-            aux_regs[load if mode == GRAD_A else 0] = y
+            aux_regs[load if A_READS_Y else 0] = y
 
     @cuda.jit(device=True)
     def stash_a(tile, buffer, regs, aux_regs, tid, alpha, fast):
@@ -185,10 +188,10 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
             value = y = ZERO
             if k < k_end and n < n_size:
                 value = b[n, k] if trans_b else b[k, n]
-                if mode == GRAD_B:
+                if B_READS_Y:
                     y = aux[k, n]
             regs[load] = value
-            aux_regs[load if mode == GRAD_B else 0] = y
+            aux_regs[load if B_READS_Y else 0] = y
 
     @cuda.jit(device=True)
     def stash_b(tile, buffer, regs, aux_regs, tid, alpha, fast):
@@ -216,10 +219,10 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
     VECTOR_A = VECTOR and A_LOADS % 4 == 0 and (trans_a or BK % 8 == 0) and BM % 4 == 0
     VECTOR_B = VECTOR and B_LOADS % 4 == 0 and (not trans_b or BK % 8 == 0) and BN % 4 == 0
     fast_tile_a, fetch_a, stash_a = vector_operand(
-        VECTOR_A, trans_a, BM, BK, A_ROW, A_LOADS, THREADS, mode == GRAD_A, A_PROLOGUE,
+        VECTOR_A, trans_a, BM, BK, A_ROW, A_LOADS, THREADS, A_READS_Y, A_PROLOGUE,
         fetch_a, stash_a, act, numba_type, TF32)
     fast_tile_b, fetch_b, stash_b = vector_operand(
-        VECTOR_B, not trans_b, BN, BK, B_ROW, B_LOADS, THREADS, mode == GRAD_B, B_PROLOGUE,
+        VECTOR_B, not trans_b, BN, BK, B_ROW, B_LOADS, THREADS, B_READS_Y, B_PROLOGUE,
         fetch_b, stash_b, act, numba_type, TF32)
 
     @cuda.jit(device=True)

@@ -180,11 +180,12 @@ def _check_mma_tiling(tiling, dtype):
                              f"number of 16-byte copies per thread for {threads} threads")
 
 
-def pipeline_layout(tiling, trans_a, trans_b, mode=PLAIN):
+def pipeline_layout(tiling, trans_a, trans_b, mode=PLAIN, y_tile=True):
     """The shared tiles of a pipelined tensor-core tiling (``stages``): per operand its
     (row, k) strides and the elements of one stage, the starts of B's stages and of the
     prologue's y (``mode`` GRAD_A: beside A's, GRAD_B: beside B's, in the same layout), and
-    the dynamic shared bytes of all stages. Each tile keeps its operand's layout in global
+    the dynamic shared bytes of all stages (``y_tile`` False: a linear layer's backward,
+    whose act' is 1, copies no y). Each tile keeps its operand's layout in global
     memory (cp.async copies 16 bytes as they are): A stored (M, K) is held row by row, (K, M)
     k row by k row; B stored (N, K) row by row, (K, N) k row by k row. The padding puts the
     32 reads of a fragment register in 32 distinct banks: TF32 reads rows group (0..7) at k
@@ -206,7 +207,7 @@ def pipeline_layout(tiling, trans_a, trans_b, mode=PLAIN):
     b_strides, b_stage = operand(BN, trans_b)
     b_start = tiling.stages * a_stage
     aux_start = b_start + tiling.stages * b_stage
-    aux_stage = {GRAD_A: a_stage, GRAD_B: b_stage}.get(mode, 0)
+    aux_stage = {GRAD_A: a_stage, GRAD_B: b_stage}.get(mode, 0) if y_tile else 0
     return PipelineLayout(a_strides, a_stage, b_strides, b_stage, b_start, aux_start,
                           4 * (aux_start + tiling.stages * aux_stage))
 

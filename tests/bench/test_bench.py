@@ -309,7 +309,8 @@ def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
     from bench import tiling_sweep
     from ops.gemm import tilings
     for candidates in (tiling_sweep.tensor_core_candidates(), tiling_sweep.pipelined_candidates(),
-                       tiling_sweep.fp32_candidates()):
+                       tiling_sweep.fp32_candidates(), tiling_sweep.gpt_candidates(),
+                       tiling_sweep.gpt_candidates("tf32"), tiling_sweep.gpt_candidates("bf16")):
         for tiling in candidates.values():
             tilings.check_tiling(tiling)
     for _, tiling, split in tiling_sweep.wide_mlp_candidates():
@@ -317,6 +318,36 @@ def test_bench_tiling_sweep_candidates_are_valid_tilings_and_it_needs_a_gpu():
         assert split >= 1
     with pytest.raises(SystemExit, match="bench.tiling_sweep: needs a CUDA GPU"):
         tiling_sweep.main(["fp32"])
+
+
+# nvdisasm's listing of a loop (sm_90 SASS): a label, its body, and the branch back to it
+_SASS_LOOP = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_7:
+        /*0010*/                   LDS R136, [R154] ;
+        /*0020*/                   FSETP.GEU.AND P0, PT, |R136|, +INF , PT ;
+        /*0030*/                   HMMA.1688.F32.TF32 R8, R136, R152, R8 ;
+        /*0040*/                   HMMA.1688.F32.TF32 R40, R140, R152, R40 ;
+        /*0050*/              @!P0 BRA `(.L_x_7) ;
+.L_x_8:
+        /*0060*/                   FADD R2, R2, R3 ;
+        /*0070*/               @P1 BRA `(.L_x_8) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_bench_gemm_sass_counts_the_main_loop_and_names_a_missing_disassembler(monkeypatch,
+                                                                              capsys):
+    import shutil
+
+    from bench import gemm_sass
+    mix = gemm_sass.main_loop_mix(_SASS_LOOP)   # the loop with the products, not the other
+    assert mix == {"LDS": 1, "FSETP": 1, "HMMA": 2, "BRA": 1}
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit):
+        gemm_sass.main(["fc", "forward"])
+    assert "nvdisasm not found" in capsys.readouterr().err
 
 
 def test_bench_gpu_step_needs_a_gpu_and_its_table_gives_each_kernel_its_share(capsys):
