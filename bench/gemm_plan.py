@@ -1,8 +1,29 @@
 """The launches ``ops.gemm.plans.gemm_plan`` makes for one GEMM, with the rule's tiling or one
-forced: what ``bench.tiling_sweep`` times and ``bench.gemm_sass`` disassembles."""
+forced, and the GPT's Dense GEMMs as Dense passes them: what ``bench.tiling_sweep`` times and
+``bench.gemm_sass`` disassembles."""
 import contextlib
 
 import numpy as np
+
+GPT_ROWS = 64 * 256   # the GPU configuration's batch x block
+GPT_DENSE = (("qkv", 384, 1152), ("proj", 384, 384), ("fc", 384, 1536), ("fc2", 1536, 384))
+
+
+def dense_gemm(mode, rows, features, outputs, operand, empty):
+    """``(m, n, k, trans_a, trans_b, args)`` of the ``mode`` GEMM (FORWARD, GRAD_A or GRAD_B)
+    of a linear Dense layer of ``features`` -> ``outputs`` over ``rows`` rows, the launch
+    arguments as Dense passes them: its inputs made by ``operand(*shape)``, its outputs by
+    ``empty(*shape)``."""
+    from ops.gemm.tilings import FORWARD, GRAD_A
+    x, w, g = operand(rows, features), operand(features, outputs), operand(rows, outputs)
+    y = operand(rows, outputs)   # the layer's output, which a linear layer's backward skips
+    if mode == FORWARD:
+        return (rows, outputs, features, False, False,
+                (x, w, operand(outputs), empty(rows, outputs), 0.01))
+    if mode == GRAD_A:
+        return rows, features, outputs, False, True, (g, y, w, empty(rows, features), 0.01)
+    return (features, outputs, rows, True, False,
+            (x, g, y, empty(features, outputs), empty(outputs), 0.01))
 
 
 @contextlib.contextmanager

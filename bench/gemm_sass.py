@@ -6,15 +6,15 @@ without a GPU: what a tiling's main loop issues, for a session whose device is n
     python -m bench.gemm_sass qkv dW --out DIR                     # also keep .cubin and .sass
 
 The kernel is the one ``ops.gemm.plans.gemm_plan`` launches for the product (or the tiling
-forced, as ``bench.tiling_sweep`` forces it: ``bench.gemm_plan``), compiled as ``engine.cli.build_kernels``
-compiles the shipped ones: on the dry device (``ops.cuda.DryDevice``), by
-``ops.cuda.compile_artifact`` (NVVM and nvJitLink: CUDA_HOME as ops/cuda/README.md says). It
-is disassembled by ``nvdisasm`` (CUDA_HOME/bin, PATH, or ``--nvdisasm``: NVIDIA's
-``nvidia-cuda-nvdisasm`` wheel holds one), and ``cuobjdump`` beside it, where found, gives
-its registers and stack. Printed: those, and the instruction mix of the loop holding the most
-multiply instructions (HMMA, FFMA), the main loop. Session 27 read here that the TF32
-kernel's K loop stayed a loop of one step a pass and that rounding a fragment register
-(``cvt.rna``) takes two instructions, before timing either on a GPU.
+forced, as ``bench.tiling_sweep`` forces it: ``bench.gemm_plan``), compiled as
+``engine.cli.build_kernels`` compiles the shipped ones: on the dry device
+(``ops.cuda.DryDevice``), by ``ops.cuda.compile_artifact`` (NVVM and nvJitLink: CUDA_HOME as
+ops/cuda/README.md says). It is disassembled by ``nvdisasm`` (CUDA_HOME/bin, PATH, or
+``--nvdisasm``: NVIDIA's ``nvidia-cuda-nvdisasm`` wheel holds one), and ``cuobjdump`` beside
+it, where found, gives its registers and stack. Printed: those, and the instruction mix of the
+loop holding the most multiply instructions (HMMA, FFMA), the main loop. Session 27 read here
+that the TF32 kernel's K loop stayed a loop of one step a pass and that rounding a fragment
+register (``cvt.rna``) takes two instructions, before timing either on a GPU.
 """
 import argparse
 import collections
@@ -26,8 +26,9 @@ import tempfile
 
 import numpy as np
 
-_LAYERS = {"qkv": (384, 1152), "proj": (384, 384), "fc": (384, 1536), "fc2": (1536, 384)}
-_ROWS = 64 * 256   # the GPU configuration's batch x block
+from bench.gemm_plan import GPT_DENSE, GPT_ROWS, dense_gemm, planned
+
+_LAYERS = {name: (features, outputs) for name, features, outputs in GPT_DENSE}
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)[.\s;]")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
@@ -49,25 +50,14 @@ def compiled_gemm(layer, mode_name, precision, tiling=None, capability=(9, 0),
     from numba import typeof
 
     import engine  # noqa: F401  every module loaded before the dry device replaces names
-    from bench.gemm_plan import planned
     from ops import cuda as cuda_runtime
     from ops.gemm import gpu_facts, mma, plans, template  # noqa: F401
     from ops.gemm.tilings import FORWARD, GRAD_A, GRAD_B
-    features, outputs = _LAYERS[layer]
+    mode = {"forward": FORWARD, "dX": GRAD_A, "dW": GRAD_B}[mode_name]
     with cuda_runtime.DryDevice(multiprocessors).installed():
-        def array(*shape):
+        def empty(*shape):
             return cuda_runtime.device_empty(shape, np.float32)
-        x, w = array(_ROWS, features), array(features, outputs)
-        g, y = array(_ROWS, outputs), array(_ROWS, outputs)
-        if mode_name == "forward":
-            mode, shape = FORWARD, (_ROWS, outputs, features, False, False)
-            args = (x, w, array(outputs), array(_ROWS, outputs), 0.01)
-        elif mode_name == "dX":
-            mode, shape = GRAD_A, (_ROWS, features, outputs, False, True)
-            args = (g, y, w, array(_ROWS, features), 0.01)
-        else:
-            mode, shape = GRAD_B, (features, outputs, _ROWS, True, False)
-            args = (x, g, y, array(features, outputs), array(outputs), 0.01)
+        *shape, args = dense_gemm(mode, GPT_ROWS, *_LAYERS[layer], empty, empty)
         launches, config = planned(mode, *shape, args, precision, tiling)
         kernel, _, _, kernel_args = launches[0]
         entry, cubin = cuda_runtime.compile_artifact(

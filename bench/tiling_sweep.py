@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from bench.gemm_plan import forced, planned
+from bench.gemm_plan import GPT_DENSE, GPT_ROWS, dense_gemm, forced, planned
 from bench.gpu_time import engine_timer
 from ops.matmul_precision import TENSOR_CORE_FORMATS
 
@@ -153,8 +153,6 @@ def sweep_wide_mlp(calls=20, only=None):
 
 # the GPT's Dense products (bench.gpt's gpu preset: batch 64 x block 256 rows, 384 wide, a 4x
 # MLP), each as its three Dense GEMMs: (layer, in, out)
-GPT_ROWS = 64 * 256
-GPT_DENSE = (("qkv", 384, 1152), ("proj", 384, 384), ("fc", 384, 1536), ("fc2", 1536, 384))
 
 
 def gpt_candidates(mma=None):
@@ -184,25 +182,13 @@ def gpt_candidates(mma=None):
 
 
 def _dense_launches(mode, rows, features, outputs, rng):
-    """``(m, n, k, trans_a, trans_b, args)`` of the ``mode`` GEMM of a linear Dense layer of
-    ``features`` -> ``outputs`` over ``rows`` rows, on random operands."""
+    """``bench.gemm_plan.dense_gemm`` on random operands on the GPU."""
     from ops.cuda import cuda
     from ops.device import to_device
-    from ops.gemm.tilings import FORWARD, GRAD_A
-
-    def array(*shape):
-        return to_device(rng.standard_normal(shape).astype(np.float32), "cuda")
-    x, w, g = array(rows, features), array(features, outputs), array(rows, outputs)
-    y = array(rows, outputs)   # the layer's output, which a linear layer's prologue skips
-    if mode == FORWARD:
-        return (rows, outputs, features, False, False,
-                (x, w, array(outputs), cuda.device_array((rows, outputs), np.float32), 0.01))
-    if mode == GRAD_A:
-        return (rows, features, outputs, False, True,
-                (g, y, w, cuda.device_array((rows, features), np.float32), 0.01))
-    return (features, outputs, rows, True, False,
-            (x, g, y, cuda.device_array((features, outputs), np.float32),
-             cuda.device_array(outputs, np.float32), 0.01))
+    return dense_gemm(mode, rows, features, outputs,
+                      lambda *shape: to_device(rng.standard_normal(shape).astype(np.float32),
+                                               "cuda"),
+                      lambda *shape: cuda.device_array(shape, np.float32))
 
 
 def sweep_gpt(calls=10, precision="highest"):

@@ -119,6 +119,13 @@ def mma_parts(tiling, numba_type, A_STRIDES, B_STRIDES, A_BUFFER, B_BUFFER, B_ST
     return multiply_buffer, acc_position
 
 
+def y_reads(mode, act):
+    """Whether Dense's ``mode`` GEMM reads y for act'(y) on A (dX) and on B (dW): not for a
+    linear layer, whose act' is 1 and G grad_out itself."""
+    nonlinear = act != IDENTITY
+    return mode == GRAD_A and nonlinear, mode == GRAD_B and nonlinear
+
+
 def pipelined_accumulate(tiling, trans_a, trans_b, numba_type, THREADS, mode, act):
     """``(accumulate, acc_position)`` of a tensor-core tiling with ``stages``: the tiles are
     filled by asynchronous copies (``cp.async``, 16 bytes each, zeros past the operand's
@@ -130,10 +137,8 @@ def pipelined_accumulate(tiling, trans_a, trans_b, numba_type, THREADS, mode, ac
     into that row, in the one row of blocks that holds it."""
     BM, BN, BK = tiling[:3]
     STAGES = tiling.stages
-    layout = pipeline_layout(tiling, trans_a, trans_b, mode, y_tile=act != IDENTITY)
-    # a linear layer's act' is 1: its backward copies no y (template.py's A_READS_Y)
-    A_PROLOGUE, B_PROLOGUE = (mode == GRAD_A and act != IDENTITY,
-                              mode == GRAD_B and act != IDENTITY)
+    A_PROLOGUE, B_PROLOGUE = y_reads(mode, act)
+    layout = pipeline_layout(tiling, trans_a, trans_b, mode, A_PROLOGUE or B_PROLOGUE)
     ONES_ROW = mode == GRAD_B
     A_STAGE, B_STAGE, B_START = layout.a_stage, layout.b_stage, layout.b_start
     AUX_START = layout.aux_start

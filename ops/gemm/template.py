@@ -11,11 +11,11 @@ from ops.constant_code import kernels_of_code
 from ops.gemm.batches import batch_offsets
 from ops.cuda import SIMULATOR, cuda
 from ops.gemm.conv_operands import conv_entry, conv_operands
-from ops.gemm.mma import mma_parts, pipelined_accumulate, tensor_core_module
+from ops.gemm.mma import mma_parts, pipelined_accumulate, tensor_core_module, y_reads
 from ops.gemm.tilings import (CONV_GRAD_INPUT, CONV_GRAD_WEIGHT, FORWARD, GRAD_A, GRAD_B,
                               PLAIN, check_tiling, pad_of, pipeline_layout, vec_run)
 from ops.gemm.vector_operand import vector_operand
-from ops.pointwise import IDENTITY, derivative_cuda, value_cuda
+from ops.pointwise import derivative_cuda, value_cuda
 
 
 @kernels_of_code("act")
@@ -47,8 +47,15 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
     jit = (cuda.jit(cache=True, max_registers=tiling.max_registers) if tiling.max_registers
            else cuda.jit(cache=True))
     entry = jit
+    # the activation-derivative prologue: on A (the gradient G = grad_out · act'(y)) for
+    # Dense's dX and the conv's dw, on B for Dense's dW and the conv's dx; a linear Dense
+    # layer's act' is 1, so its y is neither fetched nor multiplied (ops/gemm/README.md)
+    A_READS_Y, B_READS_Y = y_reads(mode, act)
+    A_PROLOGUE = A_READS_Y or mode == CONV_GRAD_WEIGHT
+    B_PROLOGUE = B_READS_Y or mode == CONV_GRAD_INPUT
     if tiling.stages:
-        SHARED_BYTES = pipeline_layout(tiling, trans_a, trans_b, mode, act != IDENTITY).bytes
+        SHARED_BYTES = pipeline_layout(tiling, trans_a, trans_b, mode,
+                                       A_READS_Y or B_READS_Y).bytes
 
         def entry(function):   # its tiles are dynamic shared memory, given at each launch
             kernel = jit(function)
@@ -57,13 +64,6 @@ def gemm_kernels(dtype, tiling, trans_a, trans_b, mode, act, partial, conv=None,
     TY, TX = BM // TM, BN // TN
     THREADS = TY * TX
     A_LOADS, B_LOADS = BM * BK // THREADS, BK * BN // THREADS
-    # the activation-derivative prologue: on A (the gradient G = grad_out · act'(y)) for
-    # Dense's dX and the conv's dw, on B for Dense's dW and the conv's dx; a linear Dense
-    # layer's act' is 1, so its y is neither fetched nor multiplied (ops/gemm/README.md)
-    A_READS_Y = mode == GRAD_A and act != IDENTITY
-    B_READS_Y = mode == GRAD_B and act != IDENTITY
-    A_PROLOGUE = A_READS_Y or mode == CONV_GRAD_WEIGHT
-    B_PROLOGUE = B_READS_Y or mode == CONV_GRAD_INPUT
     A_AUX_LOADS = A_LOADS if A_PROLOGUE else 1
     B_AUX_LOADS = B_LOADS if B_PROLOGUE else 1
     numba_type = from_dtype(np.dtype(dtype))
